@@ -1,0 +1,140 @@
+"""``fit(config)``: the one place that wires mesh, data, model, optimizer and steps together."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from jdp.config import TrainConfig
+from jdp.data.pipeline import eval_batches, train_batches
+from jdp.data.sources import load_split
+from jdp.mesh import (
+    check_batch_size,
+    data_size,
+    make_mesh,
+    replicated,
+    requested_device_count,
+    simulate_cpu_devices,
+)
+from jdp.metrics import Console
+from jdp.models import classifier_loss, classifier_metrics, get_model, init_variables
+from jdp.optim import default_optimizer
+from jdp.state import TrainState, create_train_state
+from jdp.step import evaluate, make_eval_step, make_train_step
+
+# How often the progress bar shows the loss: reading it waits for that step.
+_DISPLAY_EVERY = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """What a run ends with: the final state and its summary figures."""
+
+    state: TrainState
+    steps: int
+    train_loss: float
+    test_loss: float
+    test_accuracy: float
+    examples_per_sec: float
+    wall_seconds: float
+
+    def summary_line(self) -> str:
+        return (
+            f"jdp.train: steps={self.steps} train_loss={self.train_loss:.4f} "
+            f"test_loss={self.test_loss:.4f} test_accuracy={self.test_accuracy:.4f} "
+            f"examples/s={self.examples_per_sec:.0f} wall={self.wall_seconds:.1f}s"
+        )
+
+
+def setup_devices(mesh_spec: str) -> None:
+    """Before JAX starts: on a CPU-only machine, simulate as many devices as the mesh asks."""
+    wanted = requested_device_count(mesh_spec)
+    if wanted and wanted > 1:
+        simulate_cpu_devices(wanted)
+
+
+def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
+    """Trains and evaluates the configured model; returns the final state and figures.
+
+    Raises:
+        UsageError: a mesh, batch size, dataset or model that cannot work here.
+    """
+    started = time.perf_counter()
+    console = console or Console()
+    setup_devices(config.mesh)
+    mesh = make_mesh(config.mesh)
+    replicas = data_size(mesh)
+    check_batch_size(config.batch_size, mesh)
+    devices = mesh.devices.size
+    if jax.default_backend() == "cpu" and devices > 1:
+        console.line(
+            f"jdp: no accelerator; mesh {config.mesh} runs on {devices} simulated CPU devices"
+        )
+    if "model" in mesh.shape:
+        console.line(
+            "jdp: parameters are replicated over the 'model' axis (no tensor sharding yet)"
+        )
+
+    train = load_split(config.dataset, "train", config.data_dir)
+    test = load_split(config.dataset, "test", config.data_dir)
+    model = get_model(config.model, train.num_classes)
+    init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
+    params, model_state = jax.jit(
+        lambda rng: init_variables(model, train.image[:1], rng), out_shardings=replicated(mesh)
+    )(init_rng)
+    optimizer = default_optimizer(config.lr, config.warmup_steps, config.steps)
+    state = create_train_state(params, optimizer, mesh, rng=train_rng, model_state=model_state)
+    train_step = make_train_step(
+        classifier_loss(model), optimizer, mesh, backend=config.backend, has_model_state=True
+    )
+    eval_step = make_eval_step(
+        classifier_metrics(model), mesh, backend=config.backend, has_model_state=True
+    )
+
+    num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
+    console.line(
+        f"jdp: {config.model} ({num_params:,} params) on {config.dataset} "
+        f"({len(train)} train / {len(test)} test), mesh {dict(mesh.shape)}, "
+        f"backend {config.backend}, global batch {config.batch_size} "
+        f"({config.batch_size // replicas} per replica), {config.steps} steps"
+    )
+
+    def run_eval(step: int) -> dict[str, float]:
+        result = evaluate(eval_step, state, eval_batches(test, mesh, batch_size=config.batch_size))
+        console.line(
+            f"step {step}: test_loss={result['loss']:.4f} test_accuracy={result['accuracy']:.4f}"
+        )
+        return result
+
+    batches = train_batches(train, mesh, batch_size=config.batch_size, seed=config.seed)
+    console.start_progress(config.steps)
+    steady_start = None
+    metrics = None
+    shown = 0
+    for step in range(1, config.steps + 1):
+        state, metrics = train_step(state, next(batches))
+        if step == 1:
+            jax.block_until_ready(metrics)  # compilation ends here; throughput counts from now
+            steady_start = time.perf_counter()
+        if step % _DISPLAY_EVERY == 0 or step == config.steps:
+            console.advance(step - shown, loss=f"{float(metrics['loss']):.4f}")
+            shown = step
+        if config.eval_every and step % config.eval_every == 0 and step != config.steps:
+            run_eval(step)
+    train_loss = float(metrics["loss"])
+    steady = time.perf_counter() - steady_start
+    console.close_progress()
+    final = run_eval(config.steps)
+    steady_steps = config.steps - 1
+    return FitResult(
+        state=state,
+        steps=config.steps,
+        train_loss=train_loss,
+        test_loss=final["loss"],
+        test_accuracy=final["accuracy"],
+        examples_per_sec=steady_steps * config.batch_size / steady if steady_steps else 0.0,
+        wall_seconds=time.perf_counter() - started,
+    )

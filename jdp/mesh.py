@@ -1,0 +1,247 @@
+"""Device meshes from specs like ``"data=8"``, simulated CPU devices, sharding helpers."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jdp.errors import UsageError
+
+DATA_AXIS = "data"
+# Batch key that marks real rows (1) and padding (0) in eval batches.
+MASK_KEY = "mask"
+# Axes jdp knows how to use. Parameters are replicated over every axis for now;
+# `model` is accepted so meshes for later tensor-parallel layouts can be written
+# today, and an unknown name is far more often a typo than a wish.
+KNOWN_AXES = (DATA_AXIS, "model")
+
+_SPEC_ITEM = re.compile(r"^([A-Za-z_]\w*)=(-?\d+)$")
+_CPU_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def parse_mesh_spec(spec: str) -> tuple[tuple[str, int], ...]:
+    """Parses ``"data=4,model=2"`` into ``(("data", 4), ("model", 2))``.
+
+    A size of ``-1`` stands for all the devices the other axes leave; at most
+    one axis may use it.
+
+    Raises:
+        UsageError: the spec is malformed, repeats an axis, names an unknown
+            axis, or has a size that is not a positive integer or -1.
+    """
+    example = "e.g. data=8, data=-1 or data=4,model=2"
+    items = [item.strip() for item in spec.split(",")] if spec.strip() else []
+    if not items:
+        raise UsageError(f"empty mesh spec; write NAME=SIZE[,NAME=SIZE...], {example}")
+    axes: list[tuple[str, int]] = []
+    for item in items:
+        match = _SPEC_ITEM.match(item)
+        if not match:
+            raise UsageError(f"bad mesh spec {spec!r}: {item!r} is not NAME=SIZE; write {example}")
+        name, size = match.group(1), int(match.group(2))
+        if name not in KNOWN_AXES:
+            raise UsageError(
+                f"unknown mesh axis {name!r} in {spec!r}; axes are {', '.join(KNOWN_AXES)}"
+            )
+        if any(name == seen for seen, _ in axes):
+            raise UsageError(f"mesh axis {name!r} appears twice in {spec!r}; give each axis once")
+        if size == 0 or size < -1:
+            raise UsageError(
+                f"mesh axis {name!r} has size {size} in {spec!r}; sizes are positive "
+                "integers, or -1 for all remaining devices"
+            )
+        axes.append((name, size))
+    if sum(size == -1 for _, size in axes) > 1:
+        raise UsageError(
+            f"more than one axis is -1 in {spec!r}; at most one axis can take the rest"
+        )
+    return tuple(axes)
+
+
+def requested_device_count(spec: str) -> int | None:
+    """Number of devices a spec needs, or None when an axis is -1 (then: all of them)."""
+    axes = parse_mesh_spec(spec)
+    if any(size == -1 for _, size in axes):
+        return None
+    return math.prod(size for _, size in axes)
+
+
+def simulate_cpu_devices(count: int) -> bool:
+    """Asks JAX for ``count`` CPU devices, so a mesh can be tried on a laptop.
+
+    Only the CPU platform is affected: on a machine with an accelerator, JAX still
+    runs on the accelerator. It must happen before JAX initialises its backends;
+    a count the user already set in ``XLA_FLAGS`` is left alone.
+
+    Returns:
+        True when the request was made, False when ``XLA_FLAGS`` already sets a count.
+
+    Raises:
+        UsageError: JAX's backends are already initialised with fewer CPU devices.
+    """
+    if _CPU_COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
+        return False
+    from jax._src import xla_bridge  # no public way to ask "already started?"
+
+    if xla_bridge.backends_are_initialized():
+        have = len(jax.devices("cpu"))
+        if have >= count:
+            return False
+        raise UsageError(
+            f"JAX already started with {have} CPU device(s), {count} wanted; call "
+            f"jdp.simulate_cpu_devices({count}) before any JAX computation, or set "
+            f"XLA_FLAGS={_CPU_COUNT_FLAG}={count} before starting Python"
+        )
+    jax.config.update("jax_num_cpu_devices", count)
+    return True
+
+
+def make_mesh(spec: str, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a mesh from a spec such as ``"data=8"``, ``"data=-1"`` or ``"data=4,model=2"``.
+
+    All axes are ``AxisType.Auto``: inside the train step the ``data`` axis is
+    manual (``shard_map``), and outside it shardings are annotations that XLA
+    propagates, which is what sharded parameter layouts need.
+
+    Args:
+        spec: comma-separated ``NAME=SIZE``; ``-1`` takes the remaining devices.
+        devices: the devices to use; defaults to ``jax.devices()``.
+
+    Returns:
+        A ``jax.sharding.Mesh`` over the first ``prod(sizes)`` devices.
+
+    Raises:
+        UsageError: the spec is malformed or asks for more devices than are present.
+
+    Examples:
+        >>> mesh = jdp.make_mesh("data=8")
+        >>> mesh.shape
+        {'data': 8}
+    """
+    axes = parse_mesh_spec(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    fixed = math.prod(size for _, size in axes if size != -1)
+    if any(size == -1 for _, size in axes):
+        if len(devices) % fixed:
+            raise UsageError(
+                f"mesh {spec!r}: {len(devices)} devices do not divide by the fixed axes' "
+                f"product {fixed}; choose sizes whose product divides {len(devices)}"
+            )
+        axes = tuple((name, len(devices) // fixed if size == -1 else size) for name, size in axes)
+    needed = math.prod(size for _, size in axes)
+    if needed > len(devices):
+        raise UsageError(
+            f"mesh {spec!r} needs {needed} devices but {len(devices)} "
+            f"{'is' if len(devices) == 1 else 'are'} present; use at most {len(devices)} "
+            f"(e.g. --mesh data={len(devices)} or data=-1){_cpu_hint(devices, needed)}"
+        )
+    names = tuple(name for name, _ in axes)
+    shape = tuple(size for _, size in axes)
+    return jax.make_mesh(
+        shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices[:needed]
+    )
+
+
+def _cpu_hint(devices: Sequence[jax.Device], needed: int) -> str:
+    if devices and devices[0].platform == "cpu":
+        return f", or simulate CPU devices with XLA_FLAGS={_CPU_COUNT_FLAG}={needed}"
+    return ""
+
+
+def data_size(mesh: Mesh) -> int:
+    """Size of the mesh's ``data`` axis (the number of data-parallel replicas)."""
+    if DATA_AXIS not in mesh.shape:
+        raise UsageError(
+            f"mesh {dict(mesh.shape)} has no {DATA_AXIS!r} axis; data parallelism "
+            f"shards the batch over it, e.g. jdp.make_mesh('data=8')"
+        )
+    return mesh.shape[DATA_AXIS]
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The sharding of a value every device holds whole (parameters, optimizer state)."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharded(mesh: Mesh) -> NamedSharding:
+    """The sharding of a global batch: the leading dimension split over ``data``."""
+    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+
+
+def check_batch_size(global_batch: int, mesh: Mesh) -> None:
+    """Checks that a global batch splits evenly over the data axis and the processes.
+
+    Raises:
+        UsageError: naming the nearest sizes that would work.
+    """
+    replicas = data_size(mesh)
+    if global_batch < 1 or global_batch % replicas:
+        lower = max(replicas, global_batch // replicas * replicas)
+        raise UsageError(
+            f"global batch {global_batch} is not divisible by the data axis ({replicas} "
+            f"replicas); use a multiple of {replicas}, e.g. --batch-size {lower} "
+            f"or {lower + replicas}"
+        )
+
+
+def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh) -> Any:
+    """Turns this process's slice of a global batch into global arrays sharded on ``data``.
+
+    Each process passes the rows it loaded (the whole batch when there is one
+    process); the result is a pytree of global ``jax.Array`` whose leading
+    dimension is the global batch, split over the ``data`` axis.
+
+    Args:
+        batch: a pytree of numpy arrays, all with the same leading dimension.
+        mesh: the training mesh.
+
+    Returns:
+        The same pytree of global ``jax.Array``.
+
+    Raises:
+        UsageError: the rows do not split evenly over this process's replicas.
+
+    Examples:
+        >>> batch = jdp.shard_batch({"x": x_local, "y": y_local}, mesh)
+    """
+    sharding = batch_sharded(mesh)
+    local_replicas = max(1, data_size(mesh) // jax.process_count())
+    leaves = jax.tree.leaves(batch)
+    rows = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+    if len(rows) != 1 or None in rows:
+        raise UsageError(
+            f"batch leaves must share one leading (batch) dimension, got {sorted(map(str, rows))}"
+        )
+    (local_rows,) = rows
+    if local_rows % local_replicas:
+        raise UsageError(
+            f"this process's batch has {local_rows} rows, not divisible by its "
+            f"{local_replicas} data replicas; use a global batch that divides evenly"
+        )
+    return jax.tree.map(
+        lambda leaf: jax.make_array_from_process_local_data(sharding, np.asarray(leaf)), batch
+    )
+
+
+def process_rows(mesh: Mesh, global_batch: int) -> slice:
+    """The rows of a global batch this process's devices hold, as read off the sharding.
+
+    Raises:
+        ValueError: the rows are not one contiguous block (a device order jdp
+            does not load for).
+    """
+    indices = batch_sharded(mesh).addressable_devices_indices_map((global_batch,))
+    spans = sorted(
+        {(index[0].start or 0, index[0].stop or global_batch) for index in indices.values()}
+    )
+    start, stop = spans[0][0], spans[-1][1]
+    if sum(b - a for a, b in spans) != stop - start:
+        raise ValueError(f"this process's rows {spans} are not one contiguous block")
+    return slice(start, stop)

@@ -1,0 +1,79 @@
+"""The training state: one pytree holding everything a step reads and writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from jdp.mesh import replicated
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything that changes during training, as one pytree of arrays.
+
+    Attributes:
+        step: number of updates applied so far (int32 scalar).
+        params: the model parameters.
+        opt_state: the optimizer's state.
+        model_state: non-trained model variables, e.g. BatchNorm statistics
+            (``{"batch_stats": ...}``); an empty dict for models without any.
+        rng: base PRNG key; the step derives a fresh key per step and replica from it.
+
+    Update it with ``state.replace(...)``.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    model_state: Any
+    rng: jax.Array
+
+
+def create_train_state(
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    rng: jax.Array | None = None,
+    model_state: Any = None,
+) -> TrainState:
+    """Creates a `TrainState` replicated on every device of ``mesh``.
+
+    The optimizer state is created on the mesh by a compiled ``optimizer.init``,
+    so it never passes through one device first.
+
+    Args:
+        params: the model parameters (a pytree of arrays).
+        optimizer: any ``optax.GradientTransformation``.
+        mesh: the training mesh.
+        rng: base PRNG key for dropout and other randomness; ``jax.random.key(0)``
+            when omitted.
+        model_state: non-trained variables such as BatchNorm statistics.
+
+    Returns:
+        A `TrainState` at step 0, every leaf replicated on ``mesh``.
+
+    Examples:
+        >>> state = jdp.create_train_state(params, optax.adam(1e-3), mesh,
+        ...                                rng=jax.random.key(0))
+    """
+    sharding = replicated(mesh)
+    rng = jax.random.key(0) if rng is None else rng
+    model_state = {} if model_state is None else model_state
+
+    def build(params, model_state, rng):
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            model_state=model_state,
+            rng=rng,
+        )
+
+    return jax.jit(build, out_shardings=sharding)(params, model_state, rng)

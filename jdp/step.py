@@ -1,0 +1,348 @@
+"""Train and eval steps compiled over a mesh, with the ``jit`` or the ``pmap`` backend.
+
+Both backends run the same per-replica function: each replica takes its slice of
+the global batch, computes its gradient, and ``lax.pmean`` over ``data`` averages
+the gradients, the metrics and the model state (BatchNorm statistics) before the
+optimizer update. With equal slices the average of the replicas' mean-loss
+gradients is the gradient of the mean loss over the global batch, so N replicas on
+a global batch B compute what one device computes on B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jdp.errors import UsageError
+from jdp.mesh import DATA_AXIS, MASK_KEY, batch_sharded, data_size, replicated
+from jdp.state import TrainState
+
+Backend = Literal["jit", "pmap"]
+BACKENDS = ("jit", "pmap")
+
+LossFn = Callable[..., Any]
+Metrics = dict[str, jax.Array]
+
+
+def _check_backend(backend: str, mesh: Mesh) -> None:
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    data_size(mesh)
+    if backend == "pmap" and len(mesh.shape) > 1:
+        raise UsageError(
+            f"backend 'pmap' maps over one axis, but mesh {dict(mesh.shape)} has "
+            f"{len(mesh.shape)}; use backend 'jit' or a mesh with only a 'data' axis"
+        )
+
+
+def _replica_rng(state: TrainState) -> jax.Array:
+    """A key for this step and this replica: fresh every step, different per replica."""
+    return jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(DATA_AXIS))
+
+
+def _pmean_floats(tree: Any) -> Any:
+    return jax.tree.map(
+        lambda x: lax.pmean(x, DATA_AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree
+    )
+
+
+def _replica_train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    has_aux: bool,
+    has_model_state: bool,
+    local_grads: bool,
+) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
+    """The step one replica runs on its slice of the batch."""
+
+    def objective(params, model_state, batch, rng):
+        if has_model_state:
+            loss, aux, model_state = loss_fn(params, model_state, batch, rng)
+        elif has_aux:
+            loss, aux = loss_fn(params, batch, rng)
+        else:
+            loss, aux = loss_fn(params, batch, rng), {}
+        return loss, (aux, model_state)
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        params = state.params
+        if local_grads:
+            # Under shard_map, replicated params are "invariant" and their gradient
+            # would come back already summed over replicas. Marking them varying
+            # keeps each replica's gradient local, so the one reduction is the
+            # explicit pmean below.
+            params = lax.pcast(params, DATA_AXIS, to="varying")
+        (loss, (aux, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(
+            params, state.model_state, batch, _replica_rng(state)
+        )
+        grads = lax.pmean(grads, DATA_AXIS)
+        metrics = lax.pmean({"loss": loss, **aux}, DATA_AXIS)
+        model_state = _pmean_floats(model_state)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+            model_state=model_state,
+        )
+        return new_state, metrics
+
+    return step
+
+
+def _replica_eval_step(metrics_fn: LossFn, *, has_model_state: bool) -> Callable[..., Metrics]:
+    """Masked sums of per-example metrics over one replica's slice, summed over replicas."""
+
+    def step(state: TrainState, batch: Any) -> Metrics:
+        if has_model_state:
+            per_example = metrics_fn(state.params, state.model_state, batch)
+        else:
+            per_example = metrics_fn(state.params, batch)
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        if isinstance(batch, Mapping) and MASK_KEY in batch:
+            mask = batch[MASK_KEY].astype(jnp.float32)
+        else:
+            mask = jnp.ones((rows,), jnp.float32)
+        sums = {}
+        for name, values in per_example.items():
+            if values.shape != (rows,):
+                raise UsageError(
+                    f"eval metric {name!r} has shape {values.shape}; metrics_fn must "
+                    f"return one value per example, shape ({rows},)"
+                )
+            sums[name] = jnp.sum(values.astype(jnp.float32) * mask)
+        sums["count"] = jnp.sum(mask)
+        return lax.psum(sums, DATA_AXIS)
+
+    return step
+
+
+class _Step:
+    """A compiled step that never lets more than two calls be in flight.
+
+    On the CPU backend, steps with collectives dispatched without bound can leave
+    the replicas' threads waiting on each other's rendezvous until XLA aborts the
+    process. Waiting on the call before last keeps the device busy (one call runs
+    while the next is queued) and bounds what is in flight.
+    """
+
+    def __init__(self, fn: Callable[..., Any], witness: Callable[[Any], Any], lower):
+        self._fn = fn
+        self._witness = witness
+        self._lower = lower
+        self._previous = None
+
+    def __call__(self, state: TrainState, batch: Any) -> Any:
+        out = self._fn(state, batch)
+        previous, self._previous = self._previous, self._witness(out)
+        if previous is not None:
+            jax.block_until_ready(previous)
+        return out
+
+    def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
+        """Lowers the compiled computation for these arguments (to read its HLO)."""
+        return self._lower(state, batch)
+
+
+def _compile(
+    replica_fn: Callable[..., Any],
+    mesh: Mesh,
+    backend: Backend,
+    *,
+    outputs: int,
+    donate_state: bool,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Compiles ``replica_fn(state, batch)`` for a backend; returns (call, lower).
+
+    ``replica_fn`` returns ``outputs`` values (a tuple when more than one), each
+    replicated: identical on every replica after its reductions.
+    """
+    state_in, batch_in = replicated(mesh), batch_sharded(mesh)
+
+    def per_output(value):
+        return value if outputs == 1 else (value,) * outputs
+
+    donate = (0,) if donate_state else ()
+    if backend == "jit":
+        mapped = jax.shard_map(
+            replica_fn,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(DATA_AXIS)),
+            out_specs=per_output(PartitionSpec()),
+        )
+        jitted = jax.jit(
+            mapped,
+            in_shardings=(state_in, batch_in),
+            out_shardings=per_output(replicated(mesh)),
+            donate_argnums=donate,
+        )
+        return jitted, jitted.lower
+
+    replicas = data_size(mesh)
+    pmapped = jax.pmap(
+        replica_fn,
+        axis_name=DATA_AXIS,
+        in_axes=(None, 0),
+        out_axes=per_output(None),
+        devices=list(mesh.devices.flat),
+        donate_argnums=donate,
+    )
+    split = jax.jit(
+        lambda batch: jax.tree.map(
+            lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]), batch
+        ),
+        out_shardings=NamedSharding(mesh, PartitionSpec(DATA_AXIS)),
+    )
+
+    def check(batch):
+        for leaf in jax.tree.leaves(batch):
+            if not leaf.ndim or leaf.shape[0] % replicas:
+                raise UsageError(
+                    f"batch leaf of shape {leaf.shape} does not split over {replicas} "
+                    f"replicas; the global batch must be a multiple of {replicas}"
+                )
+
+    def call(state, batch):
+        check(batch)
+        return pmapped(state, split(batch))
+
+    def lower(state, batch):
+        check(batch)
+        return pmapped.lower(state, split(batch))
+
+    return call, lower
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    backend: Backend = "jit",
+    has_aux: bool = False,
+    has_model_state: bool = False,
+) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
+    """Builds a data-parallel train step: ``state, metrics = step(state, batch)``.
+
+    Each replica computes the gradient of ``loss_fn`` on its slice of the global
+    batch; ``lax.pmean`` over ``data`` averages gradients, metrics and model
+    state; every replica applies the same ``optimizer`` update. The input state is
+    donated: use the returned one.
+
+    Args:
+        loss_fn: the loss, averaged over the examples it is given. Its form:
+
+            * ``loss_fn(params, batch, rng) -> loss`` (default);
+            * ``loss_fn(params, batch, rng) -> (loss, aux)`` with ``has_aux=True``,
+              ``aux`` a dict of scalar metrics;
+            * ``loss_fn(params, model_state, batch, rng) -> (loss, aux, model_state)``
+              with ``has_model_state=True``, for models with mutable state such as
+              BatchNorm statistics.
+
+            ``rng`` differs per step and per replica (for dropout).
+        optimizer: any ``optax.GradientTransformation``.
+        mesh: a mesh with a ``data`` axis.
+        backend: ``"jit"`` (``jit`` over ``shard_map``) or ``"pmap"`` (``jax.pmap``,
+            one-axis meshes only). Both take and return the same state and batch.
+        has_aux: see ``loss_fn``.
+        has_model_state: see ``loss_fn``.
+
+    Returns:
+        ``step(state, batch) -> (state, metrics)``, where ``batch`` is a pytree of
+        global arrays sharded on ``data`` (see `shard_batch`) and ``metrics`` holds
+        ``loss`` and the ``aux`` entries, averaged over the global batch.
+
+    Raises:
+        UsageError: unknown backend, a mesh without ``data``, or ``pmap`` on a
+            mesh with more than one axis.
+
+    Examples:
+        >>> def loss_fn(params, batch, rng):
+        ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+        >>> step = jdp.make_train_step(loss_fn, optax.sgd(0.1), mesh)
+        >>> state, metrics = step(state, jdp.shard_batch(batch, mesh))
+    """
+    _check_backend(backend, mesh)
+    replica_fn = _replica_train_step(
+        loss_fn,
+        optimizer,
+        has_aux=has_aux,
+        has_model_state=has_model_state,
+        local_grads=backend == "jit",
+    )
+    call, lower = _compile(
+        replica_fn,
+        mesh,
+        backend,
+        outputs=2,
+        donate_state=True,
+    )
+    return _Step(call, witness=lambda out: out[1], lower=lower)
+
+
+def make_eval_step(
+    metrics_fn: LossFn,
+    mesh: Mesh,
+    *,
+    backend: Backend = "jit",
+    has_model_state: bool = False,
+) -> Callable[[TrainState, Any], Metrics]:
+    """Builds an exact eval step: ``sums = eval_step(state, batch)``.
+
+    ``metrics_fn`` returns one value per example; the step sums them over the
+    examples whose ``batch["mask"]`` is 1 (padding rows have 0) on every replica,
+    so a padded last batch counts each real example exactly once. Pass the sums
+    of all batches to `evaluate`, or divide by ``sums["count"]`` yourself.
+
+    Args:
+        metrics_fn: ``metrics_fn(params, batch) -> {name: values}`` (or
+            ``metrics_fn(params, model_state, batch)`` with ``has_model_state=True``),
+            each ``values`` of shape ``(rows,)`` for this replica's rows.
+        mesh: a mesh with a ``data`` axis.
+        backend: ``"jit"`` or ``"pmap"``.
+        has_model_state: see ``metrics_fn``.
+
+    Returns:
+        ``eval_step(state, batch) -> {name: sum, ..., "count": examples}`` summed
+        over the global batch.
+
+    Examples:
+        >>> def metrics_fn(params, batch):
+        ...     return {"accuracy": (predict(params, batch["x"]) == batch["y"])}
+        >>> eval_step = jdp.make_eval_step(metrics_fn, mesh)
+        >>> jdp.evaluate(eval_step, state, batches)["accuracy"]
+    """
+    _check_backend(backend, mesh)
+    replica_fn = _replica_eval_step(metrics_fn, has_model_state=has_model_state)
+    call, lower = _compile(replica_fn, mesh, backend, outputs=1, donate_state=False)
+    return _Step(call, witness=lambda out: out, lower=lower)
+
+
+def evaluate(
+    eval_step: Callable[[TrainState, Any], Metrics], state: TrainState, batches: Iterable[Any]
+) -> dict[str, float]:
+    """Runs ``eval_step`` over ``batches`` and returns each metric's mean over real examples.
+
+    The sums stay on the device until the end, so the loop never waits on the host.
+
+    Returns:
+        ``{name: mean, ..., "count": number of examples counted}``.
+    """
+    total = None
+    for batch in batches:
+        sums = eval_step(state, batch)
+        total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+    if total is None:
+        raise UsageError("evaluate got no batches; the eval split is empty")
+    total = jax.device_get(total)
+    count = float(total.pop("count"))
+    means = {name: float(value) / count for name, value in total.items()}
+    means["count"] = int(count)
+    return means

@@ -1,0 +1,46 @@
+"""Test setup: 8 simulated CPU devices, set before JAX starts its backends."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax
+import pytest
+
+import jdp
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _tfds_data_dir(tmp_path_factory):
+    """Keep prepared datasets out of the user's ~/tensorflow_datasets."""
+    path = tmp_path_factory.mktemp("tensorflow_datasets")
+    previous = os.environ.get("TFDS_DATA_DIR")
+    os.environ["TFDS_DATA_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("TFDS_DATA_DIR", None)
+    else:
+        os.environ["TFDS_DATA_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def devices():
+    assert len(jax.devices()) == 8, "tests expect 8 simulated CPU devices"
+    return jax.devices()
+
+
+@pytest.fixture(scope="session")
+def mesh8(devices):
+    return jdp.make_mesh("data=8")
+
+
+@pytest.fixture(scope="session")
+def mesh1(devices):
+    return jdp.make_mesh("data=1")
+
+
+@pytest.fixture(params=["jit", "pmap"])
+def backend(request):
+    return request.param

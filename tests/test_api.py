@@ -1,0 +1,36 @@
+import jdp
+
+
+def test_public_names_are_pinned():
+    assert sorted(jdp.__all__) == [
+        "FitResult",
+        "TrainConfig",
+        "TrainState",
+        "UsageError",
+        "create_train_state",
+        "evaluate",
+        "fit",
+        "make_eval_step",
+        "make_mesh",
+        "make_train_step",
+        "shard_batch",
+        "simulate_cpu_devices",
+    ]
+    for name in jdp.__all__:
+        assert getattr(jdp, name) is not None
+
+
+def test_train_config_rejects_bad_values():
+    import pytest
+
+    for kwargs, needle in [
+        ({"model": "vit"}, "unknown model 'vit'; choose one of: cnn, mlp"),
+        ({"dataset": "nope"}, "unknown dataset 'nope'"),
+        ({"backend": "tpu"}, "unknown backend 'tpu'"),
+        ({"mesh": "data=0"}, "sizes are positive"),
+        ({"steps": 0}, "--steps must be at least 1"),
+        ({"warmup_steps": 500, "steps": 100}, "--warmup-steps 500"),
+        ({"lr": -1.0}, "--lr must be positive"),
+    ]:
+        with pytest.raises(jdp.UsageError, match=needle):
+            jdp.TrainConfig(**kwargs)

@@ -1,0 +1,96 @@
+"""``python -m jdp.train`` as a user runs it: a fresh process that sets up its own devices."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+SUMMARY = re.compile(
+    r"^jdp\.train: steps=(\d+) train_loss=\S+ test_loss=\S+ test_accuracy=([\d.]+) "
+    r"examples/s=\d+ wall=[\d.]+s$",
+    re.M,
+)
+
+
+def _run(*flags, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets up devices
+    return subprocess.run(
+        [sys.executable, "-m", "jdp.train", *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--mesh", "data=8"], ["--mesh", "data=8", "--backend", "pmap"], ["--mesh", "data=1"]],
+    ids=["jit-data8", "pmap-data8", "data1"],
+)
+def test_default_run_reaches_095_on_digits(flags):
+    result = _run(*flags)
+    assert result.returncode == 0, result.stderr
+    match = SUMMARY.search(result.stdout)
+    assert match, result.stdout
+    assert int(match.group(1)) == 400
+    assert float(match.group(2)) >= 0.95
+    assert len(SUMMARY.findall(result.stdout)) == 1
+    simulated = "runs on 8 simulated CPU devices" in result.stdout
+    assert simulated == ("data=8" in flags)
+
+
+def test_tiny_cnn_run_with_periodic_eval():
+    result = _run(
+        "--mesh",
+        "data=4",
+        "--model",
+        "cnn",
+        "--steps",
+        "20",
+        "--batch-size",
+        "32",
+        "--warmup-steps",
+        "2",
+        "--eval-every",
+        "10",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "step 10: test_loss=" in result.stdout
+    assert SUMMARY.search(result.stdout)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--mesh", "data=16"], "needs 16 devices but 8 are present"),
+        (["--mesh", "data=0"], "sizes are positive"),
+        (["--mesh", "foo"], "is not NAME=SIZE"),
+        (["--mesh", "data=2,data=4"], "appears twice"),
+        (["--mesh", "data=8", "--batch-size", "100"], "--batch-size 96 or 104"),
+        (["--model", "resnet9000"], "unknown model 'resnet9000'"),
+        (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+        (["--steps", "ten"], "invalid int value: 'ten'"),
+        (["--mesh", "data=8", "--batch-size", "4096"], "larger than the training split"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(flags, needle):
+    env_flags = flags
+    if flags[:2] == ["--mesh", "data=16"]:
+        # Simulating 16 devices would succeed; a fixed device count is what a real machine has.
+        result = subprocess.run(
+            [sys.executable, "-m", "jdp.train", *env_flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        )
+    else:
+        result = _run(*env_flags, timeout=120)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout

@@ -1,0 +1,82 @@
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec
+
+import jdp
+from jdp.mesh import check_batch_size, parse_mesh_spec, process_rows
+
+
+@pytest.mark.parametrize(
+    ("spec", "shape"),
+    [
+        ("data=8", {"data": 8}),
+        ("data=-1", {"data": 8}),
+        ("data=1", {"data": 1}),
+        ("data=4,model=2", {"data": 4, "model": 2}),
+        ("data=-1,model=2", {"data": 4, "model": 2}),
+        (" data = 2 ".replace(" ", ""), {"data": 2}),
+    ],
+)
+def test_make_mesh_shapes(devices, spec, shape):
+    mesh = jdp.make_mesh(spec)
+    assert dict(mesh.shape) == shape
+    assert mesh.axis_types == (AxisType.Auto,) * len(shape)
+
+
+def test_mesh_uses_the_first_devices(devices):
+    mesh = jdp.make_mesh("data=2")
+    assert list(mesh.devices.flat) == devices[:2]
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("data=16", "needs 16 devices but 8 are present"),
+        ("data=0", "sizes are positive"),
+        ("data=-3", "sizes are positive"),
+        ("foo", "is not NAME=SIZE"),
+        ("", "empty mesh spec"),
+        ("data=2,data=4", "appears twice"),
+        ("dta=8", "unknown mesh axis 'dta'"),
+        ("data=-1,model=-1", "at most one axis"),
+        ("data=-1,model=3", "do not divide"),
+        ("data=4,model=4", "needs 16 devices"),
+    ],
+)
+def test_bad_mesh_specs_name_the_fix(devices, spec, needle):
+    with pytest.raises(jdp.UsageError, match=needle) as error:
+        jdp.make_mesh(spec)
+    assert "\n" not in str(error.value)
+
+
+def test_parse_keeps_order():
+    assert parse_mesh_spec("model=2,data=4") == (("model", 2), ("data", 4))
+
+
+def test_batch_must_divide_the_data_axis(mesh8):
+    check_batch_size(64, mesh8)
+    with pytest.raises(
+        jdp.UsageError, match=r"not divisible by the data axis \(8 .*--batch-size 96"
+    ):
+        check_batch_size(100, mesh8)
+
+
+def test_shard_batch_places_rows_on_the_data_axis(mesh8):
+    x = np.arange(32, dtype=np.float32).reshape(16, 2)
+    batch = jdp.shard_batch({"x": x, "y": np.arange(16)}, mesh8)
+    assert batch["x"].shape == (16, 2)
+    assert batch["x"].sharding.spec == PartitionSpec("data")
+    for shard in batch["x"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), x[shard.index])
+    assert len({shard.device for shard in batch["x"].addressable_shards}) == 8
+
+
+def test_shard_batch_rejects_uneven_rows(mesh8):
+    with pytest.raises(jdp.UsageError, match="not divisible by its 8 data replicas"):
+        jdp.shard_batch({"x": np.zeros((12, 2))}, mesh8)
+    with pytest.raises(jdp.UsageError, match="share one leading"):
+        jdp.shard_batch({"x": np.zeros((8, 2)), "y": np.zeros(16)}, mesh8)
+
+
+def test_process_rows_single_process(mesh8):
+    assert process_rows(mesh8, 64) == slice(0, 64)

@@ -1,0 +1,274 @@
+"""The data-parallel step must not change the math."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jdp
+from jdp.models import MLP, classifier_loss, classifier_metrics, init_variables
+
+STEPS = 5
+BATCH = 64
+
+
+def _regression_data(seed=0, rows=BATCH):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 6)).astype(np.float32)
+    y = (x @ rng.normal(size=(6, 3)) + 0.1 * rng.normal(size=(rows, 3))).astype(np.float32)
+    return {"x": x, "y": y}
+
+
+def _init_params(seed=0):
+    rng = np.random.default_rng(seed + 100)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(6, 16)) * 0.5, jnp.float32),
+        "b1": jnp.zeros((16,), jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(16, 3)) * 0.5, jnp.float32),
+    }
+
+
+def _loss(params, batch, rng):
+    hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+
+def _optimizer():
+    return optax.sgd(0.05, momentum=0.9)
+
+
+def _reference(batches, optimizer):
+    """Plain JAX and Optax on one device, no jdp: the math data parallelism must keep."""
+    params = _init_params()
+    opt_state = optimizer.init(params)
+    for batch in batches:
+        grads = jax.grad(_loss)(params, batch, None)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def _train(mesh, backend, batches, optimizer):
+    state = jdp.create_train_state(_init_params(), optimizer, mesh, rng=jax.random.key(0))
+    step = jdp.make_train_step(_loss, optimizer, mesh, backend=backend)
+    for batch in batches:
+        state, metrics = step(state, jdp.shard_batch(batch, mesh))
+    return state, metrics
+
+
+def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def test_data8_matches_one_device_on_the_same_global_batch(mesh8, backend):
+    batches = [_regression_data(seed) for seed in range(STEPS)]
+    expected = _reference(batches, _optimizer())
+    state, _ = _train(mesh8, backend, batches, _optimizer())
+    assert int(state.step) == STEPS
+    _assert_trees_close(jax.device_get(state.params), expected)
+
+
+def test_data1_mesh_matches_reference(mesh1, backend):
+    batches = [_regression_data(seed) for seed in range(STEPS)]
+    state, _ = _train(mesh1, backend, batches, _optimizer())
+    _assert_trees_close(jax.device_get(state.params), _reference(batches, _optimizer()))
+
+
+def test_jit_and_pmap_backends_agree(mesh8):
+    batches = [_regression_data(seed) for seed in range(STEPS)]
+    jit_state, jit_metrics = _train(mesh8, "jit", batches, optax.adam(1e-2))
+    pmap_state, pmap_metrics = _train(mesh8, "pmap", batches, optax.adam(1e-2))
+    for field in ("params", "opt_state", "step"):
+        _assert_trees_close(
+            jax.device_get(getattr(jit_state, field)), jax.device_get(getattr(pmap_state, field))
+        )
+    np.testing.assert_allclose(jit_metrics["loss"], pmap_metrics["loss"], rtol=1e-6)
+
+
+def test_metrics_loss_is_the_global_batch_loss(mesh8, backend):
+    batch = _regression_data()
+    _, metrics = _train(mesh8, backend, [batch], _optimizer())
+    expected = _loss(_init_params(), batch, None)
+    np.testing.assert_allclose(metrics["loss"], expected, rtol=1e-6)
+
+
+def test_every_replica_holds_identical_params(mesh8, backend):
+    batches = [_regression_data(seed) for seed in range(STEPS)]
+    state, _ = _train(mesh8, backend, batches, optax.adam(1e-2))
+    for leaf in jax.tree.leaves(state.params) + jax.tree.leaves(state.opt_state):
+        shards = leaf.addressable_shards
+        assert len(shards) == 8
+        first = np.asarray(shards[0].data)
+        for shard in shards[1:]:
+            np.testing.assert_array_equal(np.asarray(shard.data), first)
+
+
+def test_state_keeps_the_replicated_sharding(mesh8, backend):
+    state, _ = _train(mesh8, backend, [_regression_data()], _optimizer())
+    for leaf in jax.tree.leaves(state):
+        assert leaf.sharding == jdp.mesh.replicated(mesh8)
+
+
+def test_input_state_is_donated(mesh8, backend):
+    state = jdp.create_train_state(_init_params(), _optimizer(), mesh8)
+    step = jdp.make_train_step(_loss, _optimizer(), mesh8, backend=backend)
+    old_w = state.params["w1"]
+    step(state, jdp.shard_batch(_regression_data(), mesh8))
+    assert old_w.is_deleted()
+
+
+def test_one_gradient_all_reduce_and_no_all_gather(mesh8):
+    state = jdp.create_train_state(_init_params(), _optimizer(), mesh8)
+    step = jdp.make_train_step(_loss, _optimizer(), mesh8)
+    hlo = step.lower(state, jdp.shard_batch(_regression_data(), mesh8)).compile().as_text()
+    assert "all-gather" not in hlo
+    assert 1 <= hlo.count(" all-reduce(") <= 2  # gradients (+ the loss, unless XLA fused them)
+
+
+def test_long_loop_does_not_deadlock(mesh8, backend):
+    """Unbounded async dispatch of a collective step used to abort on a 2-core CPU."""
+    state = jdp.create_train_state(_init_params(), _optimizer(), mesh8)
+    step = jdp.make_train_step(_loss, _optimizer(), mesh8, backend=backend)
+    batch = jdp.shard_batch(_regression_data(), mesh8)
+    for _ in range(3000):
+        state, metrics = step(state, batch)
+    assert int(state.step) == 3000
+    assert np.isfinite(float(metrics["loss"]))
+
+
+class _BatchNormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, *, train=False):
+        x = nn.Dense(4)(x)
+        x = nn.BatchNorm(
+            use_running_average=not train, momentum=0.9, axis_name="data" if train else None
+        )(x)
+        return nn.Dense(3)(x)
+
+
+def _batchnorm_loss(module):
+    def loss_fn(params, model_state, batch, rng):
+        out, updated = module.apply(
+            {"params": params, **model_state}, batch["x"], train=True, mutable=["batch_stats"]
+        )
+        return jnp.mean((out - batch["y"]) ** 2), {}, updated
+
+    return loss_fn
+
+
+def test_batchnorm_statistics_are_global_batch_statistics(mesh8, mesh1, backend):
+    module = _BatchNormNet()
+    batch = _regression_data()
+    batch["x"][: BATCH // 2] += 3.0  # replicas see very different local statistics
+    variables = module.init(jax.random.key(1), batch["x"], train=False)
+    params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
+
+    def one_step(mesh):
+        state = jdp.create_train_state(params, _optimizer(), mesh, model_state=model_state)
+        step = jdp.make_train_step(
+            _batchnorm_loss(module), _optimizer(), mesh, backend=backend, has_model_state=True
+        )
+        state, _ = step(state, jdp.shard_batch(batch, mesh))
+        return jax.device_get(state.model_state["batch_stats"]["BatchNorm_0"])
+
+    dense = params["Dense_0"]
+    features = batch["x"] @ np.asarray(dense["kernel"]) + np.asarray(dense["bias"])
+    expected_mean = 0.1 * features.mean(0)
+    expected_var = 0.9 * 1.0 + 0.1 * features.var(0)
+    for mesh in (mesh8, mesh1):
+        stats = one_step(mesh)
+        np.testing.assert_allclose(stats["mean"], expected_mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(stats["var"], expected_var, rtol=1e-5, atol=1e-6)
+
+
+def _mlp_setup(mesh):
+    module = MLP(num_classes=4, hidden=16)
+    rng = np.random.default_rng(3)
+    images = rng.normal(size=(37, 3, 3, 1)).astype(np.float32)  # 37: not a multiple of 8
+    labels = rng.integers(0, 4, size=37).astype(np.int32)
+    params, model_state = init_variables(module, images[:1], jax.random.key(0))
+    state = jdp.create_train_state(params, optax.sgd(0.1), mesh, model_state=model_state)
+    return module, images, labels, state
+
+
+def test_exact_eval_counts_every_example_once(mesh8, mesh1, backend):
+    from jdp.data.pipeline import eval_batches
+    from jdp.data.sources import Split
+
+    results = []
+    for mesh in (mesh8, mesh1):
+        module, images, labels, state = _mlp_setup(mesh)
+        eval_step = jdp.make_eval_step(
+            classifier_metrics(module), mesh, backend=backend, has_model_state=True
+        )
+        split = Split(images, labels, num_classes=4)
+        results.append(jdp.evaluate(eval_step, state, eval_batches(split, mesh, batch_size=16)))
+    logits = module.apply({"params": jax.device_get(state.params)}, images)
+    expected_accuracy = float(np.mean(np.argmax(logits, -1) == labels))
+    expected_loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean())
+    for result in results:
+        assert result["count"] == 37
+        assert result["accuracy"] == pytest.approx(expected_accuracy, abs=1e-6)
+        assert result["loss"] == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_classifier_loss_trains_the_mlp(mesh8, backend):
+    module, images, labels, state = _mlp_setup(mesh8)
+    step = jdp.make_train_step(
+        classifier_loss(module), optax.sgd(0.1), mesh8, backend=backend, has_model_state=True
+    )
+    batch = jdp.shard_batch({"image": images[:32], "label": labels[:32]}, mesh8)
+    losses = []
+    for _ in range(20):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    assert set(metrics) == {"loss", "accuracy"}
+
+
+def test_has_aux_metrics_are_averaged(mesh8, backend):
+    def loss_fn(params, batch, rng):
+        return _loss(params, batch, rng), {"mean_x": jnp.mean(batch["x"])}
+
+    batch = _regression_data()
+    state = jdp.create_train_state(_init_params(), _optimizer(), mesh8)
+    step = jdp.make_train_step(loss_fn, _optimizer(), mesh8, backend=backend, has_aux=True)
+    _, metrics = step(state, jdp.shard_batch(batch, mesh8))
+    np.testing.assert_allclose(metrics["mean_x"], batch["x"].mean(), rtol=1e-5)
+
+
+def test_rng_differs_per_replica_and_per_step(mesh8, backend):
+    def loss_fn(params, batch, rng):
+        noise = jax.random.uniform(rng, ())
+        loss = _loss(params, batch, rng)
+        # The mean of 8 replicas' draws is not any single replica's draw.
+        return loss, {"noise": noise, "noise_sq": noise**2}
+
+    state = jdp.create_train_state(_init_params(), _optimizer(), mesh8, rng=jax.random.key(7))
+    step = jdp.make_train_step(loss_fn, _optimizer(), mesh8, backend=backend, has_aux=True)
+    batch = jdp.shard_batch(_regression_data(), mesh8)
+    state, first = step(state, batch)
+    state, second = step(state, batch)
+    # Var of the 8 draws = E[u^2] - E[u]^2 > 0 only if the replicas drew differently.
+    assert float(first["noise_sq"]) - float(first["noise"]) ** 2 > 1e-4
+    assert float(first["noise"]) != float(second["noise"])
+
+
+def test_pmap_refuses_a_two_axis_mesh(devices):
+    mesh = jdp.make_mesh("data=4,model=2")
+    with pytest.raises(jdp.UsageError, match="use backend 'jit'"):
+        jdp.make_train_step(_loss, _optimizer(), mesh, backend="pmap")
+
+
+def test_jit_trains_on_a_two_axis_mesh(devices):
+    mesh = jdp.make_mesh("data=4,model=2")
+    batches = [_regression_data(seed) for seed in range(STEPS)]
+    state, _ = _train(mesh, "jit", batches, _optimizer())
+    _assert_trees_close(jax.device_get(state.params), _reference(batches, _optimizer()))
+
+
+def test_unknown_backend(mesh8):
+    with pytest.raises(jdp.UsageError, match="unknown backend 'tpu'"):
+        jdp.make_train_step(_loss, _optimizer(), mesh8, backend="tpu")
