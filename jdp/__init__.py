@@ -15,6 +15,8 @@ from jdp.config import TrainConfig
 from jdp.errors import UsageError
 from jdp.loop import FitResult, fit
 from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices
+from jdp.optim import make_optimizer, make_schedule
+from jdp.precision import LossScale, Precision, make_precision
 from jdp.state import TrainState, create_train_state
 from jdp.step import evaluate, make_eval_step, make_train_step
 
@@ -22,6 +24,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FitResult",
+    "LossScale",
+    "Precision",
     "TrainConfig",
     "TrainState",
     "UsageError",
@@ -30,6 +34,9 @@ __all__ = [
     "fit",
     "make_eval_step",
     "make_mesh",
+    "make_optimizer",
+    "make_precision",
+    "make_schedule",
     "make_train_step",
     "shard_batch",
     "simulate_cpu_devices",

@@ -7,10 +7,14 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
+import optax
+
 from jdp.data.sources import check_dataset
 from jdp.errors import UsageError
 from jdp.mesh import parse_mesh_spec
 from jdp.models import check_model
+from jdp.optim import make_optimizer, make_schedule, scale_lr
+from jdp.precision import make_precision
 from jdp.step import BACKENDS
 
 
@@ -31,8 +35,22 @@ class TrainConfig:
     )
     batch_size: int = _flag(128, "global batch size, split over the data axis")
     steps: int = _flag(400, "number of training steps")
-    lr: float = _flag(3e-3, "peak learning rate (Adam, linear warmup then cosine decay)")
+    optimizer: str = _flag("adam", "sgd, momentum, nesterov, adam, adamw, lamb or lars")
+    lr: float = _flag(3e-3, "base learning rate: the schedule's peak, before --lr-scaling")
+    schedule: str = _flag("cosine", "after warmup: constant, cosine, linear, noam or piecewise")
     warmup_steps: int = _flag(40, "steps of linear learning-rate warmup from 0")
+    lr_scaling: str = _flag(
+        "none", "scale --lr with the global batch: none, linear (Goyal et al.) or sqrt"
+    )
+    lr_reference_batch: int = _flag(256, "the batch size --lr was tuned for (for --lr-scaling)")
+    lr_boundaries: str = _flag("", "piecewise schedule: comma-separated steps, e.g. 200,300")
+    lr_decay_factor: float = _flag(0.1, "piecewise schedule: multiplier at each boundary")
+    momentum: float = _flag(0.9, "momentum of momentum, nesterov and lars")
+    weight_decay: float = _flag(0.0, "weight decay (biases and norm scales are spared)")
+    clip_norm: float = _flag(0.0, "clip the gradients' global norm to this (0: off)")
+    accumulate: int = _flag(1, "micro-batches per update (gradient accumulation)")
+    precision: str = _flag("fp32", "compute dtype: fp32, bf16 or fp16 (fp16 scales the loss)")
+    reduce_dtype: str = _flag("fp32", "gradient all-reduce dtype: fp32 or bf16")
     eval_every: int = _flag(0, "evaluate on the test split every N steps (0: only at the end)")
     seed: int = _flag(0, "seed for initialisation and the data order")
 
@@ -49,10 +67,41 @@ class TrainConfig:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
         if not self.lr > 0:
             raise UsageError(f"--lr must be positive, got {self.lr}")
-        if not 0 <= self.warmup_steps <= self.steps:
-            raise UsageError(
-                f"--warmup-steps {self.warmup_steps} must be between 0 and --steps {self.steps}"
-            )
+        if self.accumulate < 1:
+            raise UsageError("--accumulate must be at least 1")
+        if self.clip_norm < 0 or self.weight_decay < 0:
+            raise UsageError("--clip-norm and --weight-decay must be >= 0")
+        if self.lr_reference_batch < 1:
+            raise UsageError("--lr-reference-batch must be at least 1")
+        if any(not part.strip().isdigit() for part in self.lr_boundaries.split(",") if part):
+            raise UsageError(f"--lr-boundaries {self.lr_boundaries!r}: write steps, e.g. 200,300")
+        make_precision(self.precision, reduce=self.reduce_dtype)
+        make_optimizer(self.optimizer)
+        self.make_schedule()  # checks the name, the warmup and the boundaries
+
+    @property
+    def peak_lr(self) -> float:
+        """``--lr`` scaled for the global batch by ``--lr-scaling``."""
+        return scale_lr(self.lr, self.batch_size, self.lr_scaling, self.lr_reference_batch)
+
+    def make_schedule(self) -> optax.Schedule:
+        return make_schedule(
+            self.schedule,
+            self.peak_lr,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.steps,
+            boundaries=[int(part) for part in self.lr_boundaries.split(",") if part],
+            decay_factor=self.lr_decay_factor,
+        )
+
+    def make_optimizer(self) -> optax.GradientTransformation:
+        return make_optimizer(
+            self.optimizer,
+            self.make_schedule(),
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            clip_norm=self.clip_norm or None,
+        )
         if self.eval_every < 0:
             raise UsageError("--eval-every must be 0 (only at the end) or a positive step count")
 

@@ -11,6 +11,7 @@ import numpy as np
 from jdp.config import TrainConfig
 from jdp.data.pipeline import eval_batches, train_batches
 from jdp.data.sources import load_split
+from jdp.errors import UsageError
 from jdp.mesh import (
     check_batch_size,
     data_size,
@@ -21,7 +22,7 @@ from jdp.mesh import (
 )
 from jdp.metrics import Console
 from jdp.models import classifier_loss, classifier_metrics, get_model, init_variables
-from jdp.optim import default_optimizer
+from jdp.precision import make_precision
 from jdp.state import TrainState, create_train_state
 from jdp.step import evaluate, make_eval_step, make_train_step
 
@@ -49,6 +50,16 @@ class FitResult:
         )
 
 
+def _progress_fields(metrics) -> dict[str, str]:
+    values = jax.device_get(metrics)
+    fields = {"loss": f"{values['loss']:.4f}", "lr": f"{values['lr']:.3g}"}
+    fields["grad_norm"] = f"{values['grad_norm']:.3g}"
+    if "loss_scale" in values:
+        fields["loss_scale"] = f"{values['loss_scale']:g}"
+        fields["skipped"] = str(int(values["skipped_steps"]))
+    return fields
+
+
 def setup_devices(mesh_spec: str) -> None:
     """Before JAX starts: on a CPU-only machine, simulate as many devices as the mesh asks."""
     wanted = requested_device_count(mesh_spec)
@@ -68,6 +79,13 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
     mesh = make_mesh(config.mesh)
     replicas = data_size(mesh)
     check_batch_size(config.batch_size, mesh)
+    per_replica = config.batch_size // replicas
+    if per_replica % config.accumulate:
+        raise UsageError(
+            f"--accumulate {config.accumulate} does not divide the per-replica batch "
+            f"{per_replica} (global {config.batch_size} / {replicas} replicas); use a global "
+            f"batch that is a multiple of {config.accumulate * replicas}"
+        )
     devices = mesh.devices.size
     if jax.default_backend() == "cpu" and devices > 1:
         console.line(
@@ -85,10 +103,21 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
     params, model_state = jax.jit(
         lambda rng: init_variables(model, train.image[:1], rng), out_shardings=replicated(mesh)
     )(init_rng)
-    optimizer = default_optimizer(config.lr, config.warmup_steps, config.steps)
-    state = create_train_state(params, optimizer, mesh, rng=train_rng, model_state=model_state)
+    schedule = config.make_schedule()
+    optimizer = config.make_optimizer()
+    precision = make_precision(config.precision, reduce=config.reduce_dtype)
+    state = create_train_state(
+        params, optimizer, mesh, rng=train_rng, model_state=model_state, precision=precision
+    )
     train_step = make_train_step(
-        classifier_loss(model), optimizer, mesh, backend=config.backend, has_model_state=True
+        classifier_loss(model),
+        optimizer,
+        mesh,
+        backend=config.backend,
+        has_model_state=True,
+        precision=precision,
+        accumulate=config.accumulate,
+        lr_schedule=schedule,
     )
     eval_step = make_eval_step(
         classifier_metrics(model), mesh, backend=config.backend, has_model_state=True
@@ -99,7 +128,19 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
         f"jdp: {config.model} ({num_params:,} params) on {config.dataset} "
         f"({len(train)} train / {len(test)} test), mesh {dict(mesh.shape)}, "
         f"backend {config.backend}, global batch {config.batch_size} "
-        f"({config.batch_size // replicas} per replica), {config.steps} steps"
+        f"({per_replica} per replica"
+        + (f", {config.accumulate} micro-batches" if config.accumulate > 1 else "")
+        + f"), {config.steps} steps"
+    )
+    scaling = (
+        f" x {config.batch_size}/{config.lr_reference_batch} ({config.lr_scaling} scaling)"
+        if config.lr_scaling != "none"
+        else ""
+    )
+    console.line(
+        f"jdp: {config.optimizer}, lr {config.lr:g}{scaling} = {config.peak_lr:.4g} peak, "
+        f"{config.schedule} schedule, {config.warmup_steps} warmup steps, "
+        f"precision {config.precision} (all-reduce {config.reduce_dtype})"
     )
 
     def run_eval(step: int) -> dict[str, float]:
@@ -120,7 +161,7 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
             jax.block_until_ready(metrics)  # compilation ends here; throughput counts from now
             steady_start = time.perf_counter()
         if step % _DISPLAY_EVERY == 0 or step == config.steps:
-            console.advance(step - shown, loss=f"{float(metrics['loss']):.4f}")
+            console.advance(step - shown, **_progress_fields(metrics))
             shown = step
         if config.eval_every and step % config.eval_every == 0 and step != config.steps:
             run_eval(step)

@@ -1,23 +1,200 @@
-"""Optimizers and learning-rate schedules, composed from Optax."""
+"""Optimizers, learning-rate schedules and batch-size scaling rules, composed from Optax."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 import optax
 
+from jdp.errors import UsageError
 
-def warmup_cosine_schedule(peak: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to ``peak`` over ``warmup_steps``, then cosine decay to 0."""
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=peak,
-        warmup_steps=warmup_steps,
-        decay_steps=max(total_steps, warmup_steps + 1),
-        end_value=0.0,
-    )
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lamb", "lars")
+SCHEDULES = ("constant", "cosine", "linear", "noam", "piecewise")
+LR_SCALING = ("none", "linear", "sqrt")
 
 
-def default_optimizer(
-    lr: float, warmup_steps: int, total_steps: int
+def decay_mask(params: Any) -> Any:
+    """True for the leaves weight decay applies to: kernels and embeddings (ndim >= 2).
+
+    Biases and normalisation scales and offsets are vectors, and decaying them
+    only hurts, so they are spared.
+    """
+    return jax.tree.map(lambda leaf: jnp.ndim(leaf) >= 2, params)
+
+
+def _check_choice(kind: str, name: str, choices: Sequence[str]) -> None:
+    if name not in choices:
+        raise UsageError(f"unknown {kind} {name!r}; choose one of: {', '.join(choices)}")
+
+
+def make_schedule(
+    name: str,
+    peak_lr: float,
+    *,
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    end_lr: float = 0.0,
+    boundaries: Sequence[int] = (),
+    decay_factor: float = 0.1,
+    d_model: int | None = None,
+) -> optax.Schedule:
+    """Builds a learning-rate schedule: linear warmup from 0, then the named shape.
+
+    Args:
+        name: ``constant`` (hold ``peak_lr``), ``cosine`` or ``linear`` (decay to
+            ``end_lr`` at ``total_steps``), ``piecewise`` (multiply by
+            ``decay_factor`` at each of ``boundaries``), or ``noam``: the
+            inverse-square-root schedule of "Attention Is All You Need",
+            ``lr(k) = peak_lr * min(sqrt(w / k), k / w)`` for the ``k``-th update
+            (``k = count + 1``), which peaks at ``peak_lr`` on update ``w =
+            warmup_steps``. Given ``d_model``, ``peak_lr`` is the paper's factor
+            instead: ``lr(k) = peak_lr * d_model**-0.5 * min(k**-0.5, k * w**-1.5)``.
+        peak_lr: the learning rate at the end of warmup.
+        warmup_steps: steps of linear warmup from 0 (``noam``: where it peaks).
+        total_steps: the length of training; needed by ``cosine`` and ``linear``.
+        end_lr: the final learning rate of ``cosine`` and ``linear``.
+        boundaries: ``piecewise`` step boundaries, increasing.
+        decay_factor: ``piecewise`` multiplier at each boundary.
+        d_model: ``noam`` model width, to use the paper's normalisation.
+
+    Returns:
+        An ``optax.Schedule`` mapping the update count to a learning rate.
+
+    Raises:
+        UsageError: unknown name, or warmup longer than training.
+
+    Examples:
+        >>> schedule = jdp.make_schedule("cosine", 1e-3, warmup_steps=100, total_steps=1000)
+        >>> float(schedule(100))
+        0.001
+    """
+    _check_choice("schedule", name, SCHEDULES)
+    if warmup_steps < 0:
+        raise UsageError(f"warmup steps must be >= 0, got {warmup_steps}")
+    if total_steps is not None and warmup_steps > total_steps:
+        raise UsageError(
+            f"warmup ({warmup_steps} steps) is longer than training ({total_steps} steps); "
+            f"use --warmup-steps {total_steps // 10} or train longer"
+        )
+    if name == "noam":
+        if warmup_steps < 1:
+            raise UsageError("the noam schedule needs --warmup-steps >= 1 (where it peaks)")
+        peak = peak_lr if d_model is None else peak_lr * (d_model * warmup_steps) ** -0.5
+
+        def noam(count):
+            k = jnp.asarray(count, jnp.float32) + 1.0
+            return peak * jnp.minimum(jnp.sqrt(warmup_steps / k), k / warmup_steps)
+
+        return noam
+    if name in ("cosine", "linear") and total_steps is None:
+        raise UsageError(f"the {name} schedule needs total_steps")
+    if name == "constant":
+        after = optax.constant_schedule(peak_lr)
+    elif name == "cosine":
+        after = optax.cosine_decay_schedule(
+            peak_lr, max(total_steps - warmup_steps, 1), alpha=end_lr / peak_lr
+        )
+    elif name == "linear":
+        after = optax.linear_schedule(peak_lr, end_lr, max(total_steps - warmup_steps, 1))
+    else:
+        if list(boundaries) != sorted(set(boundaries)) or any(
+            b <= warmup_steps for b in boundaries
+        ):
+            raise UsageError(
+                f"piecewise boundaries {list(boundaries)} must increase and come after warmup"
+            )
+        after = optax.piecewise_constant_schedule(
+            peak_lr, {b - warmup_steps: decay_factor for b in boundaries}
+        )
+    if warmup_steps == 0:
+        return after
+    warmup = optax.linear_schedule(0.0, peak_lr, warmup_steps)
+    return optax.join_schedules([warmup, after], [warmup_steps])
+
+
+def scale_lr(base_lr: float, global_batch: int, rule: str, reference_batch: int = 256) -> float:
+    """Scales a learning rate tuned for ``reference_batch`` to ``global_batch``.
+
+    ``linear`` is Goyal et al.'s rule (``base_lr * global_batch / reference_batch``,
+    used with warmup); ``sqrt`` suits adaptive optimizers; ``none`` keeps ``base_lr``.
+    """
+    _check_choice("lr scaling rule", rule, LR_SCALING)
+    ratio = global_batch / reference_batch
+    return {"none": base_lr, "linear": base_lr * ratio, "sqrt": base_lr * math.sqrt(ratio)}[rule]
+
+
+def make_optimizer(
+    name: str | optax.GradientTransformation,
+    learning_rate: float | optax.Schedule = 1e-3,
+    *,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    clip_norm: float | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
 ) -> optax.GradientTransformation:
-    """Adam on a warmup-cosine schedule: the CLI's optimizer."""
-    return optax.adam(warmup_cosine_schedule(lr, warmup_steps, total_steps))
+    """Builds an optimizer by name, with optional global-norm clipping and weight decay.
+
+    Weight decay never touches biases or normalisation parameters (`decay_mask`).
+    ``adamw``, ``lamb`` and ``lars`` decay decoupled from the gradient statistics,
+    as their papers define; for ``sgd``, ``momentum``, ``nesterov`` and ``adam`` it
+    is added to the gradient (L2).
+
+    Args:
+        name: one of ``sgd``, ``momentum``, ``nesterov``, ``adam``, ``adamw``,
+            ``lamb`` (large-batch Adam), ``lars`` (large-batch SGD); or any
+            ``optax.GradientTransformation``, returned as it is.
+        learning_rate: a float or a schedule (see `make_schedule`).
+        momentum: for ``momentum``, ``nesterov`` and ``lars``.
+        weight_decay: decay coefficient (0 for none).
+        clip_norm: clip the gradients' global norm to this value first (None: off).
+        b1: Adam-family first-moment decay.
+        b2: Adam-family second-moment decay.
+
+    Returns:
+        An ``optax.GradientTransformation``.
+
+    Raises:
+        UsageError: an unknown name or a negative coefficient.
+
+    Examples:
+        >>> schedule = jdp.make_schedule("cosine", 1e-3, warmup_steps=100, total_steps=1000)
+        >>> optimizer = jdp.make_optimizer("adamw", schedule, weight_decay=0.05, clip_norm=1.0)
+    """
+    if isinstance(name, optax.GradientTransformation):
+        return name
+    _check_choice("optimizer", name, OPTIMIZERS)
+    if weight_decay < 0 or (clip_norm is not None and clip_norm <= 0):
+        raise UsageError("weight decay must be >= 0 and the clipping norm > 0")
+    lr = learning_rate
+    decoupled = {
+        "adamw": lambda: optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask),
+        "lamb": lambda: optax.lamb(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask),
+        "lars": lambda: optax.lars(
+            lr,
+            weight_decay=weight_decay,
+            weight_decay_mask=decay_mask,
+            trust_ratio_mask=decay_mask,
+            momentum=momentum,
+        ),
+    }
+    coupled = {
+        "sgd": lambda: optax.sgd(lr),
+        "momentum": lambda: optax.sgd(lr, momentum=momentum),
+        "nesterov": lambda: optax.sgd(lr, momentum=momentum, nesterov=True),
+        "adam": lambda: optax.adam(lr, b1=b1, b2=b2),
+    }
+    parts = []
+    if clip_norm is not None:
+        parts.append(optax.clip_by_global_norm(clip_norm))
+    if name in decoupled:
+        parts.append(decoupled[name]())
+    else:
+        if weight_decay:
+            parts.append(optax.add_decayed_weights(weight_decay, mask=decay_mask))
+        parts.append(coupled[name]())
+    return parts[0] if len(parts) == 1 else optax.chain(*parts)

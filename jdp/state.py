@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from jdp.mesh import replicated
+from jdp.precision import LossScale, Precision
 
 
 @flax.struct.dataclass
@@ -18,12 +19,15 @@ class TrainState:
     """Everything that changes during training, as one pytree of arrays.
 
     Attributes:
-        step: number of updates applied so far (int32 scalar).
+        step: number of steps taken (int32 scalar); an fp16 step whose update
+            was skipped for a non-finite gradient still counts, since it consumed
+            its batch.
         params: the model parameters.
         opt_state: the optimizer's state.
         model_state: non-trained model variables, e.g. BatchNorm statistics
             (``{"batch_stats": ...}``); an empty dict for models without any.
         rng: base PRNG key; the step derives a fresh key per step and replica from it.
+        loss_scale: dynamic loss-scale state (scale 1 unless fp16 loss scaling is on).
 
     Update it with ``state.replace(...)``.
     """
@@ -33,6 +37,7 @@ class TrainState:
     opt_state: Any
     model_state: Any
     rng: jax.Array
+    loss_scale: LossScale
 
 
 def create_train_state(
@@ -42,6 +47,7 @@ def create_train_state(
     *,
     rng: jax.Array | None = None,
     model_state: Any = None,
+    precision: Precision | None = None,
 ) -> TrainState:
     """Creates a `TrainState` replicated on every device of ``mesh``.
 
@@ -55,6 +61,8 @@ def create_train_state(
         rng: base PRNG key for dropout and other randomness; ``jax.random.key(0)``
             when omitted.
         model_state: non-trained variables such as BatchNorm statistics.
+        precision: the step's `Precision`; with fp16 loss scaling the state starts
+            at its initial scale.
 
     Returns:
         A `TrainState` at step 0, every leaf replicated on ``mesh``.
@@ -74,6 +82,7 @@ def create_train_state(
             opt_state=optimizer.init(params),
             model_state=model_state,
             rng=rng,
+            loss_scale=LossScale.create(precision),
         )
 
     return jax.jit(build, out_shardings=sharding)(params, model_state, rng)

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.errors import UsageError
 from jdp.mesh import DATA_AXIS, MASK_KEY, batch_sharded, data_size, replicated
+from jdp.precision import Precision, all_finite, cast_floats
 from jdp.state import TrainState
 
 Backend = Literal["jit", "pmap"]
@@ -46,10 +47,34 @@ def _replica_rng(state: TrainState) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(DATA_AXIS))
 
 
+def _is_varying(x: jax.Array) -> bool:
+    """Whether ``x`` may differ across ``data`` replicas, as shard_map's type checking sees it."""
+    aval = jax.typeof(x)
+    varying = getattr(aval, "vma", None)  # the attribute's name before JAX 0.10
+    if varying is None:
+        varying = aval.manual_axis_type.varying
+    return DATA_AXIS in varying
+
+
 def _pmean_floats(tree: Any) -> Any:
     return jax.tree.map(
         lambda x: lax.pmean(x, DATA_AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree
     )
+
+
+def _split_micro_batches(batch: Any, accumulate: int) -> Any:
+    """Reshapes each leaf ``(rows, ...)`` to ``(accumulate, rows // accumulate, ...)``."""
+
+    def split(leaf):
+        if leaf.shape[0] % accumulate:
+            raise UsageError(
+                f"accumulate {accumulate} does not divide the per-replica batch of "
+                f"{leaf.shape[0]}; use a global batch that is a multiple of "
+                f"{accumulate} x the data axis"
+            )
+        return leaf.reshape(accumulate, leaf.shape[0] // accumulate, *leaf.shape[1:])
+
+    return jax.tree.map(split, batch)
 
 
 def _replica_train_step(
@@ -59,17 +84,65 @@ def _replica_train_step(
     has_aux: bool,
     has_model_state: bool,
     local_grads: bool,
+    precision: Precision,
+    accumulate: int,
+    lr_schedule: optax.Schedule | None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
     """The step one replica runs on its slice of the batch."""
 
-    def objective(params, model_state, batch, rng):
+    def objective(params, model_state, batch, rng, scale):
+        params = cast_floats(params, precision.compute_dtype)
+        batch = cast_floats(batch, precision.compute_dtype)
         if has_model_state:
             loss, aux, model_state = loss_fn(params, model_state, batch, rng)
         elif has_aux:
             loss, aux = loss_fn(params, batch, rng)
         else:
             loss, aux = loss_fn(params, batch, rng), {}
-        return loss, (aux, model_state)
+        loss = loss.astype(jnp.float32)
+        return loss * scale, (loss, cast_floats(aux, jnp.float32), model_state)
+
+    grad_fn = jax.grad(objective, has_aux=True)
+
+    def vary(tree):
+        """Marks leaves varying over ``data``: under shard_map a scan carry keeps one type."""
+        if not local_grads:
+            return tree
+        return jax.tree.map(
+            lambda x: x if _is_varying(x) else lax.pcast(x, DATA_AXIS, to="varying"), tree
+        )
+
+    def gradients(params, model_state, batch, rng, scale):
+        """This replica's mean gradient over its slice, in K micro-batches when accumulating."""
+        if accumulate == 1:
+            return grad_fn(params, model_state, batch, rng, scale)
+
+        def micro_step(carry, inputs):
+            grads_sum, loss_sum, aux_sum, model_state = carry
+            index, micro_batch = inputs
+            grads, (loss, aux, model_state) = grad_fn(
+                params, model_state, micro_batch, jax.random.fold_in(rng, index), scale
+            )
+            carry = (
+                jax.tree.map(jnp.add, grads_sum, grads),
+                loss_sum + loss,
+                jax.tree.map(jnp.add, aux_sum, aux),
+                model_state,
+            )
+            return vary(carry), None
+
+        micro_batches = _split_micro_batches(batch, accumulate)
+        first = jax.tree.map(lambda leaf: leaf[0], micro_batches)
+        _, (loss_shape, aux_shape, _) = jax.eval_shape(
+            grad_fn, params, model_state, first, rng, scale
+        )
+        zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)  # noqa: E731
+        init = vary((zeros(params), zeros(loss_shape), zeros(aux_shape), model_state))
+        (grads, loss, aux, model_state), _ = lax.scan(
+            micro_step, init, (jnp.arange(accumulate), micro_batches)
+        )
+        mean = lambda tree: jax.tree.map(lambda x: x / accumulate, tree)  # noqa: E731
+        return mean(grads), (loss / accumulate, mean(aux), model_state)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         params = state.params
@@ -79,18 +152,39 @@ def _replica_train_step(
             # keeps each replica's gradient local, so the one reduction is the
             # explicit pmean below.
             params = lax.pcast(params, DATA_AXIS, to="varying")
-        (loss, (aux, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(
-            params, state.model_state, batch, _replica_rng(state)
+        scale = state.loss_scale.scale
+        grads, (loss, aux, model_state) = gradients(
+            params, state.model_state, batch, _replica_rng(state), scale
         )
-        grads = lax.pmean(grads, DATA_AXIS)
+        # The one gradient all-reduce of the step (after all micro-batches).
+        grads = lax.pmean(cast_floats(grads, precision.reduce_dtype), DATA_AXIS)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / scale, grads, state.params)
         metrics = lax.pmean({"loss": loss, **aux}, DATA_AXIS)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        if lr_schedule is not None:
+            metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
         model_state = _pmean_floats(model_state)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        loss_scale = state.loss_scale
+        if precision.loss_scaling:
+            # Every replica decides on the same averaged gradient, so all skip together.
+            finite = all_finite(grads)
+            keep = lambda new, old: jax.tree.map(  # noqa: E731
+                lambda a, b: jnp.where(finite, a, b), new, old
+            )
+            new_params = keep(new_params, state.params)
+            opt_state = keep(opt_state, state.opt_state)
+            model_state = keep(model_state, state.model_state)
+            loss_scale = loss_scale.update(finite, precision.growth_interval)
+            metrics["loss_scale"] = loss_scale.scale
+            metrics["skipped_steps"] = loss_scale.skipped
         new_state = state.replace(
             step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
+            params=new_params,
             opt_state=opt_state,
             model_state=model_state,
+            loss_scale=loss_scale,
         )
         return new_state, metrics
 
@@ -228,6 +322,9 @@ def make_train_step(
     backend: Backend = "jit",
     has_aux: bool = False,
     has_model_state: bool = False,
+    precision: Precision | None = None,
+    accumulate: int = 1,
+    lr_schedule: optax.Schedule | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
     """Builds a data-parallel train step: ``state, metrics = step(state, batch)``.
 
@@ -253,15 +350,26 @@ def make_train_step(
             one-axis meshes only). Both take and return the same state and batch.
         has_aux: see ``loss_fn``.
         has_model_state: see ``loss_fn``.
+        precision: a `Precision` (see `make_precision`): compute dtype with fp32
+            master parameters, all-reduce dtype, and fp16 dynamic loss scaling,
+            whose skip-or-apply decision is made on the averaged gradient so every
+            replica takes the same one. Create the state with the same precision.
+        accumulate: split each replica's slice into this many micro-batches,
+            scanned inside the compiled step; the gradients are averaged over them
+            and all-reduced once per update.
+        lr_schedule: the optimizer's schedule, to report ``lr`` in the metrics.
 
     Returns:
         ``step(state, batch) -> (state, metrics)``, where ``batch`` is a pytree of
         global arrays sharded on ``data`` (see `shard_batch`) and ``metrics`` holds
-        ``loss`` and the ``aux`` entries, averaged over the global batch.
+        ``loss`` and the ``aux`` entries averaged over the global batch,
+        ``grad_norm`` (global norm of the averaged gradient, before clipping),
+        ``lr`` when ``lr_schedule`` is given, and ``loss_scale`` and
+        ``skipped_steps`` under loss scaling.
 
     Raises:
-        UsageError: unknown backend, a mesh without ``data``, or ``pmap`` on a
-            mesh with more than one axis.
+        UsageError: unknown backend, a mesh without ``data``, ``pmap`` on a mesh
+            with more than one axis, or ``accumulate`` < 1.
 
     Examples:
         >>> def loss_fn(params, batch, rng):
@@ -270,12 +378,17 @@ def make_train_step(
         >>> state, metrics = step(state, jdp.shard_batch(batch, mesh))
     """
     _check_backend(backend, mesh)
+    if accumulate < 1:
+        raise UsageError(f"accumulate must be at least 1, got {accumulate}")
     replica_fn = _replica_train_step(
         loss_fn,
         optimizer,
         has_aux=has_aux,
         has_model_state=has_model_state,
         local_grads=backend == "jit",
+        precision=precision or Precision(),
+        accumulate=accumulate,
+        lr_schedule=lr_schedule,
     )
     call, lower = _compile(
         replica_fn,

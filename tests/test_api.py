@@ -4,6 +4,8 @@ import jdp
 def test_public_names_are_pinned():
     assert sorted(jdp.__all__) == [
         "FitResult",
+        "LossScale",
+        "Precision",
         "TrainConfig",
         "TrainState",
         "UsageError",
@@ -12,6 +14,9 @@ def test_public_names_are_pinned():
         "fit",
         "make_eval_step",
         "make_mesh",
+        "make_optimizer",
+        "make_precision",
+        "make_schedule",
         "make_train_step",
         "shard_batch",
         "simulate_cpu_devices",
@@ -29,8 +34,14 @@ def test_train_config_rejects_bad_values():
         ({"backend": "tpu"}, "unknown backend 'tpu'"),
         ({"mesh": "data=0"}, "sizes are positive"),
         ({"steps": 0}, "--steps must be at least 1"),
-        ({"warmup_steps": 500, "steps": 100}, "--warmup-steps 500"),
+        ({"warmup_steps": 500, "steps": 100}, "warmup \\(500 steps\\) is longer than training"),
         ({"lr": -1.0}, "--lr must be positive"),
+        ({"optimizer": "adagrad"}, "unknown optimizer 'adagrad'"),
+        ({"schedule": "step"}, "unknown schedule 'step'"),
+        ({"precision": "fp8"}, "unknown precision 'fp8'"),
+        ({"reduce_dtype": "int8"}, "unknown reduce dtype 'int8'"),
+        ({"accumulate": 0}, "--accumulate must be at least 1"),
+        ({"lr_boundaries": "a,b", "schedule": "piecewise"}, "write steps"),
     ]:
         with pytest.raises(jdp.UsageError, match=needle):
             jdp.TrainConfig(**kwargs)

@@ -27,8 +27,14 @@ def _run(*flags, timeout=240):
 
 @pytest.mark.parametrize(
     "flags",
-    [["--mesh", "data=8"], ["--mesh", "data=8", "--backend", "pmap"], ["--mesh", "data=1"]],
-    ids=["jit-data8", "pmap-data8", "data1"],
+    [
+        ["--mesh", "data=8"],
+        ["--mesh", "data=8", "--backend", "pmap"],
+        ["--mesh", "data=1"],
+        ["--mesh", "data=8", "--precision", "bf16"],
+        ["--mesh", "data=8", "--precision", "fp16"],
+    ],
+    ids=["jit-data8", "pmap-data8", "data1", "bf16", "fp16"],
 )
 def test_default_run_reaches_095_on_digits(flags):
     result = _run(*flags)
@@ -40,6 +46,39 @@ def test_default_run_reaches_095_on_digits(flags):
     assert len(SUMMARY.findall(result.stdout)) == 1
     simulated = "runs on 8 simulated CPU devices" in result.stdout
     assert simulated == ("data=8" in flags)
+
+
+def test_large_batch_rules_print_the_effective_lr():
+    result = _run(
+        "--mesh",
+        "data=4",
+        "--steps",
+        "12",
+        "--batch-size",
+        "64",
+        "--warmup-steps",
+        "2",
+        "--optimizer",
+        "lars",
+        "--lr",
+        "0.2",
+        "--lr-scaling",
+        "linear",
+        "--lr-reference-batch",
+        "256",
+        "--accumulate",
+        "2",
+        "--clip-norm",
+        "1",
+        "--weight-decay",
+        "1e-4",
+        "--precision",
+        "fp16",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "lars, lr 0.2 x 64/256 (linear scaling) = 0.05 peak" in result.stdout
+    assert "loss_scale=" in result.stdout and "grad_norm=" in result.stdout
+    assert SUMMARY.search(result.stdout)
 
 
 def test_tiny_cnn_run_with_periodic_eval():
@@ -74,6 +113,11 @@ def test_tiny_cnn_run_with_periodic_eval():
         (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
         (["--steps", "ten"], "invalid int value: 'ten'"),
         (["--mesh", "data=8", "--batch-size", "4096"], "larger than the training split"),
+        (["--optimizer", "adagrad"], "unknown optimizer 'adagrad'"),
+        (["--schedule", "exponential"], "unknown schedule 'exponential'"),
+        (["--steps", "100", "--warmup-steps", "200"], "warmup (200 steps) is longer than training"),
+        (["--mesh", "data=8", "--accumulate", "3"], "--accumulate 3 does not divide"),
+        (["--precision", "fp8"], "unknown precision 'fp8'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(flags, needle):
