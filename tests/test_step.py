@@ -225,7 +225,7 @@ def test_classifier_loss_trains_the_mlp(mesh8, backend):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0]
-    assert set(metrics) == {"loss", "accuracy"}
+    assert set(metrics) == {"loss", "accuracy", "grad_norm"}
 
 
 def test_has_aux_metrics_are_averaged(mesh8, backend):
