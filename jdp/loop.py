@@ -52,8 +52,10 @@ class FitResult:
 
 def _progress_fields(metrics) -> dict[str, str]:
     values = jax.device_get(metrics)
-    fields = {"loss": f"{values['loss']:.4f}", "lr": f"{values['lr']:.3g}"}
-    fields["grad_norm"] = f"{values['grad_norm']:.3g}"
+    fields = {"loss": f"{values['loss']:.4f}"}
+    for name in ("lr", "grad_norm"):
+        if name in values:
+            fields[name] = f"{values[name]:.3g}"
     if "loss_scale" in values:
         fields["loss_scale"] = f"{values['loss_scale']:g}"
         fields["skipped"] = str(int(values["skipped_steps"]))

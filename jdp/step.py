@@ -152,7 +152,8 @@ def _replica_train_step(
             # keeps each replica's gradient local, so the one reduction is the
             # explicit pmean below.
             params = lax.pcast(params, DATA_AXIS, to="varying")
-        scale = state.loss_scale.scale
+        # A constant 1 folds away; only fp16 pays for scaling.
+        scale = state.loss_scale.scale if precision.loss_scaling else 1.0
         grads, (loss, aux, model_state) = gradients(
             params, state.model_state, batch, _replica_rng(state), scale
         )
