@@ -2,6 +2,7 @@
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -14,8 +15,11 @@ SUMMARY = re.compile(
 )
 
 
-def _run(*flags, timeout=240):
+def _run(*flags, timeout=240, devices=None):
+    """Runs the CLI in a fresh process; ``devices`` fixes the CPU device count, as hardware does."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets up devices
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return subprocess.run(
         [sys.executable, "-m", "jdp.train", *flags],
         capture_output=True,
@@ -50,30 +54,11 @@ def test_default_run_reaches_095_on_digits(flags):
 
 def test_large_batch_rules_print_the_effective_lr():
     result = _run(
-        "--mesh",
-        "data=4",
-        "--steps",
-        "12",
-        "--batch-size",
-        "64",
-        "--warmup-steps",
-        "2",
-        "--optimizer",
-        "lars",
-        "--lr",
-        "0.2",
-        "--lr-scaling",
-        "linear",
-        "--lr-reference-batch",
-        "256",
-        "--accumulate",
-        "2",
-        "--clip-norm",
-        "1",
-        "--weight-decay",
-        "1e-4",
-        "--precision",
-        "fp16",
+        *shlex.split(
+            "--mesh data=4 --steps 12 --batch-size 64 --warmup-steps 2 --optimizer lars "
+            "--lr 0.2 --lr-scaling linear --lr-reference-batch 256 --accumulate 2 "
+            "--clip-norm 1 --weight-decay 1e-4 --precision fp16"
+        )
     )
     assert result.returncode == 0, result.stderr
     assert "lars, lr 0.2 x 64/256 (linear scaling) = 0.05 peak" in result.stdout
@@ -83,18 +68,9 @@ def test_large_batch_rules_print_the_effective_lr():
 
 def test_tiny_cnn_run_with_periodic_eval():
     result = _run(
-        "--mesh",
-        "data=4",
-        "--model",
-        "cnn",
-        "--steps",
-        "20",
-        "--batch-size",
-        "32",
-        "--warmup-steps",
-        "2",
-        "--eval-every",
-        "10",
+        *shlex.split(
+            "--mesh data=4 --model cnn --steps 20 --batch-size 32 --warmup-steps 2 --eval-every 10"
+        )
     )
     assert result.returncode == 0, result.stderr
     assert "step 10: test_loss=" in result.stdout
@@ -121,18 +97,8 @@ def test_tiny_cnn_run_with_periodic_eval():
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(flags, needle):
-    env_flags = flags
-    if flags[:2] == ["--mesh", "data=16"]:
-        # Simulating 16 devices would succeed; a fixed device count is what a real machine has.
-        result = subprocess.run(
-            [sys.executable, "-m", "jdp.train", *env_flags],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
-        )
-    else:
-        result = _run(*env_flags, timeout=120)
+    # With 8 devices fixed, data=16 cannot be simulated away.
+    result = _run(*flags, timeout=120, devices=8)
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
