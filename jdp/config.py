@@ -94,10 +94,10 @@ class TrainConfig:
             decay_factor=self.lr_decay_factor,
         )
 
-    def make_optimizer(self) -> optax.GradientTransformation:
+    def make_optimizer(self, schedule: optax.Schedule) -> optax.GradientTransformation:
         return make_optimizer(
             self.optimizer,
-            self.make_schedule(),
+            schedule,
             momentum=self.momentum,
             weight_decay=self.weight_decay,
             clip_norm=self.clip_norm or None,

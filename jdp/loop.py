@@ -106,7 +106,7 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
         lambda rng: init_variables(model, train.image[:1], rng), out_shardings=replicated(mesh)
     )(init_rng)
     schedule = config.make_schedule()
-    optimizer = config.make_optimizer()
+    optimizer = config.make_optimizer(schedule)
     precision = make_precision(config.precision, reduce=config.reduce_dtype)
     state = create_train_state(
         params, optimizer, mesh, rng=train_rng, model_state=model_state, precision=precision

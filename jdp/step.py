@@ -163,7 +163,9 @@ def _replica_train_step(
         metrics = lax.pmean({"loss": loss, **aux}, DATA_AXIS)
         metrics["grad_norm"] = optax.tree.norm(grads)
         if lr_schedule is not None:
-            metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+            # The optimizer's count advances only on applied updates (not fp16 skips).
+            count = state.step - state.loss_scale.skipped
+            metrics["lr"] = jnp.asarray(lr_schedule(count), jnp.float32)
         model_state = _pmean_floats(model_state)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
@@ -365,7 +367,8 @@ def make_train_step(
         global arrays sharded on ``data`` (see `shard_batch`) and ``metrics`` holds
         ``loss`` and the ``aux`` entries averaged over the global batch,
         ``grad_norm`` (global norm of the averaged gradient, before clipping),
-        ``lr`` when ``lr_schedule`` is given, and ``loss_scale`` and
+        ``lr`` (the schedule at the optimizer's update count) when ``lr_schedule``
+        is given, and ``loss_scale`` and
         ``skipped_steps`` under loss scaling.
 
     Raises:

@@ -168,3 +168,16 @@ def test_step_reports_lr_and_grad_norm(mesh8, backend):
         assert metrics["lr"] == pytest.approx(float(schedule(count)))
     expected_norm = optax.tree.norm(jax.grad(_loss)(_init_params(), batches[0], None))
     assert history[0]["grad_norm"] == pytest.approx(float(expected_norm), rel=1e-5)
+
+
+def test_reported_lr_follows_the_optimizer_count_across_a_skip(mesh8, backend):
+    schedule = jdp.make_schedule("linear", 0.01, warmup_steps=4, total_steps=20)
+    optimizer = jdp.make_optimizer("adam", schedule)
+    precision = jdp.make_precision("fp16", init_scale=2.0**8)
+    batches = [_regression_data(0), _poisoned(), _regression_data(1)]
+    _, history = _run(
+        mesh8, backend, batches, optimizer=optimizer, precision=precision, lr_schedule=schedule
+    )
+    assert int(history[1]["skipped_steps"]) == 1
+    # Step 3 makes the optimizer's second applied update: count 1, not 2.
+    assert history[2]["lr"] == pytest.approx(float(schedule(1)))
