@@ -12,6 +12,8 @@ Examples:
 """
 
 from jdp.config import TrainConfig
+from jdp.data.pipeline import Loader, eval_batches, train_batches
+from jdp.data.sources import Split, load_split
 from jdp.errors import UsageError
 from jdp.loop import FitResult, fit
 from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices
@@ -24,14 +26,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FitResult",
+    "Loader",
     "LossScale",
     "Precision",
+    "Split",
     "TrainConfig",
     "TrainState",
     "UsageError",
     "create_train_state",
+    "eval_batches",
     "evaluate",
     "fit",
+    "load_split",
     "make_eval_step",
     "make_mesh",
     "make_optimizer",
@@ -40,4 +46,5 @@ __all__ = [
     "make_train_step",
     "shard_batch",
     "simulate_cpu_devices",
+    "train_batches",
 ]

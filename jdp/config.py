@@ -29,11 +29,15 @@ class TrainConfig:
     mesh: str = _flag("data=-1", "device mesh, e.g. data=8, data=-1 (all devices), data=4,model=2")
     backend: str = _flag("jit", "step backend: jit (jit over shard_map) or pmap")
     model: str = _flag("mlp", "built-in model: mlp or cnn")
-    dataset: str = _flag("digits", "dataset name; digits is bundled and works offline")
+    dataset: str = _flag("digits", "digits (bundled, offline), mnist, fashion_mnist or cifar10")
     data_dir: str | None = _flag(
         None, "TFDS data directory (default: $TFDS_DATA_DIR or ~/tensorflow_datasets)"
     )
     batch_size: int = _flag(128, "global batch size, split over the data axis")
+    loader_workers: int = _flag(
+        0, "Grain worker processes that load and augment batches (0: a thread of this process)"
+    )
+    prefetch: int = _flag(2, "global batches placed on the devices ahead of the step")
     steps: int = _flag(400, "number of training steps")
     optimizer: str = _flag("adam", "sgd, momentum, nesterov, adam, adamw, lamb or lars")
     lr: float = _flag(3e-3, "base learning rate: the schedule's peak, before --lr-scaling")
@@ -69,6 +73,10 @@ class TrainConfig:
             raise UsageError(f"--lr must be positive, got {self.lr}")
         if self.accumulate < 1:
             raise UsageError("--accumulate must be at least 1")
+        if self.eval_every < 0:
+            raise UsageError("--eval-every must be 0 (only at the end) or a positive step count")
+        if self.loader_workers < 0 or self.prefetch < 1:
+            raise UsageError("--loader-workers must be >= 0 and --prefetch at least 1")
         if self.clip_norm < 0 or self.weight_decay < 0:
             raise UsageError("--clip-norm and --weight-decay must be >= 0")
         if self.lr_reference_batch < 1:
@@ -102,8 +110,6 @@ class TrainConfig:
             weight_decay=self.weight_decay,
             clip_norm=self.clip_norm or None,
         )
-        if self.eval_every < 0:
-            raise UsageError("--eval-every must be 0 (only at the end) or a positive step count")
 
 
 class _OneLineParser(argparse.ArgumentParser):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jdp.config import TrainConfig
-from jdp.data.pipeline import eval_batches, train_batches
-from jdp.data.sources import load_split
+from jdp.data.pipeline import check_train_batch, eval_batches, train_batches
+from jdp.data.sources import Split, load_split
 from jdp.errors import UsageError
 from jdp.mesh import (
     check_batch_size,
@@ -40,13 +42,15 @@ class FitResult:
     test_loss: float
     test_accuracy: float
     examples_per_sec: float
+    input_wait: float  # fraction of the steady training loop spent waiting for a batch
     wall_seconds: float
 
     def summary_line(self) -> str:
         return (
             f"jdp.train: steps={self.steps} train_loss={self.train_loss:.4f} "
             f"test_loss={self.test_loss:.4f} test_accuracy={self.test_accuracy:.4f} "
-            f"examples/s={self.examples_per_sec:.0f} wall={self.wall_seconds:.1f}s"
+            f"examples/s={self.examples_per_sec:.0f} input_wait={self.input_wait:.1%} "
+            f"wall={self.wall_seconds:.1f}s"
         )
 
 
@@ -69,14 +73,25 @@ def setup_devices(mesh_spec: str) -> None:
         simulate_cpu_devices(wanted)
 
 
-def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
-    """Trains and evaluates the configured model; returns the final state and figures.
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A configured run before its first step: mesh, data, initial state and step functions."""
+
+    config: TrainConfig
+    mesh: Mesh
+    train: Split
+    test: Split
+    state: TrainState
+    train_step: Callable
+    eval_step: Callable
+
+
+def build(config: TrainConfig, console: Console) -> Run:
+    """Sets up devices, mesh, data, model, optimizer and steps; says what it built.
 
     Raises:
         UsageError: a mesh, batch size, dataset or model that cannot work here.
     """
-    started = time.perf_counter()
-    console = console or Console()
     setup_devices(config.mesh)
     mesh = make_mesh(config.mesh)
     replicas = data_size(mesh)
@@ -100,10 +115,12 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
 
     train = load_split(config.dataset, "train", config.data_dir)
     test = load_split(config.dataset, "test", config.data_dir)
+    check_train_batch(train, config.batch_size)
     model = get_model(config.model, train.num_classes)
     init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
     params, model_state = jax.jit(
-        lambda rng: init_variables(model, train.image[:1], rng), out_shardings=replicated(mesh)
+        lambda rng: init_variables(model, train.transform(train.image[:1]), rng),
+        out_shardings=replicated(mesh),
     )(init_rng)
     schedule = config.make_schedule()
     optimizer = config.make_optimizer(schedule)
@@ -144,6 +161,20 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
         f"{config.schedule} schedule, {config.warmup_steps} warmup steps, "
         f"precision {config.precision} (all-reduce {config.reduce_dtype})"
     )
+    return Run(config, mesh, train, test, state, train_step, eval_step)
+
+
+def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
+    """Trains and evaluates the configured model; returns the final state and figures.
+
+    Raises:
+        UsageError: a mesh, batch size, dataset or model that cannot work here.
+    """
+    started = time.perf_counter()
+    console = console or Console()
+    run = build(config, console)
+    mesh, train, test, state = run.mesh, run.train, run.test, run.state
+    train_step, eval_step = run.train_step, run.eval_step
 
     def run_eval(step: int) -> dict[str, float]:
         result = evaluate(eval_step, state, eval_batches(test, mesh, batch_size=config.batch_size))
@@ -152,23 +183,31 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
         )
         return result
 
-    batches = train_batches(train, mesh, batch_size=config.batch_size, seed=config.seed)
+    batches = train_batches(
+        train,
+        mesh,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        workers=config.loader_workers,
+        prefetch=config.prefetch,
+    )
     console.start_progress(config.steps)
-    steady_start = None
     metrics = None
     shown = 0
-    for step in range(1, config.steps + 1):
-        state, metrics = train_step(state, next(batches))
-        if step == 1:
-            jax.block_until_ready(metrics)  # compilation ends here; throughput counts from now
-            steady_start = time.perf_counter()
-        if step % _DISPLAY_EVERY == 0 or step == config.steps:
-            console.advance(step - shown, **_progress_fields(metrics))
-            shown = step
-        if config.eval_every and step % config.eval_every == 0 and step != config.steps:
-            run_eval(step)
-    train_loss = float(metrics["loss"])
-    steady = time.perf_counter() - steady_start
+    with batches:
+        for step in range(1, config.steps + 1):
+            state, metrics = train_step(state, next(batches))
+            if step == 1:
+                jax.block_until_ready(metrics)  # compilation ends here; throughput counts from now
+                steady_start, waited_before = time.perf_counter(), batches.wait_seconds
+            if step % _DISPLAY_EVERY == 0 or step == config.steps:
+                console.advance(step - shown, **_progress_fields(metrics))
+                shown = step
+            if config.eval_every and step % config.eval_every == 0 and step != config.steps:
+                run_eval(step)
+        train_loss = float(metrics["loss"])  # waits for the last step
+        steady = time.perf_counter() - steady_start
+        waited = batches.wait_seconds - waited_before
     console.close_progress()
     final = run_eval(config.steps)
     steady_steps = config.steps - 1
@@ -179,5 +218,6 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
         test_loss=final["loss"],
         test_accuracy=final["accuracy"],
         examples_per_sec=steady_steps * config.batch_size / steady if steady_steps else 0.0,
+        input_wait=waited / steady if steady_steps else 0.0,
         wall_seconds=time.perf_counter() - started,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -225,23 +225,41 @@ def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh) -> Any:
             f"this process's batch has {local_rows} rows, not divisible by its "
             f"{local_replicas} data replicas; use a global batch that divides evenly"
         )
+    if jax.process_count() == 1:
+        # Local data is the global batch: one transfer call for the whole pytree.
+        return jax.device_put(batch, sharding)
     return jax.tree.map(
         lambda leaf: jax.make_array_from_process_local_data(sharding, np.asarray(leaf)), batch
     )
 
 
-def process_rows(mesh: Mesh, global_batch: int) -> slice:
-    """The rows of a global batch this process's devices hold, as read off the sharding.
+def rows_by_process(
+    mesh: Mesh, global_batch: int, process_of: Callable[[Any], int] | None = None
+) -> dict[int, slice]:
+    """The rows of a global batch each process's devices hold, as read off the sharding.
+
+    ``process_of`` maps a device to its process (default: ``device.process_index``);
+    tests pass another mapping to lay out several processes in one.
 
     Raises:
-        ValueError: the rows are not one contiguous block (a device order jdp
-            does not load for).
+        ValueError: a process's rows are not one contiguous block (a device order
+            jdp does not load for).
     """
-    indices = batch_sharded(mesh).addressable_devices_indices_map((global_batch,))
-    spans = sorted(
-        {(index[0].start or 0, index[0].stop or global_batch) for index in indices.values()}
-    )
-    start, stop = spans[0][0], spans[-1][1]
-    if sum(b - a for a, b in spans) != stop - start:
-        raise ValueError(f"this process's rows {spans} are not one contiguous block")
-    return slice(start, stop)
+    process_of = process_of or (lambda device: device.process_index)
+    spans: dict[int, set[tuple[int, int]]] = {}
+    for device, index in batch_sharded(mesh).devices_indices_map((global_batch,)).items():
+        span = (index[0].start or 0, index[0].stop or global_batch)
+        spans.setdefault(process_of(device), set()).add(span)
+    rows = {}
+    for process, process_spans in spans.items():
+        ordered = sorted(process_spans)
+        start, stop = ordered[0][0], ordered[-1][1]
+        if sum(b - a for a, b in ordered) != stop - start:
+            raise ValueError(f"process {process}'s rows {ordered} are not one contiguous block")
+        rows[process] = slice(start, stop)
+    return rows
+
+
+def process_rows(mesh: Mesh, global_batch: int) -> slice:
+    """The rows of a global batch this process's devices hold (see ``rows_by_process``)."""
+    return rows_by_process(mesh, global_batch)[jax.process_index()]

@@ -4,14 +4,18 @@ import jdp
 def test_public_names_are_pinned():
     assert sorted(jdp.__all__) == [
         "FitResult",
+        "Loader",
         "LossScale",
         "Precision",
+        "Split",
         "TrainConfig",
         "TrainState",
         "UsageError",
         "create_train_state",
+        "eval_batches",
         "evaluate",
         "fit",
+        "load_split",
         "make_eval_step",
         "make_mesh",
         "make_optimizer",
@@ -20,6 +24,7 @@ def test_public_names_are_pinned():
         "make_train_step",
         "shard_batch",
         "simulate_cpu_devices",
+        "train_batches",
     ]
     for name in jdp.__all__:
         assert getattr(jdp, name) is not None

@@ -10,7 +10,7 @@ import pytest
 
 SUMMARY = re.compile(
     r"^jdp\.train: steps=(\d+) train_loss=\S+ test_loss=\S+ test_accuracy=([\d.]+) "
-    r"examples/s=\d+ wall=[\d.]+s$",
+    r"examples/s=\d+ input_wait=([\d.]+)% wall=[\d.]+s$",
     re.M,
 )
 
@@ -94,6 +94,10 @@ def test_tiny_cnn_run_with_periodic_eval():
         (["--steps", "100", "--warmup-steps", "200"], "warmup (200 steps) is longer than training"),
         (["--mesh", "data=8", "--accumulate", "3"], "--accumulate 3 does not divide"),
         (["--precision", "fp8"], "unknown precision 'fp8'"),
+        (["--data-dir", "/nonexistent/tfds"], "--data-dir /nonexistent/tfds does not exist"),
+        (["--eval-every", "-1"], "--eval-every must be 0"),
+        (["--loader-workers", "-1"], "--loader-workers must be >= 0"),
+        (["--prefetch", "0"], "--prefetch at least 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(flags, needle):

@@ -1,16 +1,49 @@
+import collections
+import time
+
 import jax
 import numpy as np
 import pytest
 
 import jdp
 from jdp.data.digits import TEST_SIZE
-from jdp.data.pipeline import eval_batches, global_batch_indices, train_batches
+from jdp.data.pipeline import (
+    EvalReader,
+    Loader,
+    TrainReader,
+    eval_batches,
+    global_batch_indices,
+    train_batches,
+)
 from jdp.data.sources import Split, load_split
+from jdp.data.transforms import Augmentation, Transform
+from jdp.mesh import rows_by_process
+
+# A split whose image is its example id, so batches show which examples they hold.
+_IDS = Transform(scale=1.0)
+_AUGMENTED = Transform(scale=1.0, crop_padding=2, flip=True)
 
 
-def _split(rows=100):
+def _split(rows=100, transform=_IDS):
     images = np.arange(rows, dtype=np.float32).reshape(rows, 1, 1, 1)
-    return Split(images, np.arange(rows, dtype=np.int32), num_classes=rows)
+    return Split(images, np.arange(rows, dtype=np.int32), num_classes=rows, transform=transform)
+
+
+def _image_split(rows=40, transform=_AUGMENTED):
+    images = np.random.default_rng(0).integers(0, 256, (rows, 6, 6, 3), dtype=np.uint8)
+    return Split(images, np.arange(rows, dtype=np.int32), num_classes=rows, transform=transform)
+
+
+def _labels(loader, steps):
+    with loader:
+        return [jax.device_get(next(loader)["label"]) for _ in range(steps)]
+
+
+def _two_processes(mesh, batch_size):
+    """Two processes' rows, as if devices 0-3 and 4-7 of the mesh lived in separate hosts."""
+    first_half = {device.id for device in mesh.devices.flat[: mesh.devices.size // 2]}
+    rows = rows_by_process(mesh, batch_size, lambda device: 0 if device.id in first_half else 1)
+    return [rows[0], rows[1]]
 
 
 def test_one_epoch_sees_every_example_once():
@@ -31,27 +64,102 @@ def test_order_depends_on_seed_and_epoch():
     np.testing.assert_array_equal(first, global_batch_indices(0, 0, 100, 100))
 
 
+@pytest.mark.parametrize("layout", ["data=1", "data=8", "2 processes"])
+def test_an_epoch_of_loaded_batches_is_the_dataset(layout, mesh8, mesh1):
+    split, batch_size = _split(96), 16  # 6 steps make one epoch
+    if layout == "2 processes":
+        readers = [
+            TrainReader(split, batch_size=batch_size, seed=4, rows=rows)
+            for rows in _two_processes(mesh8, batch_size)
+        ]
+        assert [len(reader.indices(0)) for reader in readers] == [8, 8]
+        ids = [np.concatenate([reader(step)["label"] for reader in readers]) for step in range(6)]
+    else:
+        mesh = mesh1 if layout == "data=1" else mesh8
+        ids = _labels(train_batches(split, mesh, batch_size=batch_size, seed=4), 6)
+    assert collections.Counter(np.concatenate(ids).tolist()) == collections.Counter(range(96))
+    for step, batch_ids in enumerate(ids):
+        np.testing.assert_array_equal(batch_ids, global_batch_indices(4, step, batch_size, 96))
+
+
 def test_global_batches_do_not_depend_on_the_mesh(mesh8, mesh1):
-    split = _split()
-    on8 = train_batches(split, mesh8, batch_size=16, seed=5)
-    on1 = train_batches(split, mesh1, batch_size=16, seed=5)
-    for _ in range(15):
-        a, b = next(on8), next(on1)
-        np.testing.assert_array_equal(jax.device_get(a["label"]), jax.device_get(b["label"]))
+    on8 = _labels(train_batches(_split(), mesh8, batch_size=16, seed=5), 15)
+    on1 = _labels(train_batches(_split(), mesh1, batch_size=16, seed=5), 15)
+    for a, b in zip(on8, on1, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_augmentation_does_not_depend_on_the_topology(mesh8, mesh1):
+    split = _image_split()
+    batches = {}
+    for name, mesh in (("data=8", mesh8), ("data=1", mesh1)):
+        with train_batches(split, mesh, batch_size=16, seed=1) as loader:
+            batches[name] = [jax.device_get(next(loader)["image"]) for _ in range(3)]
+    halves = [
+        TrainReader(split, batch_size=16, seed=1, rows=rows) for rows in _two_processes(mesh8, 16)
+    ]
+    for step in range(3):
+        np.testing.assert_array_equal(batches["data=8"][step], batches["data=1"][step])
+        joined = np.concatenate([reader(step)["image"] for reader in halves])
+        np.testing.assert_array_equal(joined, batches["data=8"][step])
+    plain = TrainReader(_image_split(transform=_IDS), batch_size=16, seed=1, rows=slice(None))
+    assert not np.array_equal(plain(0)["image"], batches["data=1"][0])  # it did augment
 
 
 def test_start_step_resumes_the_same_stream(mesh8):
-    split = _split()
-    full = train_batches(split, mesh8, batch_size=16, seed=2)
-    seen = [jax.device_get(next(full)["label"]) for _ in range(9)]
-    resumed = train_batches(split, mesh8, batch_size=16, seed=2, start_step=6)
+    seen = _labels(train_batches(_split(), mesh8, batch_size=16, seed=2), 9)
+    resumed = train_batches(_split(), mesh8, batch_size=16, seed=2, start_step=6)
+    assert resumed.position == 6
     for expected in seen[6:]:
         np.testing.assert_array_equal(jax.device_get(next(resumed)["label"]), expected)
+    assert resumed.position == 9
+    resumed.close()
+
+
+def test_grain_workers_give_the_same_batches(mesh8):
+    split = _image_split()
+    in_thread = _labels(train_batches(split, mesh8, batch_size=16, seed=3), 5)
+    with train_batches(split, mesh8, batch_size=16, seed=3, workers=2) as loader:
+        batches = [jax.device_get(next(loader)) for _ in range(5)]
+    plain = TrainReader(split, batch_size=16, seed=3, rows=slice(None))
+    for step, batch in enumerate(batches):
+        np.testing.assert_array_equal(batch["label"], in_thread[step])
+        np.testing.assert_array_equal(batch["image"], plain(step)["image"])
+
+
+def test_batches_arrive_sharded_on_data(mesh8):
+    with train_batches(_image_split(), mesh8, batch_size=16, seed=0, prefetch=3) as loader:
+        batch = next(loader)
+    assert batch["image"].shape == (16, 6, 6, 3) and batch["image"].dtype == np.float32
+    assert batch["image"].sharding.spec[0] == "data"
+    assert len(batch["image"].addressable_shards) == 8
+
+
+def test_loader_errors_reach_the_caller(mesh8):
+    def broken(step):
+        raise RuntimeError(f"bad record at step {step}")
+
+    loader = Loader(broken, mesh8, start=3, stop=None)
+    with pytest.raises(RuntimeError, match="bad record at step 3"):
+        next(loader)
+    with pytest.raises(StopIteration):
+        next(loader)
+
+
+def test_loader_counts_time_spent_waiting(mesh8):
+    def slow(step):
+        time.sleep(0.05)
+        return {"label": np.zeros(8, np.int32)}
+
+    with Loader(slow, mesh8, start=0, stop=4, prefetch=1) as loader:
+        assert len(list(loader)) == 4
+    assert loader.wait_seconds >= 0.1
+    assert loader.position == 4
 
 
 def test_batch_larger_than_split(mesh8):
     with pytest.raises(jdp.UsageError, match="larger than the training split"):
-        next(train_batches(_split(10), mesh8, batch_size=16, seed=0))
+        train_batches(_split(10), mesh8, batch_size=16, seed=0)
 
 
 def test_eval_batches_pad_and_mask(mesh8):
@@ -63,17 +171,48 @@ def test_eval_batches_pad_and_mask(mesh8):
     assert sorted(labels[masks == 1]) == list(range(37))
 
 
+def test_eval_over_two_processes_counts_every_example_once(mesh8):
+    readers = [
+        EvalReader(_split(37), batch_size=16, rows=rows) for rows in _two_processes(mesh8, 16)
+    ]
+    counted = collections.Counter()
+    for number in range(len(readers[0])):
+        for reader in readers:
+            batch = reader(number)
+            counted.update(batch["label"][batch["mask"] == 1].tolist())
+    assert counted == collections.Counter(range(37))
+
+
+def test_crop_and_flip_move_pixels_as_drawn():
+    image = np.arange(16, dtype=np.uint8).reshape(1, 4, 4, 1)
+    transform = Transform(scale=1.0, crop_padding=1, flip=True)
+    centre = transform(image, Augmentation(np.array([[1, 1]]), np.array([False])))
+    np.testing.assert_array_equal(centre, image)
+    flipped = transform(image, Augmentation(np.array([[1, 1]]), np.array([True])))
+    np.testing.assert_array_equal(flipped, image[:, :, ::-1])
+    shifted = transform(image, Augmentation(np.array([[0, 2]]), np.array([False])))
+    np.testing.assert_array_equal(shifted[0, 1:, :3, 0], image[0, :3, 1:, 0])
+    assert (shifted[0, 0] == 0).all() and (shifted[0, :, 3] == 0).all()
+
+
+def test_normalisation_per_channel():
+    transform = Transform(mean=(0.5, 0.0), std=(0.5, 2.0))
+    out = transform(np.full((1, 1, 1, 2), 255, np.uint8))
+    np.testing.assert_allclose(out[0, 0, 0], [1.0, 0.5])
+
+
 def test_bundled_digits_prepare_offline(tmp_path):
     train = load_split("digits", "train", str(tmp_path))
     test = load_split("digits", "test", str(tmp_path))
     assert len(test) == TEST_SIZE and len(train) + len(test) == 1797
-    assert train.image.shape[1:] == (8, 8, 1) and train.image.dtype == np.float32
-    assert train.image.min() >= 0.0 and train.image.max() <= 1.0
+    assert train.image.shape[1:] == (8, 8, 1) and train.image.dtype == np.uint8
+    images = train.transform(train.image)
+    assert images.dtype == np.float32 and images.min() >= 0.0 and images.max() == 1.0
     assert set(np.unique(train.label)) == set(range(10))
     assert (tmp_path / "digits" / "1.0.0").is_dir()
     assert any(path.suffix != ".json" for path in (tmp_path / "digits" / "1.0.0").iterdir())
 
 
 def test_unknown_dataset():
-    with pytest.raises(jdp.UsageError, match="unknown dataset 'imagenet'; choose one of: digits"):
+    with pytest.raises(jdp.UsageError, match="unknown dataset 'imagenet'; choose one of: cifar10"):
         load_split("imagenet", "train")

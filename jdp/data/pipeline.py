@@ -1,15 +1,26 @@
-"""Global batches whose contents depend only on ``(seed, step)``, never on the topology.
+"""Global batches whose contents depend only on ``(seed, step)``, loaded with Grain.
 
 Training reads an endless stream of epochs, each a permutation of the split drawn
-from ``(seed, epoch)``; step ``s`` takes positions ``[s*B, (s+1)*B)`` of it. Every
+from ``(seed, epoch)``; step ``s`` takes positions ``[s*B, (s+1)*B)`` of it, and
+its augmentation is drawn from ``(seed, s)`` for the whole global batch. Every
 process computes the same global indices and loads only its own rows, so 1 device
-and 8, or 1 process and 2, see the same examples in the same global batches.
+and 8, or 1 process and 2, see the same examples in the same global batches, and
+the loader's whole position is the next step.
+
+A Grain ``MapDataset`` indexed by step does the host work (gather, preprocess,
+augment), optionally in worker processes; a ``Loader`` thread turns host batches
+into global arrays on the mesh a few steps ahead of the train step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
 
+import grain
 import numpy as np
 from jax.sharding import Mesh
 
@@ -17,10 +28,16 @@ from jdp.data.sources import Split
 from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY, process_rows, shard_batch
 
+# Mixed into the augmentation seed so its stream never coincides with an epoch order's.
+_AUGMENT_STREAM = 0x61756780
 
+
+@functools.lru_cache(maxsize=4)
 def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
     """The order of the split in one epoch: a pure function of ``(seed, epoch)``."""
-    return np.random.default_rng((seed, epoch)).permutation(num_examples)
+    order = np.random.default_rng((seed, epoch)).permutation(num_examples)
+    order.flags.writeable = False  # cached: shared by every caller
+    return order
 
 
 def global_batch_indices(seed: int, step: int, batch_size: int, num_examples: int) -> np.ndarray:
@@ -34,33 +51,209 @@ def global_batch_indices(seed: int, step: int, batch_size: int, num_examples: in
     return np.concatenate(parts)
 
 
-def train_batches(
-    split: Split, mesh: Mesh, *, batch_size: int, seed: int, start_step: int = 0
-) -> Iterator[dict]:
-    """Yields global training batches (sharded on ``data``) from ``start_step`` on, forever."""
+class TrainReader:
+    """Step -> this process's rows of that step's global batch, preprocessed and augmented.
+
+    A plain picklable callable, so Grain can run it in worker processes.
+    """
+
+    def __init__(self, split: Split, *, batch_size: int, seed: int, rows: slice):
+        self.split, self.batch_size, self.seed, self.rows = split, batch_size, seed, rows
+
+    def indices(self, step: int) -> np.ndarray:
+        """The example indices this process reads at ``step``."""
+        return global_batch_indices(self.seed, step, self.batch_size, len(self.split))[self.rows]
+
+    def __call__(self, step: int) -> dict[str, np.ndarray]:
+        batch = self.split.read(self.indices(step))
+        transform = self.split.transform
+        augmentation = None
+        if transform.augments:
+            rng = np.random.default_rng((self.seed, step, _AUGMENT_STREAM))
+            augmentation = transform.draw(rng, self.batch_size).take(self.rows)
+        batch["image"] = transform(batch["image"], augmentation)
+        return batch
+
+
+class EvalReader:
+    """Batch number -> this process's rows of that padded eval batch, with ``mask``.
+
+    Padding rows repeat example 0 and carry ``mask`` 0, so an eval step that sums
+    masked values counts every example exactly once.
+    """
+
+    def __init__(self, split: Split, *, batch_size: int, rows: slice):
+        self.split, self.batch_size, self.rows = split, batch_size, rows
+
+    def __len__(self) -> int:
+        return -(-len(self.split) // self.batch_size)
+
+    def __call__(self, number: int) -> dict[str, np.ndarray]:
+        indices = np.arange(number * self.batch_size, (number + 1) * self.batch_size)
+        real = indices < len(self.split)
+        batch = self.split.read(np.where(real, indices, 0)[self.rows])
+        batch["image"] = self.split.transform(batch["image"])
+        batch[MASK_KEY] = real[self.rows].astype(np.float32)
+        return batch
+
+
+def host_batches(
+    reader: Callable[[int], dict], *, start: int, stop: int | None, workers: int = 0
+) -> grain.IterDataset:
+    """Grain's pipeline of host batches ``reader(start), reader(start + 1), ...``.
+
+    With ``workers`` > 0 the reader runs in that many processes; batches still
+    come out in order, so the result does not depend on the number of workers.
+    """
+    dataset = grain.MapDataset.range(start, stop if stop is not None else 2**62).map(reader)
+    # The Loader's thread already overlaps host work with the step: no Grain threads.
+    host = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    if workers:
+        _allow_grain_workers()
+        host = host.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return host
+
+
+_END = object()
+
+
+class Loader(Iterator[dict]):
+    """Global batches on the mesh, made by Grain and placed ``prefetch`` batches ahead.
+
+    Iterate it like any iterator; close it (or use it as a context manager) to
+    stop its thread and workers. ``position`` is the index of the next batch, the
+    whole state a resumed run needs; ``wait_seconds`` is the time callers spent
+    blocked waiting for a batch.
+    """
+
+    def __init__(
+        self,
+        reader: Callable[[int], dict],
+        mesh: Mesh,
+        *,
+        start: int,
+        stop: int | None,
+        workers: int = 0,
+        prefetch: int = 2,
+    ):
+        if workers < 0 or prefetch < 1:
+            raise UsageError(
+                f"need workers >= 0 and prefetch >= 1, got workers={workers} prefetch={prefetch}"
+            )
+        host = host_batches(reader, start=start, stop=stop, workers=workers)
+        self.position = start
+        self.wait_seconds = 0.0
+        self._mesh = mesh
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(host,), daemon=True)
+        self._thread.start()
+
+    def _fill(self, host) -> None:
+        iterator = None
+        try:
+            iterator = iter(host)
+            for batch in iterator:
+                if not self._put(shard_batch(batch, self._mesh)):
+                    return
+            self._put(_END)
+        except BaseException as error:  # handed to the consumer, raised there
+            self._put(error)
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __next__(self) -> dict:
+        if self._stop.is_set():
+            raise StopIteration
+        waited = time.perf_counter()
+        item = self._queue.get()
+        self.wait_seconds += time.perf_counter() - waited
+        if item is _END:
+            self._stop.set()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self.position += 1
+        return item
+
+    def close(self) -> None:
+        """Stops the thread and any Grain workers; the loader yields nothing more."""
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _allow_grain_workers() -> None:
+    """Grain 0.2.18 reads an absl flag in its worker set-up and fails when flags were
+    never parsed, as in any program not started by ``absl.app`` (google/grain#1355)."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def check_train_batch(split: Split, batch_size: int) -> None:
+    """Raises UsageError when a global batch cannot be drawn from the split."""
     if batch_size > len(split):
         raise UsageError(
             f"global batch {batch_size} is larger than the training split ({len(split)} "
             f"examples); use --batch-size {len(split)} or less"
         )
-    rows = process_rows(mesh, batch_size)
-    step = start_step
-    while True:
-        indices = global_batch_indices(seed, step, batch_size, len(split))
-        yield shard_batch(split.rows(indices[rows]), mesh)
-        step += 1
 
 
-def eval_batches(split: Split, mesh: Mesh, *, batch_size: int) -> Iterator[dict]:
-    """Yields the split once, in order, as global batches; the last is padded.
+def train_batches(
+    split: Split,
+    mesh: Mesh,
+    *,
+    batch_size: int,
+    seed: int,
+    start_step: int = 0,
+    workers: int = 0,
+    prefetch: int = 2,
+) -> Loader:
+    """Global training batches (sharded on ``data``) from ``start_step`` on, forever.
 
-    Padding rows repeat example 0 and carry ``mask`` 0, so an eval step that sums
-    masked values counts every example exactly once.
+    Args:
+        split: the training split (``load_split``).
+        mesh: the training mesh; this process loads only the rows its devices hold.
+        batch_size: the global batch size.
+        seed: with the step, the only input to order and augmentation.
+        start_step: the first step to yield; a resumed run passes its loader position.
+        workers: Grain worker processes for the host work (0: in a thread of this process).
+        prefetch: global batches placed on the devices ahead of the step.
+
+    Raises:
+        UsageError: the batch is larger than the split.
+
+    Examples:
+        >>> with jdp.train_batches(split, mesh, batch_size=128, seed=0) as batches:
+        ...     state, metrics = step(state, next(batches))
     """
-    rows = process_rows(mesh, batch_size)
-    for start in range(0, len(split), batch_size):
-        indices = np.arange(start, start + batch_size)
-        mask = indices < len(split)
-        batch = split.rows(np.where(mask, indices, 0)[rows])
-        batch[MASK_KEY] = mask[rows].astype(np.float32)
-        yield shard_batch(batch, mesh)
+    check_train_batch(split, batch_size)
+    reader = TrainReader(
+        split, batch_size=batch_size, seed=seed, rows=process_rows(mesh, batch_size)
+    )
+    return Loader(reader, mesh, start=start_step, stop=None, workers=workers, prefetch=prefetch)
+
+
+def eval_batches(split: Split, mesh: Mesh, *, batch_size: int, prefetch: int = 2) -> Loader:
+    """The split once, in order, as global batches with a ``mask``; the last is padded."""
+    reader = EvalReader(split, batch_size=batch_size, rows=process_rows(mesh, batch_size))
+    return Loader(reader, mesh, start=0, stop=len(reader), prefetch=prefetch)

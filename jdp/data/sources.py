@@ -1,49 +1,74 @@
-"""Datasets by name: TFDS sources read with ``tfds.data_source``, no TensorFlow at run time."""
+"""Datasets by name: TFDS sources read with ``tfds.data_source``, no TensorFlow at run time.
+
+A split is decoded once into host memory as raw ``uint8`` images and ``int32``
+labels; the loader (``jdp.data.pipeline``) gathers, preprocesses and augments
+batches from it. The bundled digits prepare offline; the catalog datasets read
+what TFDS prepared in ``--data-dir`` and are downloaded and prepared there when
+the network allows.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import io
+import logging
 import os
-from collections.abc import Callable
+import socket
 
 import numpy as np
 
+from jdp.data.transforms import Transform
 from jdp.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
 class DatasetSpec:
-    """How jdp reads one dataset: its TFDS name and the per-example preprocessing."""
+    """How jdp reads one dataset: its TFDS name, where it downloads from, its preprocessing."""
 
     tfds_name: str
-    num_classes: int
-    preprocess: Callable[[np.ndarray], np.ndarray]
-    builtin: bool  # prepared offline from data that ships with a package
+    transform: Transform
+    download_host: str | None = None  # None: prepared offline from data a package ships
 
 
-def _scale(maximum: float) -> Callable[[np.ndarray], np.ndarray]:
-    return lambda images: images.astype(np.float32) / maximum
-
+_CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+_CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 DATASETS: dict[str, DatasetSpec] = {
-    "digits": DatasetSpec("digits", 10, _scale(16.0), builtin=True),
+    "digits": DatasetSpec("digits", Transform(scale=16.0)),
+    "mnist": DatasetSpec("mnist", Transform(), download_host="storage.googleapis.com"),
+    "fashion_mnist": DatasetSpec(
+        "fashion_mnist", Transform(), download_host="storage.googleapis.com"
+    ),
+    "cifar10": DatasetSpec(
+        "cifar10",
+        Transform(mean=_CIFAR_MEAN, std=_CIFAR_STD, crop_padding=4, flip=True),
+        download_host="www.cs.toronto.edu",
+    ),
 }
+
+
+# Images already in model units: only cast to float32.
+AS_IS = Transform(scale=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """One split held in host memory: ``image`` (float32, NHWC) and ``label`` (int32)."""
+    """One split in host memory: raw ``image`` (uint8, NHWC), ``label`` (int32) and its transform.
+
+    ``read(indices)`` is the loader's only access, so a split that does not fit in
+    memory could serve the same interface from disk.
+    """
 
     image: np.ndarray
     label: np.ndarray
     num_classes: int
+    transform: Transform = AS_IS
 
     def __len__(self) -> int:
         return len(self.label)
 
-    def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         return {"image": self.image[indices], "label": self.label[indices]}
 
 
@@ -59,30 +84,134 @@ def default_data_dir() -> str:
     return os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
 
 
-def load_split(name: str, split: str, data_dir: str | None = None) -> Split:
-    """Reads a whole split into memory through ``tfds.data_source``.
+@contextlib.contextmanager
+def _quiet():
+    """TFDS prints banners, progress bars and log lines (errors still raise); keep runs to
+    jdp's own lines."""
+    chatter = io.StringIO()
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            yield
+    finally:
+        absl_logger.setLevel(level)
 
-    A bundled dataset is prepared into ``data_dir`` on first use.
-    """
-    spec = check_dataset(name)
+
+def _builder(name: str, data_dir: str):
     import tensorflow_datasets as tfds
 
-    if spec.builtin:
+    if name == "digits":
         from jdp.data import digits  # noqa: F401  (registers the builder with TFDS)
-    data_dir = data_dir or default_data_dir()
-    # TFDS prints a preparation banner and progress bars (errors still raise);
-    # keep the run's output to jdp's own lines.
-    chatter = io.StringIO()
-    with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-        source = tfds.data_source(
-            spec.tfds_name,
-            split=split,
-            data_dir=data_dir,
-            builder_kwargs={"file_format": "array_record"},  # TFRecord would need TensorFlow
+    # array_record: random access without TensorFlow (TFRecord would need it).
+    return tfds.builder(name, data_dir=data_dir, file_format="array_record")
+
+
+def _reachable(host: str, timeout: float = 3.0) -> bool:
+    """A quick probe: TFDS's own download retries for minutes when offline."""
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _prepare_command(name: str, data_dir: str) -> str:
+    return f"python -m jdp.data prepare {name} --data-dir {data_dir}"
+
+
+def _has_tensorflow() -> bool:
+    try:
+        import tensorflow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def prepare(name: str, data_dir: str | None = None) -> str:
+    """Downloads (catalog datasets) and prepares ``name`` in ``data_dir`` as array_record.
+
+    Reading a prepared dataset needs no TensorFlow; preparing a catalog dataset
+    does, because TFDS's builders read their downloads and encode images with it.
+
+    Returns:
+        The directory of the prepared dataset version.
+
+    Raises:
+        UsageError: an unknown dataset, a download host that cannot be reached, or
+            a catalog dataset to prepare without TensorFlow installed.
+    """
+    with _quiet():
+        return _prepare(check_dataset(name), name, data_dir or default_data_dir())
+
+
+def _prepare(spec: DatasetSpec, name: str, data_dir: str) -> str:
+    builder = _builder(spec.tfds_name, data_dir)
+    if builder.is_prepared():
+        return str(builder.data_dir)
+    if spec.download_host:
+        elsewhere = (
+            f"run `{_prepare_command(name, data_dir)}` where the network reaches it "
+            f"(after `pip install tensorflow`) and copy {os.path.join(data_dir, name)} here"
         )
-        examples = source.__getitems__(range(len(source)))
+        if not _reachable(spec.download_host):
+            raise UsageError(
+                f"dataset {name!r} is not prepared in {data_dir} and {spec.download_host} "
+                f"cannot be reached; {elsewhere}"
+            )
+        if not _has_tensorflow():
+            raise UsageError(
+                f"dataset {name!r} is not prepared in {data_dir}, and TFDS needs TensorFlow to "
+                f"prepare it (only to prepare, not to train); `pip install tensorflow` and "
+                f"rerun, or {elsewhere}"
+            )
+    os.makedirs(data_dir, exist_ok=True)
+    builder.download_and_prepare()
+    return str(builder.data_dir)
+
+
+def load_split(name: str, split: str, data_dir: str | None = None) -> Split:
+    """Reads a whole split into host memory through ``tfds.data_source``.
+
+    The bundled dataset is prepared into ``data_dir`` on first use; a catalog
+    dataset is downloaded and prepared when the network allows.
+
+    Raises:
+        UsageError: an unknown dataset or split, a ``data_dir`` that does not exist,
+            or a dataset that is not prepared and cannot be downloaded.
+    """
+    spec = check_dataset(name)
+    with _quiet():
+        return _load_split(spec, name, split, data_dir)
+
+
+def _load_split(spec: DatasetSpec, name: str, split: str, data_dir: str | None) -> Split:
+    if data_dir is not None and not os.path.isdir(data_dir):
+        raise UsageError(
+            f"--data-dir {data_dir} does not exist; create it, or omit --data-dir to use "
+            f"{default_data_dir()}"
+        )
+    data_dir = data_dir or default_data_dir()
+    builder = _builder(spec.tfds_name, data_dir)
+    if not builder.is_prepared():
+        _prepare(spec, name, data_dir)
+        builder = _builder(spec.tfds_name, data_dir)
+    if split not in builder.info.splits:
+        raise UsageError(
+            f"dataset {name!r} has no split {split!r}; it has: {', '.join(builder.info.splits)}"
+        )
+    if builder.info.file_format is None or builder.info.file_format.value != "array_record":
+        raise UsageError(
+            f"dataset {name!r} in {data_dir} was prepared as {builder.info.file_format}, which "
+            f"needs TensorFlow to read; prepare it as array_record with "
+            f"`{_prepare_command(name, data_dir)}` into another --data-dir"
+        )
+    source = builder.as_data_source(split=split)
+    examples = source.__getitems__(range(len(source)))
     return Split(
-        image=spec.preprocess(np.stack([example["image"] for example in examples])),
+        image=np.stack([np.asarray(example["image"]) for example in examples]),
         label=np.asarray([example["label"] for example in examples], np.int32),
-        num_classes=spec.num_classes,
+        num_classes=builder.info.features["label"].num_classes,
+        transform=spec.transform,
     )
