@@ -110,6 +110,11 @@ def host_batches(
     host = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     if workers:
         _allow_grain_workers()
+        # Batches travel from workers pickled, not in shared memory: Grain frees
+        # shared-memory arrays asynchronously, and those still queued when a run
+        # ends are reported as leaked at exit.
+        options = grain.experimental.DatasetOptions(min_shm_size=2**62)
+        host = grain.experimental.WithOptionsIterDataset(host, options)
         host = host.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
     return host
 

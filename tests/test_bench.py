@@ -1,0 +1,43 @@
+"""``python -m jdp.bench``: each benchmark runs end to end and reports measured figures."""
+
+import re
+import shlex
+import subprocess
+import sys
+
+
+def test_input_benchmark_reports_loaders_step_and_waiting():
+    flags = shlex.split("--mesh data=4 --workers 1 --batches 30 --step-repeats 10 --steps 30")
+    result = subprocess.run(
+        [sys.executable, "-m", "jdp.bench", "input", *flags],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    rates = dict(re.findall(r"^  (.+?)\s{2,}([\d,]+)\s+[\d.]+x$", result.stdout, re.M))
+    assert set(rates) == {
+        "loader, 0 Grain workers: host batches",
+        "loader, 1 Grain workers: host batches",
+        "loader, 0 Grain workers, batches placed on the mesh",
+        "train step, same batch shape, no input",
+    }, result.stdout
+    assert all(int(rate.replace(",", "")) > 0 for rate in rates.values())
+    waiting = re.search(
+        r"training run, 30 steps: input waiting ([\d.]+)% of loop time", result.stdout
+    )
+    assert waiting and 0.0 <= float(waiting.group(1)) <= 100.0, result.stdout
+
+
+def test_bench_bad_input_is_one_line_and_exit_2():
+    result = subprocess.run(
+        [sys.executable, "-m", "jdp.bench", "input", "--dataset", "imagenet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "jdp.bench: error: unknown dataset 'imagenet'; choose one of: cifar10, digits, "
+        "fashion_mnist, mnist"
+    ]
