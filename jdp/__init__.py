@@ -11,6 +11,7 @@ Examples:
     >>> state, metrics = step(state, jdp.shard_batch({"x": x, "y": y}, mesh))
 """
 
+from jdp.checkpoint import Checkpointer, load_params
 from jdp.config import TrainConfig
 from jdp.data.pipeline import Loader, eval_batches, train_batches
 from jdp.data.sources import Split, load_split
@@ -25,6 +26,7 @@ from jdp.step import evaluate, make_eval_step, make_train_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpointer",
     "FitResult",
     "Loader",
     "LossScale",
@@ -37,6 +39,7 @@ __all__ = [
     "eval_batches",
     "evaluate",
     "fit",
+    "load_params",
     "load_split",
     "make_eval_step",
     "make_mesh",

@@ -56,6 +56,12 @@ class TrainConfig:
     precision: str = _flag("fp32", "compute dtype: fp32, bf16 or fp16 (fp16 scales the loss)")
     reduce_dtype: str = _flag("fp32", "gradient all-reduce dtype: fp32 or bf16")
     eval_every: int = _flag(0, "evaluate on the test split every N steps (0: only at the end)")
+    ckpt_dir: str | None = _flag(
+        None, "directory of Orbax checkpoints; a run resumes from the latest one in it"
+    )
+    ckpt_every: int = _flag(0, "save every N steps (0: only at the end and when preempted)")
+    keep: int = _flag(3, "latest checkpoints to keep (the best by test accuracy is kept too)")
+    no_resume: bool = _flag(False, "start fresh; refused when --ckpt-dir holds checkpoints")
     seed: int = _flag(0, "seed for initialisation and the data order")
 
     def __post_init__(self):
@@ -75,6 +81,10 @@ class TrainConfig:
             raise UsageError("--accumulate must be at least 1")
         if self.eval_every < 0:
             raise UsageError("--eval-every must be 0 (only at the end) or a positive step count")
+        if self.ckpt_every < 0 or self.keep < 1:
+            raise UsageError("--ckpt-every must be >= 0 and --keep at least 1")
+        if self.ckpt_dir is None and (self.ckpt_every or self.no_resume):
+            raise UsageError("--ckpt-every and --no-resume need --ckpt-dir DIR")
         if self.loader_workers < 0 or self.prefetch < 1:
             raise UsageError("--loader-workers must be >= 0 and --prefetch at least 1")
         if self.clip_norm < 0 or self.weight_decay < 0:
@@ -91,6 +101,21 @@ class TrainConfig:
     def peak_lr(self) -> float:
         """``--lr`` scaled for the global batch by ``--lr-scaling``."""
         return scale_lr(self.lr, self.batch_size, self.lr_scaling, self.lr_reference_batch)
+
+    def resume_conflicts(self, saved: dict) -> list[str]:
+        """Flags whose values differ from the run that wrote a checkpoint, as ``--flag X (was Y)``.
+
+        A resumed run may change where and how it runs (mesh, backend, loader,
+        checkpointing), never what it computes.
+        """
+        conflicts = []
+        for field in dataclasses.fields(self):
+            if field.name in _TOPOLOGY_FIELDS or field.name not in saved:
+                continue
+            if saved[field.name] != getattr(self, field.name):
+                flag = field.name.replace("_", "-")
+                conflicts.append(f"--{flag} {getattr(self, field.name)} (was {saved[field.name]})")
+        return conflicts
 
     def make_schedule(self) -> optax.Schedule:
         return make_schedule(
@@ -112,6 +137,13 @@ class TrainConfig:
         )
 
 
+# What a resumed run may change: where and how it runs, not what it computes.
+_TOPOLOGY_FIELDS = frozenset(
+    {"mesh", "backend", "data_dir", "loader_workers", "prefetch", "eval_every"}
+    | {"ckpt_dir", "ckpt_every", "keep", "no_resume"}
+)
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, as every jdp error is."""
 
@@ -128,6 +160,13 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "jdp.train") -
     """Parses command-line flags (``--batch-size 256``) into a `TrainConfig`."""
     parser = _OneLineParser(prog=prog, description="Data-parallel training with jdp.")
     for field in dataclasses.fields(TrainConfig):
+        if field.type == "bool":
+            parser.add_argument(
+                f"--{field.name.replace('_', '-')}",
+                action="store_true",
+                help=field.metadata["help"],
+            )
+            continue
         kind = {"int": int, "float": float, "str": str}.get(str(field.type), _parse_optional_str)
         parser.add_argument(
             f"--{field.name.replace('_', '-')}",

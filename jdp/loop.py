@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 
@@ -10,6 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jdp.checkpoint import Checkpointer, Preemption
 from jdp.config import TrainConfig
 from jdp.data.pipeline import check_train_batch, eval_batches, train_batches
 from jdp.data.sources import Split, load_split
@@ -44,8 +47,11 @@ class FitResult:
     examples_per_sec: float
     input_wait: float  # fraction of the steady training loop spent waiting for a batch
     wall_seconds: float
+    preempted: str | None = None  # the line saying where a stopped run saved, when it stopped
 
     def summary_line(self) -> str:
+        if self.preempted:
+            return self.preempted
         return (
             f"jdp.train: steps={self.steps} train_loss={self.train_loss:.4f} "
             f"test_loss={self.test_loss:.4f} test_accuracy={self.test_accuracy:.4f} "
@@ -167,57 +173,139 @@ def build(config: TrainConfig, console: Console) -> Run:
 def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
     """Trains and evaluates the configured model; returns the final state and figures.
 
+    With ``config.ckpt_dir`` the run resumes from the latest checkpoint there,
+    saves every ``config.ckpt_every`` steps and at the end, and on SIGTERM or
+    SIGINT saves at the current step and returns early (``preempted``).
+
     Raises:
-        UsageError: a mesh, batch size, dataset or model that cannot work here.
+        UsageError: a mesh, batch size, dataset, model or checkpoint directory that
+            cannot work here.
     """
     started = time.perf_counter()
     console = console or Console()
     run = build(config, console)
     mesh, train, test, state = run.mesh, run.train, run.test, run.state
     train_step, eval_step = run.train_step, run.eval_step
+    checkpoints = Checkpointer(config.ckpt_dir, keep=config.keep) if config.ckpt_dir else None
+    with contextlib.ExitStack() as stack:
+        start_step = 0
+        if checkpoints is not None:
+            stack.enter_context(checkpoints)
+            state, start_step = _resume(config, checkpoints, state, console)
 
-    def run_eval(step: int) -> dict[str, float]:
-        result = evaluate(eval_step, state, eval_batches(test, mesh, batch_size=config.batch_size))
-        console.line(
-            f"step {step}: test_loss={result['loss']:.4f} test_accuracy={result['accuracy']:.4f}"
+        def run_eval(step: int) -> dict[str, float]:
+            batches = eval_batches(test, mesh, batch_size=config.batch_size)
+            result = evaluate(eval_step, state, batches)
+            console.line(
+                f"step {step}: test_loss={result['loss']:.4f} "
+                f"test_accuracy={result['accuracy']:.4f}"
+            )
+            return result
+
+        def save(metrics: dict[str, float] | None = None) -> None:
+            if checkpoints is not None:
+                checkpoints.save(
+                    state,
+                    loader_step=batches.position,
+                    config=dataclasses.asdict(config),
+                    metrics=metrics,
+                )
+
+        batches = stack.enter_context(
+            train_batches(
+                train,
+                mesh,
+                batch_size=config.batch_size,
+                seed=config.seed,
+                start_step=start_step,
+                workers=config.loader_workers,
+                prefetch=config.prefetch,
+            )
         )
-        return result
-
-    batches = train_batches(
-        train,
-        mesh,
-        batch_size=config.batch_size,
-        seed=config.seed,
-        workers=config.loader_workers,
-        prefetch=config.prefetch,
-    )
-    console.start_progress(config.steps)
-    metrics = None
-    shown = 0
-    with batches:
-        for step in range(1, config.steps + 1):
+        preemption = stack.enter_context(Preemption()) if checkpoints is not None else None
+        console.start_progress(config.steps - start_step)
+        metrics = None
+        shown = steady_start = start_step
+        waited_before = 0.0
+        for step in range(start_step + 1, config.steps + 1):
             state, metrics = train_step(state, next(batches))
-            if step == 1:
+            if step == start_step + 1:
                 jax.block_until_ready(metrics)  # compilation ends here; throughput counts from now
                 steady_start, waited_before = time.perf_counter(), batches.wait_seconds
             if step % _DISPLAY_EVERY == 0 or step == config.steps:
                 console.advance(step - shown, **_progress_fields(metrics))
                 shown = step
+            evaluated = None
             if config.eval_every and step % config.eval_every == 0 and step != config.steps:
-                run_eval(step)
-        train_loss = float(metrics["loss"])  # waits for the last step
-        steady = time.perf_counter() - steady_start
+                evaluated = run_eval(step)
+            if preemption is not None and preemption.reached(step):
+                save(evaluated)
+                checkpoints.wait()
+                console.close_progress()
+                return _preempted(config, state, step, preemption, started)
+            if config.ckpt_every and step % config.ckpt_every == 0 and step != config.steps:
+                save(evaluated)
+        ran = config.steps - start_step
+        train_loss = float(metrics["loss"]) if metrics is not None else float("nan")
+        steady = time.perf_counter() - steady_start if ran > 1 else 0.0
         waited = batches.wait_seconds - waited_before
-    console.close_progress()
-    final = run_eval(config.steps)
-    steady_steps = config.steps - 1
+        console.close_progress()
+        final = run_eval(config.steps)
+        save({"accuracy": final["accuracy"]})
     return FitResult(
         state=state,
         steps=config.steps,
         train_loss=train_loss,
         test_loss=final["loss"],
         test_accuracy=final["accuracy"],
-        examples_per_sec=steady_steps * config.batch_size / steady if steady_steps else 0.0,
-        input_wait=waited / steady if steady_steps else 0.0,
+        examples_per_sec=(ran - 1) * config.batch_size / steady if steady else 0.0,
+        input_wait=waited / steady if steady else 0.0,
         wall_seconds=time.perf_counter() - started,
+    )
+
+
+def _resume(
+    config: TrainConfig, checkpoints: Checkpointer, state: TrainState, console: Console
+) -> tuple[TrainState, int]:
+    """The state and first step to continue from: a restored checkpoint's, or the fresh ones."""
+    existing = checkpoints.steps()
+    if existing and config.no_resume:
+        raise UsageError(
+            f"--no-resume: {checkpoints.directory} already holds checkpoints (latest step "
+            f"{existing[-1]}); remove them, or choose an empty --ckpt-dir"
+        )
+
+    def same_run(meta: dict) -> None:
+        conflicts = config.resume_conflicts(meta.get("config", {}))
+        if conflicts:
+            raise UsageError(
+                f"{checkpoints.directory} holds a run made with other settings: "
+                f"{'; '.join(conflicts)}; rerun with its flags, or choose another --ckpt-dir"
+            )
+
+    restored = checkpoints.restore(state, check=same_run) if existing else None
+    if restored is None:
+        return state, 0
+    state, meta = restored
+    console.line(f"jdp: resuming from step {meta['step']} in {checkpoints.directory}")
+    return state, int(meta["loader_step"])
+
+
+def _preempted(
+    config: TrainConfig, state: TrainState, step: int, preemption: Preemption, started: float
+) -> FitResult:
+    nan = float("nan")
+    return FitResult(
+        state=state,
+        steps=step,
+        train_loss=nan,
+        test_loss=nan,
+        test_accuracy=nan,
+        examples_per_sec=nan,
+        input_wait=nan,
+        wall_seconds=time.perf_counter() - started,
+        preempted=(
+            f"jdp.train: {preemption.signal_name} at step {step}; checkpoint saved in "
+            f"{os.path.abspath(config.ckpt_dir)}; run the same command to resume"
+        ),
     )

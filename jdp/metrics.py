@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 
 import jax
@@ -64,3 +66,15 @@ class Console:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+@contextlib.contextmanager
+def quiet_absl():
+    """Hides absl warnings (TFDS and Orbax log through absl) while keeping errors."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -3,6 +3,7 @@ import jdp
 
 def test_public_names_are_pinned():
     assert sorted(jdp.__all__) == [
+        "Checkpointer",
         "FitResult",
         "Loader",
         "LossScale",
@@ -15,6 +16,7 @@ def test_public_names_are_pinned():
         "eval_batches",
         "evaluate",
         "fit",
+        "load_params",
         "load_split",
         "make_eval_step",
         "make_mesh",

@@ -41,3 +41,19 @@ def test_bench_bad_input_is_one_line_and_exit_2():
         "jdp.bench: error: unknown dataset 'imagenet'; choose one of: cifar10, digits, "
         "fashion_mnist, mnist"
     ]
+
+
+def test_checkpoint_benchmark_reports_blocked_and_restore_times():
+    flags = shlex.split("--mesh data=2 --size-mb 4 --repeats 1")
+    result = subprocess.run(
+        [sys.executable, "-m", "jdp.bench", "checkpoint", *flags],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"synchronous save: loop blocked [\d.]+ s", result.stdout), result.stdout
+    assert re.search(
+        r"async save: +loop blocked [\d.]+ s \([\d.]+% of synchronous\)", result.stdout
+    )
+    assert re.search(r"restore \(latest, onto the mesh\): [\d.]+ s", result.stdout)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import logging
 import os
 import socket
 
@@ -20,6 +19,7 @@ import numpy as np
 
 from jdp.data.transforms import Transform
 from jdp.errors import UsageError
+from jdp.metrics import quiet_absl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +89,8 @@ def _quiet():
     """TFDS prints banners, progress bars and log lines (errors still raise); keep runs to
     jdp's own lines."""
     chatter = io.StringIO()
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-            yield
-    finally:
-        absl_logger.setLevel(level)
+    with quiet_absl(), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+        yield
 
 
 def _builder(name: str, data_dir: str):

@@ -1,0 +1,272 @@
+"""Checkpoints: exact resume after SIGKILL or SIGTERM, damaged saves, another mesh, params."""
+
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jdp
+from jdp.checkpoint import Checkpointer, load_params
+from jdp.mesh import replicated
+
+# Long enough (CNN, 8 simulated devices) that a kill lands mid-run.
+_RUN = "--mesh data=8 --model cnn --steps 60 --warmup-steps 5 --batch-size 64 --ckpt-every 10"
+
+
+def _cli(ckpt_dir, *extra):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [sys.executable, "-m", "jdp.train", *shlex.split(_RUN), "--ckpt-dir", str(ckpt_dir)]
+    return command + list(extra), env
+
+
+def _run(ckpt_dir, *extra, timeout=240):
+    command, env = _cli(ckpt_dir, *extra)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _start(ckpt_dir):
+    command, env = _cli(ckpt_dir)
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def _saved(ckpt_dir, step):
+    """The arrays of one checkpoint, read back as numpy, by leaf path."""
+    restored = ocp.StandardCheckpointer().restore(os.path.join(ckpt_dir, str(step), "state"))
+    return {
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]
+    }
+
+
+def _assert_bitwise_equal(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def _wait_for(condition, process, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def _steps_in(ckpt_dir):
+    return {int(name) for name in os.listdir(ckpt_dir) if name.isdigit()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run's final checkpoint."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    result = _run(directory)
+    assert result.returncode == 0, result.stderr
+    return directory, _saved(directory, 60)
+
+
+@pytest.mark.parametrize("when", ["during an async save", "at a random step"])
+def test_sigkill_then_resume_is_bitwise_identical(reference, tmp_path, when):
+    process = _start(tmp_path)
+    _wait_for(lambda: 10 in _steps_in(tmp_path), process)
+    if when == "during an async save":
+        _wait_for(lambda: any("tmp" in name for name in os.listdir(tmp_path)), process)
+    else:
+        time.sleep(random.uniform(0.0, 0.3))
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    assert process.returncode == -signal.SIGKILL, "the run ended before it was killed"
+    assert max(_steps_in(tmp_path)) < 60
+
+    resumed = _run(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert re.search(r"^jdp: resuming from step \d+ in ", resumed.stdout, re.M)
+    _assert_bitwise_equal(_saved(tmp_path, 60), reference[1])
+
+
+def test_sigterm_saves_exits_0_and_resumes_to_the_same_params(reference, tmp_path):
+    process = _start(tmp_path)
+    _wait_for(lambda: 10 in _steps_in(tmp_path), process)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    match = re.search(
+        r"^jdp\.train: SIGTERM at step (\d+); checkpoint saved in (.+); run", stdout, re.M
+    )
+    assert match, stdout
+    step = int(match.group(1))
+    assert 10 <= step < 60 and step in _steps_in(tmp_path)
+    assert stdout.strip().splitlines()[-1] == match.group(0) + " the same command to resume"
+
+    resumed = _run(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"jdp: resuming from step {step} in " in resumed.stdout
+    _assert_bitwise_equal(_saved(tmp_path, 60), reference[1])
+
+
+def test_damaged_and_partial_saves_are_skipped(reference, tmp_path):
+    directory = tmp_path / "run"
+    shutil.copytree(reference[0], directory)
+    # A save killed before its commit, and a committed one whose array files were cut short.
+    partial = directory / "70.orbax-checkpoint-tmp-1700000000"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "garbage").write_bytes(b"\0" * 100)
+    for root, _, files in os.walk(directory / "60" / "state"):
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.getsize(path) > 1000:
+                with open(path, "r+b") as handle:
+                    handle.truncate(os.path.getsize(path) // 2)
+
+    result = _run(directory)
+    assert result.returncode == 0, result.stderr
+    assert "jdp: warning: checkpoint step 60 is unreadable" in result.stderr
+    assert "jdp: resuming from step 50 in " in result.stdout
+    assert any(name.startswith("damaged-60-") for name in os.listdir(directory))
+    _assert_bitwise_equal(_saved(directory, 60), reference[1])
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--no-resume"], "--no-resume: "),
+        (["--lr", "0.01"], "holds a run made with other settings: --lr 0.01 (was 0.003)"),
+        (["--model", "mlp"], "--model mlp (was cnn)"),
+    ],
+)
+def test_resume_refusals_are_one_line_and_exit_2(reference, flags, needle):
+    result = _run(reference[0], *flags, timeout=120)
+    assert result.returncode == 2, result.stdout
+    (line,) = result.stderr.strip().splitlines()
+    assert needle in line
+
+
+def _mlp_state(mesh, seed=0):
+    params = {
+        "Dense_0": {"kernel": jnp.full((4, 8), 0.1), "bias": jnp.zeros(8)},
+        "Dense_1": {"kernel": jnp.full((8, 3), -0.2), "bias": jnp.zeros(3)},
+    }
+    return jdp.create_train_state(params, optax.adam(1e-2), mesh, rng=jax.random.key(seed))
+
+
+def _loss(params, batch, rng):
+    hidden = jax.nn.relu(batch["x"] @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"])
+    logits = hidden @ params["Dense_1"]["kernel"] + params["Dense_1"]["bias"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _batch(mesh):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    return jdp.shard_batch({"x": x, "y": rng.integers(0, 3, 16).astype(np.int32)}, mesh)
+
+
+@pytest.mark.parametrize(
+    ("spec", "backend"), [("data=4", "jit"), ("data=1", "jit"), ("data=8", "pmap")]
+)
+def test_restore_onto_another_mesh_and_backend(tmp_path, mesh8, spec, backend):
+    step8 = jdp.make_train_step(_loss, optax.adam(1e-2), mesh8)
+    state, _ = step8(_mlp_state(mesh8), _batch(mesh8))
+    expected = jax.device_get(state)
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state, loader_step=1)
+
+    mesh = jdp.make_mesh(spec)
+    with Checkpointer(tmp_path) as checkpoints:
+        restored, meta = checkpoints.restore(_mlp_state(mesh, seed=9))
+    assert meta["loader_step"] == 1 and int(restored.step) == 1
+    for got, want in zip(
+        jax.tree.leaves(restored.params), jax.tree.leaves(expected.params), strict=True
+    ):
+        assert got.sharding == replicated(mesh)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(
+        jax.random.key_data(restored.rng), jax.random.key_data(expected.rng)
+    )
+    # Training continues on the new mesh as it would have on the old one.
+    step = jdp.make_train_step(_loss, optax.adam(1e-2), mesh, backend=backend)
+    after, _ = step(restored, _batch(mesh))
+    reference, _ = step8(state, _batch(mesh8))
+    for got, want in zip(
+        jax.tree.leaves(after.params), jax.tree.leaves(reference.params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+
+
+def test_a_different_model_is_named_leaf_by_leaf(tmp_path, mesh8):
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(_mlp_state(mesh8), loader_step=0)
+    other = jdp.create_train_state(
+        {"Dense_0": {"kernel": jnp.zeros((4, 16)), "bias": jnp.zeros(16)}}, optax.sgd(0.1), mesh8
+    )
+    with Checkpointer(tmp_path) as checkpoints, pytest.raises(jdp.UsageError) as error:
+        checkpoints.restore(other)
+    message = str(error.value)
+    assert "params/Dense_0/kernel is (4, 8) float32, expected (4, 16) float32" in message
+    assert "unexpected params/Dense_1/kernel" in message or "more" in message
+
+
+def test_retention_keeps_the_latest_and_the_best(tmp_path, mesh8):
+    state = _mlp_state(mesh8)
+    accuracy = {2: 0.9, 4: 0.5, 6: 0.6}
+    with Checkpointer(tmp_path, keep=2) as checkpoints:
+        for step in range(1, 8):
+            state = state.replace(step=jnp.int32(step))
+            metrics = {"accuracy": accuracy[step]} if step in accuracy else None
+            checkpoints.save(state, loader_step=step, metrics=metrics)
+    with Checkpointer(tmp_path, keep=2) as checkpoints:
+        assert checkpoints.steps() == [2, 6, 7]
+
+
+def test_load_params(tmp_path, mesh8, mesh1):
+    state = _mlp_state(mesh8)
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state, loader_step=0)
+    for path in (tmp_path, tmp_path / "0"):
+        params = load_params(path)
+        assert jax.tree.structure(params) == jax.tree.structure(state.params)
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(state.params), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    on_mesh = load_params(tmp_path, mesh=mesh8)
+    assert jax.tree.leaves(on_mesh)[0].sharding == replicated(mesh8)
+    with pytest.raises(jdp.UsageError, match="no checkpoint in"):
+        load_params(tmp_path / "missing")
+
+
+def test_async_save_keeps_the_state_it_was_given(tmp_path, mesh8):
+    """The step donates its input: the save must own a copy before it returns."""
+
+    def loss(params, batch, rng):
+        return jnp.mean((batch["x"] @ params["w"]) ** 2)
+
+    step = jdp.make_train_step(loss, optax.adam(1e-2), mesh8)
+    params = {"w": jnp.full((4, 1 << 20), 0.1)}  # 16 MB, Adam state 32 MB more
+    state = jdp.create_train_state(params, optax.adam(1e-2), mesh8)
+    state, _ = step(state, _batch(mesh8))
+    expected = jax.device_get(state.replace(rng=jax.random.key_data(state.rng)))
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state, loader_step=1)
+        for _ in range(3):  # donates the buffers of the state being written
+            state, _ = step(state, _batch(mesh8))
+        jax.block_until_ready(state)
+    like = jdp.create_train_state(params, optax.adam(1e-2), mesh8)
+    with Checkpointer(tmp_path) as checkpoints:
+        restored, _ = checkpoints.restore(like)
+    restored = restored.replace(rng=jax.random.key_data(restored.rng))
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
