@@ -22,9 +22,10 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jdp.errors import UsageError
+from jdp.mesh import replicated
 from jdp.metrics import quiet_absl
 from jdp.state import TrainState
 
@@ -82,10 +83,12 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
-def _restore_args(target: Any) -> ocp.args.PyTreeRestore:
-    """Read every array straight into ``target``'s shardings."""
+def _restore_args(target: Any, *, partial: bool = False) -> ocp.args.PyTreeRestore:
+    """Read every array straight into ``target``'s shardings (only ``target``'s leaves
+    when ``partial``)."""
     return ocp.args.PyTreeRestore(
         item=target,
+        partial_restore=partial,
         restore_args=jax.tree.map(
             lambda leaf: ocp.ArrayRestoreArgs(
                 sharding=leaf.sharding, global_shape=leaf.shape, dtype=leaf.dtype
@@ -335,7 +338,7 @@ def load_params(path: str | os.PathLike, mesh: Mesh | None = None) -> Any:
     with quiet_absl():  # a step's item directory has no step-level metadata file; fine here
         metadata = checkpointer.metadata(state_dir).item_metadata
     sharding = (
-        NamedSharding(mesh, PartitionSpec())
+        replicated(mesh)
         if mesh is not None
         else jax.sharding.SingleDeviceSharding(jax.devices()[0])
     )
@@ -343,14 +346,5 @@ def load_params(path: str | os.PathLike, mesh: Mesh | None = None) -> Any:
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
         dict(metadata["params"]),
     )
-    restored = checkpointer.restore(
-        state_dir,
-        args=ocp.args.PyTreeRestore(
-            item={"params": params},
-            restore_args=jax.tree.map(
-                lambda leaf: ocp.ArrayRestoreArgs(sharding=leaf.sharding), {"params": params}
-            ),
-            partial_restore=True,
-        ),
-    )
+    restored = checkpointer.restore(state_dir, args=_restore_args({"params": params}, partial=True))
     return restored["params"]

@@ -225,8 +225,8 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
         preemption = stack.enter_context(Preemption()) if checkpoints is not None else None
         console.start_progress(config.steps - start_step)
         metrics = None
-        shown = steady_start = start_step
-        waited_before = 0.0
+        shown = start_step
+        steady_start, waited_before = time.perf_counter(), 0.0  # reset after the first step
         for step in range(start_step + 1, config.steps + 1):
             state, metrics = train_step(state, next(batches))
             if step == start_step + 1:

@@ -6,14 +6,17 @@ import subprocess
 import sys
 
 
-def test_input_benchmark_reports_loaders_step_and_waiting():
-    flags = shlex.split("--mesh data=4 --workers 1 --batches 30 --step-repeats 10 --steps 30")
-    result = subprocess.run(
-        [sys.executable, "-m", "jdp.bench", "input", *flags],
+def _bench(command, flags, timeout=240):
+    return subprocess.run(
+        [sys.executable, "-m", "jdp.bench", command, *shlex.split(flags)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
+
+
+def test_input_benchmark_reports_loaders_step_and_waiting():
+    result = _bench("input", "--mesh data=4 --workers 1 --batches 30 --step-repeats 10 --steps 30")
     assert result.returncode == 0, result.stderr
     rates = dict(re.findall(r"^  (.+?)\s{2,}([\d,]+)\s+[\d.]+x$", result.stdout, re.M))
     assert set(rates) == {
@@ -30,12 +33,7 @@ def test_input_benchmark_reports_loaders_step_and_waiting():
 
 
 def test_bench_bad_input_is_one_line_and_exit_2():
-    result = subprocess.run(
-        [sys.executable, "-m", "jdp.bench", "input", "--dataset", "imagenet"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _bench("input", "--dataset imagenet", timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "jdp.bench: error: unknown dataset 'imagenet'; choose one of: cifar10, digits, "
@@ -44,13 +42,7 @@ def test_bench_bad_input_is_one_line_and_exit_2():
 
 
 def test_checkpoint_benchmark_reports_blocked_and_restore_times():
-    flags = shlex.split("--mesh data=2 --size-mb 4 --repeats 1")
-    result = subprocess.run(
-        [sys.executable, "-m", "jdp.bench", "checkpoint", *flags],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = _bench("checkpoint", "--mesh data=2 --size-mb 4 --repeats 1")
     assert result.returncode == 0, result.stderr
     assert re.search(r"synchronous save: loop blocked [\d.]+ s", result.stdout), result.stdout
     assert re.search(

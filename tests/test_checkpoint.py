@@ -151,9 +151,9 @@ def test_damaged_and_partial_saves_are_skipped(reference, tmp_path):
 )
 def test_resume_refusals_are_one_line_and_exit_2(reference, flags, needle):
     result = _run(reference[0], *flags, timeout=120)
-    assert result.returncode == 2, result.stdout
-    (line,) = result.stderr.strip().splitlines()
-    assert needle in line
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr
 
 
 def _mlp_state(mesh, seed=0):
