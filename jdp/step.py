@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -62,6 +63,28 @@ def _pmean_floats(tree: Any) -> Any:
     )
 
 
+def _pmean_packed(tree: Any, *, vary: Callable[[Any], Any]) -> Any:
+    """``pmean`` over ``data`` of every leaf, packed in one buffer per dtype.
+
+    On CPU, collectives cost a fixed latency per buffer (gloo between processes
+    in particular: 1.6 ms for an MLP's 6 gradient and metric buffers on loopback
+    vs 0.5 ms for the same bytes in one), so the leaves travel as one vector.
+    Accelerators' collective combiners batch per-leaf buffers well; there the
+    leaves are reduced as they are, without the copy in and out of the vector.
+    """
+    leaves, treedef = jax.tree.flatten(vary(tree))
+    reduced = list(leaves)
+    groups: dict[Any, list[int]] = {}
+    for index, leaf in enumerate(leaves):
+        groups.setdefault(leaf.dtype, []).append(index)
+    for indices in groups.values():
+        packed = lax.pmean(jnp.concatenate([leaves[i].ravel() for i in indices]), DATA_AXIS)
+        bounds = np.cumsum([leaves[i].size for i in indices])[:-1]
+        for index, part in zip(indices, jnp.split(packed, bounds), strict=True):
+            reduced[index] = part.reshape(leaves[index].shape)
+    return jax.tree.unflatten(treedef, reduced)
+
+
 def _split_micro_batches(batch: Any, accumulate: int) -> Any:
     """Reshapes each leaf ``(rows, ...)`` to ``(accumulate, rows // accumulate, ...)``."""
 
@@ -84,6 +107,7 @@ def _replica_train_step(
     has_aux: bool,
     has_model_state: bool,
     local_grads: bool,
+    pack: bool,
     precision: Precision,
     accumulate: int,
     lr_schedule: optax.Schedule | None,
@@ -158,9 +182,13 @@ def _replica_train_step(
             params, state.model_state, batch, _replica_rng(state), scale
         )
         # The one gradient all-reduce of the step (after all micro-batches).
-        grads = lax.pmean(cast_floats(grads, precision.reduce_dtype), DATA_AXIS)
+        grads = cast_floats(grads, precision.reduce_dtype)
+        metrics = {"loss": loss, **aux}
+        if pack:
+            grads, metrics = _pmean_packed((grads, metrics), vary=vary)
+        else:
+            grads, metrics = lax.pmean((grads, metrics), DATA_AXIS)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / scale, grads, state.params)
-        metrics = lax.pmean({"loss": loss, **aux}, DATA_AXIS)
         metrics["grad_norm"] = optax.tree.norm(grads)
         if lr_schedule is not None:
             # The optimizer's count advances only on applied updates (not fp16 skips).
@@ -390,6 +418,7 @@ def make_train_step(
         has_aux=has_aux,
         has_model_state=has_model_state,
         local_grads=backend == "jit",
+        pack=mesh.devices.flat[0].platform == "cpu",
         precision=precision or Precision(),
         accumulate=accumulate,
         lr_schedule=lr_schedule,
