@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import io
 import os
 import socket
@@ -140,10 +141,30 @@ def prepare(name: str, data_dir: str | None = None) -> str:
         return _prepare(check_dataset(name), name, data_dir or default_data_dir())
 
 
+@contextlib.contextmanager
+def _prepare_lock(data_dir: str):
+    """One preparer per directory: the processes of a run on one host share ``data_dir``."""
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, ".jdp-prepare.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _prepare(spec: DatasetSpec, name: str, data_dir: str) -> str:
     builder = _builder(spec.tfds_name, data_dir)
     if builder.is_prepared():
         return str(builder.data_dir)
+    with _prepare_lock(data_dir):
+        builder = _builder(spec.tfds_name, data_dir)  # another process may have prepared it
+        if builder.is_prepared():
+            return str(builder.data_dir)
+        return _download_and_prepare(spec, name, data_dir, builder)
+
+
+def _download_and_prepare(spec: DatasetSpec, name: str, data_dir: str, builder) -> str:
     if spec.download_host:
         elsewhere = (
             f"run `{_prepare_command(name, data_dir)}` where the network reaches it "
@@ -160,7 +181,6 @@ def _prepare(spec: DatasetSpec, name: str, data_dir: str) -> str:
                 f"prepare it (only to prepare, not to train); `pip install tensorflow` and "
                 f"rerun, or {elsewhere}"
             )
-    os.makedirs(data_dir, exist_ok=True)
     builder.download_and_prepare()
     return str(builder.data_dir)
 
