@@ -11,6 +11,7 @@ Examples:
     >>> state, metrics = step(state, jdp.shard_batch({"x": x, "y": y}, mesh))
 """
 
+from jdp import distributed
 from jdp.checkpoint import Checkpointer, load_params
 from jdp.config import TrainConfig
 from jdp.data.pipeline import Loader, eval_batches, train_batches
@@ -36,6 +37,7 @@ __all__ = [
     "TrainState",
     "UsageError",
     "create_train_state",
+    "distributed",
     "eval_batches",
     "evaluate",
     "fit",

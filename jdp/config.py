@@ -63,6 +63,22 @@ class TrainConfig:
     keep: int = _flag(3, "latest checkpoints to keep (the best by test accuracy is kept too)")
     no_resume: bool = _flag(False, "start fresh; refused when --ckpt-dir holds checkpoints")
     seed: int = _flag(0, "seed for initialisation and the data order")
+    coordinator: str | None = _flag(
+        None, "multi-process run: HOST:PORT of process 0 (or $JDP_COORDINATOR)"
+    )
+    num_processes: int | None = _flag(
+        None, "multi-process run: number of processes (or $JDP_NUM_PROCESSES)"
+    )
+    process_id: int | None = _flag(
+        None, "multi-process run: this process, 0..N-1 (or $JDP_PROCESS_ID)"
+    )
+    startup_timeout: float = _flag(300.0, "seconds to wait for every process to start")
+    heartbeat_timeout: float = _flag(
+        60.0, "seconds after which a silent process counts as lost and the run stops"
+    )
+    check_replicas_every: int = _flag(
+        0, "compare a checksum of the parameters on every device every N steps (0: off)"
+    )
 
     def __post_init__(self):
         parse_mesh_spec(self.mesh)
@@ -89,6 +105,10 @@ class TrainConfig:
             raise UsageError("--loader-workers must be >= 0 and --prefetch at least 1")
         if self.clip_norm < 0 or self.weight_decay < 0:
             raise UsageError("--clip-norm and --weight-decay must be >= 0")
+        if self.startup_timeout <= 0 or self.heartbeat_timeout <= 0:
+            raise UsageError("--startup-timeout and --heartbeat-timeout must be positive")
+        if self.check_replicas_every < 0:
+            raise UsageError("--check-replicas-every must be >= 0 (0: off)")
         if self.lr_reference_batch < 1:
             raise UsageError("--lr-reference-batch must be at least 1")
         if any(not part.strip().isdigit() for part in self.lr_boundaries.split(",") if part):
@@ -141,6 +161,8 @@ class TrainConfig:
 _TOPOLOGY_FIELDS = frozenset(
     {"mesh", "backend", "data_dir", "loader_workers", "prefetch", "eval_every"}
     | {"ckpt_dir", "ckpt_every", "keep", "no_resume"}
+    | {"coordinator", "num_processes", "process_id", "startup_timeout", "heartbeat_timeout"}
+    | {"check_replicas_every"}
 )
 
 
@@ -156,6 +178,10 @@ def _parse_optional_str(text: str) -> str | None:
     return text or None
 
 
+def _parse_optional_int(text: str) -> int | None:
+    return int(text) if text else None
+
+
 def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "jdp.train") -> TrainConfig:
     """Parses command-line flags (``--batch-size 256``) into a `TrainConfig`."""
     parser = _OneLineParser(prog=prog, description="Data-parallel training with jdp.")
@@ -167,7 +193,12 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "jdp.train") -
                 help=field.metadata["help"],
             )
             continue
-        kind = {"int": int, "float": float, "str": str}.get(str(field.type), _parse_optional_str)
+        kind = {
+            "int": int,
+            "float": float,
+            "str": str,
+            "int | None": _parse_optional_int,
+        }.get(str(field.type), _parse_optional_str)
         parser.add_argument(
             f"--{field.name.replace('_', '-')}",
             type=kind,

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jdp import distributed
 from jdp.checkpoint import Checkpointer, Preemption
 from jdp.config import TrainConfig
 from jdp.data.pipeline import check_train_batch, eval_batches, train_batches
@@ -72,11 +73,11 @@ def _progress_fields(metrics) -> dict[str, str]:
     return fields
 
 
-def setup_devices(mesh_spec: str) -> None:
-    """Before JAX starts: on a CPU-only machine, simulate as many devices as the mesh asks."""
+def setup_devices(mesh_spec: str, *, processes: int = 1) -> None:
+    """Before JAX starts: on a CPU-only machine, simulate the devices the mesh asks of a process."""
     wanted = requested_device_count(mesh_spec)
-    if wanted and wanted > 1:
-        simulate_cpu_devices(wanted)
+    if wanted and wanted > processes and wanted % processes == 0:
+        simulate_cpu_devices(wanted // processes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,14 @@ def build(config: TrainConfig, console: Console) -> Run:
     Raises:
         UsageError: a mesh, batch size, dataset or model that cannot work here.
     """
-    setup_devices(config.mesh)
+    cluster = distributed.initialize(
+        config.coordinator,
+        config.num_processes,
+        config.process_id,
+        startup_timeout=config.startup_timeout,
+        heartbeat_timeout=config.heartbeat_timeout,
+    )
+    setup_devices(config.mesh, processes=cluster.num_processes)
     mesh = make_mesh(config.mesh)
     replicas = data_size(mesh)
     check_batch_size(config.batch_size, mesh)
@@ -110,6 +118,11 @@ def build(config: TrainConfig, console: Console) -> Run:
             f"batch that is a multiple of {config.accumulate * replicas}"
         )
     devices = mesh.devices.size
+    if cluster.num_processes > 1:
+        console.line(
+            f"jdp: {cluster.num_processes} processes ({cluster.source}), coordinator "
+            f"{cluster.coordinator}, {jax.local_device_count()} devices each"
+        )
     if jax.default_backend() == "cpu" and devices > 1:
         console.line(
             f"jdp: no accelerator; mesh {config.mesh} runs on {devices} simulated CPU devices"
@@ -245,6 +258,8 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
                 return _preempted(config, state, step, preemption, started)
             if config.ckpt_every and step % config.ckpt_every == 0 and step != config.steps:
                 save(evaluated)
+            if config.check_replicas_every and step % config.check_replicas_every == 0:
+                distributed.check_replicas((state.params, state.model_state), step=step)
         ran = config.steps - start_step
         train_loss = float(metrics["loss"]) if metrics is not None else float("nan")
         steady = time.perf_counter() - steady_start if ran > 1 else 0.0

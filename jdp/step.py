@@ -336,13 +336,31 @@ def _compile(
 
     def call(state, batch):
         check(batch)
-        return pmapped(state, split(batch))
+        return _on_mesh(pmapped(state, split(batch)), mesh)
 
     def lower(state, batch):
         check(batch)
         return pmapped.lower(state, split(batch))
 
     return call, lower
+
+
+def _on_mesh(tree: Any, mesh: Mesh) -> Any:
+    """pmap's unmapped outputs as global arrays replicated on ``mesh``.
+
+    With several processes, ``out_axes=None`` gives arrays that span only this
+    process's devices; the jit backend's state, and Orbax, need global ones.
+    The per-device buffers are reused, not copied.
+    """
+    if jax.process_count() == 1:
+        return tree
+    sharding = replicated(mesh)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [shard.data for shard in x.addressable_shards]
+        ),
+        tree,
+    )
 
 
 def make_train_step(

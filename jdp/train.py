@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from jdp.config import parse_flags
+from jdp.distributed import ReplicaMismatchError
 from jdp.errors import UsageError
 from jdp.loop import fit
 from jdp.metrics import Console
@@ -19,6 +20,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         sys.stderr.write(f"jdp.train: error: {error}\n")
         return 2
+    except ReplicaMismatchError as error:
+        sys.stderr.write(f"jdp.train: error: {error}\n")
+        return 1
     console.line(result.summary_line())
     return 0
 

@@ -13,6 +13,7 @@ def test_public_names_are_pinned():
         "TrainState",
         "UsageError",
         "create_train_state",
+        "distributed",
         "eval_batches",
         "evaluate",
         "fit",

@@ -1,0 +1,333 @@
+"""Multi-process runs: start-up, the launcher, failures, replica checks, checkpoints across counts.
+
+The runs are real: several processes on loopback, joined by JAX's distributed
+runtime, all-reducing with gloo.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jdp import distributed
+from jdp.checkpoint import load_params
+from jdp.distributed import Cluster, ReplicaMismatchError, check_replicas
+from jdp.errors import UsageError
+from jdp.launch import free_port
+from jdp.mesh import replicated
+
+# One run, computed in 1 process or in 2; only topology flags are added to it.
+_RUN = ["--mesh", "data=8", "--steps", "120", "--warmup-steps", "10", "--eval-every", "20"]
+SUMMARY = re.compile(r"^(\[\d\] )?jdp\.train: steps=\d+ .*wall=[\d.]+s$", re.M)
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the commands set them
+
+
+def _train(*flags, nproc=None, grace=10, timeout=240, **popen):
+    command = [sys.executable, "-m", "jdp.train", *_RUN, *flags]
+    if nproc:
+        command = [
+            sys.executable, "-m", "jdp.launch", "--nproc", str(nproc),
+            "--devices-per-process", str(8 // nproc), "--grace", str(grace), "--", *command,
+        ]  # fmt: skip
+    if popen:
+        return subprocess.Popen(command, text=True, env=_env(), **popen)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def _assert_same_params(a_dir, b_dir):
+    a, b = load_params(str(a_dir)), load_params(str(b_dir))
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), a, b)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The run in one process with 8 devices, checkpointed every 60 steps."""
+    directory = tmp_path_factory.mktemp("single")
+    result = _train("--ckpt-dir", str(directory), "--ckpt-every", "60")
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
+@pytest.mark.parametrize("backend", ["jit", "pmap"])
+def test_two_processes_match_one(single, tmp_path, backend):
+    result = _train(
+        "--ckpt-dir", str(tmp_path), "--backend", backend, "--check-replicas-every", "40", nproc=2
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = SUMMARY.findall(result.stdout)
+    assert len(summaries) == 1 and summaries[0] == "[0] ", result.stdout
+    assert "jdp: 2 processes" in result.stdout
+    assert not re.search(r"^\[1\] jdp", result.stdout, re.M), "process 1 printed"
+    _assert_same_params(tmp_path, single)
+
+
+def _launched_pids(stderr_lines):
+    return {
+        int(m.group(1)): int(m.group(2))
+        for line in stderr_lines
+        if (m := re.search(r"started process (\d+) of \d+ \(pid (\d+)\)", line))
+    }
+
+
+def _read_lines(stream, into):
+    for line in iter(stream.readline, ""):
+        into.append(line)
+
+
+def test_a_lost_process_stops_the_others_within_the_heartbeat_timeout():
+    launcher = _train(
+        "--steps", "100000", "--heartbeat-timeout", "5", nproc=2,
+        grace=120,  # long: process 0 must be stopped by the runtime, not by the launcher
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    out, err = [], []
+    readers = [
+        threading.Thread(target=_read_lines, args=(launcher.stdout, out), daemon=True),
+        threading.Thread(target=_read_lines, args=(launcher.stderr, err), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("step 20: test_loss" in line for line in out):
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(out + err)
+            time.sleep(0.05)
+        os.kill(_launched_pids(err)[1], signal.SIGKILL)
+        killed = time.monotonic()
+        code = launcher.wait(timeout=90)
+        stopped_after = time.monotonic() - killed
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    for reader in readers:
+        reader.join(timeout=10)
+    launcher.stdout.close()
+    launcher.stderr.close()
+    text = "".join(err)
+    assert code != 0
+    assert "jdp.launch: process 1 killed by SIGKILL" in text
+    assert "process 1 of 2 failed first" in text
+    assert "killing process 0" not in text, text[-3000:]  # it stopped on its own
+    assert re.search(r"\[0\] .*unhealthy \(stopped sending heartbeats\)", text), text[-3000:]
+    assert stopped_after < 60, stopped_after
+
+
+def test_launcher_grace_kills_what_does_not_stop(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['JDP_PROCESS_ID'] == '1':\n"
+        "    sys.exit(3)\n"
+        "time.sleep(600)\n"
+    )
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--grace", "1", "--",
+         sys.executable, str(script)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 3
+    assert "killing process 0" in result.stderr
+    assert "process 1 of 2 failed first (exit code 3)" in result.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_sigterm_to_the_launcher_saves_and_one_process_resumes(tmp_path):
+    # Long enough that the signal lands mid-run. (Equality with one process is
+    # pinned on the 120-step runs above: over hundreds of Adam steps, gloo's and
+    # the in-process all-reduce's summation orders drift apart by rounding.)
+    steps = ["--steps", "400"]
+    stopped_dir = tmp_path / "stopped"
+    launcher = _train(
+        "--ckpt-dir", str(stopped_dir), *steps, nproc=2,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    out = []
+    reader = threading.Thread(target=_read_lines, args=(launcher.stdout, out), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("step 20: test_loss" in line for line in out):
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(out)
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    reader.join(timeout=10)
+    with launcher:  # closes the pipes
+        errors = launcher.stderr.read()
+    text = "".join(out)
+    assert code == 0, text[-2000:] + errors[-2000:]
+    stopped = re.search(r"^\[0\] jdp\.train: .* at step (\d+); checkpoint saved", text, re.M)
+    assert stopped, text[-2000:]
+    assert int(stopped.group(1)) < 400
+
+    result = _train("--ckpt-dir", str(stopped_dir), *steps)
+    assert result.returncode == 0, result.stderr
+    assert f"jdp: resuming from step {stopped.group(1)}" in result.stdout
+    accuracy = re.search(r"^jdp\.train: steps=400 .* test_accuracy=([\d.]+)", result.stdout, re.M)
+    assert accuracy and float(accuracy.group(1)) >= 0.95, result.stdout
+
+
+def test_checkpoints_move_between_one_and_two_processes(single, tmp_path):
+    # Two processes continue a one-process run from step 60 ...
+    two = tmp_path / "two"
+    shutil.copytree(single, two)
+    shutil.rmtree(two / "120")
+    result = _train("--ckpt-dir", str(two), nproc=2)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[0] jdp: resuming from step 60" in result.stdout
+    _assert_same_params(two, single)
+    # ... and one process continues a two-process run from step 60.
+    one = tmp_path / "one"
+    result = _train("--ckpt-dir", str(one), "--ckpt-every", "60", nproc=2)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    shutil.rmtree(one / "120")
+    result = _train("--ckpt-dir", str(one))
+    assert result.returncode == 0, result.stderr
+    assert "jdp: resuming from step 60" in result.stdout
+    _assert_same_params(one, single)
+
+
+_DIVERGED = textwrap.dedent(
+    """
+    import jax, numpy as np
+    from jdp import distributed
+    distributed.initialize()
+    from jdp.mesh import make_mesh, replicated
+    mesh = make_mesh("data=-1")
+    sharding = replicated(mesh)
+    value = np.full((3,), float(jax.process_index() == 1), np.float32)
+    params = jax.make_array_from_single_device_arrays(
+        (3,), sharding, [jax.device_put(value, d) for d in sharding.addressable_devices]
+    )
+    distributed.check_replicas({"w": params}, step=7)
+    """
+)
+
+
+def test_replica_check_across_processes_names_the_odd_one(tmp_path):
+    script = tmp_path / "diverged.py"
+    script.write_text(_DIVERGED)
+    result = subprocess.run(
+        [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "2", "--",
+         sys.executable, str(script)],
+        capture_output=True, text=True, timeout=120, env=_env(),
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert (
+        "replicas differ at step 7: parameters on process 1 device 2048, process 1 device 2049"
+        in result.stderr
+    ), result.stderr[-3000:]
+
+
+def test_replica_check_in_one_process(mesh8):
+    sharding = replicated(mesh8)
+    same = jax.device_put(np.arange(6.0, dtype=np.float32), sharding)
+    check_replicas({"w": same})
+    copies = [
+        jax.device_put(np.arange(6.0, dtype=np.float32) + (device.id == 5), device)
+        for device in sharding.addressable_devices
+    ]
+    diverged = jax.make_array_from_single_device_arrays((6,), sharding, copies)
+    with pytest.raises(ReplicaMismatchError, match=r"at step 3: parameters on process 0 device 5 "):
+        check_replicas({"w": same, "v": diverged}, step=3)
+
+
+def test_startup_names_the_missing_process():
+    result = subprocess.run(
+        [sys.executable, "-m", "jdp.train", "--coordinator", f"127.0.0.1:{free_port()}",
+         "--num-processes", "3", "--process-id", "0", "--startup-timeout", "2"],
+        capture_output=True, text=True, timeout=60, env=_env(),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line, no traceback
+    assert "processes 1, 2 of 3 did not reach the coordinator" in result.stderr
+    assert "--startup-timeout" in result.stderr
+
+
+def _handshake_all(clusters, timeout):
+    errors = {}
+
+    def run(cluster):
+        try:
+            distributed._handshake(cluster, timeout)
+        except UsageError as error:
+            errors[cluster.process_id] = str(error)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in clusters]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout + 30)
+    return errors
+
+
+def _clusters(count, ids, port):
+    address = f"127.0.0.1:{port}"
+    return [Cluster(count, i, address, bind=address) for i in ids]
+
+
+def test_handshake_meets_and_names_what_is_wrong():
+    assert _handshake_all(_clusters(3, [0, 1, 2], free_port()), timeout=20) == {}
+
+    errors = _handshake_all(_clusters(3, [0, 2], free_port()), timeout=2)
+    assert set(errors) == {0, 2}
+    assert all("process 1 of 3 did not reach" in text for text in errors.values())
+
+    errors = _handshake_all(_clusters(3, [0, 1, 1], free_port()), timeout=5)
+    assert "two processes were started with --process-id 1" in errors[0]
+
+    port = free_port()
+    wrong = [*_clusters(2, [0], port), *_clusters(3, [1], port)]
+    errors = _handshake_all(wrong, timeout=5)
+    assert "process 1 was started with --num-processes 3, process 0 with 2" in errors[1]
+
+
+def test_process_0_not_answering_is_named():
+    started = time.monotonic()
+    errors = _handshake_all(_clusters(2, [1], free_port()), timeout=1)
+    assert "process 0 did not answer at 127.0.0.1:" in errors[1]
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "needle"),
+    [
+        ({"num_processes": 2}, {}, "needs --coordinator (or JDP_COORDINATOR) and --process-id"),
+        ({"num_processes": 2, "process_id": 2, "coordinator": "h:1"}, {}, "not in 0..1"),
+        ({"num_processes": 2, "process_id": 0, "coordinator": "nohost"}, {}, "is not HOST:PORT"),
+        ({}, {"JDP_NUM_PROCESSES": "two"}, "JDP_NUM_PROCESSES='two' is not an integer"),
+    ],
+)
+def test_incomplete_settings_are_named(monkeypatch, kwargs, env, needle):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        distributed.resolve(**kwargs)
+
+
+def test_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("JDP_COORDINATOR", "10.0.0.1:1234")
+    monkeypatch.setenv("JDP_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JDP_PROCESS_ID", "3")
+    cluster = distributed.resolve()
+    assert (cluster.coordinator, cluster.num_processes, cluster.process_id) == (
+        "10.0.0.1:1234", 4, 3,
+    )  # fmt: skip
+    assert distributed.resolve(process_id=1).process_id == 1  # a flag wins
+    assert distributed.resolve(num_processes=1).num_processes == 1
