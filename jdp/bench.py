@@ -6,13 +6,20 @@ a real training run's loop spent waiting for input.
 
 ``checkpoint``: how long the training loop is blocked by an async save and by a
 synchronous save of the same state, and how long a restore takes.
+
+``multihost``: the same train step and global batch in 1 process x 1 device and
+in 2 processes x 1 device (started by ``jdp.launch``), with the time of the
+gradient all-reduce alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,15 +28,18 @@ from collections.abc import Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
+from jax.sharding import PartitionSpec
 
 from jdp.checkpoint import Checkpointer
 from jdp.config import TrainConfig
 from jdp.data.pipeline import TrainReader, host_batches, train_batches
 from jdp.errors import UsageError
 from jdp.loop import build, fit, setup_devices
-from jdp.mesh import make_mesh, process_rows
+from jdp.mesh import DATA_AXIS, make_mesh, process_rows
 from jdp.metrics import Console
 from jdp.state import create_train_state
+from jdp.step import _pmean_packed
 
 
 def _batches_per_sec(batches: Iterable, count: int) -> float:
@@ -153,6 +163,101 @@ def bench_checkpoint(mesh_spec: str, *, size_mb: int, repeats: int) -> list[str]
     return lines
 
 
+def _allreduce_seconds(tree, mesh, count: int, *, packed: bool) -> float:
+    """Median seconds of one ``pmean`` over ``data`` of a replicated pytree.
+
+    ``packed``: the leaves in one buffer, as the train step reduces them on CPU;
+    otherwise one buffer per leaf.
+    """
+
+    def vary(x):
+        return jax.tree.map(lambda leaf: lax.pcast(leaf, DATA_AXIS, to="varying"), x)
+
+    def mean(x):
+        return _pmean_packed(x, vary=vary) if packed else lax.pmean(vary(x), DATA_AXIS)
+
+    reduce = jax.jit(
+        jax.shard_map(mean, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec())
+    )
+    jax.block_until_ready(reduce(tree))
+    times = []
+    for _ in range(count):
+        started = time.perf_counter()
+        jax.block_until_ready(reduce(tree))
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def multihost_worker(config: TrainConfig, *, steps: int, out: str) -> None:
+    """One process of a ``multihost`` measurement; process 0 writes the figures as JSON."""
+    run = build(config, Console(enabled=False))
+    with train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=0) as loader:
+        batch = next(loader)
+    hlo = run.train_step.lower(run.state, batch).compile().as_text()
+    # What the step reduces: the gradients (shaped as the params) and the loss.
+    reduced = (run.state.params, jnp.zeros((), jnp.float32))
+    reduce_seconds = {
+        packed: _allreduce_seconds(reduced, run.mesh, steps, packed=packed)
+        for packed in (False, True)
+    }
+    rate = _steps_per_sec(run, batch, steps)  # donates run.state: last
+    if jax.process_index() == 0:
+        figures = {
+            "processes": jax.process_count(),
+            "devices": run.mesh.devices.size,
+            "examples_per_sec": rate * config.batch_size,
+            "step_seconds": 1 / rate,
+            "allreduce_seconds": reduce_seconds[True],
+            "allreduce_per_leaf_seconds": reduce_seconds[False],
+            "leaves": len(jax.tree.leaves(reduced)),
+            "allreduce_ops": len(re.findall(r"\sall-reduce(?:-start)?\(", hlo)),
+            "gradient_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(run.state.params)),
+        }
+        with open(out, "w") as file:
+            json.dump(figures, file)
+
+
+def bench_multihost(config: TrainConfig, *, steps: int) -> list[str]:
+    """Runs ``multihost_worker`` as 1 process x 1 device and 2 x 1; returns the report's lines."""
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="jdp-bench-") as root:
+        for nproc in (1, 2):
+            out = os.path.join(root, f"{nproc}.json")
+            command = [
+                sys.executable, "-m", "jdp.launch", "--nproc", str(nproc),
+                "--devices-per-process", "1", "--",
+                sys.executable, "-m", "jdp.bench", "multihost-worker", "--out", out,
+                "--model", config.model, "--dataset", config.dataset,
+                "--batch-size", str(config.batch_size), "--steps", str(steps),
+            ]  # fmt: skip
+            if config.data_dir:
+                command += ["--data-dir", config.data_dir]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            if done.returncode or not os.path.exists(out):
+                raise RuntimeError(f"{nproc}-process worker failed:\n{done.stderr[-3000:]}")
+            with open(out) as file:
+                results[nproc] = json.load(file)
+    one, two = results[1], results[2]
+    lines = [
+        f"jdp.bench multihost: {config.model} on {config.dataset}, global batch "
+        f"{config.batch_size}, {steps} steps, {jax.devices()[0].device_kind}",
+        f"  {'':<26}{'examples/s':>12}{'step ms':>10}{'all-reduce ms: packed':>24}{'per leaf':>10}",
+    ]
+    for name, figures in (("1 process x 1 device", one), ("2 processes x 1 device", two)):
+        lines.append(
+            f"  {name:<26}{figures['examples_per_sec']:>12,.0f}"
+            f"{figures['step_seconds'] * 1e3:>10.2f}{figures['allreduce_seconds'] * 1e3:>24.2f}"
+            f"{figures['allreduce_per_leaf_seconds'] * 1e3:>10.2f}"
+        )
+    lines.append(
+        f"  2 processes / 1 process: {two['examples_per_sec'] / one['examples_per_sec']:.2f}x "
+        f"examples/s; the step's all-reduce ops: {two['allreduce_ops']}, "
+        f"{two['gradient_bytes'] / 1024:,.0f} KiB of gradients in {two['leaves']} leaves "
+        "(with the loss)"
+    )
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jdp.bench", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -170,8 +275,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     saves.add_argument("--mesh", default="data=8")
     saves.add_argument("--size-mb", type=int, default=128, help="parameter megabytes")
     saves.add_argument("--repeats", type=int, default=3)
+    for name, text in (
+        ("multihost", "1 process x 1 device vs 2 processes x 1 device, all-reduce time"),
+        ("multihost-worker", "one process of the multihost measurement (started by it)"),
+    ):
+        multihost = commands.add_parser(name, help=text)
+        multihost.add_argument("--model", default="mlp")
+        multihost.add_argument("--dataset", default="digits")
+        multihost.add_argument("--data-dir", default=None)
+        multihost.add_argument("--batch-size", type=int, default=128)
+        multihost.add_argument("--steps", type=int, default=200, help="train steps timed")
+        if name == "multihost-worker":
+            multihost.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     try:
+        if args.command.startswith("multihost"):
+            config = TrainConfig(
+                mesh="data=-1",
+                model=args.model,
+                dataset=args.dataset,
+                data_dir=args.data_dir,
+                batch_size=args.batch_size,
+            )
+            if args.command == "multihost-worker":
+                multihost_worker(config, steps=args.steps, out=args.out)
+                return 0
+            print("\n".join(bench_multihost(config, steps=args.steps)))
+            return 0
         if args.command == "checkpoint":
             print(
                 "\n".join(bench_checkpoint(args.mesh, size_mb=args.size_mb, repeats=args.repeats))

@@ -49,3 +49,20 @@ def test_checkpoint_benchmark_reports_blocked_and_restore_times():
         r"async save: +loop blocked [\d.]+ s \([\d.]+% of synchronous\)", result.stdout
     )
     assert re.search(r"restore \(latest, onto the mesh\): [\d.]+ s", result.stdout)
+
+
+def test_multihost_benchmark_compares_one_and_two_processes():
+    result = _bench("multihost", "--steps 10")
+    assert result.returncode == 0, result.stderr
+    rows = dict(
+        re.findall(
+            r"^  (\d+ process(?:es)? x 1 device) +([\d,]+) +[\d.]+ +[\d.]+ +[\d.]+$",
+            result.stdout,
+            re.M,
+        )
+    )
+    assert set(rows) == {"1 process x 1 device", "2 processes x 1 device"}, result.stdout
+    assert all(int(rate.replace(",", "")) > 0 for rate in rows.values())
+    assert re.search(
+        r"2 processes / 1 process: [\d.]+x examples/s; the step's all-reduce ops: 1,", result.stdout
+    ), result.stdout
