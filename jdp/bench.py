@@ -39,7 +39,7 @@ from jdp.loop import build, fit, setup_devices
 from jdp.mesh import DATA_AXIS, make_mesh, process_rows
 from jdp.metrics import Console
 from jdp.state import create_train_state
-from jdp.step import _pmean_packed
+from jdp.step import pmean_packed
 
 
 def _batches_per_sec(batches: Iterable, count: int) -> float:
@@ -174,7 +174,7 @@ def _allreduce_seconds(tree, mesh, count: int, *, packed: bool) -> float:
         return jax.tree.map(lambda leaf: lax.pcast(leaf, DATA_AXIS, to="varying"), x)
 
     def mean(x):
-        return _pmean_packed(x, vary=vary) if packed else lax.pmean(vary(x), DATA_AXIS)
+        return pmean_packed(x, vary=vary) if packed else lax.pmean(vary(x), DATA_AXIS)
 
     reduce = jax.jit(
         jax.shard_map(mean, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec())
@@ -232,9 +232,16 @@ def bench_multihost(config: TrainConfig, *, steps: int) -> list[str]:
             ]  # fmt: skip
             if config.data_dir:
                 command += ["--data-dir", config.data_dir]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-            if done.returncode or not os.path.exists(out):
-                raise RuntimeError(f"{nproc}-process worker failed:\n{done.stderr[-3000:]}")
+            launcher = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            try:
+                _, errors = launcher.communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                launcher.terminate()  # the launcher stops its processes
+                _, errors = launcher.communicate()
+            if launcher.returncode or not os.path.exists(out):
+                raise RuntimeError(f"{nproc}-process worker failed:\n{errors[-3000:]}")
             with open(out) as file:
                 results[nproc] = json.load(file)
     one, two = results[1], results[2]

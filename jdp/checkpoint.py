@@ -292,7 +292,7 @@ class Preemption:
 
     @property
     def signal_name(self) -> str:
-        return signal.Signals(self._signal).name if self._signal else "preemption notice"
+        return signal.Signals(self._signal).name if self._signal else "preemption notice (SIGTERM)"
 
     def __exit__(self, *exc_info) -> None:
         for number, handler in self._previous.items():

@@ -12,6 +12,7 @@ after its timeout without saying which one is missing; the handshake names it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -34,7 +35,7 @@ ENV_COORDINATOR_BIND = "JDP_COORDINATOR_BIND"  # where process 0 listens (defaul
 # Cluster environments whose variables say where every process is; the Kubernetes
 # detector needs the kubernetes package and a JobSet, mpi4py is opt-in: for those,
 # set the JDP_* variables (docs/multihost.md shows how).
-_DETECTED_CLUSTERS = ("slurm", "ompi", "tpu", "gcetpu", "gketpu")
+_DETECTED_CLUSTERS = ("slurm", "ompi", "gcetpu", "gketpu")
 
 _HELLO = "jdp-hello/1"
 
@@ -108,38 +109,43 @@ def resolve(
         num_processes = _env_int(ENV_NUM_PROCESSES)
     if process_id is None:
         process_id = _env_int(ENV_PROCESS_ID)
-    given = {
-        "coordinator": coordinator or os.environ.get(ENV_COORDINATOR) or None,
-        "num_processes": num_processes,
-        "process_id": process_id,
-    }
-    if all(value is None for value in given.values()):
-        return _detect_cluster(detect_timeout) or Cluster()
-    count = given["num_processes"] or 1
-    if count < 1:
-        raise UsageError(f"--num-processes must be at least 1, got {count}")
-    if count == 1:
-        return Cluster(source="flags")
-    if given["coordinator"] is None or given["process_id"] is None:
-        missing = [
-            f"--{name.replace('_', '-')} (or {env})"
-            for (name, value), env in zip(
-                given.items(), (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID), strict=True
-            )
-            if value is None
-        ]
-        raise UsageError(f"a {count}-process run also needs {' and '.join(missing)}")
-    index = given["process_id"]
-    if not 0 <= index < count:
-        raise UsageError(f"--process-id {index} is not in 0..{count - 1} (--num-processes {count})")
-    _split_address(given["coordinator"], "--coordinator")
+    coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
     bind = os.environ.get(ENV_COORDINATOR_BIND) or None
     if bind is not None:
         _split_address(bind, ENV_COORDINATOR_BIND)
+    if coordinator is None and num_processes is None and process_id is None:
+        detected = _detect_cluster(detect_timeout)
+        return dataclasses.replace(detected, bind=bind) if detected else Cluster()
+    if num_processes is None:
+        # Never guess 1 here: every process would train alone into one --ckpt-dir.
+        raise UsageError(
+            "--coordinator or --process-id is set but not --num-processes (or "
+            f"{ENV_NUM_PROCESSES}); give every process the run's process count"
+        )
+    if num_processes < 1:
+        raise UsageError(f"--num-processes must be at least 1, got {num_processes}")
+    if process_id is not None and not 0 <= process_id < num_processes:
+        raise UsageError(
+            f"--process-id {process_id} is not in 0..{num_processes - 1} "
+            f"(--num-processes {num_processes})"
+        )
+    if num_processes == 1:
+        return Cluster(source="flags")
+    missing = [
+        f"{flag} (or {env})"
+        for flag, env, value in (
+            ("--coordinator", ENV_COORDINATOR, coordinator),
+            ("--process-id", ENV_PROCESS_ID, process_id),
+        )
+        if value is None
+    ]
+    if missing:
+        raise UsageError(f"a {num_processes}-process run also needs {' and '.join(missing)}")
+    _split_address(coordinator, "--coordinator")
     return Cluster(
-        num_processes=count,
-        process_id=index,
-        coordinator=given["coordinator"],
+        num_processes=num_processes,
+        process_id=process_id,
+        coordinator=coordinator,
         bind=bind,
         source="flags and JDP_* variables",
     )
@@ -200,17 +206,12 @@ def initialize(
         cluster_detection_method="deactivate",
         initialization_timeout=max(30, int(startup_timeout - (time.monotonic() - started))),
         heartbeat_timeout_seconds=max(1, round(heartbeat_timeout)),
-        shutdown_timeout_seconds=max(1, round(heartbeat_timeout)),
+        # How long a finished process waits for the others at exit: they may be
+        # seconds behind (a last eval, a save), so not the short heartbeat timeout.
+        shutdown_timeout_seconds=max(1, round(startup_timeout)),
         coordinator_bind_address=cluster.bind,
     )
     return cluster
-
-
-def process_count() -> int:
-    """Processes in this run, known before JAX starts its backends."""
-    from jax._src import distributed as jax_distributed
-
-    return jax_distributed.global_state.num_processes or 1
 
 
 def _handshake(cluster: Cluster, timeout: float) -> None:
@@ -221,70 +222,100 @@ def _handshake(cluster: Cluster, timeout: float) -> None:
         _report(cluster, timeout)
 
 
+def _listen(cluster: Cluster) -> socket.socket:
+    """Process 0's handshake socket: where JAX's service will listen next."""
+    port = _split_address(cluster.bind or cluster.coordinator, "coordinator")[1]
+    try:
+        if cluster.bind:
+            host = _split_address(cluster.bind, ENV_COORDINATOR_BIND)[0]
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            return socket.create_server((host, port), family=family)
+        if socket.has_dualstack_ipv6():  # every interface, IPv4 and IPv6, as JAX's service
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        return socket.create_server(("", port))
+    except OSError as error:
+        raise UsageError(
+            f"process 0 cannot listen on port {port} ({error.strerror or error}); choose a "
+            "free port in --coordinator"
+        ) from None
+
+
 def _gather(cluster: Cluster, timeout: float) -> None:
-    host, port = _split_address(cluster.bind or cluster.coordinator, "coordinator")
-    bind_host = host if cluster.bind else ""  # like JAX's service: every interface
     deadline = time.monotonic() + timeout
     arrived: dict[int, socket.socket] = {}
-    try:
-        with socket.create_server((bind_host, port), family=_family(bind_host)) as server:
-            message = None
-            while len(arrived) < cluster.num_processes - 1:
+    message = None
+    with _listen(cluster) as server:
+        try:
+            while message is None:
+                _drop_departed(arrived)
+                if len(arrived) == cluster.num_processes - 1:
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    missing = [p for p in range(1, cluster.num_processes) if p not in arrived]
+                    message = _missing_message(missing, cluster, timeout)
                     break
                 server.settimeout(min(left, 1.0))
                 try:
                     connection, _ = server.accept()
                 except TimeoutError:
                     continue
+                except OSError:  # an aborted connection, or out of file descriptors
+                    time.sleep(0.1)
+                    continue
                 message = _admit(connection, cluster, arrived)
-                if message:
-                    _send(connection, f"error {message}")
-                    connection.close()
-                    break
-            missing = [p for p in range(1, cluster.num_processes) if p not in arrived]
-            if missing and message is None:
-                message = _missing_message(missing, cluster, timeout)
+            reply = f"error {message}" if message else "go"
             for connection in arrived.values():
-                _send(connection, f"error {message}" if message else "go")
+                _send(connection, reply)
             for connection in arrived.values():  # the peers close first (TIME_WAIT stays there)
                 connection.settimeout(5)
                 with contextlib.suppress(OSError):
                     connection.recv(1)
-            if message:
-                raise UsageError(message)
-    except OSError as error:
-        raise UsageError(
-            f"process 0 cannot listen on port {port} ({error.strerror or error}); choose a "
-            "free port in --coordinator"
-        ) from None
-    finally:
-        for connection in arrived.values():
+        finally:
+            for connection in arrived.values():
+                connection.close()
+    if message:
+        raise UsageError(message)
+
+
+def _drop_departed(arrived: dict[int, socket.socket]) -> None:
+    """Forgets processes whose connection closed while they waited (they gave up or died)."""
+    for index, connection in list(arrived.items()):
+        try:
+            departed = connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            departed = False  # open, nothing to read: still waiting for the verdict
+        except OSError:
+            departed = True
+        if departed:
             connection.close()
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
+            del arrived[index]
 
 
 def _admit(connection: socket.socket, cluster: Cluster, arrived: dict) -> str | None:
-    """Reads one process's hello; returns what is wrong with it, if anything."""
+    """Reads one process's hello and keeps its connection; returns what is wrong, if anything."""
     connection.settimeout(5)
     try:
         words = connection.makefile("r").readline().split()
     except OSError:
-        return None
+        words = []
     if len(words) != 3 or words[0] != _HELLO or not (words[1] + words[2]).isdigit():
-        return None  # not a jdp process: a port scanner, a health probe
+        connection.close()  # not a jdp process: a port scanner, a health probe
+        return None
     index, count = int(words[1]), int(words[2])
+    problem = None
     if count != cluster.num_processes:
-        return (
+        problem = (
             f"process {index} was started with --num-processes {count}, process 0 with "
             f"{cluster.num_processes}; start every process with the same count"
         )
-    if index in arrived or index == 0 or not 0 < index < count:
-        return f"two processes were started with --process-id {index}; give each its own id"
+    elif index in arrived:
+        problem = f"two processes were started with --process-id {index}; give each its own id"
+    if problem:
+        _send(connection, f"error {problem}")
+        connection.close()
+        return problem
+    connection.settimeout(None)
     arrived[index] = connection
     return None
 
@@ -315,7 +346,10 @@ def _report(cluster: Cluster, timeout: float) -> None:
             continue
         with connection:
             _send(connection, f"{_HELLO} {cluster.process_id} {cluster.num_processes}")
-            connection.settimeout(max(deadline - time.monotonic(), 0) + 10)
+            # Process 0 answers by its own deadline, at most `timeout` from now (it is
+            # listening already); until then this process waits, whatever its own
+            # deadline, so that it is not counted and then lost.
+            connection.settimeout(timeout + 10)
             try:
                 reply = connection.makefile("r").readline().strip()
             except OSError:
@@ -349,8 +383,8 @@ def check_replicas(tree: Any, *, step: int | None = None) -> None:
     """Checks that every device of every process holds the same bytes of ``tree``.
 
     Raises:
-        ReplicaMismatchError: naming the devices and processes whose copy differs
-            from process 0's first device.
+        ReplicaMismatchError: naming the devices whose copy differs from the one
+            most devices hold (process 0's, on a tie).
     """
     digests = replica_digests(tree)
     local = np.array(sorted(digests.items()), dtype=np.uint32)  # (devices, 2): id, crc
@@ -360,7 +394,10 @@ def check_replicas(tree: Any, *, step: int | None = None) -> None:
         table = np.asarray(multihost_utils.process_allgather(local))  # (processes, devices, 2)
     else:
         table = local[None]
-    reference = table[0, 0, 1]
+    counts = collections.Counter(int(digest) for digest in table[..., 1].ravel())
+    most = max(counts.values())
+    first = int(table[0, 0, 1])
+    reference = first if counts[first] == most else counts.most_common(1)[0][0]
     differ = [
         (process, int(device))
         for process in range(table.shape[0])
@@ -371,7 +408,7 @@ def check_replicas(tree: Any, *, step: int | None = None) -> None:
         where = ", ".join(f"process {process} device {device}" for process, device in differ)
         at = f" at step {step}" if step is not None else ""
         raise ReplicaMismatchError(
-            f"replicas differ{at}: parameters on {where} are not those of process 0 device "
-            f"{int(table[0, 0, 0])}; stopping, since the run is no longer data-parallel "
-            "(a non-deterministic op or a faulty device)"
+            f"replicas differ{at}: parameters on {where} are not those the other "
+            f"{counts[reference]} devices hold; stopping, since the run is no longer "
+            "data-parallel (a non-deterministic op or a faulty device)"
         )

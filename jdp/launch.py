@@ -5,7 +5,8 @@ What a cluster scheduler does, on one host: each process gets ``JDP_COORDINATOR`
 the coordinator listens on loopback only. Output lines carry the process id. The
 launcher exits with the first non-zero exit code; once a process fails, the
 others get ``--grace`` seconds to end on their own and are then killed.
-SIGTERM and SIGINT are passed on to every process (a jdp run saves and stops).
+SIGTERM, SIGINT or SIGHUP sends SIGTERM to every process (a jdp run saves and
+stops); a second signal kills them.
 """
 
 from __future__ import annotations
@@ -90,33 +91,50 @@ def launch(
     lock = threading.Lock()
     children: list[subprocess.Popen] = []
     relays: list[threading.Thread] = []
-    for rank in range(nproc):
-        child = subprocess.Popen(
-            list(command),
-            env=process_env(rank, nproc, port, devices_per_process=devices_per_process),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # so a signal reaches a process's own workers too
-        )
-        children.append(child)
-        for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-            relay = threading.Thread(target=_relay, args=(stream, rank, out, lock), daemon=True)
-            relay.start()
-            relays.append(relay)
-        _say(lock, f"started process {rank} of {nproc} (pid {child.pid})")
+    signals: list[int] = []
 
-    def forward(number, frame):
+    def stop(number, frame):
+        # The first signal asks every process to stop as a run stops for preemption
+        # (SIGTERM: a jdp run saves at an agreed step; SIGINT would interrupt it
+        # mid-step); a second one kills.
+        signals.append(number)
         for child in children:
             if child.poll() is None:
-                _signal_group(child, number)
+                if len(signals) == 1:
+                    child.send_signal(signal.SIGTERM)  # the process, not its loader workers
+                else:
+                    _signal_group(child, signal.SIGKILL)
 
     previous = {
-        number: signal.signal(number, forward) for number in (signal.SIGTERM, signal.SIGINT)
+        number: signal.signal(number, stop)
+        for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     }
+    failed = None
     try:
+        for rank in range(nproc):
+            if signals:
+                break
+            child = subprocess.Popen(
+                list(command),
+                env=process_env(rank, nproc, port, devices_per_process=devices_per_process),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                errors="backslashreplace",  # a stray byte must not stop the relay (and the child)
+                start_new_session=True,  # the launcher's signals go through `stop`
+            )
+            children.append(child)
+            for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
+                relay = threading.Thread(target=_relay, args=(stream, rank, out, lock), daemon=True)
+                relay.start()
+                relays.append(relay)
+            _say(lock, f"started process {rank} of {nproc} (pid {child.pid})")
         failed = _supervise(children, grace, lock)
     finally:
+        for child in children:  # nothing outlives the launcher
+            if child.poll() is None:
+                _signal_group(child, signal.SIGKILL)
+                child.wait()
         for number, handler in previous.items():
             signal.signal(number, handler)
         for relay in relays:

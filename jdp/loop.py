@@ -235,7 +235,9 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
                 prefetch=config.prefetch,
             )
         )
-        preemption = stack.enter_context(Preemption()) if checkpoints is not None else None
+        # Several processes: JAX's runtime takes SIGTERM over, so it is always asked.
+        watch = checkpoints is not None or jax.process_count() > 1
+        preemption = stack.enter_context(Preemption()) if watch else None
         console.start_progress(config.steps - start_step)
         metrics = None
         shown = start_step
@@ -252,8 +254,9 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
             if config.eval_every and step % config.eval_every == 0 and step != config.steps:
                 evaluated = run_eval(step)
             if preemption is not None and preemption.reached(step):
-                save(evaluated)
-                checkpoints.wait()
+                if checkpoints is not None:
+                    save(evaluated)
+                    checkpoints.wait()
                 console.close_progress()
                 return _preempted(config, state, step, preemption, started)
             if config.ckpt_every and step % config.ckpt_every == 0 and step != config.steps:
@@ -322,5 +325,8 @@ def _preempted(
         preempted=(
             f"jdp.train: {preemption.signal_name} at step {step}; checkpoint saved in "
             f"{os.path.abspath(config.ckpt_dir)}; run the same command to resume"
+            if config.ckpt_dir
+            else f"jdp.train: {preemption.signal_name} at step {step}; stopped without saving "
+            "(no --ckpt-dir)"
         ),
     )

@@ -63,7 +63,7 @@ def _pmean_floats(tree: Any) -> Any:
     )
 
 
-def _pmean_packed(tree: Any, *, vary: Callable[[Any], Any]) -> Any:
+def pmean_packed(tree: Any, *, vary: Callable[[Any], Any]) -> Any:
     """``pmean`` over ``data`` of every leaf, packed in one buffer per dtype.
 
     On CPU, collectives cost a fixed latency per buffer (gloo between processes
@@ -185,7 +185,7 @@ def _replica_train_step(
         grads = cast_floats(grads, precision.reduce_dtype)
         metrics = {"loss": loss, **aux}
         if pack:
-            grads, metrics = _pmean_packed((grads, metrics), vary=vary)
+            grads, metrics = pmean_packed((grads, metrics), vary=vary)
         else:
             grads, metrics = lax.pmean((grads, metrics), DATA_AXIS)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / scale, grads, state.params)

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -298,6 +299,63 @@ def test_handshake_meets_and_names_what_is_wrong():
     assert "process 1 was started with --num-processes 3, process 0 with 2" in errors[1]
 
 
+def test_a_process_that_left_the_handshake_is_missing_not_counted():
+    port = free_port()
+    (cluster,) = _clusters(3, [0], port)
+    errors = {}
+
+    def gather():
+        try:
+            distributed._handshake(cluster, 3)
+        except UsageError as error:
+            errors[0] = str(error)
+
+    thread = threading.Thread(target=gather)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while True:  # process 1 says hello, then gives up before the verdict
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as gone:
+                gone.sendall(b"jdp-hello/1 1 3\n")
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    thread.join(timeout=30)
+    assert "processes 1, 2 of 3 did not reach" in errors[0]
+
+
+def test_sigint_to_the_launcher_stops_a_run_without_checkpoints():
+    launcher = _train(
+        "--steps", "100000", nproc=2, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )  # fmt: skip
+    out = []
+    reader = threading.Thread(target=_read_lines, args=(launcher.stdout, out), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("step 20: test_loss" in line for line in out):
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(out)
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGINT)
+        code = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    reader.join(timeout=10)
+    with launcher:
+        errors = launcher.stderr.read()
+    text = "".join(out)
+    assert code == 0, text[-2000:] + errors[-2000:]
+    assert re.search(
+        r"^\[0\] jdp\.train: preemption notice \(SIGTERM\) at step \d+; stopped without "
+        r"saving \(no --ckpt-dir\)$",
+        text,
+        re.M,
+    ), text[-2000:]
+    assert "KeyboardInterrupt" not in errors
+
+
 def test_process_0_not_answering_is_named():
     started = time.monotonic()
     errors = _handshake_all(_clusters(2, [1], free_port()), timeout=1)
@@ -309,6 +367,8 @@ def test_process_0_not_answering_is_named():
     ("kwargs", "env", "needle"),
     [
         ({"num_processes": 2}, {}, "needs --coordinator (or JDP_COORDINATOR) and --process-id"),
+        ({"process_id": 1, "coordinator": "h:1"}, {}, "but not --num-processes"),
+        ({"num_processes": 0}, {}, "--num-processes must be at least 1"),
         ({"num_processes": 2, "process_id": 2, "coordinator": "h:1"}, {}, "not in 0..1"),
         ({"num_processes": 2, "process_id": 0, "coordinator": "nohost"}, {}, "is not HOST:PORT"),
         ({}, {"JDP_NUM_PROCESSES": "two"}, "JDP_NUM_PROCESSES='two' is not an integer"),
@@ -330,4 +390,4 @@ def test_settings_from_the_environment(monkeypatch):
         "10.0.0.1:1234", 4, 3,
     )  # fmt: skip
     assert distributed.resolve(process_id=1).process_id == 1  # a flag wins
-    assert distributed.resolve(num_processes=1).num_processes == 1
+    assert distributed.resolve(num_processes=1, process_id=0).num_processes == 1
