@@ -7,7 +7,7 @@ import logging
 import sys
 
 import jax
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 # Off a terminal a bar is noise in a log; print a plain line this often instead.
 _LOG_FRACTION = 0.1

@@ -1,0 +1,55 @@
+"""The Colab notebook runs top to bottom on CPU, as CI's kernel runs it."""
+
+import json
+import pathlib
+import re
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOK = pathlib.Path(__file__).parent.parent / "colab" / "jdp_tpu.ipynb"
+
+
+def _text(cell) -> str:
+    parts = []
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "stream":
+            parts.append(output["text"])
+        elif "data" in output and "text/plain" in output["data"]:
+            parts.append(output["data"]["text/plain"])
+    return "\n".join(parts)
+
+
+def test_committed_notebook_has_no_outputs():
+    notebook = json.loads(NOTEBOOK.read_text())
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None, cell["source"][:80]
+
+
+@pytest.mark.timeout(600)
+def test_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the notebook sets up its own devices
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(
+        notebook,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    ).execute()  # raises CellExecutionError naming the cell that failed
+    text = "\n".join(_text(cell) for cell in notebook.cells)
+    assert "jdp is already installed: setup skipped" in text
+    assert "devices: no accelerator; 8 simulated CPU devices" in text
+    assert "MNIST is not available here:" in text  # offline: the bundled digits instead
+    final = re.search(r"final test accuracy: ([\d.]+) on 359 test images", text)
+    assert final and float(final.group(1)) >= 0.95, text
+    assert re.search(r"restored from step 400: test accuracy ([\d.]+) \(before saving", text)
+    assert len(re.findall(r"^\d device\(s\): [\d,]+ examples/s$", text, re.M)) == 4
+    images = [
+        output
+        for cell in notebook.cells
+        for output in cell.get("outputs", [])
+        if "image/png" in output.get("data", {})
+    ]
+    assert len(images) == 2
