@@ -63,6 +63,13 @@ class TrainConfig:
     keep: int = _flag(3, "latest checkpoints to keep (the best by test accuracy is kept too)")
     no_resume: bool = _flag(False, "start fresh; refused when --ckpt-dir holds checkpoints")
     seed: int = _flag(0, "seed for initialisation and the data order")
+    log_dir: str | None = _flag(
+        None, "run directory: TensorBoard events, metrics.jsonl, config.json, run.json, profiles"
+    )
+    log_every: int = _flag(20, "write train metrics (loss, lr, examples/s, MFU) every N steps")
+    profile_steps: str = _flag(
+        "", "profile steps A:B (inclusive) into LOG_DIR/profile, e.g. 10:15 (needs --log-dir)"
+    )
     coordinator: str | None = _flag(
         None, "multi-process run: HOST:PORT of process 0 (or $JDP_COORDINATOR)"
     )
@@ -107,6 +114,9 @@ class TrainConfig:
             raise UsageError("--clip-norm and --weight-decay must be >= 0")
         if self.startup_timeout <= 0 or self.heartbeat_timeout <= 0:
             raise UsageError("--startup-timeout and --heartbeat-timeout must be positive")
+        if self.log_every < 1:
+            raise UsageError("--log-every must be at least 1")
+        _ = self.profile_window  # checks --profile-steps
         if self.check_replicas_every < 0:
             raise UsageError("--check-replicas-every must be >= 0 (0: off)")
         if self.lr_reference_batch < 1:
@@ -116,6 +126,24 @@ class TrainConfig:
         make_precision(self.precision, reduce=self.reduce_dtype)
         make_optimizer(self.optimizer)
         self.make_schedule()  # checks the name, the warmup and the boundaries
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """``--profile-steps A:B`` as ``(A, B)``, or None."""
+        if not self.profile_steps:
+            return None
+        first, _, last = self.profile_steps.partition(":")
+        if not (first.isdigit() and last.isdigit()) or not 1 <= int(first) <= int(last):
+            raise UsageError(
+                f"--profile-steps {self.profile_steps!r}: write FIRST:LAST steps, e.g. 10:15"
+            )
+        if int(last) > self.steps:
+            raise UsageError(
+                f"--profile-steps {self.profile_steps} ends after --steps {self.steps}"
+            )
+        if self.log_dir is None:
+            raise UsageError("--profile-steps needs --log-dir DIR (the trace goes in DIR/profile)")
+        return int(first), int(last)
 
     @property
     def peak_lr(self) -> float:
@@ -162,7 +190,7 @@ _TOPOLOGY_FIELDS = frozenset(
     {"mesh", "backend", "data_dir", "loader_workers", "prefetch", "eval_every"}
     | {"ckpt_dir", "ckpt_every", "keep", "no_resume"}
     | {"coordinator", "num_processes", "process_id", "startup_timeout", "heartbeat_timeout"}
-    | {"check_replicas_every"}
+    | {"check_replicas_every", "log_dir", "log_every", "profile_steps"}
 )
 
 

@@ -26,7 +26,16 @@ from jdp.mesh import (
     requested_device_count,
     simulate_cpu_devices,
 )
-from jdp.metrics import Console
+from jdp.metrics import (
+    Console,
+    MetricLogger,
+    ProfileWindow,
+    Throughput,
+    open_writers,
+    peak_flops,
+    step_flops,
+    write_run_info,
+)
 from jdp.models import classifier_loss, classifier_metrics, get_model, init_variables
 from jdp.precision import make_precision
 from jdp.state import TrainState, create_train_state
@@ -61,7 +70,7 @@ class FitResult:
         )
 
 
-def _progress_fields(metrics) -> dict[str, str]:
+def _progress_fields(metrics, latest: dict | None) -> dict[str, str]:
     values = jax.device_get(metrics)
     fields = {"loss": f"{values['loss']:.4f}"}
     for name in ("lr", "grad_norm"):
@@ -70,7 +79,53 @@ def _progress_fields(metrics) -> dict[str, str]:
     if "loss_scale" in values:
         fields["loss_scale"] = f"{values['loss_scale']:g}"
         fields["skipped"] = str(int(values["skipped_steps"]))
+    if latest and "examples_per_sec" in latest:  # over the last logging interval
+        fields["examples/s"] = f"{latest['examples_per_sec']:,.0f}"
     return fields
+
+
+def _metric_logger(config: TrainConfig) -> MetricLogger:
+    """Process 0's metric logger: writers in ``--log-dir`` when given, else just the display."""
+    enabled = jax.process_index() == 0
+    writers = open_writers(config.log_dir) if config.log_dir and enabled else []
+    return MetricLogger(
+        writers,
+        every=config.log_every,
+        throughput=Throughput(config.batch_size),
+        enabled=enabled,
+    )
+
+
+def _describe_run(
+    config: TrainConfig,
+    run: Run,
+    logger: MetricLogger,
+    lowered: jax.stages.Lowered,
+    console: Console,
+) -> None:
+    """FLOPs per step and the peak they are measured against; the run directory's facts."""
+    devices = run.mesh.devices.size
+    kind = run.mesh.devices.flat[0].device_kind
+    flops = step_flops(lowered, devices)
+    peak = peak_flops(kind)
+    logger.throughput = Throughput(
+        config.batch_size, flops_per_step=flops, peak_flops=peak * devices if peak else None
+    )
+    write_run_info(
+        config.log_dir,
+        dataclasses.asdict(config),
+        {
+            "mesh": dict(run.mesh.shape),
+            "backend": config.backend,
+            "flops_per_step": flops,
+            "peak_flops_per_device": peak,
+        },
+    )
+    if flops:
+        against = f"MFU against {peak:.3g} FLOP/s per {kind}" if peak else f"no peak for {kind}"
+        console.line(
+            f"jdp: {flops:.3g} FLOPs per step (XLA cost analysis, {devices} devices); {against}"
+        )
 
 
 def setup_devices(mesh_spec: str, *, processes: int = 1) -> None:
@@ -213,6 +268,7 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
                 f"step {step}: test_loss={result['loss']:.4f} "
                 f"test_accuracy={result['accuracy']:.4f}"
             )
+            logger.write("eval", step, result)
             return result
 
         def save(metrics: dict[str, float] | None = None) -> None:
@@ -238,17 +294,30 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
         # Several processes: JAX's runtime takes SIGTERM over, so it is always asked.
         watch = checkpoints is not None or jax.process_count() > 1
         preemption = stack.enter_context(Preemption()) if watch else None
+        logger = stack.enter_context(_metric_logger(config))
+        profile = None
+        if config.profile_window and jax.process_index() == 0:
+            profile = ProfileWindow(*config.profile_window, os.path.join(config.log_dir, "profile"))
+            stack.callback(profile.stop)
         console.start_progress(config.steps - start_step)
         metrics = None
         shown = start_step
         steady_start, waited_before = time.perf_counter(), 0.0  # reset after the first step
         for step in range(start_step + 1, config.steps + 1):
-            state, metrics = train_step(state, next(batches))
+            batch = next(batches)
+            if step == start_step + 1 and config.log_dir and jax.process_index() == 0:
+                _describe_run(config, run, logger, train_step.lower(state, batch), console)
+            if profile is not None:
+                profile.before(step)
+            state, metrics = train_step(state, batch)
+            logger.record(step, metrics)
+            if profile is not None:
+                profile.after(step, metrics)
             if step == start_step + 1:
                 jax.block_until_ready(metrics)  # compilation ends here; throughput counts from now
                 steady_start, waited_before = time.perf_counter(), batches.wait_seconds
             if step % _DISPLAY_EVERY == 0 or step == config.steps:
-                console.advance(step - shown, **_progress_fields(metrics))
+                console.advance(step - shown, **_progress_fields(metrics, logger.latest))
                 shown = step
             evaluated = None
             if config.eval_every and step % config.eval_every == 0 and step != config.steps:

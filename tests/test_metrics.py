@@ -1,0 +1,209 @@
+"""Run directories: TensorBoard events, JSONL records, run facts, profiles, plots, MFU."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from jdp.metrics import MetricLogger, Throughput, peak_flops
+from jdp.plot import main as plot_main
+
+_RUN = ["--mesh", "data=8", "--steps", "60", "--warmup-steps", "10", "--eval-every", "30"]
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def _train(*flags, launch=None, timeout=240):
+    command = [sys.executable, "-m", "jdp.train", *_RUN, *flags]
+    if launch:
+        command = [sys.executable, "-m", "jdp.launch", *launch, "--", *command]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def _records(log_dir, kind):
+    with open(os.path.join(log_dir, "metrics.jsonl")) as file:
+        return [r for r in map(json.loads, file) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("run") / "adam"
+    result = _train("--log-dir", str(log_dir), "--log-every", "10", "--profile-steps", "5:8")
+    assert result.returncode == 0, result.stderr
+    return log_dir, result.stdout
+
+
+def test_jsonl_has_one_record_per_logging_step(run_dir):
+    log_dir, _ = run_dir
+    train = _records(log_dir, "train")
+    assert [r["step"] for r in train] == [10, 20, 30, 40, 50, 60]
+    for record in train:
+        assert {"step", "time", "loss", "lr", "grad_norm"} <= record.keys()
+    for record in train[1:]:  # rates are over the steps since the previous record
+        assert record["examples_per_sec"] > 0 and record["steps_per_sec"] > 0
+        assert record["flops_per_sec"] > 0
+        assert "mfu" not in record  # no peak figure for CPUs
+    evals = _records(log_dir, "eval")
+    assert [r["step"] for r in evals] == [30, 60]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["count"] == 359 for r in evals)
+
+
+def test_tensorboard_reads_the_scalars(run_dir):
+    log_dir, _ = run_dir
+    (events,) = [name for name in os.listdir(log_dir) if "tfevents" in name]
+    accumulator = EventAccumulator(str(log_dir / events))
+    accumulator.Reload()
+    tags = set(accumulator.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "eval/accuracy"} <= tags
+    assert {"perf/examples_per_sec", "perf/steps_per_sec", "perf/flops_per_sec"} <= tags
+    loss = accumulator.Scalars("train/loss")
+    assert [e.step for e in loss] == [10, 20, 30, 40, 50, 60]
+    jsonl = [r["loss"] for r in _records(log_dir, "train")]
+    np.testing.assert_allclose([e.value for e in loss], jsonl, rtol=1e-6)
+
+
+def test_run_directory_says_how_to_rerun(run_dir):
+    log_dir, stdout = run_dir
+    config = json.loads((log_dir / "config.json").read_text())
+    assert config["mesh"] == "data=8" and config["steps"] == 60 and config["log_every"] == 10
+    run = json.loads((log_dir / "run.json").read_text())
+    assert run["command"][:3] == ["python", "-m", "jdp.train"]
+    assert run["versions"]["jax"] == jax.__version__ and "jdp" in run["versions"]
+    assert run["mesh"] == {"data": 8} and run["devices"] == 8 and run["processes"] == 1
+    assert run["device_kinds"] == ["cpu"] and run["peak_flops_per_device"] is None
+    assert run["flops_per_step"] > 0
+    assert re.search(
+        r"^jdp: [\d.e+]+ FLOPs per step \(XLA cost analysis, 8 devices\)", stdout, re.M
+    )
+
+
+def test_profile_trace_is_written(run_dir):
+    log_dir, _ = run_dir
+    traces = [
+        name
+        for _, _, files in os.walk(log_dir / "profile")
+        for name in files
+        if name.endswith((".xplane.pb", ".trace.json.gz"))
+    ]
+    assert len(traces) == 2, traces
+
+
+def test_plot_writes_a_png_of_runs(run_dir, tmp_path, capsys):
+    log_dir, _ = run_dir
+    out = tmp_path / "curves.png"
+    assert plot_main([str(log_dir), str(log_dir), "--out", str(out)]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    assert plot_main([str(tmp_path), "--out", str(out)]) == 2
+    assert "has no metrics.jsonl; train with --log-dir" in capsys.readouterr().err
+
+
+def test_only_process_0_writes(tmp_path):
+    log_dir = tmp_path / "two"
+    result = _train(
+        "--log-dir", str(log_dir), "--log-every", "20",
+        launch=["--nproc", "2", "--devices-per-process", "4"],
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    events = [name for name in os.listdir(log_dir) if "tfevents" in name]
+    assert len(events) == 1  # one writer, process 0's (the file name holds its pid)
+    assert [r["step"] for r in _records(log_dir, "train")] == [20, 40, 60]
+    assert json.loads((log_dir / "run.json").read_text())["processes"] == 2
+
+
+def test_a_disabled_logger_writes_nothing(mesh8):
+    records = []
+
+    class Recorder:
+        def write(self, record):
+            records.append(record)
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    metrics = {"loss": jax.device_put(np.float32(1.0))}
+    with MetricLogger([Recorder()], every=1, throughput=Throughput(8), enabled=False) as logger:
+        logger.record(1, metrics)
+        logger.write("eval", 1, {"accuracy": 1.0})
+    assert records == []
+
+
+def test_logger_rates_and_errors():
+    written = []
+
+    class Writer:
+        def write(self, record):
+            if record["step"] == 99:
+                raise OSError("disk full")
+            written.append(record)
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    throughput = Throughput(batch_size=10, flops_per_step=1e6, peak_flops=1e9)
+    logger = MetricLogger([Writer()], every=2, throughput=throughput)
+    for step in range(1, 7):
+        logger.record(step, {"loss": jax.device_put(np.float32(step))})
+        time.sleep(0.01)
+    logger.close()
+    assert [r["step"] for r in written] == [2, 4, 6]
+    assert "examples_per_sec" not in written[0]
+    rate = written[1]["steps_per_sec"]
+    assert written[1]["examples_per_sec"] == pytest.approx(10 * rate)
+    assert written[1]["mfu"] == pytest.approx(rate * 1e6 / 1e9)
+    assert logger.latest["step"] == 6
+
+    failing = MetricLogger([Writer()], every=1, throughput=throughput)
+    failing.record(99, {"loss": jax.device_put(np.float32(0))})
+    with pytest.raises(RuntimeError, match="writing metrics failed: disk full"):
+        failing.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("TPU v4", 275e12),
+        ("TPU v5 lite", 197e12),
+        ("TPU v5p", 459e12),
+        ("TPU v6 lite", 918e12),
+        ("cpu", None),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_peak_flops_table(kind, peak):
+    assert peak_flops(kind) == peak
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--profile-steps", "5:8"], "--profile-steps needs --log-dir DIR"),
+        (["--profile-steps", "8-5", "--log-dir", "x"], "write FIRST:LAST steps"),
+        (["--profile-steps", "50:80", "--log-dir", "x"], "ends after --steps 60"),
+        (["--log-every", "0"], "--log-every must be at least 1"),
+    ],
+)
+def test_bad_logging_flags_are_one_line(flags, needle):
+    result = _train(*flags, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert needle in result.stderr
