@@ -7,6 +7,12 @@ a real training run's loop spent waiting for input.
 ``checkpoint``: how long the training loop is blocked by an async save and by a
 synchronous save of the same state, and how long a restore takes.
 
+``scaling``: examples/s of one train step and global batch on 1, 2, 4 and 8
+devices, as a table and a PNG.
+
+``logging``: the step loop with metrics written every step (JSONL and
+TensorBoard) against no logging, in interleaved rounds.
+
 ``multihost``: the same train step and global batch in 1 process x 1 device and
 in 2 processes x 1 device (started by ``jdp.launch``), with the time of the
 gradient all-reduce alone.
@@ -15,6 +21,7 @@ gradient all-reduce alone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -37,7 +44,7 @@ from jdp.data.pipeline import TrainReader, host_batches, train_batches
 from jdp.errors import UsageError
 from jdp.loop import build, fit, setup_devices
 from jdp.mesh import DATA_AXIS, make_mesh, process_rows
-from jdp.metrics import Console
+from jdp.metrics import Console, MetricLogger, Throughput, open_writers
 from jdp.state import create_train_state
 from jdp.step import pmean_packed
 
@@ -265,6 +272,105 @@ def bench_multihost(config: TrainConfig, *, steps: int) -> list[str]:
     return lines
 
 
+def bench_scaling(config: TrainConfig, *, steps: int, out: str) -> list[str]:
+    """Examples/s of one train step and global batch on 1, 2, 4 and 8 devices; writes a PNG."""
+    setup_devices("data=8")  # the largest mesh first: devices are set up once per process
+    sizes = [size for size in (1, 2, 4, 8) if size <= len(jax.devices())]
+    rates = []
+    for size in sizes:
+        run = build(dataclasses.replace(config, mesh=f"data={size}"), Console(enabled=False))
+        with train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=0) as loader:
+            batch = next(loader)
+        rates.append(_steps_per_sec(run, batch, steps) * config.batch_size)
+    device = jax.devices()[0]
+    kind = device.device_kind + (" (simulated devices)" if device.platform == "cpu" else "")
+    _plot_scaling(sizes, rates, out, f"{config.model}, global batch {config.batch_size}, {kind}")
+    lines = [
+        f"jdp.bench scaling: {config.model} on {config.dataset}, global batch "
+        f"{config.batch_size}, {steps} steps timed per mesh, {kind}",
+        f"  {'devices':>7}{'examples/s':>14}{'/ 1 device':>12}",
+    ]
+    lines += [
+        f"  {size:>7}{rate:>14,.0f}{rate / rates[0]:>11.2f}x"
+        for size, rate in zip(sizes, rates, strict=True)
+    ]
+    lines.append(f"  plot: {out}")
+    return lines
+
+
+def _plot_scaling(sizes: list[int], rates: list[float], out: str, label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(sizes, rates, marker="o", label=label)
+    ax.plot(sizes, [rates[0] * size for size in sizes], "--", color="gray", label="linear scaling")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(size) for size in sizes])
+    ax.minorticks_off()
+    ax.set(
+        xlabel="devices on the data axis",
+        ylabel="examples / s",
+        title="Throughput against devices (measured)",
+        ylim=(0, max(max(rates), rates[0] * sizes[-1]) * 1.1),
+    )
+    ax.yaxis.set_major_formatter("{x:,.0f}")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    figure.tight_layout()
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+
+
+def bench_logging(config: TrainConfig, *, steps: int, rounds: int) -> list[str]:
+    """The step loop with metrics written every step vs none, in one run.
+
+    The arms alternate in ABBA order, and each round's ratio compares arms run
+    next to each other: this machine's speed drifts by more than the effect.
+    """
+    run = build(config, Console(enabled=False))
+    with train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=0) as loader:
+        batch = next(loader)
+    state = run.state
+    for _ in range(3):  # compile and settle
+        state, metrics = run.train_step(state, batch)
+    jax.block_until_ready(metrics)
+    ratios, rates = [], {False: [], True: []}
+    with tempfile.TemporaryDirectory(prefix="jdp-bench-") as log_dir:
+        for round_ in range(rounds):
+            measured = {}
+            for logging in (False, True) if round_ % 2 == 0 else (True, False):
+                logger = MetricLogger(
+                    open_writers(log_dir) if logging else [],
+                    every=1,
+                    throughput=Throughput(config.batch_size),
+                    enabled=logging,
+                )
+                started = time.perf_counter()
+                for step in range(steps):
+                    state, metrics = run.train_step(state, batch)
+                    logger.record(step, metrics)
+                jax.block_until_ready(metrics)
+                measured[logging] = steps * config.batch_size / (time.perf_counter() - started)
+                logger.close()  # after the clock: only what is left is written off the loop
+                rates[logging].append(measured[logging])
+            ratios.append(measured[True] / measured[False])
+        with open(os.path.join(log_dir, "metrics.jsonl")) as file:
+            written = sum(1 for _ in file)
+    quartiles = statistics.quantiles(ratios, n=4)
+    return [
+        f"jdp.bench logging: {config.model} on {config.dataset}, mesh {config.mesh}, global "
+        f"batch {config.batch_size}, {steps} steps per arm, {rounds} rounds (ABBA)",
+        f"  logging off:        {statistics.median(rates[False]):>12,.0f} examples/s (median)",
+        f"  logging every step: {statistics.median(rates[True]):>12,.0f} examples/s (median); "
+        f"{written:,} records written to metrics.jsonl and TensorBoard",
+        f"  every step / off, per round: median {statistics.median(ratios):.3f} "
+        f"(quartiles {quartiles[0]:.3f} .. {quartiles[2]:.3f})",
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jdp.bench", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -294,8 +400,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         multihost.add_argument("--steps", type=int, default=200, help="train steps timed")
         if name == "multihost-worker":
             multihost.add_argument("--out", required=True)
+    scaling = commands.add_parser("scaling", help="examples/s against 1, 2, 4, 8 devices, PNG")
+    scaling.add_argument("--model", default="mlp")
+    scaling.add_argument("--dataset", default="digits")
+    scaling.add_argument("--data-dir", default=None)
+    scaling.add_argument("--batch-size", type=int, default=128)
+    scaling.add_argument("--steps", type=int, default=200, help="train steps timed per mesh")
+    scaling.add_argument("--out", default="scaling.png", help="PNG to write")
+    logs = commands.add_parser("logging", help="step loop with metrics every step vs none")
+    logs.add_argument("--mesh", default="data=8")
+    logs.add_argument("--model", default="mlp")
+    logs.add_argument("--batch-size", type=int, default=128)
+    logs.add_argument("--steps", type=int, default=300, help="steps per round and arm")
+    logs.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args(argv)
     try:
+        if args.command == "scaling":
+            config = TrainConfig(
+                model=args.model,
+                dataset=args.dataset,
+                data_dir=args.data_dir,
+                batch_size=args.batch_size,
+            )
+            print("\n".join(bench_scaling(config, steps=args.steps, out=args.out)))
+            return 0
+        if args.command == "logging":
+            config = TrainConfig(mesh=args.mesh, model=args.model, batch_size=args.batch_size)
+            print("\n".join(bench_logging(config, steps=args.steps, rounds=args.rounds)))
+            return 0
         if args.command.startswith("multihost"):
             config = TrainConfig(
                 mesh="data=-1",

@@ -66,3 +66,19 @@ def test_multihost_benchmark_compares_one_and_two_processes():
     assert re.search(
         r"2 processes / 1 process: [\d.]+x examples/s; the step's all-reduce ops: 1,", result.stdout
     ), result.stdout
+
+
+def test_scaling_benchmark_writes_a_table_and_a_png(tmp_path):
+    out = tmp_path / "scaling.png"
+    result = _bench("scaling", f"--steps 5 --out {out}")
+    assert result.returncode == 0, result.stderr
+    sizes = re.findall(r"^ +(\d) +[\d,]+ +[\d.]+x$", result.stdout, re.M)
+    assert sizes == ["1", "2", "4", "8"], result.stdout
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_logging_benchmark_reports_the_ratio():
+    result = _bench("logging", "--steps 20 --rounds 2")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"every step / off, per round: median [\d.]+", result.stdout), result.stdout
+    assert "40 records written" in result.stdout

@@ -1,0 +1,111 @@
+"""``python -m jdp.plot RUN_DIR [RUN_DIR ...]``: curves of runs, side by side, as a PNG.
+
+Reads each run directory's ``metrics.jsonl`` (written with ``--log-dir``) and
+draws train loss, test accuracy, learning rate and examples/s against the step,
+one line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from jdp.errors import UsageError
+
+# (record kind, key, panel title, y label, log scale)
+_PANELS = (
+    ("train", "loss", "Train loss", "cross-entropy", True),
+    ("eval", "accuracy", "Test accuracy", "accuracy", False),
+    ("train", "lr", "Learning rate", "learning rate", False),
+    ("train", "examples_per_sec", "Throughput", "examples / s", False),
+)
+
+
+def read_run(run_dir: str) -> dict[str, dict[int, dict]]:
+    """A run's records by kind and step; a step logged twice (after a resume) keeps the last.
+
+    Raises:
+        UsageError: the directory has no metrics.
+    """
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise UsageError(
+            f"{run_dir} has no metrics.jsonl; train with --log-dir {run_dir} to write one"
+        )
+    records: dict[str, dict[int, dict]] = {}
+    with open(path) as file:
+        for number, line in enumerate(file, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise UsageError(f"{path}:{number} is not JSON; was it written by jdp?") from None
+            records.setdefault(record.get("kind", "train"), {})[record["step"]] = record
+    return records
+
+
+def plot_runs(run_dirs: Sequence[str], out: str) -> str:
+    """Draws the runs' curves into ``out`` (PNG); returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    runs = {_label(run_dir, run_dirs): read_run(run_dir) for run_dir in run_dirs}
+    figure, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (kind, key, title, ylabel, log) in zip(axes.flat, _PANELS, strict=True):
+        drawn = False
+        for label, records in runs.items():
+            points = sorted(
+                (step, record[key])
+                for step, record in records.get(kind, {}).items()
+                if key in record
+            )
+            if points:
+                steps, values = zip(*points, strict=True)
+                ax.plot(steps, values, marker="o" if kind == "eval" else None, label=label)
+                drawn = True
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        if log and drawn:
+            ax.set_yscale("log")
+        if key == "examples_per_sec":
+            ax.yaxis.set_major_formatter("{x:,.0f}")
+            ax.set_ylim(bottom=0)
+        if drawn:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        ax.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+    return out
+
+
+def _label(run_dir: str, run_dirs: Sequence[str]) -> str:
+    """A run's legend label: its directory, as short as still tells runs apart."""
+    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    name = os.path.basename(os.path.normpath(run_dir))
+    return name if names.count(name) == 1 else os.path.normpath(run_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jdp.plot", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories of --log-dir")
+    parser.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")
+    args = parser.parse_args(argv)
+    try:
+        path = plot_runs(args.run_dirs, args.out)
+    except UsageError as error:
+        print(f"jdp.plot: error: {error}", file=sys.stderr)
+        return 2
+    print(f"jdp.plot: wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
