@@ -106,7 +106,8 @@ def _describe_run(
     """FLOPs per step and the peak they are measured against; the run directory's facts."""
     devices = run.mesh.devices.size
     kind = run.mesh.devices.flat[0].device_kind
-    flops = step_flops(lowered, devices)
+    # XLA counts the micro-batch loop's body once: no figure rather than a wrong one.
+    flops = step_flops(lowered, devices) if config.accumulate == 1 else None
     peak = peak_flops(kind)
     logger.throughput = Throughput(
         config.batch_size, flops_per_step=flops, peak_flops=peak * devices if peak else None

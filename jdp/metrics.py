@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import platform
 import queue
@@ -104,8 +105,10 @@ def quiet_absl():
 
 # Peak dense bf16 FLOP/s of one device, from the vendors' datasheets, for MFU.
 # Matched in order against `jax.Device.device_kind`; the first match wins.
-PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+PEAK_FLOPS: tuple[tuple[str, float | None], ...] = (
     ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H200 NVL", 835e12),
     ("H100", 989e12),  # SXM
     ("H200", 989e12),
     ("A100", 312e12),
@@ -113,6 +116,7 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("TPU v5 lite", 197e12),  # v5e
     ("TPU v5p", 459e12),
     ("TPU v5", 459e12),
+    ("TPU v4 lite", None),  # v4i: no figure here
     ("TPU v4", 275e12),
 )
 
@@ -139,6 +143,8 @@ def step_flops(lowered: jax.stages.Lowered, devices: int) -> float | None:
 
     The data-parallel step is one program per device (its slice of the batch, and
     the optimizer update every replica repeats), so it is counted ``devices`` times.
+    XLA counts a loop's body once: for a step that loops (gradient accumulation)
+    the figure is too low, and callers leave it out.
     """
     analysis = lowered.cost_analysis()
     if isinstance(analysis, Sequence):
@@ -148,13 +154,24 @@ def step_flops(lowered: jax.stages.Lowered, devices: int) -> float | None:
 
 
 class JsonlWriter:
-    """One JSON object per line: ``{"kind": "train", "step": 20, "loss": ..., ...}``."""
+    """One JSON object per line: ``{"kind": "train", "step": 20, "loss": ..., ...}``.
+
+    A non-finite value (a diverged loss) is written as ``null``: JSON has no NaN.
+    """
 
     def __init__(self, path: str):
-        self._file = open(path, "a")  # noqa: SIM115 (open for the writer's life; a resumed run appends)
+        self._file = open(path, "a+")  # noqa: SIM115 (open for the writer's life; a resumed run appends)
+        if self._file.tell():
+            self._file.seek(self._file.tell() - 1)
+            if self._file.read(1) != "\n":  # a run killed mid-line: start on a fresh one
+                self._file.write("\n")
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        clean = {
+            key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()
+        }
+        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
 
     def flush(self) -> None:
         self._file.flush()
@@ -205,6 +222,7 @@ class TensorBoardWriter:
 
 
 def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1  # protobuf's int64: a negative number as its two's complement
     out = bytearray()
     while True:
         byte, value = value & 0x7F, value >> 7
@@ -282,6 +300,7 @@ class MetricLogger:
         self._writers = list(writers)
         self._enabled = enabled
         self._queue: queue.Queue = queue.Queue()
+        self._closing = threading.Event()
         self._error: BaseException | None = None
         self._previous: tuple[int, float] | None = None
         self._thread = threading.Thread(target=self._drain, name="jdp-metrics", daemon=True)
@@ -290,21 +309,26 @@ class MetricLogger:
 
     def record(self, step: int, metrics: Mapping[str, jax.Array]) -> None:
         """Queues ``metrics`` of ``step`` when ``step`` is a logging step; never waits."""
-        if not self._enabled or step % self.every:
+        if not self._enabled or self._closing.is_set() or step % self.every:
             return
         self._raise_error()
-        self._queue.put(("train", step, metrics, time.perf_counter()))
+        self._queue.put(("train", step, metrics, time.perf_counter(), time.time()))
 
     def write(self, kind: str, step: int, scalars: Mapping[str, float]) -> None:
         """Queues host values (say an eval's results) as a record of ``kind``."""
-        if self._enabled:
-            self._queue.put((kind, step, dict(scalars), None))
+        if self._enabled and not self._closing.is_set():
+            self._queue.put((kind, step, dict(scalars), None, time.time()))
 
-    def close(self) -> None:
-        """Writes what is queued, closes the writers; raises what the thread raised."""
-        if self._enabled and self._thread.is_alive():
+    def close(self, *, timeout: float = 120.0) -> None:
+        """Writes what is queued, closes the writers; raises what the thread raised.
+
+        A fetch that never completes (a device that stopped) is given ``timeout``
+        seconds; then the writers are closed with what they have.
+        """
+        if self._enabled and not self._closing.is_set():
+            self._closing.set()
             self._queue.put(None)
-            self._thread.join()
+            self._thread.join(timeout)
         for writer in self._writers:
             writer.close()
         self._writers = []
@@ -313,8 +337,12 @@ class MetricLogger:
     def __enter__(self) -> MetricLogger:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):  # the error on its way out matters more
+            self.close(timeout=10.0)
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -325,10 +353,10 @@ class MetricLogger:
         done = False
         while not done:
             items = [self._queue.get()]
-            time.sleep(_DRAIN_PAUSE)  # let records gather: one fetch and one write for many
+            self._closing.wait(_DRAIN_PAUSE)  # let records gather: one fetch for many
             while not self._queue.empty():
                 items.append(self._queue.get())
-            done = items[-1] is None
+            done = any(item is None for item in items)
             items = [item for item in items if item is not None]
             for start in range(0, len(items), _WRITE_GROUP):
                 if self._error is not None:
@@ -340,13 +368,13 @@ class MetricLogger:
                 # Hand the GIL back: the loop, waking from its wait on a step, must not
                 # queue behind many writes (Python's switch interval is 5 ms).
                 time.sleep(0)
-        for writer in self._writers:
-            writer.flush()
+            for writer in self._writers:  # a live run's files stay current, and survive a kill
+                writer.flush()
 
     def _write(self, items: list[tuple]) -> None:
-        fetched = _fetch([values for _, _, values, _ in items])
-        for (kind, step, _, dispatched), values in zip(items, fetched, strict=True):
-            record: dict[str, Any] = {"kind": kind, "step": step, "time": time.time()}
+        fetched = _fetch([values for _, _, values, _, _ in items])
+        for (kind, step, _, dispatched, wall), values in zip(items, fetched, strict=True):
+            record: dict[str, Any] = {"kind": kind, "step": step, "time": wall}
             record.update(values)
             if kind == "train":
                 record.update(self._rates(step, dispatched))
@@ -380,29 +408,29 @@ def _stack(*scalars: jax.Array) -> jax.Array:
 
 
 def _fetch(records: list[Mapping[str, Any]]) -> list[dict[str, float]]:
-    """Records' values as floats: device scalars stacked on the devices, then copied at once.
+    """Records' values as floats: device scalars stacked on a device, then copied at once.
 
-    Copying scalars one by one costs some 7 us each in Python, which, next to a
-    1.5 ms step on a 2-core machine, is most of what logging every step costs.
+    Copying scalars one by one costs some 7 us each in Python, which next to a
+    1.5 ms step on a 2-core machine is most of what logging every step costs.
+    Scalars are stacked per dtype, in chunks padded with zeros, so ``_stack``
+    compiles once per dtype. Only this process's first copy of each is read:
+    only process 0 logs, and a computation must not span the other processes.
     """
-    arrays = [
-        value for values in records for value in values.values() if isinstance(value, jax.Array)
-    ]
-    host: list[float] = []
-    for start in range(0, len(arrays), _FETCH_CHUNK):
-        chunk = arrays[start : start + _FETCH_CHUNK]
-        padded = chunk + chunk[-1:] * (_FETCH_CHUNK - len(chunk))
-        # One device's copies: only process 0 logs, so the stack must not span processes.
-        local = [array.addressable_data(0) for array in padded]
-        host += np.asarray(_stack(*local))[: len(chunk)].tolist()
+    by_dtype: dict[Any, list[tuple[int, jax.Array]]] = {}
+    flat: list[Any] = [value for values in records for value in values.values()]
+    for index, value in enumerate(flat):
+        if isinstance(value, jax.Array):
+            by_dtype.setdefault(value.dtype, []).append((index, value.addressable_data(0)))
+    host = [None if isinstance(value, jax.Array) else float(value) for value in flat]
+    for entries in by_dtype.values():
+        zero = jnp.zeros((), entries[0][1].dtype, device=entries[0][1].device)
+        for start in range(0, len(entries), _FETCH_CHUNK):
+            chunk = entries[start : start + _FETCH_CHUNK]
+            padded = [array for _, array in chunk] + [zero] * (_FETCH_CHUNK - len(chunk))
+            for (index, _), value in zip(chunk, np.asarray(_stack(*padded)).tolist(), strict=False):
+                host[index] = value
     values = iter(host)
-    return [
-        {
-            key: next(values) if isinstance(value, jax.Array) else float(value)
-            for key, value in record.items()
-        }
-        for record in records
-    ]
+    return [{key: next(values) for key in record} for record in records]
 
 
 def open_writers(log_dir: str) -> list[Any]:
@@ -412,15 +440,17 @@ def open_writers(log_dir: str) -> list[Any]:
 
 
 def write_run_info(log_dir: str, config: Mapping[str, Any], facts: Mapping[str, Any]) -> None:
-    """Writes ``config.json`` and ``run.json`` (versions, mesh, devices): enough to rerun it."""
+    """Writes ``config.json`` and ``run.json`` (versions, mesh, devices): enough to rerun it.
+
+    A run resumed into the same directory keeps the first start's files and adds
+    its own facts to ``run.json``'s ``resumed`` list.
+    """
     import flax
     import optax
 
     import jdp
 
     os.makedirs(log_dir, exist_ok=True)
-    with open(os.path.join(log_dir, "config.json"), "w") as file:
-        json.dump(dict(config), file, indent=2)
     devices = jax.devices()
     run = {
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -439,7 +469,16 @@ def write_run_info(log_dir: str, config: Mapping[str, Any], facts: Mapping[str, 
         "processes": jax.process_count(),
         **facts,
     }
-    with open(os.path.join(log_dir, "run.json"), "w") as file:
+    run_path = os.path.join(log_dir, "run.json")
+    if os.path.exists(run_path):
+        with open(run_path) as file:
+            first = json.load(file)
+        first.setdefault("resumed", []).append(run)
+        run = first
+    else:
+        with open(os.path.join(log_dir, "config.json"), "w") as file:
+            json.dump(dict(config), file, indent=2)
+    with open(run_path, "w") as file:
         json.dump(run, file, indent=2)
 
 

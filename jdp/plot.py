@@ -36,15 +36,23 @@ def read_run(run_dir: str) -> dict[str, dict[int, dict]]:
             f"{run_dir} has no metrics.jsonl; train with --log-dir {run_dir} to write one"
         )
     records: dict[str, dict[int, dict]] = {}
+    damaged = 0
     with open(path) as file:
-        for number, line in enumerate(file, 1):
+        for line in file:
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                raise UsageError(f"{path}:{number} is not JSON; was it written by jdp?") from None
-            records.setdefault(record.get("kind", "train"), {})[record["step"]] = record
+                step = record["step"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                damaged += 1  # a line cut short when a run was killed
+                continue
+            values = {key: value for key, value in record.items() if value is not None}
+            records.setdefault(record.get("kind", "train"), {})[step] = values
+    if damaged:
+        print(f"jdp.plot: skipped {damaged} unreadable line(s) in {path}", file=sys.stderr)
+    if not records:
+        raise UsageError(f"{path} holds no records; was it written by jdp?")
     return records
 
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jdp.metrics import MetricLogger, Throughput, peak_flops
+from jdp.metrics import JsonlWriter, MetricLogger, TensorBoardWriter, Throughput, peak_flops
 from jdp.plot import main as plot_main
+from jdp.plot import read_run
 
 _RUN = ["--mesh", "data=8", "--steps", "60", "--warmup-steps", "10", "--eval-every", "30"]
 
@@ -180,6 +181,8 @@ def test_logger_rates_and_errors():
         ("NVIDIA H100 80GB HBM3", 989e12),
         ("NVIDIA H100 PCIe", 756e12),
         ("NVIDIA H200", 989e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("TPU v4 lite", None),
         ("NVIDIA A100-SXM4-80GB", 312e12),
         ("TPU v4", 275e12),
         ("TPU v5 lite", 197e12),
@@ -207,3 +210,37 @@ def test_bad_logging_flags_are_one_line(flags, needle):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert needle in result.stderr
+
+
+def test_records_reach_the_files_while_the_run_goes_on(tmp_path):
+    logger = MetricLogger(
+        [JsonlWriter(str(tmp_path / "metrics.jsonl"))], every=1, throughput=Throughput(8)
+    )
+    logger.record(1, {"loss": jax.device_put(np.float32(0.5))})
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline, "nothing flushed before close"
+        time.sleep(0.05)
+    logger.close()
+
+
+def test_jsonl_survives_a_cut_line_and_writes_nan_as_null(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1, "loss": 1.0}\n{"kind": "train", "st')
+    writer = JsonlWriter(str(path))
+    writer.write({"kind": "train", "step": 2, "loss": float("nan")})
+    writer.close()
+    lines = path.read_text().splitlines()
+    assert lines[2] == '{"kind": "train", "step": 2, "loss": null}'
+    records = read_run(str(tmp_path))["train"]
+    assert sorted(records) == [1, 2] and "loss" not in records[2]
+
+
+def test_event_file_holds_large_and_negative_steps(tmp_path):
+    writer = TensorBoardWriter(str(tmp_path))
+    for step in (-1, 0, 2**40):
+        writer.write({"kind": "train", "step": step, "time": 1.0, "loss": 0.25})
+    writer.close()
+    accumulator = EventAccumulator(str(tmp_path))
+    accumulator.Reload()
+    assert [e.step for e in accumulator.Scalars("train/loss")] == [-1, 0, 2**40]
