@@ -7,6 +7,11 @@ a real training run's loop spent waiting for input.
 ``checkpoint``: how long the training loop is blocked by an async save and by a
 synchronous save of the same state, and how long a restore takes.
 
+``step``: jdp's train step against a hand-written ``jit`` data-parallel step
+(plain JAX and Optax) on the same model, mesh, batch and optimizer, for both
+backends and several steps per call; host dispatch time per step; and the
+collectives of the step as jdp emits it.
+
 ``scaling``: examples/s of one train step and global batch on 1, 2, 4 and 8
 devices, as a table and a PNG.
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -31,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +50,9 @@ from jdp.config import TrainConfig
 from jdp.data.pipeline import TrainReader, host_batches, train_batches
 from jdp.errors import UsageError
 from jdp.loop import build, fit, setup_devices
-from jdp.mesh import DATA_AXIS, make_mesh, process_rows
+from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh, process_rows
 from jdp.metrics import Console, MetricLogger, Throughput, open_writers
+from jdp.models import get_model
 from jdp.state import create_train_state
 from jdp.step import pmean_packed
 
@@ -371,6 +379,162 @@ def bench_logging(config: TrainConfig, *, steps: int, rounds: int) -> list[str]:
     ]
 
 
+def _hand_written_step(model, optimizer: optax.GradientTransformation, mesh):
+    """The data-parallel step a careful engineer writes with plain JAX and Optax.
+
+    ``jit`` over ``shard_map``: each replica's gradient on its rows, ``pmean`` of
+    the gradients and the loss over ``data``, the Optax update; donated state.
+    """
+
+    def replica(params, opt_state, batch):
+        def loss_fn(params):
+            logits = model.apply({"params": params}, batch["image"], train=True)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+        # Marked varying so the gradient stays this replica's until the pmean.
+        loss, grads = jax.value_and_grad(loss_fn)(lax.pcast(params, DATA_AXIS, to="varying"))
+        grads, loss = lax.pmean((grads, loss), DATA_AXIS)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    mapped = jax.shard_map(
+        replica,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(DATA_AXIS)),
+        out_specs=PartitionSpec(),
+    )
+    return jax.jit(mapped, donate_argnums=(0, 1))
+
+
+# Bytes per element of the MLIR element types a step's collectives carry.
+_MLIR_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "i8": 1, "i1": 1}
+
+
+def _collectives(lowered: jax.stages.Lowered) -> dict[str, Any]:
+    """All-reduce ops and bytes, and all-gathers, in the step as jdp emits it.
+
+    Read from the program before XLA's passes: XLA's CPU backend widens bf16
+    all-reduces to f32 when it compiles; GPU and TPU keep them.
+    """
+    text = lowered.as_text()
+    reduces = re.findall(r'"stablehlo\.all_reduce"\(.*?\}\) : \(([^)]*)\) ->', text, re.S)
+    nbytes = 0
+    for operands in reduces:
+        for dims, dtype in re.findall(r"tensor<((?:\d+x)*)(\w+)>", operands):
+            count = math.prod(int(d) for d in dims.split("x") if d)
+            nbytes += count * _MLIR_BYTES[dtype]
+    return {
+        "all_reduce_ops": len(reduces),
+        "all_reduce_bytes": nbytes,
+        "all_gather_ops": len(re.findall(r'"stablehlo\.all_gather"', text)),
+    }
+
+
+def bench_step(config: TrainConfig, *, steps: int, rounds: int, calls: Sequence[int]) -> list[str]:
+    """jdp's step vs a hand-written one (both backends); collectives, dispatch, steps per call."""
+    run = build(config, Console(enabled=False))
+    mesh, size = run.mesh, config.batch_size
+    with train_batches(run.train, mesh, batch_size=size, seed=0) as loader:
+        batch = next(loader)
+    model = get_model(config.model, run.train.num_classes)
+    optimizer = config.make_optimizer(config.make_schedule())
+    stepped = {"jdp, jit": run.train_step}
+    stepped["jdp, pmap"] = build(
+        dataclasses.replace(config, backend="pmap"), Console(enabled=False)
+    ).train_step
+    for k in calls:
+        if k > 1:
+            variant = dataclasses.replace(config, steps_per_call=k)
+            stepped[f"jdp, jit, {k} steps per call"] = build(
+                variant, Console(enabled=False)
+            ).train_step
+    stacked = {
+        k: jax.device_put(
+            jax.tree.map(lambda x, k=k: jnp.stack([x] * k), batch),
+            batch_sharded(mesh, stacked=True),
+        )
+        for k in calls
+        if k > 1
+    }
+    hand = _hand_written_step(model, optimizer, mesh)
+
+    def run_hand(count):
+        params, opt_state = jax.tree.map(jnp.copy, (run.state.params, run.state.opt_state))
+        previous = None
+        for _ in range(count):
+            params, opt_state, loss = hand(params, opt_state, batch)
+            if previous is not None:  # at most two steps in flight: the CPU hazard in DESIGN.md
+                jax.block_until_ready(previous)
+            previous = loss
+        jax.block_until_ready(loss)
+
+    def run_jdp(name, count):
+        step = stepped[name]
+        per_call = next((k for k in stacked if name.endswith(f" {k} steps per call")), 1)
+        state = create_train_state(
+            jax.tree.map(jnp.copy, run.state.params), optimizer, mesh, rng=jax.random.key(0)
+        )
+        feed = stacked[per_call] if per_call > 1 else batch
+        for _ in range(count // per_call):
+            state, metrics = step(state, feed)
+        jax.block_until_ready(metrics)
+
+    arms = {"hand-written jit step": run_hand} | {
+        name: (lambda count, name=name: run_jdp(name, count)) for name in stepped
+    }
+    for arm in arms.values():
+        arm(16)  # compile and settle
+    rates: dict[str, list[float]] = {name: [] for name in arms}
+    for round_ in range(rounds):
+        order = list(arms) if round_ % 2 == 0 else list(reversed(arms))
+        for name in order:
+            started = time.perf_counter()
+            arms[name](steps)
+            rates[name].append(steps * size / (time.perf_counter() - started))
+    hand_rate = statistics.median(rates["hand-written jit step"])
+
+    dispatch = {}
+    for name in ("jdp, jit", *[n for n in stepped if "per call" in n]):
+        per_call = next((k for k in stacked if name.endswith(f" {k} steps per call")), 1)
+        raw = stepped[name]._fn  # the compiled call, without jdp's wait on the previous one
+        state = create_train_state(
+            jax.tree.map(jnp.copy, run.state.params), optimizer, mesh, rng=jax.random.key(0)
+        )
+        feed = stacked[per_call] if per_call > 1 else batch
+        times = []
+        for _ in range(50):
+            started = time.perf_counter()
+            state, metrics = raw(state, feed)
+            times.append(time.perf_counter() - started)
+            jax.block_until_ready(metrics)
+        dispatch[name] = statistics.median(times) / per_call
+
+    grad_bytes = sum(leaf.size * 4 for leaf in jax.tree.leaves(run.state.params))
+    volume = {}
+    for dtype in ("fp32", "bf16"):
+        variant = build(dataclasses.replace(config, reduce_dtype=dtype), Console(enabled=False))
+        volume[dtype] = _collectives(variant.train_step.lower(variant.state, batch))
+
+    kind = mesh.devices.flat[0].device_kind
+    lines = [
+        f"jdp.bench step: {config.model} on {config.dataset}, mesh {config.mesh} "
+        f"({mesh.devices.size} x {kind}), global batch {size}, {config.optimizer}, "
+        f"{steps} steps x {rounds} interleaved rounds (median)",
+        f"  {'':<34}{'examples/s':>12}{'/ hand-written':>16}{'dispatch ms/step':>18}",
+    ]
+    for name in arms:
+        rate = statistics.median(rates[name])
+        shown = f"{dispatch[name] * 1e3:>18.3f}" if name in dispatch else f"{'':>18}"
+        lines.append(f"  {name:<34}{rate:>12,.0f}{rate / hand_rate:>15.3f}x{shown}")
+    for dtype, found in volume.items():
+        lines.append(
+            f"  collectives, {dtype} all-reduce: {found['all_reduce_ops']} all-reduce op(s), "
+            f"{found['all_reduce_bytes']:,} bytes = {found['all_reduce_bytes'] / grad_bytes:.3f}"
+            f" x the fp32 gradients ({grad_bytes:,} bytes); all-gathers: {found['all_gather_ops']}"
+        )
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jdp.bench", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -400,6 +564,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         multihost.add_argument("--steps", type=int, default=200, help="train steps timed")
         if name == "multihost-worker":
             multihost.add_argument("--out", required=True)
+    steps = commands.add_parser("step", help="jdp's step vs a hand-written one, collectives")
+    steps.add_argument("--mesh", default="data=8")
+    steps.add_argument("--model", default="mlp")
+    steps.add_argument("--batch-size", type=int, default=128)
+    steps.add_argument("--steps", type=int, default=240, help="steps per round and arm")
+    steps.add_argument("--rounds", type=int, default=9)
+    steps.add_argument(
+        "--steps-per-call", default="1,4,8", help="comma-separated values to compare"
+    )
     scaling = commands.add_parser("scaling", help="examples/s against 1, 2, 4, 8 devices, PNG")
     scaling.add_argument("--model", default="mlp")
     scaling.add_argument("--dataset", default="digits")
@@ -415,6 +588,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args(argv)
     try:
+        if args.command == "step":
+            config = TrainConfig(mesh=args.mesh, model=args.model, batch_size=args.batch_size)
+            calls = sorted({1, *(int(part) for part in args.steps_per_call.split(",") if part)})
+            if any(args.steps % k for k in calls):
+                raise UsageError(f"--steps {args.steps} must be a multiple of every steps per call")
+            print("\n".join(bench_step(config, steps=args.steps, rounds=args.rounds, calls=calls)))
+            return 0
         if args.command == "scaling":
             config = TrainConfig(
                 model=args.model,

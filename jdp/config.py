@@ -53,6 +53,9 @@ class TrainConfig:
     weight_decay: float = _flag(0.0, "weight decay (biases and norm scales are spared)")
     clip_norm: float = _flag(0.0, "clip the gradients' global norm to this (0: off)")
     accumulate: int = _flag(1, "micro-batches per update (gradient accumulation)")
+    steps_per_call: int = _flag(
+        1, "optimizer steps per compiled call, scanned on the device (for small, fast steps)"
+    )
     precision: str = _flag("fp32", "compute dtype: fp32, bf16 or fp16 (fp16 scales the loss)")
     reduce_dtype: str = _flag("fp32", "gradient all-reduce dtype: fp32 or bf16")
     eval_every: int = _flag(0, "evaluate on the test split every N steps (0: only at the end)")
@@ -116,6 +119,7 @@ class TrainConfig:
             raise UsageError("--startup-timeout and --heartbeat-timeout must be positive")
         if self.log_every < 1:
             raise UsageError("--log-every must be at least 1")
+        self._check_steps_per_call()
         _ = self.profile_window  # checks --profile-steps
         if self.check_replicas_every < 0:
             raise UsageError("--check-replicas-every must be >= 0 (0: off)")
@@ -126,6 +130,36 @@ class TrainConfig:
         make_precision(self.precision, reduce=self.reduce_dtype)
         make_optimizer(self.optimizer)
         self.make_schedule()  # checks the name, the warmup and the boundaries
+
+    def _check_steps_per_call(self) -> None:
+        calls = self.steps_per_call
+        if calls < 1:
+            raise UsageError("--steps-per-call must be at least 1")
+        if calls == 1:
+            return
+        periodic = {
+            "steps": self.steps,
+            "eval-every": self.eval_every,
+            "ckpt-every": self.ckpt_every,
+            "check-replicas-every": self.check_replicas_every,
+        }
+        for flag, value in periodic.items():
+            if value % calls:
+                raise UsageError(
+                    f"--{flag} {value} is not a multiple of --steps-per-call {calls}: a run "
+                    f"evaluates and saves between calls; use a multiple of {calls}"
+                )
+        if self.profile_steps:
+            first, _, last = self.profile_steps.partition(":")
+            if (
+                not (first.isdigit() and last.isdigit())
+                or (int(first) - 1) % calls
+                or (int(last) % calls)
+            ):
+                raise UsageError(
+                    f"--profile-steps {self.profile_steps} must cover whole calls of "
+                    f"--steps-per-call {calls}, e.g. {calls + 1}:{2 * calls}"
+                )
 
     @property
     def profile_window(self) -> tuple[int, int] | None:
@@ -190,7 +224,7 @@ _TOPOLOGY_FIELDS = frozenset(
     {"mesh", "backend", "data_dir", "loader_workers", "prefetch", "eval_every"}
     | {"ckpt_dir", "ckpt_every", "keep", "no_resume"}
     | {"coordinator", "num_processes", "process_id", "startup_timeout", "heartbeat_timeout"}
-    | {"check_replicas_every", "log_dir", "log_every", "profile_steps"}
+    | {"check_replicas_every", "log_dir", "log_every", "profile_steps", "steps_per_call"}
 )
 
 

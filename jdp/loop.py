@@ -84,13 +84,18 @@ def _progress_fields(metrics, latest: dict | None) -> dict[str, str]:
     return fields
 
 
+def _last_step(metrics, calls: int):
+    """The metrics of a call's last step (a call of several steps returns one value each)."""
+    return metrics if calls == 1 else jax.tree.map(lambda values: values[-1], metrics)
+
+
 def _metric_logger(config: TrainConfig) -> MetricLogger:
     """Process 0's metric logger: writers in ``--log-dir`` when given, else just the display."""
     enabled = jax.process_index() == 0
     writers = open_writers(config.log_dir) if config.log_dir and enabled else []
     return MetricLogger(
         writers,
-        every=config.log_every,
+        every=1,  # the loop picks the steps: with several per call, the calls' last ones
         throughput=Throughput(config.batch_size),
         enabled=enabled,
     )
@@ -212,6 +217,7 @@ def build(config: TrainConfig, console: Console) -> Run:
         precision=precision,
         accumulate=config.accumulate,
         lr_schedule=schedule,
+        steps_per_call=config.steps_per_call,
     )
     eval_step = make_eval_step(
         classifier_metrics(model), mesh, backend=config.backend, has_model_state=True
@@ -290,6 +296,7 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
                 start_step=start_step,
                 workers=config.loader_workers,
                 prefetch=config.prefetch,
+                steps_per_call=config.steps_per_call,
             )
         )
         # Several processes: JAX's runtime takes SIGTERM over, so it is always asked.
@@ -303,22 +310,28 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
         console.start_progress(config.steps - start_step)
         metrics = None
         shown = start_step
-        steady_start, waited_before = time.perf_counter(), 0.0  # reset after the first step
-        for step in range(start_step + 1, config.steps + 1):
+        steady_start, waited_before = time.perf_counter(), 0.0  # reset after the first call
+        # Each call runs `calls` steps; `step` is the last of them, where a run
+        # evaluates, saves and logs (the config keeps those on call boundaries).
+        calls = config.steps_per_call
+        for step in range(start_step + calls, config.steps + 1, calls):
             batch = next(batches)
-            if step == start_step + 1 and config.log_dir and jax.process_index() == 0:
+            first_call = step == start_step + calls
+            if first_call and config.log_dir and jax.process_index() == 0:
                 _describe_run(config, run, logger, train_step.lower(state, batch), console)
             if profile is not None:
-                profile.before(step)
+                profile.before(step - calls + 1)
             state, metrics = train_step(state, batch)
-            logger.record(step, metrics)
+            if step // config.log_every > (step - calls) // config.log_every:
+                logger.record(step, _last_step(metrics, calls))  # a call's last step
             if profile is not None:
                 profile.after(step, metrics)
-            if step == start_step + 1:
+            if first_call:
                 jax.block_until_ready(metrics)  # compilation ends here; throughput counts from now
                 steady_start, waited_before = time.perf_counter(), batches.wait_seconds
-            if step % _DISPLAY_EVERY == 0 or step == config.steps:
-                console.advance(step - shown, **_progress_fields(metrics, logger.latest))
+            if step // _DISPLAY_EVERY > shown // _DISPLAY_EVERY or step == config.steps:
+                fields = _progress_fields(_last_step(metrics, calls), logger.latest)
+                console.advance(step - shown, **fields)
                 shown = step
             evaluated = None
             if config.eval_every and step % config.eval_every == 0 and step != config.steps:
@@ -334,8 +347,9 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
             if config.check_replicas_every and step % config.check_replicas_every == 0:
                 distributed.check_replicas((state.params, state.model_state), step=step)
         ran = config.steps - start_step
-        train_loss = float(metrics["loss"]) if metrics is not None else float("nan")
-        steady = time.perf_counter() - steady_start if ran > 1 else 0.0
+        last = _last_step(metrics, calls) if metrics is not None else None
+        train_loss = float(last["loss"]) if last is not None else float("nan")
+        steady = time.perf_counter() - steady_start if ran > calls else 0.0
         waited = batches.wait_seconds - waited_before
         console.close_progress()
         final = run_eval(config.steps)
@@ -346,7 +360,7 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
         train_loss=train_loss,
         test_loss=final["loss"],
         test_accuracy=final["accuracy"],
-        examples_per_sec=(ran - 1) * config.batch_size / steady if steady else 0.0,
+        examples_per_sec=(ran - calls) * config.batch_size / steady if steady else 0.0,
         input_wait=waited / steady if steady else 0.0,
         wall_seconds=time.perf_counter() - started,
     )
@@ -375,8 +389,14 @@ def _resume(
     if restored is None:
         return state, 0
     state, meta = restored
+    start = int(meta["loader_step"])
+    if start % config.steps_per_call:
+        raise UsageError(
+            f"{checkpoints.directory} holds step {start}, not a multiple of --steps-per-call "
+            f"{config.steps_per_call}; resume with a --steps-per-call that divides {start}"
+        )
     console.line(f"jdp: resuming from step {meta['step']} in {checkpoints.directory}")
-    return state, int(meta["loader_step"])
+    return state, start
 
 
 def _preempted(

@@ -170,9 +170,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def batch_sharded(mesh: Mesh) -> NamedSharding:
-    """The sharding of a global batch: the leading dimension split over ``data``."""
-    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+def batch_sharded(mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
+    """The sharding of a global batch: the rows split over ``data``.
+
+    ``stacked``: several steps' batches stacked on a leading axis, rows second.
+    """
+    return NamedSharding(
+        mesh, PartitionSpec(None, DATA_AXIS) if stacked else PartitionSpec(DATA_AXIS)
+    )
 
 
 def check_batch_size(global_batch: int, mesh: Mesh) -> None:
@@ -191,7 +196,7 @@ def check_batch_size(global_batch: int, mesh: Mesh) -> None:
         )
 
 
-def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh) -> Any:
+def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh, *, stacked: bool = False) -> Any:
     """Turns this process's slice of a global batch into global arrays sharded on ``data``.
 
     Each process passes the rows it loaded (the whole batch when there is one
@@ -201,6 +206,8 @@ def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh) -> Any:
     Args:
         batch: a pytree of numpy arrays, all with the same leading dimension.
         mesh: the training mesh.
+        stacked: leaves are ``(steps, rows, ...)``, several steps' batches for a
+            step built with ``steps_per_call``; the rows are split.
 
     Returns:
         The same pytree of global ``jax.Array``.
@@ -211,10 +218,11 @@ def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh) -> Any:
     Examples:
         >>> batch = jdp.shard_batch({"x": x_local, "y": y_local}, mesh)
     """
-    sharding = batch_sharded(mesh)
+    sharding = batch_sharded(mesh, stacked=stacked)
     local_replicas = max(1, data_size(mesh) // jax.process_count())
     leaves = jax.tree.leaves(batch)
-    rows = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+    axis = 1 if stacked else 0
+    rows = {np.shape(leaf)[axis] if np.ndim(leaf) > axis else None for leaf in leaves}
     if len(rows) != 1 or None in rows:
         raise UsageError(
             f"batch leaves must share one leading (batch) dimension, got {sorted(map(str, rows))}"

@@ -283,13 +283,16 @@ def _compile(
     *,
     outputs: int,
     donate_state: bool,
+    stacked: bool = False,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """Compiles ``replica_fn(state, batch)`` for a backend; returns (call, lower).
 
     ``replica_fn`` returns ``outputs`` values (a tuple when more than one), each
-    replicated: identical on every replica after its reductions.
+    replicated: identical on every replica after its reductions. ``stacked``:
+    batch leaves are ``(steps, rows, ...)``, the rows split over ``data``.
     """
-    state_in, batch_in = replicated(mesh), batch_sharded(mesh)
+    batch_axis = 1 if stacked else 0
+    state_in, batch_in = replicated(mesh), batch_sharded(mesh, stacked=stacked)
 
     def per_output(value):
         return value if outputs == 1 else (value,) * outputs
@@ -299,7 +302,7 @@ def _compile(
         mapped = jax.shard_map(
             replica_fn,
             mesh=mesh,
-            in_specs=(PartitionSpec(), PartitionSpec(DATA_AXIS)),
+            in_specs=(PartitionSpec(), batch_in.spec),
             out_specs=per_output(PartitionSpec()),
         )
         jitted = jax.jit(
@@ -319,16 +322,20 @@ def _compile(
         devices=list(mesh.devices.flat),
         donate_argnums=donate,
     )
+
+    def per_replica(x):
+        """``(rows, ...)`` -> ``(replicas, rows / replicas, ...)``; stacked steps stay 2nd."""
+        shape = (*x.shape[:batch_axis], replicas, x.shape[batch_axis] // replicas)
+        return jnp.moveaxis(x.reshape(*shape, *x.shape[batch_axis + 1 :]), batch_axis, 0)
+
     split = jax.jit(
-        lambda batch: jax.tree.map(
-            lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]), batch
-        ),
+        lambda batch: jax.tree.map(per_replica, batch),
         out_shardings=NamedSharding(mesh, PartitionSpec(DATA_AXIS)),
     )
 
     def check(batch):
         for leaf in jax.tree.leaves(batch):
-            if not leaf.ndim or leaf.shape[0] % replicas:
+            if leaf.ndim <= batch_axis or leaf.shape[batch_axis] % replicas:
                 raise UsageError(
                     f"batch leaf of shape {leaf.shape} does not split over {replicas} "
                     f"replicas; the global batch must be a multiple of {replicas}"
@@ -374,6 +381,7 @@ def make_train_step(
     precision: Precision | None = None,
     accumulate: int = 1,
     lr_schedule: optax.Schedule | None = None,
+    steps_per_call: int = 1,
 ) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
     """Builds a data-parallel train step: ``state, metrics = step(state, batch)``.
 
@@ -407,6 +415,12 @@ def make_train_step(
             scanned inside the compiled step; the gradients are averaged over them
             and all-reduced once per update.
         lr_schedule: the optimizer's schedule, to report ``lr`` in the metrics.
+        steps_per_call: run this many optimizer steps per call, scanned inside
+            the compiled program, to save the host's dispatch time per step for
+            small models. The batch then stacks the steps' global batches,
+            leaves ``(steps_per_call, rows, ...)`` (`shard_batch` with
+            ``stacked=True``), and each metric comes back as ``(steps_per_call,)``,
+            one value per step. The result equals as many single steps.
 
     Returns:
         ``step(state, batch) -> (state, metrics)``, where ``batch`` is a pytree of
@@ -428,8 +442,11 @@ def make_train_step(
         >>> state, metrics = step(state, jdp.shard_batch(batch, mesh))
     """
     _check_backend(backend, mesh)
-    if accumulate < 1:
-        raise UsageError(f"accumulate must be at least 1, got {accumulate}")
+    if accumulate < 1 or steps_per_call < 1:
+        raise UsageError(
+            f"accumulate and steps_per_call must be at least 1, got {accumulate} and "
+            f"{steps_per_call}"
+        )
     replica_fn = _replica_train_step(
         loss_fn,
         optimizer,
@@ -441,12 +458,19 @@ def make_train_step(
         accumulate=accumulate,
         lr_schedule=lr_schedule,
     )
+    if steps_per_call > 1:
+        one_step = replica_fn
+
+        def replica_fn(state, batches):
+            return lax.scan(one_step, state, batches)
+
     call, lower = _compile(
         replica_fn,
         mesh,
         backend,
         outputs=2,
         donate_state=True,
+        stacked=steps_per_call > 1,
     )
     return _Step(call, witness=lambda out: out[1], lower=lower)
 

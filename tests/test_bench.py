@@ -82,3 +82,22 @@ def test_logging_benchmark_reports_the_ratio():
     assert result.returncode == 0, result.stderr
     assert re.search(r"every step / off, per round: median [\d.]+", result.stdout), result.stdout
     assert "40 records written" in result.stdout
+
+
+def test_step_benchmark_compares_with_a_hand_written_step():
+    result = _bench("step", "--steps 8 --rounds 1 --steps-per-call 1,4")
+    assert result.returncode == 0, result.stderr
+    names = re.findall(r"^  (\S.*?\S) {2,}[\d,]+ +[\d.]+x", result.stdout, re.M)
+    assert names == [
+        "hand-written jit step",
+        "jdp, jit",
+        "jdp, pmap",
+        "jdp, jit, 4 steps per call",
+    ], result.stdout
+    volume = dict(
+        re.findall(
+            r"(fp32|bf16) all-reduce: .* bytes = ([\d.]+) x .*all-gathers: 0$", result.stdout, re.M
+        )
+    )
+    assert abs(float(volume["fp32"]) - 1.0) <= 0.01, result.stdout
+    assert abs(float(volume["bf16"]) - 0.5) <= 0.01, result.stdout

@@ -97,6 +97,18 @@ class EvalReader:
         return batch
 
 
+class StackedReader:
+    """Call ``i`` -> the batches of steps ``start + i*steps .. + steps - 1``, stacked on axis 0."""
+
+    def __init__(self, reader: Callable[[int], dict], *, steps: int, start: int):
+        self.reader, self.steps, self.start = reader, steps, start
+
+    def __call__(self, call: int) -> dict[str, np.ndarray]:
+        first = self.start + call * self.steps
+        batches = [self.reader(step) for step in range(first, first + self.steps)]
+        return {key: np.stack([batch[key] for batch in batches]) for key in batches[0]}
+
+
 def host_batches(
     reader: Callable[[int], dict], *, start: int, stop: int | None, workers: int = 0
 ) -> grain.IterDataset:
@@ -140,13 +152,22 @@ class Loader(Iterator[dict]):
         stop: int | None,
         workers: int = 0,
         prefetch: int = 2,
+        steps_per_item: int = 1,
     ):
-        if workers < 0 or prefetch < 1:
+        if workers < 0 or prefetch < 1 or steps_per_item < 1:
             raise UsageError(
-                f"need workers >= 0 and prefetch >= 1, got workers={workers} prefetch={prefetch}"
+                f"need workers >= 0, prefetch >= 1 and steps_per_item >= 1, got "
+                f"workers={workers} prefetch={prefetch} steps_per_item={steps_per_item}"
             )
-        host = host_batches(reader, start=start, stop=stop, workers=workers)
+        if steps_per_item > 1:
+            if stop is not None:
+                raise UsageError("stacked batches (steps_per_item > 1) are for training only")
+            reader = StackedReader(reader, steps=steps_per_item, start=start)
+            host = host_batches(reader, start=0, stop=None, workers=workers)
+        else:
+            host = host_batches(reader, start=start, stop=stop, workers=workers)
         self.position = start
+        self._steps_per_item = steps_per_item
         self.wait_seconds = 0.0
         self._mesh = mesh
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
@@ -159,7 +180,8 @@ class Loader(Iterator[dict]):
         try:
             iterator = iter(host)
             for batch in iterator:
-                if not self._put(shard_batch(batch, self._mesh)):
+                placed = shard_batch(batch, self._mesh, stacked=self._steps_per_item > 1)
+                if not self._put(placed):
                     return
             self._put(_END)
         except BaseException as error:  # handed to the consumer, raised there
@@ -190,7 +212,7 @@ class Loader(Iterator[dict]):
         if isinstance(item, BaseException):
             self.close()
             raise item
-        self.position += 1
+        self.position += self._steps_per_item
         return item
 
     def close(self) -> None:
@@ -232,6 +254,7 @@ def train_batches(
     start_step: int = 0,
     workers: int = 0,
     prefetch: int = 2,
+    steps_per_call: int = 1,
 ) -> Loader:
     """Global training batches (sharded on ``data``) from ``start_step`` on, forever.
 
@@ -243,6 +266,8 @@ def train_batches(
         start_step: the first step to yield; a resumed run passes its loader position.
         workers: Grain worker processes for the host work (0: in a thread of this process).
         prefetch: global batches placed on the devices ahead of the step.
+        steps_per_call: yield this many consecutive steps' batches stacked on a
+            leading axis, for a step built with the same ``steps_per_call``.
 
     Raises:
         UsageError: the batch is larger than the split.
@@ -255,7 +280,15 @@ def train_batches(
     reader = TrainReader(
         split, batch_size=batch_size, seed=seed, rows=process_rows(mesh, batch_size)
     )
-    return Loader(reader, mesh, start=start_step, stop=None, workers=workers, prefetch=prefetch)
+    return Loader(
+        reader,
+        mesh,
+        start=start_step,
+        stop=None,
+        workers=workers,
+        prefetch=prefetch,
+        steps_per_item=steps_per_call,
+    )
 
 
 def eval_batches(split: Split, mesh: Mesh, *, batch_size: int, prefetch: int = 2) -> Loader:

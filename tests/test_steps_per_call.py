@@ -1,0 +1,92 @@
+"""Several optimizer steps per call: the same result as single steps, batches stacked."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from test_step import _assert_trees_close, _init_params, _loss, _regression_data
+
+import jdp
+
+
+def _single_steps(mesh, backend, batches, optimizer):
+    state = jdp.create_train_state(_init_params(), optimizer, mesh)
+    step = jdp.make_train_step(_loss, optimizer, mesh, backend=backend, lr_schedule=lambda c: c)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, jdp.shard_batch(batch, mesh))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+@pytest.mark.parametrize("spec", ["data=8", "data=1"])
+def test_k_steps_per_call_equal_k_single_steps(devices, backend, spec):
+    mesh = jdp.make_mesh(spec)
+    optimizer = optax.adam(1e-2)
+    batches = [_regression_data(seed) for seed in range(8)]
+    single, single_losses = _single_steps(mesh, backend, batches, optimizer)
+
+    state = jdp.create_train_state(_init_params(), optimizer, mesh)
+    step = jdp.make_train_step(
+        _loss, optimizer, mesh, backend=backend, steps_per_call=4, lr_schedule=lambda c: c
+    )
+    losses, counts = [], []
+    for first in (0, 4):
+        stacked = jax.tree.map(lambda *leaves: np.stack(leaves), *batches[first : first + 4])
+        state, metrics = step(state, jdp.shard_batch(stacked, mesh, stacked=True))
+        assert metrics["loss"].shape == (4,)
+        losses += jax.device_get(metrics["loss"]).tolist()
+        counts += jax.device_get(metrics["lr"]).tolist()
+    assert int(state.step) == 8
+    assert counts == [0, 1, 2, 3, 4, 5, 6, 7]  # one metric value per step, in order
+    np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
+    _assert_trees_close(jax.device_get(state.params), jax.device_get(single.params))
+
+
+def test_steps_per_call_must_be_positive(mesh8):
+    with pytest.raises(jdp.UsageError, match="steps_per_call must be at least 1"):
+        jdp.make_train_step(_loss, optax.sgd(0.1), mesh8, steps_per_call=0)
+
+
+def test_loader_stacks_consecutive_steps(mesh8):
+    split = jdp.load_split("digits", "train")
+    with jdp.train_batches(split, mesh8, batch_size=64, seed=3, start_step=4) as single:
+        singles = [jax.device_get(next(single)) for _ in range(8)]
+    with jdp.train_batches(
+        split, mesh8, batch_size=64, seed=3, start_step=4, steps_per_call=4
+    ) as stacked:
+        calls = [jax.device_get(next(stacked)) for _ in range(2)]
+        assert stacked.position == 12
+    for call, first in zip(calls, (0, 4), strict=True):
+        for key in ("image", "label"):
+            assert call[key].shape[0] == 4
+            np.testing.assert_array_equal(
+                call[key], np.stack([b[key] for b in singles[first : first + 4]])
+            )
+
+
+def _cli(*flags):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-m", "jdp.train", "--mesh", "data=8", "--steps", "80", *flags],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+
+
+def test_cli_steps_per_call_prints_the_same_run():
+    import re
+
+    summary = re.compile(r"train_loss=(\S+) test_loss=(\S+) test_accuracy=(\S+)")
+    single = _cli("--eval-every", "40")
+    several = _cli("--eval-every", "40", "--steps-per-call", "8")
+    assert single.returncode == 0 and several.returncode == 0, several.stderr
+    assert summary.search(several.stdout).groups() == summary.search(single.stdout).groups()
+    assert "step 40: test_loss=" in several.stdout
+
+    refused = _cli("--eval-every", "30", "--steps-per-call", "8")
+    assert refused.returncode == 2
+    assert "--eval-every 30 is not a multiple of --steps-per-call 8" in refused.stderr
