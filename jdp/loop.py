@@ -111,7 +111,9 @@ def _describe_run(
     """FLOPs per step and the peak they are measured against; the run directory's facts."""
     devices = run.mesh.devices.size
     kind = run.mesh.devices.flat[0].device_kind
-    # XLA counts the micro-batch loop's body once: no figure rather than a wrong one.
+    # XLA counts a loop's body once. With --steps-per-call the body is one step, so
+    # the figure is per step as wanted; the micro-batch loop of --accumulate would
+    # undercount: no figure rather than a wrong one.
     flops = step_flops(lowered, devices) if config.accumulate == 1 else None
     peak = peak_flops(kind)
     logger.throughput = Throughput(
