@@ -37,7 +37,9 @@ class TrainConfig:
     loader_workers: int = _flag(
         0, "Grain worker processes that load and augment batches (0: a thread of this process)"
     )
-    prefetch: int = _flag(2, "global batches placed on the devices ahead of the step")
+    prefetch: int = _flag(
+        2, "batches (with --steps-per-call, calls' stacked batches) placed on the devices ahead"
+    )
     steps: int = _flag(400, "number of training steps")
     optimizer: str = _flag("adam", "sgd, momentum, nesterov, adam, adamw, lamb or lars")
     lr: float = _flag(3e-3, "base learning rate: the schedule's peak, before --lr-scaling")
@@ -119,8 +121,8 @@ class TrainConfig:
             raise UsageError("--startup-timeout and --heartbeat-timeout must be positive")
         if self.log_every < 1:
             raise UsageError("--log-every must be at least 1")
-        self._check_steps_per_call()
         _ = self.profile_window  # checks --profile-steps
+        self._check_steps_per_call()
         if self.check_replicas_every < 0:
             raise UsageError("--check-replicas-every must be >= 0 (0: off)")
         if self.lr_reference_batch < 1:

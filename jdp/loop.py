@@ -338,7 +338,8 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
             evaluated = None
             if config.eval_every and step % config.eval_every == 0 and step != config.steps:
                 evaluated = run_eval(step)
-            if preemption is not None and preemption.reached(step):
+            # JAX's multi-process sync point wants a counter that rises by one per call.
+            if preemption is not None and preemption.reached(step // calls):
                 if checkpoints is not None:
                     save(evaluated)
                     checkpoints.wait()

@@ -472,6 +472,18 @@ def make_train_step(
         donate_state=True,
         stacked=steps_per_call > 1,
     )
+    if steps_per_call > 1:
+        compiled = call
+
+        def call(state, batches):
+            for leaf in jax.tree.leaves(batches):
+                if not leaf.ndim or leaf.shape[0] != steps_per_call:
+                    raise UsageError(
+                        f"batch leaf of shape {leaf.shape}: a step of steps_per_call="
+                        f"{steps_per_call} takes that many batches stacked on axis 0"
+                    )
+            return compiled(state, batches)
+
     return _Step(call, witness=lambda out: out[1], lower=lower)
 
 

@@ -90,3 +90,28 @@ def test_cli_steps_per_call_prints_the_same_run():
     refused = _cli("--eval-every", "30", "--steps-per-call", "8")
     assert refused.returncode == 2
     assert "--eval-every 30 is not a multiple of --steps-per-call 8" in refused.stderr
+
+
+def test_flops_per_step_do_not_grow_with_steps_per_call(mesh8):
+    # MFU uses the lowered call's FLOPs as one step's: XLA counts a scan's body once.
+    from jdp.metrics import step_flops
+
+    optimizer = optax.sgd(0.1)
+    flops = {}
+    for k in (1, 4):
+        state = jdp.create_train_state(_init_params(), optimizer, mesh8)
+        step = jdp.make_train_step(_loss, optimizer, mesh8, steps_per_call=k)
+        batch = _regression_data()
+        if k > 1:
+            batch = jax.tree.map(lambda x, k=k: np.stack([x] * k), batch)
+        flops[k] = step_flops(step.lower(state, jdp.shard_batch(batch, mesh8, stacked=k > 1)), 8)
+    assert flops[4] == pytest.approx(flops[1], rel=0.01)
+
+
+def test_a_stack_of_the_wrong_length_is_refused(mesh8):
+    optimizer = optax.sgd(0.1)
+    state = jdp.create_train_state(_init_params(), optimizer, mesh8)
+    step = jdp.make_train_step(_loss, optimizer, mesh8, steps_per_call=4)
+    batch = jax.tree.map(lambda x: np.stack([x] * 3), _regression_data())
+    with pytest.raises(jdp.UsageError, match="steps_per_call=4 takes that many batches"):
+        step(state, jdp.shard_batch(batch, mesh8, stacked=True))
