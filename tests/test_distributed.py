@@ -87,12 +87,12 @@ def _read_lines(stream, into):
         into.append(line)
 
 
-def test_a_lost_process_stops_the_others_within_the_heartbeat_timeout():
-    launcher = _train(
-        "--steps", "100000", "--heartbeat-timeout", "5", nproc=2,
-        grace=120,  # long: process 0 must be stopped by the runtime, not by the launcher
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+def _interrupt_mid_run(launcher, interrupt, timeout=120):
+    """Waits for process 0's eval at step 20, calls ``interrupt(stderr_lines)``, waits.
+
+    Returns the launcher's exit code, its stdout and stderr, and the seconds it
+    took to exit after ``interrupt``.
+    """
     out, err = [], []
     readers = [
         threading.Thread(target=_read_lines, args=(launcher.stdout, out), daemon=True),
@@ -100,23 +100,33 @@ def test_a_lost_process_stops_the_others_within_the_heartbeat_timeout():
     ]
     for reader in readers:
         reader.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not any("step 20: test_loss" in line for line in out):
-            assert launcher.poll() is None and time.monotonic() < deadline, "".join(out + err)
-            time.sleep(0.05)
-        os.kill(_launched_pids(err)[1], signal.SIGKILL)
-        killed = time.monotonic()
-        code = launcher.wait(timeout=90)
-        stopped_after = time.monotonic() - killed
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    for reader in readers:
-        reader.join(timeout=10)
-    launcher.stdout.close()
-    launcher.stderr.close()
-    text = "".join(err)
+    with launcher:  # closes the pipes
+        try:
+            deadline = time.monotonic() + 120
+            while not any("step 20: test_loss" in line for line in out):
+                assert launcher.poll() is None and time.monotonic() < deadline, "".join(out + err)
+                time.sleep(0.05)
+            interrupt(err)
+            interrupted = time.monotonic()
+            code = launcher.wait(timeout=timeout)
+            took = time.monotonic() - interrupted
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+        for reader in readers:
+            reader.join(timeout=10)
+    return code, "".join(out), "".join(err), took
+
+
+def test_a_lost_process_stops_the_others_within_the_heartbeat_timeout():
+    launcher = _train(
+        "--steps", "100000", "--heartbeat-timeout", "5", nproc=2,
+        grace=120,  # long: process 0 must be stopped by the runtime, not by the launcher
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    code, _, text, stopped_after = _interrupt_mid_run(
+        launcher, lambda err: os.kill(_launched_pids(err)[1], signal.SIGKILL), timeout=90
+    )
     assert code != 0
     assert "jdp.launch: process 1 killed by SIGKILL" in text
     assert "process 1 of 2 failed first" in text
@@ -155,23 +165,9 @@ def test_sigterm_to_the_launcher_saves_and_one_process_resumes(tmp_path):
         "--ckpt-dir", str(stopped_dir), *steps, nproc=2,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
-    out = []
-    reader = threading.Thread(target=_read_lines, args=(launcher.stdout, out), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not any("step 20: test_loss" in line for line in out):
-            assert launcher.poll() is None and time.monotonic() < deadline, "".join(out)
-            time.sleep(0.05)
-        launcher.send_signal(signal.SIGTERM)
-        code = launcher.wait(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    reader.join(timeout=10)
-    with launcher:  # closes the pipes
-        errors = launcher.stderr.read()
-    text = "".join(out)
+    code, text, errors, _ = _interrupt_mid_run(
+        launcher, lambda err: launcher.send_signal(signal.SIGTERM)
+    )
     assert code == 0, text[-2000:] + errors[-2000:]
     stopped = re.search(r"^\[0\] jdp\.train: .* at step (\d+); checkpoint saved", text, re.M)
     assert stopped, text[-2000:]
@@ -329,23 +325,9 @@ def test_sigint_to_the_launcher_stops_a_run_without_checkpoints():
     launcher = _train(
         "--steps", "100000", nproc=2, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )  # fmt: skip
-    out = []
-    reader = threading.Thread(target=_read_lines, args=(launcher.stdout, out), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not any("step 20: test_loss" in line for line in out):
-            assert launcher.poll() is None and time.monotonic() < deadline, "".join(out)
-            time.sleep(0.05)
-        launcher.send_signal(signal.SIGINT)
-        code = launcher.wait(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    reader.join(timeout=10)
-    with launcher:
-        errors = launcher.stderr.read()
-    text = "".join(out)
+    code, text, errors, _ = _interrupt_mid_run(
+        launcher, lambda err: launcher.send_signal(signal.SIGINT)
+    )
     assert code == 0, text[-2000:] + errors[-2000:]
     assert re.search(
         r"^\[0\] jdp\.train: preemption notice \(SIGTERM\) at step \d+; stopped without "
