@@ -67,6 +67,12 @@ def _batches_per_sec(batches: Iterable, count: int) -> float:
     return count / (time.perf_counter() - started)
 
 
+def _first_batch(run, batch_size: int):
+    """The global batch of step 0 (seed 0), placed on the run's mesh."""
+    with train_batches(run.train, run.mesh, batch_size=batch_size, seed=0) as loader:
+        return next(loader)
+
+
 def _steps_per_sec(run, batch, count: int) -> float:
     """Train steps per second on one batch fed again and again (no input cost)."""
     state = run.state
@@ -206,8 +212,7 @@ def _allreduce_seconds(tree, mesh, count: int, *, packed: bool) -> float:
 def multihost_worker(config: TrainConfig, *, steps: int, out: str) -> None:
     """One process of a ``multihost`` measurement; process 0 writes the figures as JSON."""
     run = build(config, Console(enabled=False))
-    with train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=0) as loader:
-        batch = next(loader)
+    batch = _first_batch(run, config.batch_size)
     hlo = run.train_step.lower(run.state, batch).compile().as_text()
     # What the step reduces: the gradients (shaped as the params) and the loss.
     reduced = (run.state.params, jnp.zeros((), jnp.float32))
@@ -287,8 +292,7 @@ def bench_scaling(config: TrainConfig, *, steps: int, out: str) -> list[str]:
     rates = []
     for size in sizes:
         run = build(dataclasses.replace(config, mesh=f"data={size}"), Console(enabled=False))
-        with train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=0) as loader:
-            batch = next(loader)
+        batch = _first_batch(run, config.batch_size)
         rates.append(_steps_per_sec(run, batch, steps) * config.batch_size)
     device = jax.devices()[0]
     kind = device.device_kind + (" (simulated devices)" if device.platform == "cpu" else "")
@@ -339,8 +343,7 @@ def bench_logging(config: TrainConfig, *, steps: int, rounds: int) -> list[str]:
     next to each other: this machine's speed drifts by more than the effect.
     """
     run = build(config, Console(enabled=False))
-    with train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=0) as loader:
-        batch = next(loader)
+    batch = _first_batch(run, config.batch_size)
     state = run.state
     for _ in range(3):  # compile and settle
         state, metrics = run.train_step(state, batch)
@@ -431,28 +434,30 @@ def bench_step(config: TrainConfig, *, steps: int, rounds: int, calls: Sequence[
     """jdp's step vs a hand-written one (both backends); collectives, dispatch, steps per call."""
     run = build(config, Console(enabled=False))
     mesh, size = run.mesh, config.batch_size
-    with train_batches(run.train, mesh, batch_size=size, seed=0) as loader:
-        batch = next(loader)
+    batch = _first_batch(run, size)
     model = get_model(config.model, run.train.num_classes)
     optimizer = config.make_optimizer(config.make_schedule())
-    stepped = {"jdp, jit": run.train_step}
-    stepped["jdp, pmap"] = build(
-        dataclasses.replace(config, backend="pmap"), Console(enabled=False)
-    ).train_step
+    # name -> (step, steps per call); the batch each takes, by steps per call.
+    stepped = {"jdp, jit": (run.train_step, 1)}
+    pmap = build(dataclasses.replace(config, backend="pmap"), Console(enabled=False))
+    stepped["jdp, pmap"] = (pmap.train_step, 1)
+    feeds = {1: batch}
     for k in calls:
         if k > 1:
             variant = dataclasses.replace(config, steps_per_call=k, steps=k * config.steps)
-            stepped[f"jdp, jit, {k} steps per call"] = build(
-                variant, Console(enabled=False)
-            ).train_step
-    stacked = {
-        k: jax.device_put(
-            jax.tree.map(lambda x, k=k: jnp.stack([x] * k), batch),
-            batch_sharded(mesh, stacked=True),
-        )
-        for k in calls
-        if k > 1
-    }
+            stepped[f"jdp, jit, {k} steps per call"] = (
+                build(variant, Console(enabled=False)).train_step,
+                k,
+            )
+            feeds[k] = jax.device_put(
+                jax.tree.map(lambda x, k=k: jnp.stack([x] * k), batch),
+                batch_sharded(mesh, stacked=True),
+            )
+
+    def fresh_state():
+        params = jax.tree.map(jnp.copy, run.state.params)
+        return create_train_state(params, optimizer, mesh, rng=jax.random.key(0))
+
     hand = _hand_written_step(model, optimizer, mesh)
 
     def run_hand(count):
@@ -466,14 +471,10 @@ def bench_step(config: TrainConfig, *, steps: int, rounds: int, calls: Sequence[
         jax.block_until_ready(loss)
 
     def run_jdp(name, count):
-        step = stepped[name]
-        per_call = next((k for k in stacked if name.endswith(f" {k} steps per call")), 1)
-        state = create_train_state(
-            jax.tree.map(jnp.copy, run.state.params), optimizer, mesh, rng=jax.random.key(0)
-        )
-        feed = stacked[per_call] if per_call > 1 else batch
+        step, per_call = stepped[name]
+        state = fresh_state()
         for _ in range(count // per_call):
-            state, metrics = step(state, feed)
+            state, metrics = step(state, feeds[per_call])
         jax.block_until_ready(metrics)
 
     arms = {"hand-written jit step": run_hand} | {
@@ -491,13 +492,11 @@ def bench_step(config: TrainConfig, *, steps: int, rounds: int, calls: Sequence[
     hand_rate = statistics.median(rates["hand-written jit step"])
 
     dispatch = {}
-    for name in ("jdp, jit", *[n for n in stepped if "per call" in n]):
-        per_call = next((k for k in stacked if name.endswith(f" {k} steps per call")), 1)
-        raw = stepped[name]._fn  # the compiled call, without jdp's wait on the previous one
-        state = create_train_state(
-            jax.tree.map(jnp.copy, run.state.params), optimizer, mesh, rng=jax.random.key(0)
-        )
-        feed = stacked[per_call] if per_call > 1 else batch
+    for name, (step, per_call) in stepped.items():
+        if name == "jdp, pmap":
+            continue
+        raw = step._fn  # the compiled call, without jdp's wait on the previous one
+        state, feed = fresh_state(), feeds[per_call]
         times = []
         for _ in range(50):
             started = time.perf_counter()
