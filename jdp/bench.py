@@ -52,7 +52,6 @@ from jdp.errors import UsageError
 from jdp.loop import build, fit, setup_devices
 from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh, process_rows
 from jdp.metrics import Console, MetricLogger, Throughput, open_writers
-from jdp.models import get_model
 from jdp.state import create_train_state
 from jdp.step import pmean_packed
 
@@ -391,8 +390,8 @@ def _hand_written_step(model, optimizer: optax.GradientTransformation, mesh):
 
     def replica(params, opt_state, batch):
         def loss_fn(params):
-            logits = model.apply({"params": params}, batch["image"], train=True)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+            outputs, _ = model.apply(params, {}, batch, train=True, rng=jax.random.key(0))
+            return model.objective.loss(outputs, batch).mean()
 
         # Marked varying so the gradient stays this replica's until the pmean.
         loss, grads = jax.value_and_grad(loss_fn)(lax.pcast(params, DATA_AXIS, to="varying"))
@@ -435,7 +434,12 @@ def bench_step(config: TrainConfig, *, steps: int, rounds: int, calls: Sequence[
     run = build(config, Console(enabled=False))
     mesh, size = run.mesh, config.batch_size
     batch = _first_batch(run, size)
-    model = get_model(config.model, run.train.num_classes)
+    if jax.tree.leaves(run.state.model_state):
+        raise UsageError(
+            f"bench step compares against a hand-written step without model state; "
+            f"--model {config.model} has some (BatchNorm): use mlp, seq2seq or gpt"
+        )
+    model = run.model
     optimizer = config.make_optimizer(config.make_schedule())
     # name -> (step, steps per call); the batch each takes, by steps per call.
     stepped = {"jdp, jit": (run.train_step, 1)}

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import optax
 
-from jdp.data.sources import check_dataset
+from jdp.data.sources import dataset_kind
 from jdp.errors import UsageError
 from jdp.mesh import parse_mesh_spec
 from jdp.models import check_model
@@ -28,8 +28,14 @@ class TrainConfig:
 
     mesh: str = _flag("data=-1", "device mesh, e.g. data=8, data=-1 (all devices), data=4,model=2")
     backend: str = _flag("jit", "step backend: jit (jit over shard_map) or pmap")
-    model: str = _flag("mlp", "built-in model: mlp or cnn")
-    dataset: str = _flag("digits", "digits (bundled, offline), mnist, fashion_mnist or cifar10")
+    model: str = _flag(
+        "mlp", "built-in model: mlp, cnn, resnet20, resnet18 (images), seq2seq or gpt (sequences)"
+    )
+    model_size: str = _flag("small", "small (trains in minutes on a CPU) or standard (published)")
+    dataset: str = _flag(
+        "digits",
+        "digits (bundled), numbers2words (generated), mnist, fashion_mnist or cifar10",
+    )
     data_dir: str | None = _flag(
         None, "TFDS data directory (default: $TFDS_DATA_DIR or ~/tensorflow_datasets)"
     )
@@ -98,8 +104,7 @@ class TrainConfig:
             raise UsageError(
                 f"unknown backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}"
             )
-        check_model(self.model)
-        check_dataset(self.dataset)
+        check_model(self.model, self.model_size, dataset_kind(self.dataset))
         for name in ("batch_size", "steps"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jdp import distributed
 from jdp.checkpoint import Checkpointer, Preemption
 from jdp.config import TrainConfig
-from jdp.data.pipeline import check_train_batch, eval_batches, train_batches
+from jdp.data.pipeline import EvalReader, check_train_batch, eval_batches, train_batches
 from jdp.data.sources import Split, load_split
 from jdp.errors import UsageError
 from jdp.mesh import (
@@ -36,7 +36,7 @@ from jdp.metrics import (
     step_flops,
     write_run_info,
 )
-from jdp.models import classifier_loss, classifier_metrics, get_model, init_variables
+from jdp.models import Model, get_model
 from jdp.precision import make_precision
 from jdp.state import TrainState, create_train_state
 from jdp.step import evaluate, make_eval_step, make_train_step
@@ -82,6 +82,12 @@ def _progress_fields(metrics, latest: dict | None) -> dict[str, str]:
     if latest and "examples_per_sec" in latest:  # over the last logging interval
         fields["examples/s"] = f"{latest['examples_per_sec']:,.0f}"
     return fields
+
+
+def _eval_order(result: dict) -> list[str]:
+    """Loss and accuracy first, then any other metric; not the example count."""
+    first = [name for name in ("loss", "accuracy") if name in result]
+    return first + sorted(set(result) - set(first) - {"count"})
 
 
 def _last_step(metrics, calls: int):
@@ -151,13 +157,16 @@ class Run:
     mesh: Mesh
     train: Split
     test: Split
+    model: Model
     state: TrainState
     train_step: Callable
     eval_step: Callable
 
 
-def build(config: TrainConfig, console: Console) -> Run:
+def build(config: TrainConfig, console: Console, model: Model | None = None) -> Run:
     """Sets up devices, mesh, data, model, optimizer and steps; says what it built.
+
+    ``model`` replaces the built-in ``config.model`` (see `fit`).
 
     Raises:
         UsageError: a mesh, batch size, dataset or model that cannot work here.
@@ -198,11 +207,15 @@ def build(config: TrainConfig, console: Console) -> Run:
     train = load_split(config.dataset, "train", config.data_dir)
     test = load_split(config.dataset, "test", config.data_dir)
     check_train_batch(train, config.batch_size)
-    model = get_model(config.model, train.num_classes)
+    name = f"{config.model} {config.model_size}"
+    if model is None:
+        model = get_model(config.model, train, config.model_size)
+    else:
+        name = "your model"
     init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
+    sample = EvalReader(train, batch_size=1, rows=slice(None))(0)
     params, model_state = jax.jit(
-        lambda rng: init_variables(model, train.transform(train.image[:1]), rng),
-        out_shardings=replicated(mesh),
+        lambda rng: model.init(rng, sample), out_shardings=replicated(mesh)
     )(init_rng)
     schedule = config.make_schedule()
     optimizer = config.make_optimizer(schedule)
@@ -211,7 +224,7 @@ def build(config: TrainConfig, console: Console) -> Run:
         params, optimizer, mesh, rng=train_rng, model_state=model_state, precision=precision
     )
     train_step = make_train_step(
-        classifier_loss(model),
+        model.loss_fn,
         optimizer,
         mesh,
         backend=config.backend,
@@ -221,13 +234,11 @@ def build(config: TrainConfig, console: Console) -> Run:
         lr_schedule=schedule,
         steps_per_call=config.steps_per_call,
     )
-    eval_step = make_eval_step(
-        classifier_metrics(model), mesh, backend=config.backend, has_model_state=True
-    )
+    eval_step = make_eval_step(model.metrics_fn, mesh, backend=config.backend, has_model_state=True)
 
     num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
     console.line(
-        f"jdp: {config.model} ({num_params:,} params) on {config.dataset} "
+        f"jdp: {name} ({num_params:,} params) on {config.dataset} "
         f"({len(train)} train / {len(test)} test), mesh {dict(mesh.shape)}, "
         f"backend {config.backend}, global batch {config.batch_size} "
         f"({per_replica} per replica"
@@ -244,11 +255,17 @@ def build(config: TrainConfig, console: Console) -> Run:
         f"{config.schedule} schedule, {config.warmup_steps} warmup steps, "
         f"precision {config.precision} (all-reduce {config.reduce_dtype})"
     )
-    return Run(config, mesh, train, test, state, train_step, eval_step)
+    return Run(config, mesh, train, test, model, state, train_step, eval_step)
 
 
-def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
+def fit(
+    config: TrainConfig, *, model: Model | None = None, console: Console | None = None
+) -> FitResult:
     """Trains and evaluates the configured model; returns the final state and figures.
+
+    ``model`` brings your own (`jdp.models.from_linen` / `jdp.models.from_nnx`) in
+    place of the built-in ``config.model`` and ``config.model_size``; it takes the
+    dataset's batches (``image`` and ``label``, or ``source`` and ``target``).
 
     With ``config.ckpt_dir`` the run resumes from the latest checkpoint there,
     saves every ``config.ckpt_every`` steps and at the end, and on SIGTERM or
@@ -260,7 +277,7 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
     """
     started = time.perf_counter()
     console = console or Console()
-    run = build(config, console)
+    run = build(config, console, model)
     mesh, train, test, state = run.mesh, run.train, run.test, run.state
     train_step, eval_step = run.train_step, run.eval_step
     checkpoints = Checkpointer(config.ckpt_dir, keep=config.keep) if config.ckpt_dir else None
@@ -274,8 +291,8 @@ def fit(config: TrainConfig, *, console: Console | None = None) -> FitResult:
             batches = eval_batches(test, mesh, batch_size=config.batch_size)
             result = evaluate(eval_step, state, batches)
             console.line(
-                f"step {step}: test_loss={result['loss']:.4f} "
-                f"test_accuracy={result['accuracy']:.4f}"
+                f"step {step}: "
+                + " ".join(f"test_{k}={result[k]:.4f}" for k in _eval_order(result))
             )
             logger.write("eval", step, result)
             return result

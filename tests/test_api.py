@@ -37,7 +37,10 @@ def test_train_config_rejects_bad_values():
     import pytest
 
     for kwargs, needle in [
-        ({"model": "vit"}, "unknown model 'vit'; choose one of: cnn, mlp"),
+        ({"model": "vit"}, "unknown model 'vit'; choose one of: cnn, gpt, mlp, resnet18,"),
+        ({"model_size": "huge"}, "unknown model size 'huge'; choose one of: small, standard"),
+        ({"model": "seq2seq"}, "model 'seq2seq' takes sequence data .* holds image data"),
+        ({"dataset": "numbers2words"}, "for it choose --model gpt, seq2seq"),
         ({"dataset": "nope"}, "unknown dataset 'nope'"),
         ({"backend": "tpu"}, "unknown backend 'tpu'"),
         ({"mesh": "data=0"}, "sizes are positive"),

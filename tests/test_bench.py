@@ -37,7 +37,7 @@ def test_bench_bad_input_is_one_line_and_exit_2():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "jdp.bench: error: unknown dataset 'imagenet'; choose one of: cifar10, digits, "
-        "fashion_mnist, mnist"
+        "fashion_mnist, mnist, numbers2words"
     ]
 
 

@@ -77,6 +77,23 @@ def test_tiny_cnn_run_with_periodic_eval():
     assert SUMMARY.search(result.stdout)
 
 
+def test_tiny_seq2seq_run_on_numbers2words():
+    result = _run(
+        *shlex.split(
+            "--mesh data=4 --model seq2seq --dataset numbers2words --steps 20 --batch-size 32 "
+            "--warmup-steps 2 --eval-every 10"
+        )
+    )
+    assert result.returncode == 0, result.stderr
+    assert "seq2seq small (" in result.stdout and "numbers2words (20000 train / 2000 test)" in (
+        result.stdout
+    )
+    assert re.search(
+        r"step 10: test_loss=\S+ test_accuracy=\S+ test_token_accuracy=", result.stdout
+    )
+    assert SUMMARY.search(result.stdout)
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
@@ -87,6 +104,9 @@ def test_tiny_cnn_run_with_periodic_eval():
         (["--mesh", "data=8", "--batch-size", "100"], "--batch-size 96 or 104"),
         (["--model", "resnet9000"], "unknown model 'resnet9000'"),
         (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+        (["--model", "seq2seq"], "for it choose --model cnn, mlp, resnet18, resnet20"),
+        (["--model", "cnn", "--dataset", "numbers2words"], "choose --model gpt, seq2seq"),
+        (["--model-size", "large"], "unknown model size 'large'"),
         (["--steps", "ten"], "invalid int value: 'ten'"),
         (["--mesh", "data=8", "--batch-size", "4096"], "larger than the training split"),
         (["--optimizer", "adagrad"], "unknown optimizer 'adagrad'"),

@@ -4,15 +4,16 @@ import subprocess
 import sys
 
 import pytest
+import tensorflow_datasets as tfds
+from catalog import prepare
 
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda path: path.name)
-def test_example_runs_in_smoke_mode(script):
+def _run(script, *flags):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(
-        [sys.executable, str(script), "--smoke"],
+        [sys.executable, str(script), "--smoke", *flags],
         capture_output=True,
         text=True,
         timeout=240,
@@ -20,3 +21,30 @@ def test_example_runs_in_smoke_mode(script):
     )
     assert result.returncode == 0, result.stderr
     assert "test_accuracy=" in result.stdout
+    return result
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda path: path.name)
+def test_example_runs_in_smoke_mode(script):
+    _run(script)
+
+
+def test_example_docstrings_name_the_reference_and_the_full_run():
+    for script in EXAMPLES:
+        text = script.read_text()
+        doc = text.split('"""')[1]
+        assert "reference" in doc, f"{script.name}: which reference workload it mirrors"
+        assert f"python examples/{script.name}\n" in doc or f"python examples/{script.name} " in doc
+
+
+def test_cifar_resnet_trains_on_augmented_cifar10(tmp_path):
+    """The full example's data path: CIFAR-10 from TFDS with crop and flip augmentation."""
+    prepare(tfds.image_classification.Cifar10, tmp_path, {"train": 160, "test": 40}, (32, 32, 3))
+    result = _run(
+        EXAMPLES[[p.name for p in EXAMPLES].index("cifar_resnet.py")],
+        "--data-dir",
+        str(tmp_path),
+        "--batch-size",
+        "32",
+    )
+    assert "cifar10: 160 training images, augmented: True" in result.stdout

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jdp
-from jdp.models import MLP, classifier_loss, classifier_metrics, init_variables
+from jdp.models import MLP, classification, from_linen
 
 STEPS = 5
 BATCH = 64
@@ -184,13 +184,14 @@ def test_batchnorm_statistics_are_global_batch_statistics(mesh8, mesh1, backend)
 
 
 def _mlp_setup(mesh):
-    module = MLP(num_classes=4, hidden=16)
+    module = MLP(num_classes=4, hidden=(16,))
     rng = np.random.default_rng(3)
     images = rng.normal(size=(37, 3, 3, 1)).astype(np.float32)  # 37: not a multiple of 8
     labels = rng.integers(0, 4, size=37).astype(np.int32)
-    params, model_state = init_variables(module, images[:1], jax.random.key(0))
+    model = from_linen(module, classification())
+    params, model_state = model.init(jax.random.key(0), {"image": images[:1]})
     state = jdp.create_train_state(params, optax.sgd(0.1), mesh, model_state=model_state)
-    return module, images, labels, state
+    return module, model, images, labels, state
 
 
 def test_exact_eval_counts_every_example_once(mesh8, mesh1, backend):
@@ -199,9 +200,9 @@ def test_exact_eval_counts_every_example_once(mesh8, mesh1, backend):
 
     results = []
     for mesh in (mesh8, mesh1):
-        module, images, labels, state = _mlp_setup(mesh)
+        module, model, images, labels, state = _mlp_setup(mesh)
         eval_step = jdp.make_eval_step(
-            classifier_metrics(module), mesh, backend=backend, has_model_state=True
+            model.metrics_fn, mesh, backend=backend, has_model_state=True
         )
         split = Split(images, labels, num_classes=4)
         results.append(jdp.evaluate(eval_step, state, eval_batches(split, mesh, batch_size=16)))
@@ -214,10 +215,10 @@ def test_exact_eval_counts_every_example_once(mesh8, mesh1, backend):
         assert result["loss"] == pytest.approx(expected_loss, rel=1e-5)
 
 
-def test_classifier_loss_trains_the_mlp(mesh8, backend):
-    module, images, labels, state = _mlp_setup(mesh8)
+def test_classification_trains_the_mlp(mesh8, backend):
+    _, model, images, labels, state = _mlp_setup(mesh8)
     step = jdp.make_train_step(
-        classifier_loss(module), optax.sgd(0.1), mesh8, backend=backend, has_model_state=True
+        model.loss_fn, optax.sgd(0.1), mesh8, backend=backend, has_model_state=True
     )
     batch = jdp.shard_batch({"image": images[:32], "label": labels[:32]}, mesh8)
     losses = []

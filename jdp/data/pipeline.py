@@ -67,6 +67,8 @@ class TrainReader:
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         batch = self.split.read(self.indices(step))
         transform = self.split.transform
+        if transform is None:  # token sequences: nothing to preprocess
+            return batch
         augmentation = None
         if transform.augments:
             rng = np.random.default_rng((self.seed, step, _AUGMENT_STREAM))
@@ -92,7 +94,8 @@ class EvalReader:
         indices = np.arange(number * self.batch_size, (number + 1) * self.batch_size)
         real = indices < len(self.split)
         batch = self.split.read(np.where(real, indices, 0)[self.rows])
-        batch["image"] = self.split.transform(batch["image"])
+        if self.split.transform is not None:
+            batch["image"] = self.split.transform(batch["image"])
         batch[MASK_KEY] = real[self.rows].astype(np.float32)
         return batch
 

@@ -18,6 +18,7 @@ import socket
 
 import numpy as np
 
+from jdp.data import numbers2words
 from jdp.data.transforms import Transform
 from jdp.errors import UsageError
 from jdp.metrics import quiet_absl
@@ -49,6 +50,10 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
+# Generated on the fly, no files: name -> split -> the split in memory.
+GENERATED = {"numbers2words": numbers2words.generate}
+
+
 # Images already in model units: only cast to float32.
 AS_IS = Transform(scale=1.0)
 
@@ -65,6 +70,7 @@ class Split:
     label: np.ndarray
     num_classes: int
     transform: Transform = AS_IS
+    kind = "image"
 
     def __len__(self) -> int:
         return len(self.label)
@@ -73,11 +79,19 @@ class Split:
         return {"image": self.image[indices], "label": self.label[indices]}
 
 
-def check_dataset(name: str) -> DatasetSpec:
-    """Returns the dataset's spec, or raises UsageError naming the known datasets."""
+def check_dataset(name: str) -> DatasetSpec | None:
+    """The dataset's spec (None for a generated one); UsageError naming the known datasets."""
+    if name in GENERATED:
+        return None
     if name not in DATASETS:
-        raise UsageError(f"unknown dataset {name!r}; choose one of: {', '.join(sorted(DATASETS))}")
+        known = ", ".join(sorted(DATASETS | GENERATED))
+        raise UsageError(f"unknown dataset {name!r}; choose one of: {known}")
     return DATASETS[name]
+
+
+def dataset_kind(name: str) -> str:
+    """``image`` or ``sequence``: what the dataset's examples are, for choosing a model."""
+    return "image" if check_dataset(name) else "sequence"
 
 
 def default_data_dir() -> str:
@@ -137,8 +151,11 @@ def prepare(name: str, data_dir: str | None = None) -> str:
         UsageError: an unknown dataset, a download host that cannot be reached, or
             a catalog dataset to prepare without TensorFlow installed.
     """
+    spec = check_dataset(name)
+    if spec is None:
+        raise UsageError(f"dataset {name!r} is generated when a run starts; nothing to prepare")
     with _quiet():
-        return _prepare(check_dataset(name), name, data_dir or default_data_dir())
+        return _prepare(spec, name, data_dir or default_data_dir())
 
 
 @contextlib.contextmanager
@@ -185,17 +202,26 @@ def _download_and_prepare(spec: DatasetSpec, name: str, data_dir: str, builder) 
     return str(builder.data_dir)
 
 
-def load_split(name: str, split: str, data_dir: str | None = None) -> Split:
+def load_split(
+    name: str, split: str, data_dir: str | None = None
+) -> Split | numbers2words.SequenceSplit:
     """Reads a whole split into host memory through ``tfds.data_source``.
 
     The bundled dataset is prepared into ``data_dir`` on first use; a catalog
-    dataset is downloaded and prepared when the network allows.
+    dataset is downloaded and prepared when the network allows; ``numbers2words``
+    is generated (a `SequenceSplit` of token pairs).
 
     Raises:
         UsageError: an unknown dataset or split, a ``data_dir`` that does not exist,
             or a dataset that is not prepared and cannot be downloaded.
     """
     spec = check_dataset(name)
+    if spec is None:
+        if split not in numbers2words.SIZES:
+            raise UsageError(
+                f"dataset {name!r} has no split {split!r}; it has: {', '.join(numbers2words.SIZES)}"
+            )
+        return GENERATED[name](split)
     with _quiet():
         return _load_split(spec, name, split, data_dir)
 

@@ -7,13 +7,14 @@ import jax
 
 
 class MLP(nn.Module):
-    """Flattens the image, one hidden ReLU layer, logits out."""
+    """Flattens the image, hidden ReLU layers, logits out."""
 
     num_classes: int
-    hidden: int = 512
+    hidden: tuple[int, ...] = (512,)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         x = x.reshape(x.shape[0], -1)
-        x = nn.relu(nn.Dense(self.hidden)(x))
+        for width in self.hidden:
+            x = nn.relu(nn.Dense(width)(x))
         return nn.Dense(self.num_classes)(x)

@@ -1,0 +1,246 @@
+"""A user's Flax module, Linen or NNX, in the forms jdp's step builders take.
+
+`from_linen` and `from_nnx` wrap a module and an `Objective` (what to minimise
+and measure on its outputs) into a `Model`: ``init`` for the parameters and
+model state, ``loss_fn`` for `jdp.make_train_step` and ``metrics_fn`` for
+`jdp.make_eval_step`, both in the ``has_model_state`` form. Mutable state such as
+BatchNorm statistics travels as ``model_state``; dropout draws from the step's
+rng, which differs per replica and per step.
+
+BatchNorm normalises with the statistics of the batch it sees. For the
+statistics of the global batch, as one device on the whole batch would compute,
+give it ``axis_name=jdp.models.DATA_AXIS`` (``"data"``): the mean and variance are
+then averaged over the replicas in training. Without it each replica normalises
+with its own rows (PyTorch DDP without SyncBatchNorm); either way the running
+averages are averaged over the replicas after each step, so replicas agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Batch = dict[str, jax.Array]
+Inputs = str | Sequence[str] | Callable[[Batch], tuple]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a model is trained to do, on its outputs and the batch.
+
+    Attributes:
+        loss: ``(outputs, batch) -> (rows,)`` per-example losses. The step minimises
+            their mean: a mean over examples is the same whether a batch is split over
+            1 device or 8, which a mean over, say, tokens of uneven counts is not.
+        metrics: ``(outputs, batch) -> {name: (rows,)}`` per-example values, averaged
+            over examples in training and exactly over the split in evaluation.
+    """
+
+    loss: Callable[[Any, Batch], jax.Array]
+    metrics: Callable[[Any, Batch], dict[str, jax.Array]]
+
+
+def classification(label: str = "label") -> Objective:
+    """Softmax cross-entropy on logits ``(rows, classes)``; metric ``accuracy``."""
+
+    def loss(logits, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), batch[label]
+        )
+
+    def metrics(logits, batch):
+        return {"accuracy": (jnp.argmax(logits, -1) == batch[label]).astype(jnp.float32)}
+
+    return Objective(loss, metrics)
+
+
+def sequence(target: str = "target", pad: int = 0) -> Objective:
+    """Next-token cross-entropy on ``batch[target]`` (``<bos> tokens <eos> <pad>...``).
+
+    The model is fed ``target[:, :-1]`` (after any prefix, such as a source for a
+    decoder-only model) and predicts ``target[:, 1:]`` from the last positions of
+    its logits ``(rows, length, vocab)``. An example's loss is the mean over its
+    non-pad tokens. Metrics: ``accuracy``, the fraction of sequences predicted
+    exactly (every token up to and including ``<eos>``), and ``token_accuracy``.
+
+    Exact match under teacher forcing is exact match under greedy decoding: a greedy
+    decoder emits the target token by token exactly when, fed the target's own
+    prefix, the model's most likely next token is right at every position.
+    """
+
+    def tokens(logits, batch):
+        labels = batch[target][:, 1:]
+        logits = logits[:, -labels.shape[1] :].astype(jnp.float32)
+        return logits, labels, (labels != pad).astype(jnp.float32)
+
+    def loss(logits, batch):
+        logits, labels, real = tokens(logits, batch)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return (losses * real).sum(-1) / jnp.maximum(real.sum(-1), 1.0)
+
+    def metrics(logits, batch):
+        logits, labels, real = tokens(logits, batch)
+        right = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * real
+        count = real.sum(-1)
+        return {
+            "accuracy": (right.sum(-1) == count).astype(jnp.float32),
+            "token_accuracy": right.sum(-1) / jnp.maximum(count, 1.0),
+        }
+
+    return Objective(loss, metrics)
+
+
+def _input_fn(inputs: Inputs) -> Callable[[Batch], tuple]:
+    if callable(inputs):
+        return inputs
+    keys = (inputs,) if isinstance(inputs, str) else tuple(inputs)
+    return lambda batch: tuple(batch[key] for key in keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model in the step builders' ``has_model_state`` forms.
+
+    Attributes:
+        init: ``(rng, batch) -> (params, model_state)`` from a sample batch.
+        apply: ``(params, model_state, batch, *, train, rng) -> (outputs, model_state)``.
+        objective: the loss and metrics on the outputs.
+
+    Examples:
+        >>> model = jdp.models.from_linen(Net(), jdp.models.classification())
+        >>> params, model_state = model.init(jax.random.key(0), sample_batch)
+        >>> state = jdp.create_train_state(params, optimizer, mesh, model_state=model_state)
+        >>> step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True)
+        >>> evaluate = jdp.make_eval_step(model.metrics_fn, mesh, has_model_state=True)
+    """
+
+    init: Callable[[jax.Array, Batch], tuple[Any, Any]]
+    apply: Callable[..., tuple[Any, Any]]
+    objective: Objective
+
+    def loss_fn(self, params, model_state, batch, rng):
+        """Mean loss, mean metrics and the new model state, for `jdp.make_train_step`."""
+        outputs, model_state = self.apply(params, model_state, batch, train=True, rng=rng)
+        loss = self.objective.loss(outputs, batch).mean()
+        metrics = {name: v.mean() for name, v in self.objective.metrics(outputs, batch).items()}
+        return loss, metrics, model_state
+
+    def metrics_fn(self, params, model_state, batch):
+        """Per-example ``loss`` and metrics, for `jdp.make_eval_step`."""
+        outputs, _ = self.apply(params, model_state, batch, train=False)
+        return {"loss": self.objective.loss(outputs, batch)} | self.objective.metrics(
+            outputs, batch
+        )
+
+
+def from_linen(
+    module,
+    objective: Objective,
+    *,
+    inputs: Inputs = "image",
+    train_arg: str | None = "train",
+    rng_streams: Sequence[str] = ("dropout",),
+) -> Model:
+    """Wraps a Flax Linen module.
+
+    Args:
+        module: an unbound ``flax.linen.Module``.
+        objective: its loss and metrics, e.g. `classification()` or `sequence()`.
+        inputs: the batch key (or keys) passed positionally to the module, or a
+            function ``batch -> tuple of arguments``.
+        train_arg: the keyword that switches training behaviour (dropout on,
+            BatchNorm on batch statistics): passed True in training and False in
+            evaluation; None for a module without one.
+        rng_streams: the rng collections the module draws from in training; each
+            gets its own key from the step's per-replica, per-step rng.
+
+    Every variable collection other than ``params`` (``batch_stats`` for
+    BatchNorm) becomes ``model_state`` and is updated in training.
+    """
+    arguments = _input_fn(inputs)
+
+    def mode(train: bool) -> dict[str, bool]:
+        return {train_arg: train} if train_arg else {}
+
+    def init(rng, batch):
+        streams = {name: jax.random.fold_in(rng, i + 1) for i, name in enumerate(rng_streams)}
+        variables = dict(module.init({"params": rng, **streams}, *arguments(batch), **mode(False)))
+        params = variables.pop("params")
+        return params, variables
+
+    def apply(params, model_state, batch, *, train, rng=None):
+        variables = {"params": params, **model_state}
+        if not train:
+            return module.apply(variables, *arguments(batch), **mode(False)), model_state
+        rngs = {name: jax.random.fold_in(rng, i) for i, name in enumerate(rng_streams)}
+        if not model_state:
+            return module.apply(variables, *arguments(batch), rngs=rngs, **mode(True)), {}
+        outputs, updated = module.apply(
+            variables, *arguments(batch), rngs=rngs, mutable=list(model_state), **mode(True)
+        )
+        return outputs, dict(updated)
+
+    return Model(init, apply, objective)
+
+
+def from_nnx(module, objective: Objective, *, inputs: Inputs = "image") -> Model:
+    """Wraps a Flax NNX module (already constructed, so already initialised).
+
+    Training runs the module with ``deterministic=False`` and
+    ``use_running_average=False`` set on the sub-modules that have them (Dropout,
+    BatchNorm), evaluation with both True. ``params`` are its ``nnx.Param``
+    variables; ``model_state`` the other variables (BatchNorm's ``BatchStat``) except
+    rng state: every rng stream the module holds (give Dropout ``rngs=``) is reseeded
+    from the step's per-replica, per-step rng. Both are plain nested dicts.
+    ``init`` returns the module's current values and ignores its rng.
+
+    Args:
+        module: an ``nnx.Module``.
+        objective: its loss and metrics.
+        inputs: as for `from_linen`.
+    """
+    from flax import nnx
+
+    arguments = _input_fn(inputs)
+    trainable, others = nnx.Param, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
+
+    def split(mode: bool):
+        view = nnx.view(
+            module, deterministic=not mode, use_running_average=not mode, raise_if_not_found=False
+        )
+        return nnx.split(view, trainable, others, nnx.RngState)
+
+    (train_def, params, state, rngs), (eval_def, *_) = split(True), split(False)
+    streams = sorted(
+        {v.tag for v in jax.tree.leaves(rngs, is_leaf=lambda x: isinstance(x, nnx.Variable))}
+    )
+
+    def as_state(template, pure):
+        """A new State shaped like ``template`` holding ``pure``'s values (in this trace)."""
+        copied = jax.tree.map(lambda x: x, template)
+        nnx.replace_by_pure_dict(copied, pure)
+        return copied
+
+    def init(rng, batch):
+        del rng, batch
+        return nnx.to_pure_dict(params), nnx.to_pure_dict(state)
+
+    def apply(params_now, state_now, batch, *, train, rng=None):
+        graphdef = train_def if train else eval_def
+        rng_state = as_state(rngs, nnx.to_pure_dict(rngs))
+        model = nnx.merge(
+            graphdef, as_state(params, params_now), as_state(state, state_now), rng_state
+        )
+        if train and streams:
+            nnx.reseed(model, **{tag: jax.random.fold_in(rng, i) for i, tag in enumerate(streams)})
+        outputs = model(*arguments(batch))
+        if not train:
+            return outputs, state_now
+        return outputs, nnx.to_pure_dict(nnx.state(model, others))
+
+    return Model(init, apply, objective)

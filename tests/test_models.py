@@ -1,0 +1,251 @@
+"""Built-in models, and users' Linen and NNX modules through `from_linen` / `from_nnx`."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jdp
+from jdp.data import numbers2words
+from jdp.models import (
+    DATA_AXIS,
+    GPT,
+    MODELS,
+    ResNet,
+    classification,
+    from_linen,
+    from_nnx,
+    get_model,
+    greedy_decode,
+)
+
+ROWS = 32
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    images = rng.normal(size=(ROWS, 4, 4, 2)).astype(np.float32)
+    # A learnable rule: the class follows the two channels' means.
+    means = images.mean(axis=(1, 2))
+    labels = (means[:, 0] > 0).astype(np.int32) + (means[:, 1] > 0.2).astype(np.int32)
+    return {"image": images, "label": labels}
+
+
+class LinenNet(nn.Module):
+    """Conv, BatchNorm over the global batch, dropout; records its dropout mask in ``probe``."""
+
+    rate: float
+
+    @nn.compact
+    def __call__(self, x, *, train=False):
+        x = nn.Conv(8, (3, 3), use_bias=False)(x)  # BatchNorm supplies the offset
+        x = nn.BatchNorm(
+            use_running_average=not train, momentum=0.8, axis_name=DATA_AXIS if train else None
+        )(x)
+        x = nn.relu(x).mean(axis=(1, 2))
+        mask = nn.Dropout(self.rate, deterministic=not train)(jnp.ones(8))
+        probe = self.variable("probe", "mask", jnp.zeros, (8,))
+        if train:
+            probe.value = mask
+        return nn.Dense(3)(x * mask)
+
+
+class Probe(nnx.Variable):
+    """Model state that is neither a parameter nor BatchNorm statistics."""
+
+
+class NNXNet(nnx.Module):
+    def __init__(self, rate: float, *, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(2, 8, (3, 3), use_bias=False, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, momentum=0.8, axis_name=DATA_AXIS, rngs=rngs)
+        self.dropout = nnx.Dropout(rate, rngs=rngs)
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+        self.probe = Probe(jnp.zeros(8))
+
+    def __call__(self, x):
+        x = nnx.relu(self.norm(self.conv(x))).mean(axis=(1, 2))
+        mask = self.dropout(jnp.ones(8))
+        if not self.dropout.deterministic:
+            self.probe[...] = mask
+        return self.head(x * mask)
+
+
+def _model(api: str, rate: float) -> jdp.models.Model:
+    if api == "linen":
+        return from_linen(LinenNet(rate), classification())
+    return from_nnx(NNXNet(rate, rngs=nnx.Rngs(0)), classification())
+
+
+def _train(model, mesh, backend, steps=3, optimizer=None):
+    optimizer = optimizer or optax.adam(1e-2)
+    params, model_state = model.init(jax.random.key(0), _data())
+    state = jdp.create_train_state(
+        params, optimizer, mesh, model_state=model_state, rng=jax.random.key(1)
+    )
+    step = jdp.make_train_step(
+        model.loss_fn, optimizer, mesh, backend=backend, has_model_state=True
+    )
+    history = []
+    for seed in range(steps):
+        state, metrics = step(state, jdp.shard_batch(_data(seed), mesh))
+        probe = state.model_state["probe"]
+        history.append(
+            (
+                float(metrics["loss"]),
+                np.asarray(probe["mask"] if isinstance(probe, dict) else probe),
+            )
+        )
+    return state, history
+
+
+def _assert_replicas_agree(tree):
+    for leaf in jax.tree.leaves(tree):
+        shards = [np.asarray(shard.data) for shard in leaf.addressable_shards]
+        for shard in shards[1:]:
+            np.testing.assert_array_equal(shard, shards[0])
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_batchnorm_model_on_8_devices_matches_one_device(api, mesh8, mesh1, backend):
+    """Dropout off: 8 replicas on a global batch train exactly as 1 device on it."""
+    state8, _ = _train(_model(api, 0.0), mesh8, backend)
+    state1, _ = _train(_model(api, 0.0), mesh1, backend)
+    for tree8, tree1 in ((state8.params, state1.params), (state8.model_state, state1.model_state)):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+            jax.device_get(tree8),
+            jax.device_get(tree1),
+        )
+    stats = state8.model_state["norm" if api == "nnx" else "batch_stats"]
+    assert jax.tree.leaves(stats) and not all(
+        np.allclose(leaf, 0) or np.allclose(leaf, 1) for leaf in jax.tree.leaves(stats)
+    ), "BatchNorm statistics never moved"
+    _assert_replicas_agree((state8.params, state8.model_state))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_dropout_differs_per_replica_and_per_step(api, mesh8, backend):
+    state, history = _train(_model(api, 0.5), mesh8, backend, steps=2)
+    first, second = history[0][1], history[1][1]
+    # The recorded mask is averaged over the 8 replicas: one mask for all would keep
+    # every entry at 0 or 2 (kept and scaled by 1 / (1 - rate)).
+    assert not np.all(np.isin(first, [0.0, 2.0])), first
+    assert not np.array_equal(first, second)
+    _assert_replicas_agree((state.params, state.model_state))
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_model_with_dropout_learns_and_evaluates(api, mesh8, backend):
+    model = _model(api, 0.2)
+    state, history = _train(model, mesh8, backend, steps=30, optimizer=optax.adam(3e-2))
+    assert history[-1][0] < 0.7 * history[0][0]
+    eval_step = jdp.make_eval_step(model.metrics_fn, mesh8, backend=backend, has_model_state=True)
+    batch = _data(0) | {"mask": np.ones(ROWS, np.float32)}
+    result = jdp.evaluate(eval_step, state, [jdp.shard_batch(batch, mesh8)])
+    assert result["count"] == ROWS and set(result) == {"loss", "accuracy", "count"}
+    assert result["accuracy"] > 0.6
+
+
+def test_linen_without_train_flag_or_model_state(mesh8):
+    model = from_linen(nn.Dense(3), classification(), inputs="x", train_arg=None)
+    batch = {"x": np.ones((8, 5), np.float32), "label": np.zeros(8, np.int32)}
+    params, model_state = model.init(jax.random.key(0), batch)
+    assert model_state == {} and params["kernel"].shape == (5, 3)
+    state = jdp.create_train_state(params, optax.sgd(0.5), mesh8)
+    step = jdp.make_train_step(model.loss_fn, optax.sgd(0.5), mesh8, has_model_state=True)
+    state, first = step(state, jdp.shard_batch(batch, mesh8))
+    state, second = step(state, jdp.shard_batch(batch, mesh8))
+    assert float(second["loss"]) < float(first["loss"])
+
+
+def _sequence_split(rows=16):
+    return numbers2words.SequenceSplit(
+        *numbers2words.encode(np.arange(100, 100 + rows), 7), vocab=numbers2words.VOCAB
+    )
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_builtin_model_takes_a_step(name, mesh8):
+    split = _sequence_split() if MODELS[name].data == "sequence" else None
+    if split is None:
+        images = np.random.default_rng(0).integers(0, 255, (16, 8, 8, 1), np.uint8)
+        split = jdp.Split(images, np.arange(16, dtype=np.int32) % 10, num_classes=10)
+    model = get_model(name, split)
+    batch = jax.tree.map(np.asarray, split.read(np.arange(16)))
+    if "image" in batch:
+        batch["image"] = split.transform(batch["image"])
+    params, model_state = model.init(jax.random.key(0), batch)
+    optimizer = optax.adam(1e-3)
+    state = jdp.create_train_state(params, optimizer, mesh8, model_state=model_state)
+    step = jdp.make_train_step(model.loss_fn, optimizer, mesh8, has_model_state=True)
+    state, metrics = step(state, jdp.shard_batch(batch, mesh8))
+    assert np.isfinite(float(metrics["loss"])) and "accuracy" in metrics
+
+
+def _count(module, *inputs):
+    shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), *inputs))
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes["params"]))
+
+
+def test_standard_sizes_are_the_published_ones():
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    gpt2 = GPT(vocab_size=50257, **MODELS["gpt"].sizes["standard"])
+    assert _count(gpt2, tokens) == 124_439_808  # GPT-2 small
+    image = jnp.zeros((1, 32, 32, 3))
+    resnet18 = ResNet(num_classes=10, **MODELS["resnet18"].sizes["standard"])
+    assert _count(resnet18, image) == 11_173_962  # ResNet-18 for CIFAR-10
+    resnet20 = ResNet(num_classes=10, **MODELS["resnet20"].sizes["standard"])
+    assert 0.26e6 < _count(resnet20, image) < 0.28e6  # He et al.: 0.27M
+
+
+def test_numbers2words_is_generated_by_seed():
+    train, test = numbers2words.generate("train"), numbers2words.generate("test")
+    assert (len(train), len(test)) == (20_000, 2_000)
+    assert not set(map(tuple, train.source)) & set(map(tuple, test.source))
+    np.testing.assert_array_equal(numbers2words.generate("test").target, test.target)
+    assert not np.array_equal(numbers2words.generate("test", seed=1).source, test.source)
+    source, target = numbers2words.encode(np.array([123, 7]), 7)
+    assert train.decode(source[0]) == "1 2 3"
+    assert train.decode(target[0]) == "one two three"
+    assert train.decode(target[1]) == "seven"
+
+
+@pytest.mark.parametrize("name, steps", [("seq2seq", 60), ("gpt", 30)])
+def test_exact_match_is_greedy_decoding(name, steps):
+    """The eval's exact-match accuracy counts the sequences a greedy decoder gets right."""
+    config = jdp.TrainConfig(
+        mesh="data=8", model=name, dataset="numbers2words", steps=steps, warmup_steps=10
+    )
+    result = jdp.fit(config)
+    test = numbers2words.generate("test")
+    rows = np.arange(512)
+    batch = test.read(rows)
+    model = get_model(name, test)
+    params, model_state = jax.device_get((result.state.params, result.state.model_state))
+    per_example = jax.jit(model.metrics_fn)(params, model_state, batch)["accuracy"]
+
+    def next_logits(prefix):
+        outputs, _ = model.apply(
+            params, model_state, {**batch, "target": jnp.pad(prefix, ((0, 0), (0, 1)))}, train=False
+        )
+        return outputs[:, -prefix.shape[1] :]
+
+    decoded = greedy_decode(
+        next_logits,
+        len(rows),
+        batch["target"].shape[1] - 1,
+        bos=numbers2words.BOS,
+        eos=numbers2words.EOS,
+    )
+    right = [
+        test.decode(decoded[i]) == test.decode(batch["target"][i])
+        and numbers2words.EOS in np.asarray(decoded[i])
+        for i in range(len(rows))
+    ]
+    np.testing.assert_array_equal(np.asarray(per_example, bool), right)
+    # Partly trained: some sequences right and some wrong, so both outcomes are compared.
+    print(f"{name}: {np.mean(right):.3f} exact after {steps} steps")
+    assert 0.0 < np.mean(right) < 1.0, np.mean(right)
