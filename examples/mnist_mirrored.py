@@ -58,7 +58,7 @@ def main() -> None:
         eval_every=0 if args.smoke else len(train) // batch_size,  # every epoch
     )
     result = jdp.fit(config)
-    print(f"test_accuracy={result.test_accuracy:.4f} test_loss={result.test_loss:.4f}")
+    print(result.summary_line())
 
 
 if __name__ == "__main__":

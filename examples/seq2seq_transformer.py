@@ -64,9 +64,7 @@ def main() -> None:
     words = jdp.models.greedy_decode(next_logits, len(batch["source"]), length, bos=BOS, eos=EOS)
     for source, decoded in zip(batch["source"], words, strict=True):
         print(f"{test.decode(source).replace(' ', '')} -> {test.decode(decoded)}")
-    print(
-        f"test_accuracy={result.test_accuracy:.4f} (exact match) test_loss={result.test_loss:.4f}"
-    )
+    print(result.summary_line())  # test_accuracy: exact match of the whole sequence
 
 
 if __name__ == "__main__":

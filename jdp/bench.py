@@ -436,8 +436,8 @@ def bench_step(config: TrainConfig, *, steps: int, rounds: int, calls: Sequence[
     batch = _first_batch(run, size)
     if jax.tree.leaves(run.state.model_state):
         raise UsageError(
-            f"bench step compares against a hand-written step without model state; "
-            f"--model {config.model} has some (BatchNorm): use mlp, seq2seq or gpt"
+            f"bench step compares with a hand-written step without model state, and "
+            f"--model {config.model} keeps BatchNorm statistics; use mlp, seq2seq or gpt"
         )
     model = run.model
     optimizer = config.make_optimizer(config.make_schedule())
@@ -517,9 +517,9 @@ def bench_step(config: TrainConfig, *, steps: int, rounds: int, calls: Sequence[
 
     kind = mesh.devices.flat[0].device_kind
     lines = [
-        f"jdp.bench step: {config.model} on {config.dataset}, mesh {config.mesh} "
-        f"({mesh.devices.size} x {kind}), global batch {size}, {config.optimizer}, "
-        f"{steps} steps x {rounds} interleaved rounds (median)",
+        f"jdp.bench step: {config.model} {config.model_size} on {config.dataset}, "
+        f"mesh {config.mesh} ({mesh.devices.size} x {kind}), global batch {size}, "
+        f"{config.optimizer}, {steps} steps x {rounds} interleaved rounds (median)",
         f"  {'':<34}{'examples/s':>12}{'/ hand-written':>16}{'dispatch ms/step':>18}",
     ]
     for name in arms:
@@ -566,7 +566,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             multihost.add_argument("--out", required=True)
     steps = commands.add_parser("step", help="jdp's step vs a hand-written one, collectives")
     steps.add_argument("--mesh", default="data=8")
-    steps.add_argument("--model", default="mlp")
+    steps.add_argument("--model", default="mlp", help="one without BatchNorm: mlp, seq2seq, gpt")
+    steps.add_argument("--model-size", default="small")
+    steps.add_argument("--dataset", default="digits")
     steps.add_argument("--batch-size", type=int, default=128)
     steps.add_argument("--steps", type=int, default=240, help="steps per round and arm")
     steps.add_argument("--rounds", type=int, default=9)
@@ -589,12 +591,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "step":
-            if args.model != "mlp":
-                raise UsageError(
-                    f"bench step compares with a hand-written step for the mlp only, not "
-                    f"{args.model!r} (its BatchNorm state and dropout would need writing too)"
-                )
-            config = TrainConfig(mesh=args.mesh, model=args.model, batch_size=args.batch_size)
+            config = TrainConfig(
+                mesh=args.mesh,
+                model=args.model,
+                model_size=args.model_size,
+                dataset=args.dataset,
+                batch_size=args.batch_size,
+            )
             calls = sorted({1, *(int(part) for part in args.steps_per_call.split(",") if part)})
             if any(args.steps % k for k in calls):
                 raise UsageError(f"--steps {args.steps} must be a multiple of every steps per call")

@@ -249,3 +249,27 @@ def test_exact_match_is_greedy_decoding(name, steps):
     # Partly trained: some sequences right and some wrong, so both outcomes are compared.
     print(f"{name}: {np.mean(right):.3f} exact after {steps} steps")
     assert 0.0 < np.mean(right) < 1.0, np.mean(right)
+
+
+def test_fit_trains_and_resumes_an_nnx_model(tmp_path):
+    """Your model through the whole loop: nnx.List's integer keys survive an Orbax round trip."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(64, 32, rngs=rngs), nnx.Linear(32, 10, rngs=rngs)])
+            self.norm = nnx.BatchNorm(32, axis_name=DATA_AXIS, rngs=rngs)
+
+        def __call__(self, x):
+            x = x.reshape(x.shape[0], -1)
+            return self.layers[1](nnx.relu(self.norm(self.layers[0](x))))
+
+    config = jdp.TrainConfig(mesh="data=8", steps=40, warmup_steps=5, ckpt_dir=str(tmp_path))
+    first = jdp.fit(config, model=from_nnx(Net(nnx.Rngs(0)), classification()))
+    assert first.test_accuracy > 0.5
+    resumed = jdp.fit(config, model=from_nnx(Net(nnx.Rngs(1)), classification()))
+    assert resumed.test_accuracy == first.test_accuracy
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.device_get(resumed.state.params),
+        jax.device_get(first.state.params),
+    )

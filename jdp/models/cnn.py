@@ -9,7 +9,8 @@ from jdp.mesh import DATA_AXIS
 
 
 class CNN(nn.Module):
-    """Two 3x3 conv blocks (conv, BatchNorm, ReLU), global average pooling, logits.
+    """Conv blocks (3x3 conv, BatchNorm, ReLU) with 2x2 max-pooling between them, as the
+    Keras MNIST CNN; global average pooling; logits.
 
     In training, BatchNorm normalises with the statistics of the global batch:
     mean and variance are averaged over the ``data`` axis, so the model must run
@@ -22,7 +23,9 @@ class CNN(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
-        for width in self.features:
+        for index, width in enumerate(self.features):
+            if index:
+                x = nn.max_pool(x, (2, 2), strides=(2, 2))
             x = nn.Conv(width, (3, 3), use_bias=False)(x)
             x = nn.BatchNorm(
                 use_running_average=not train,
