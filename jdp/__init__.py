@@ -11,7 +11,7 @@ Examples:
     >>> state, metrics = step(state, jdp.shard_batch({"x": x, "y": y}, mesh))
 """
 
-from jdp import distributed
+from jdp import distributed, models
 from jdp.checkpoint import Checkpointer, load_params
 from jdp.config import TrainConfig
 from jdp.data.pipeline import Loader, eval_batches, train_batches
@@ -49,6 +49,7 @@ __all__ = [
     "make_precision",
     "make_schedule",
     "make_train_step",
+    "models",
     "shard_batch",
     "simulate_cpu_devices",
     "train_batches",

@@ -52,6 +52,7 @@ from jdp.errors import UsageError
 from jdp.loop import build, fit, setup_devices
 from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh, process_rows
 from jdp.metrics import Console, MetricLogger, Throughput, open_writers
+from jdp.models import check_model
 from jdp.state import create_train_state
 from jdp.step import pmean_packed
 
@@ -568,7 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps.add_argument("--mesh", default="data=8")
     steps.add_argument("--model", default="mlp", help="one without BatchNorm: mlp, seq2seq, gpt")
     steps.add_argument("--model-size", default="small")
-    steps.add_argument("--dataset", default="digits")
+    steps.add_argument(
+        "--dataset", default=None, help="default: digits, or numbers2words for seq2seq and gpt"
+    )
     steps.add_argument("--batch-size", type=int, default=128)
     steps.add_argument("--steps", type=int, default=240, help="steps per round and arm")
     steps.add_argument("--rounds", type=int, default=9)
@@ -591,11 +594,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "step":
+            sequences = check_model(args.model).data == "sequence"
             config = TrainConfig(
                 mesh=args.mesh,
                 model=args.model,
                 model_size=args.model_size,
-                dataset=args.dataset,
+                dataset=args.dataset or ("numbers2words" if sequences else "digits"),
                 batch_size=args.batch_size,
             )
             calls = sorted({1, *(int(part) for part in args.steps_per_call.split(",") if part)})

@@ -104,7 +104,8 @@ class TrainConfig:
             raise UsageError(
                 f"unknown backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}"
             )
-        check_model(self.model, self.model_size, dataset_kind(self.dataset))
+        check_model(self.model, self.model_size)
+        dataset_kind(self.dataset)  # a known dataset; whether the model takes it: `fit`
         for name in ("batch_size", "steps"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")

@@ -149,6 +149,40 @@ def test_model_with_dropout_learns_and_evaluates(api, mesh8, backend):
     assert result["accuracy"] > 0.6
 
 
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_evaluation_uses_running_averages_and_no_dropout(api, mesh8, backend):
+    """Eval mode: an example's loss is the same alone as in a batch, and on every call."""
+    model = _model(api, 0.5)
+    state, _ = _train(model, mesh8, backend, steps=3)
+    params, model_state = jax.device_get((state.params, state.model_state))
+    metrics = jax.jit(model.metrics_fn)
+    batch = _data(5)
+    together = metrics(params, model_state, batch)["loss"]
+    np.testing.assert_array_equal(metrics(params, model_state, batch)["loss"], together)
+    alone = metrics(params, model_state, jax.tree.map(lambda x: x[3:4], batch))["loss"]
+    np.testing.assert_allclose(alone[0], together[3], rtol=1e-5)
+
+
+def test_user_model_errors_name_the_fix(mesh8):
+    with pytest.raises(jdp.UsageError, match=r"reads batch key\(s\) 'image' .* 'source'"):
+        from_linen(nn.Dense(3), classification()).init(jax.random.key(0), {"source": np.ones(2)})
+    with pytest.raises(jdp.UsageError, match="Dense takes no keyword 'train'; pass train_arg=None"):
+        from_linen(nn.Dense(3), classification(), inputs="x").init(
+            jax.random.key(0), {"x": np.ones((2, 4), np.float32)}
+        )
+
+
+@pytest.mark.parametrize("name", ["seq2seq", "gpt"])
+def test_transformers_compute_in_the_parameters_dtype(name):
+    split = _sequence_split()
+    model = get_model(name, split)
+    batch = split.read(np.arange(4))
+    params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
+    half = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float16), params)
+    outputs, _ = jax.eval_shape(lambda p: model.apply(p, {}, batch, train=False), half)
+    assert outputs.dtype == jnp.float16
+
+
 def test_linen_without_train_flag_or_model_state(mesh8):
     model = from_linen(nn.Dense(3), classification(), inputs="x", train_arg=None)
     batch = {"x": np.ones((8, 5), np.float32), "label": np.zeros(8, np.int32)}
@@ -205,6 +239,9 @@ def test_numbers2words_is_generated_by_seed():
     train, test = numbers2words.generate("train"), numbers2words.generate("test")
     assert (len(train), len(test)) == (20_000, 2_000)
     assert not set(map(tuple, train.source)) & set(map(tuple, test.source))
+    # Dealt from one shuffled pool: the two splits' lengths follow one distribution.
+    lengths = [np.bincount((s.source != 0).sum(1), minlength=8)[1:] / len(s) for s in (train, test)]
+    np.testing.assert_allclose(lengths[0], lengths[1], atol=0.03)
     np.testing.assert_array_equal(numbers2words.generate("test").target, test.target)
     assert not np.array_equal(numbers2words.generate("test", seed=1).source, test.source)
     source, target = numbers2words.encode(np.array([123, 7]), 7)
@@ -217,7 +254,7 @@ def test_numbers2words_is_generated_by_seed():
 def test_exact_match_is_greedy_decoding(name, steps):
     """The eval's exact-match accuracy counts the sequences a greedy decoder gets right."""
     config = jdp.TrainConfig(
-        mesh="data=8", model=name, dataset="numbers2words", steps=steps, warmup_steps=10
+        mesh="data=1", model=name, dataset="numbers2words", steps=steps, warmup_steps=10
     )
     result = jdp.fit(config)
     test = numbers2words.generate("test")
@@ -227,6 +264,7 @@ def test_exact_match_is_greedy_decoding(name, steps):
     params, model_state = jax.device_get((result.state.params, result.state.model_state))
     per_example = jax.jit(model.metrics_fn)(params, model_state, batch)["accuracy"]
 
+    @jax.jit
     def next_logits(prefix):
         outputs, _ = model.apply(
             params, model_state, {**batch, "target": jnp.pad(prefix, ((0, 0), (0, 1)))}, train=False
@@ -237,14 +275,15 @@ def test_exact_match_is_greedy_decoding(name, steps):
         next_logits,
         len(rows),
         batch["target"].shape[1] - 1,
-        bos=numbers2words.BOS,
-        eos=numbers2words.EOS,
+        bos=test.bos,
+        eos=test.eos,
     )
-    right = [
-        test.decode(decoded[i]) == test.decode(batch["target"][i])
-        and numbers2words.EOS in np.asarray(decoded[i])
-        for i in range(len(rows))
-    ]
+
+    def until_eos(tokens):
+        tokens = np.asarray(tokens).tolist()
+        return tokens[: tokens.index(test.eos) + 1] if test.eos in tokens else tokens
+
+    right = [until_eos(decoded[i]) == until_eos(batch["target"][i]) for i in range(len(rows))]
     np.testing.assert_array_equal(np.asarray(per_example, bool), right)
     # Partly trained: some sequences right and some wrong, so both outcomes are compared.
     print(f"{name}: {np.mean(right):.3f} exact after {steps} steps")

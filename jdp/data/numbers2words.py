@@ -1,10 +1,12 @@
 """The reference Transformer's toy task, generated: digits to words, ``123 -> one two three``.
 
 No download: the examples are drawn from a seed. A number has 1 to ``max_digits``
-digits (the length uniform, then the digits; no leading zero); the distinct
-numbers drawn are dealt to train first and test after, so the two splits never
-share a number. Sources are digit tokens, targets ``<bos> words <eos>``, both
-padded with ``<pad>`` (token 0) to fixed lengths.
+digits (the length drawn uniformly, then the digits; no leading zero). The
+distinct numbers drawn are shuffled and dealt to train first and test after, so
+the two splits never share a number and follow the same distribution (short
+numbers are few: there are only 10 of one digit). Sources are digit tokens,
+targets ``<bos> words <eos>``, both padded with ``<pad>`` (token 0) to fixed
+lengths.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class SequenceSplit:
     vocab: tuple[str, ...]
     kind = "sequence"
     transform = None
+    pad, bos, eos = PAD, BOS, EOS
 
     def __len__(self) -> int:
         return len(self.source)
@@ -54,8 +57,7 @@ class SequenceSplit:
 
 
 def _draw_numbers(rng: np.random.Generator, count: int, max_digits: int) -> np.ndarray:
-    """``count`` distinct numbers in the order first drawn."""
-    # Few numbers are short: stop asking for lengths that have run out.
+    """``count`` distinct numbers, in random order."""
     capacity = sum(9 * 10 ** (n - 1) + (n == 1) for n in range(1, max_digits + 1))
     if count > capacity:
         raise ValueError(f"only {capacity} numbers have at most {max_digits} digits")
@@ -66,7 +68,7 @@ def _draw_numbers(rng: np.random.Generator, count: int, max_digits: int) -> np.n
         numbers = rng.integers(low, 10**lengths)
         for number in numbers.tolist():
             seen.setdefault(number, None)
-    return np.fromiter(seen, np.int64, count=len(seen))[:count]
+    return rng.permutation(np.fromiter(seen, np.int64, count=len(seen))[:count])
 
 
 def encode(numbers: np.ndarray, max_digits: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,8 +1,10 @@
 """Built-in Flax models, selectable by name with ``--model``, and adapters for your own.
 
 Each built-in model has a ``small`` size (the reference workloads' sizes, or one
-that trains in minutes on a CPU) and a ``standard`` one (the published
-architecture's), chosen with ``--model-size``.
+that trains in minutes on a CPU) and a ``standard`` one, chosen with
+``--model-size``: the published architecture's for resnet20, resnet18, seq2seq
+(Transformer base) and gpt (GPT-2 small); simply wider for mlp and cnn, which
+have no canonical size.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jdp.errors import UsageError
+
 Batch = dict[str, jax.Array]
 Inputs = str | Sequence[str] | Callable[[Batch], tuple]
 
@@ -99,7 +101,18 @@ def _input_fn(inputs: Inputs) -> Callable[[Batch], tuple]:
     if callable(inputs):
         return inputs
     keys = (inputs,) if isinstance(inputs, str) else tuple(inputs)
-    return lambda batch: tuple(batch[key] for key in keys)
+
+    def arguments(batch):
+        missing = [key for key in keys if key not in batch]
+        if missing:
+            raise UsageError(
+                f"the model reads batch key(s) {', '.join(map(repr, missing))} and the batches "
+                f"hold {', '.join(sorted(map(repr, batch)))}; pass inputs= naming its keys, or "
+                f"a function of the batch"
+            )
+        return tuple(batch[key] for key in keys)
+
+    return arguments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +182,16 @@ def from_linen(
 
     def init(rng, batch):
         streams = {name: jax.random.fold_in(rng, i + 1) for i, name in enumerate(rng_streams)}
-        variables = dict(module.init({"params": rng, **streams}, *arguments(batch), **mode(False)))
+        try:
+            variables = module.init({"params": rng, **streams}, *arguments(batch), **mode(False))
+        except TypeError as error:
+            if train_arg and f"'{train_arg}'" in str(error):
+                raise UsageError(
+                    f"{type(module).__name__} takes no keyword {train_arg!r}; pass "
+                    f"train_arg=None to from_linen, or the name of its training switch"
+                ) from error
+            raise
+        variables = dict(variables)
         params = variables.pop("params")
         return params, variables
 

@@ -84,7 +84,9 @@ class Seq2SeqTransformer(nn.Module):
         self.head = nn.Dense(self.vocab_size)
 
     def _embed(self, tokens: jax.Array, train: bool) -> jax.Array:
-        x = self.embed(tokens) * np.sqrt(self.width) + sinusoids(tokens.shape[1], self.width)
+        x = self.embed(tokens)  # in the parameters' dtype: keep it (NumPy constants are fp64)
+        positions = jnp.asarray(sinusoids(tokens.shape[1], self.width), x.dtype)
+        x = x * jnp.asarray(np.sqrt(self.width), x.dtype) + positions
         return self.embed_dropout(x, deterministic=not train)
 
     def encode(self, source: jax.Array, *, train: bool = False) -> jax.Array:
@@ -124,6 +126,8 @@ class GPT(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
+        if tokens.shape[1] > self.max_len:
+            raise ValueError(f"{tokens.shape[1]} tokens, more than max_len={self.max_len}")
         embed = nn.Embed(self.vocab_size, self.width)
         positions = nn.Embed(self.max_len, self.width)(jnp.arange(tokens.shape[1]))
         x = nn.Dropout(self.dropout, deterministic=not train)(embed(tokens) + positions)
