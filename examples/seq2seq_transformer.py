@@ -30,7 +30,6 @@ def main() -> None:
     jdp.simulate_cpu_devices(args.devices)  # before any JAX computation; no-op on accelerators
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     platform = jax.default_backend()
@@ -59,14 +58,7 @@ def main() -> None:
     params, model_state = jax.device_get((result.state.params, result.state.model_state))
     batch = test.read(np.arange(5))
 
-    @jax.jit  # compiled once per prefix length
-    def next_logits(prefix):
-        feed = {**batch, "target": jnp.pad(prefix, ((0, 0), (0, 1)))}
-        return model.apply(params, model_state, feed, train=False)[0]
-
-    length = batch["target"].shape[1] - 1
-    rows = len(batch["source"])
-    words = jdp.models.greedy_decode(next_logits, rows, length, bos=test.bos, eos=test.eos)
+    words = jdp.models.translate(model, params, model_state, batch, bos=test.bos, eos=test.eos)
     for source, decoded in zip(batch["source"], words, strict=True):
         print(f"{test.decode(source).replace(' ', '')} -> {test.decode(decoded)}")
     print(result.summary_line())  # test_accuracy: exact match of the whole sequence

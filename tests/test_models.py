@@ -19,7 +19,7 @@ from jdp.models import (
     from_linen,
     from_nnx,
     get_model,
-    greedy_decode,
+    translate,
 )
 
 ROWS = 32
@@ -264,20 +264,7 @@ def test_exact_match_is_greedy_decoding(name, steps):
     params, model_state = jax.device_get((result.state.params, result.state.model_state))
     per_example = jax.jit(model.metrics_fn)(params, model_state, batch)["accuracy"]
 
-    @jax.jit
-    def next_logits(prefix):
-        outputs, _ = model.apply(
-            params, model_state, {**batch, "target": jnp.pad(prefix, ((0, 0), (0, 1)))}, train=False
-        )
-        return outputs[:, -prefix.shape[1] :]
-
-    decoded = greedy_decode(
-        next_logits,
-        len(rows),
-        batch["target"].shape[1] - 1,
-        bos=test.bos,
-        eos=test.eos,
-    )
+    decoded = translate(model, params, model_state, batch, bos=test.bos, eos=test.eos)
 
     def until_eos(tokens):
         tokens = np.asarray(tokens).tolist()

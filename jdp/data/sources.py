@@ -50,8 +50,9 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
-# Generated on the fly, no files: name -> split -> the split in memory.
-GENERATED = {"numbers2words": numbers2words.generate}
+# Generated on the fly, no files: name -> module with ``SIZES`` (its splits) and
+# ``generate(split)`` (the split in memory).
+GENERATED = {"numbers2words": numbers2words}
 
 
 # Images already in model units: only cast to float32.
@@ -217,11 +218,12 @@ def load_split(
     """
     spec = check_dataset(name)
     if spec is None:
-        if split not in numbers2words.SIZES:
+        generated = GENERATED[name]
+        if split not in generated.SIZES:
             raise UsageError(
-                f"dataset {name!r} has no split {split!r}; it has: {', '.join(numbers2words.SIZES)}"
+                f"dataset {name!r} has no split {split!r}; it has: {', '.join(generated.SIZES)}"
             )
-        return GENERATED[name](split)
+        return generated.generate(split)
     with _quiet():
         return _load_split(spec, name, split, data_dir)
 

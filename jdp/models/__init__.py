@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jdp.errors import UsageError
@@ -108,6 +109,23 @@ def _lm_inputs(batch):
     return (jnp.concatenate([batch["source"], batch["target"][:, :-1]], axis=1),)
 
 
+def translate(model: Model, params, model_state, batch, *, bos: int, eos: int) -> jnp.ndarray:
+    """Greedy decoding of ``batch``'s sources by a built-in sequence model (seq2seq, gpt).
+
+    Returns ``(rows, target length)`` tokens from ``<bos>``, as long as ``batch["target"]``
+    (whose contents are not read); see `greedy_decode`.
+    """
+
+    @jax.jit  # compiled once per prefix length
+    def next_logits(prefix):
+        feed = {**batch, "target": jnp.pad(prefix, ((0, 0), (0, 1)))}  # the model reads [:, :-1]
+        outputs, _ = model.apply(params, model_state, feed, train=False)
+        return outputs[:, -prefix.shape[1] :]
+
+    rows, length = batch["target"].shape
+    return greedy_decode(next_logits, rows, length - 1, bos=bos, eos=eos)
+
+
 def get_model(name: str, split, size: str = "small") -> Model:
     """The built-in model ``name`` at ``size``, shaped for ``split`` (classes or vocabulary)."""
     builtin = check_model(name, size, split.kind)
@@ -141,4 +159,5 @@ __all__ = [
     "get_model",
     "greedy_decode",
     "sequence",
+    "translate",
 ]
