@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from closeness import assert_drift_within
 
 import jdp
 from jdp.checkpoint import Checkpointer, load_params
@@ -202,10 +203,8 @@ def test_restore_onto_another_mesh_and_backend(tmp_path, mesh8, spec, backend):
     step = jdp.make_train_step(_loss, optax.adam(1e-2), mesh, backend=backend)
     after, _ = step(restored, _batch(mesh))
     reference, _ = step8(state, _batch(mesh8))
-    for got, want in zip(
-        jax.tree.leaves(after.params), jax.tree.leaves(reference.params), strict=True
-    ):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+    # An Adam step on another number of replicas sums in another order (closeness.py).
+    assert_drift_within(jax.device_get(after.params), jax.device_get(reference.params))
 
 
 def test_a_different_model_is_named_leaf_by_leaf(tmp_path, mesh8):

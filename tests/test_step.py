@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from closeness import assert_drift_within
 
 import jdp
 from jdp.models import MLP, classification, from_linen
@@ -59,6 +60,7 @@ def _train(mesh, backend, batches, optimizer):
 
 
 def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    """Element-wise: for a few steps of optimizers linear in the gradient (closeness.py)."""
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
 
 
@@ -80,18 +82,22 @@ def test_jit_and_pmap_backends_agree(mesh8):
     batches = [_regression_data(seed) for seed in range(STEPS)]
     jit_state, jit_metrics = _train(mesh8, "jit", batches, optax.adam(1e-2))
     pmap_state, pmap_metrics = _train(mesh8, "pmap", batches, optax.adam(1e-2))
-    for field in ("params", "opt_state", "step"):
-        _assert_trees_close(
+    assert int(jit_state.step) == int(pmap_state.step) == STEPS
+    # Adam: two compiled programs may round differently (closeness.py).
+    for field in ("params", "opt_state"):
+        assert_drift_within(
             jax.device_get(getattr(jit_state, field)), jax.device_get(getattr(pmap_state, field))
         )
-    np.testing.assert_allclose(jit_metrics["loss"], pmap_metrics["loss"], rtol=1e-6)
+    # The loss is a mean of 64 non-negative terms: at most 64 * 1.2e-7 apart.
+    np.testing.assert_allclose(jit_metrics["loss"], pmap_metrics["loss"], rtol=1e-5)
 
 
 def test_metrics_loss_is_the_global_batch_loss(mesh8, backend):
     batch = _regression_data()
     _, metrics = _train(mesh8, backend, [batch], _optimizer())
     expected = _loss(_init_params(), batch, None)
-    np.testing.assert_allclose(metrics["loss"], expected, rtol=1e-6)
+    # A mean of 64 non-negative terms, summed in two orders: at most 64 * 1.2e-7 apart.
+    np.testing.assert_allclose(metrics["loss"], expected, rtol=1e-5)
 
 
 def test_every_replica_holds_identical_params(mesh8, backend):

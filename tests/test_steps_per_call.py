@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-from test_step import _assert_trees_close, _init_params, _loss, _regression_data
+from closeness import assert_drift_within
+from test_step import _init_params, _loss, _regression_data
 
 import jdp
 
@@ -39,8 +40,11 @@ def test_k_steps_per_call_equal_k_single_steps(devices, backend, spec):
         counts += jax.device_get(metrics["lr"]).tolist()
     assert int(state.step) == 8
     assert counts == [0, 1, 2, 3, 4, 5, 6, 7]  # one metric value per step, in order
+    # A scanned step is another compiled program: Adam's results agree to rounding
+    # (closeness.py). The losses are means of 64 non-negative terms: 64 * 1.2e-7 apart
+    # at most, plus the parameters' drift, second order in the loss.
     np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
-    _assert_trees_close(jax.device_get(state.params), jax.device_get(single.params))
+    assert_drift_within(jax.device_get(state.params), jax.device_get(single.params))
 
 
 def test_steps_per_call_must_be_positive(mesh8):
