@@ -52,20 +52,19 @@ def test_checkpoint_benchmark_reports_blocked_and_restore_times():
 
 
 def test_multihost_benchmark_compares_one_and_two_processes():
-    result = _bench("multihost", "--steps 10")
+    result = _bench("multihost", "--cases mlp-38k --seconds 0.3")
     assert result.returncode == 0, result.stderr
-    rows = dict(
-        re.findall(
-            r"^  (\d+ process(?:es)? x 1 device) +([\d,]+) +[\d.]+ +[\d.]+ +[\d.]+$",
-            result.stdout,
-            re.M,
-        )
+    rows = re.findall(
+        r"^  (\S+) +(\S+) +([\d,]+) +([\d,]+) +[\d.]+x +[\d.]+ +(\d+) +([\d.]+) +([\d.]+) +"
+        r"([\d.]+)$",
+        result.stdout,
+        re.M,
     )
-    assert set(rows) == {"1 process x 1 device", "2 processes x 1 device"}, result.stdout
-    assert all(int(rate.replace(",", "")) > 0 for rate in rows.values())
-    assert re.search(
-        r"2 processes / 1 process: [\d.]+x examples/s; the step's all-reduce ops: 1,", result.stdout
-    ), result.stdout
+    assert len(rows) == 1, result.stdout
+    name, params, one, two, ops, *reduce_ms = rows[0]
+    assert (name, params) == ("mlp-38k", "38k"), result.stdout
+    assert int(one.replace(",", "")) > 0 and int(two.replace(",", "")) > 0
+    assert int(ops) >= 1 and all(float(ms) > 0 for ms in reduce_ms)
 
 
 def test_scaling_benchmark_writes_a_table_and_a_png(tmp_path):
@@ -84,14 +83,40 @@ def test_logging_benchmark_reports_the_ratio():
     assert "40 records written" in result.stdout
 
 
-def test_step_benchmark_compares_with_a_hand_written_step():
-    result = _bench("step", "--steps 8 --rounds 1 --steps-per-call 1,4")
+def test_step_benchmark_sweeps_sizes_and_meshes_against_the_best_hand_written_step():
+    result = _bench(
+        "step", "--cases mlp-38k,gpt-small --meshes data=1,data=2 --rounds 1 --round-seconds 0.05"
+    )
+    assert result.returncode == 0, result.stderr
+    rows = re.findall(
+        r"^  (\S+) +(\S+)  (data=\d) +([\d,]+)  (per-leaf|raveled) +([\d.]+)x +([\d.]+)x$",
+        result.stdout,
+        re.M,
+    )
+    assert [(row[0], row[1], row[2]) for row in rows] == [
+        ("mlp-38k", "38k", "data=1"),
+        ("mlp-38k", "38k", "data=2"),
+        ("gpt-small", "829k", "data=1"),
+        ("gpt-small", "829k", "data=2"),
+    ], result.stdout
+    for *_, rate, _, jit, pmap in rows:
+        assert int(rate.replace(",", "")) > 0 and float(jit) > 0 and float(pmap) > 0
+
+
+def test_step_benchmark_refuses_an_unknown_case():
+    result = _bench("step", "--cases mlp-1t", timeout=120)
+    assert result.returncode == 2
+    assert "unknown case 'mlp-1t'" in result.stderr
+
+
+def test_dispatch_benchmark_reports_steps_per_call_and_collectives():
+    result = _bench("dispatch", "--rounds 1 --round-seconds 0.05 --steps-per-call 1,4")
     assert result.returncode == 0, result.stderr
     names = re.findall(r"^  (\S.*?\S) {2,}[\d,]+ +[\d.]+x", result.stdout, re.M)
     assert names == [
-        "hand-written jit step",
+        "hand-written jit step, per leaf",
+        "hand-written jit step, raveled",
         "jdp, jit",
-        "jdp, pmap",
         "jdp, jit, 4 steps per call",
     ], result.stdout
     volume = dict(

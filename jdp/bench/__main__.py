@@ -41,10 +41,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
+from jax.experimental import multihost_utils
+from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec
 
+from jdp.bench.step import (
+    CASES,
+    bench_step,
+    case_run,
+    first_batch,
+    hand_loop,
+    hand_written_step,
+    interleaved_rates,
+    jdp_loop,
+    ratios_to_best,
+)
 from jdp.checkpoint import Checkpointer
 from jdp.config import TrainConfig
 from jdp.data.pipeline import TrainReader, host_batches, train_batches
@@ -54,7 +68,7 @@ from jdp.mesh import DATA_AXIS, batch_sharded, make_mesh, process_rows
 from jdp.metrics import Console, MetricLogger, Throughput, open_writers
 from jdp.models import check_model
 from jdp.state import create_train_state
-from jdp.step import pmean_packed
+from jdp.step import pack_leaf_bytes, pmean_bucketed
 
 
 def _batches_per_sec(batches: Iterable, count: int) -> float:
@@ -65,12 +79,6 @@ def _batches_per_sec(batches: Iterable, count: int) -> float:
     for _ in range(count):
         next(iterator)
     return count / (time.perf_counter() - started)
-
-
-def _first_batch(run, batch_size: int):
-    """The global batch of step 0 (seed 0), placed on the run's mesh."""
-    with train_batches(run.train, run.mesh, batch_size=batch_size, seed=0) as loader:
-        return next(loader)
 
 
 def _steps_per_sec(run, batch, count: int) -> float:
@@ -184,104 +192,143 @@ def bench_checkpoint(mesh_spec: str, *, size_mb: int, repeats: int) -> list[str]
     return lines
 
 
-def _allreduce_seconds(tree, mesh, count: int, *, packed: bool) -> float:
-    """Median seconds of one ``pmean`` over ``data`` of a replicated pytree.
+def _allreduce_seconds(tree, mesh, *, rounds: int) -> dict[str, float]:
+    """Median seconds of one ``pmean`` over ``data`` of a replicated pytree, three ways.
 
-    ``packed``: the leaves in one buffer, as the train step reduces them on CPU;
-    otherwise one buffer per leaf.
+    ``"jdp"``, as the train step reduces (`reduction_buckets`); ``"leaf"``, one
+    buffer per leaf; ``"one"``, all leaves raveled into one buffer. The three are
+    timed in turn, after a warm-up that lets each program set up its collectives.
     """
 
     def vary(x):
         return jax.tree.map(lambda leaf: lax.pcast(leaf, DATA_AXIS, to="varying"), x)
 
-    def mean(x):
-        return pmean_packed(x, vary=vary) if packed else lax.pmean(vary(x), DATA_AXIS)
+    def mean(x, how):
+        if how == "jdp":
+            return pmean_bucketed(x, vary=vary, pack_leaf_bytes=pack_leaf_bytes(mesh))
+        if how == "one":
+            vector, unravel = ravel_pytree(x)
+            return unravel(lax.pmean(vary(vector), DATA_AXIS))
+        return lax.pmean(vary(x), DATA_AXIS)
 
-    reduce = jax.jit(
-        jax.shard_map(mean, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec())
-    )
-    jax.block_until_ready(reduce(tree))
-    times = []
-    for _ in range(count):
-        started = time.perf_counter()
-        jax.block_until_ready(reduce(tree))
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def multihost_worker(config: TrainConfig, *, steps: int, out: str) -> None:
-    """One process of a ``multihost`` measurement; process 0 writes the figures as JSON."""
-    run = build(config, Console(enabled=False))
-    batch = _first_batch(run, config.batch_size)
-    hlo = run.train_step.lower(run.state, batch).compile().as_text()
-    # What the step reduces: the gradients (shaped as the params) and the loss.
-    reduced = (run.state.params, jnp.zeros((), jnp.float32))
-    reduce_seconds = {
-        packed: _allreduce_seconds(reduced, run.mesh, steps, packed=packed)
-        for packed in (False, True)
+    reduces = {
+        how: jax.jit(
+            jax.shard_map(
+                lambda x, how=how: mean(x, how),
+                mesh=mesh,
+                in_specs=PartitionSpec(),
+                out_specs=PartitionSpec(),
+            )
+        )
+        for how in ("jdp", "leaf", "one")
     }
-    rate = _steps_per_sec(run, batch, steps)  # donates run.state: last
+    times: dict[str, list[float]] = {how: [] for how in reduces}
+    for _ in range(5):  # warm-up
+        for reduce in reduces.values():
+            jax.block_until_ready(reduce(tree))
+    for _ in range(rounds):  # a count, not a deadline: every process must join each one
+        for how, reduce in reduces.items():
+            started = time.perf_counter()
+            jax.block_until_ready(reduce(tree))
+            times[how].append(time.perf_counter() - started)
+    return {how: statistics.median(values) for how, values in times.items()}
+
+
+def multihost_worker(case: str, *, batch_size: int, seconds: float, out: str) -> None:
+    """One process of a ``multihost`` measurement; process 0 writes the figures as JSON."""
+    run = case_run(CASES[case], "data=-1", batch_size)
+    batch = first_batch(run, batch_size)
+    hlo = run.train_step.lower(run.state, batch).compile().as_text()
+    # What the step reduces: the gradients (shaped as the params) and the metrics.
+    reduced = (run.state.params, jnp.zeros((3,), jnp.float32))
+    reduce_seconds = _allreduce_seconds(reduced, run.mesh, rounds=20)
+    optimizer = run.config.make_optimizer(run.config.make_schedule())
+    loop = jdp_loop(run.train_step, run, batch, optimizer)
+    loop(8)  # compile and settle
+    started = time.perf_counter()
+    loop(8)
+    steps = int(min(400, max(8, seconds * 8 / (time.perf_counter() - started))))
+    # Every process must run as many steps: process 0's count for all.
+    steps = int(multihost_utils.broadcast_one_to_all(np.int32(steps)))
+    started = time.perf_counter()
+    loop(steps)
+    rate = steps / (time.perf_counter() - started)
     if jax.process_index() == 0:
         figures = {
             "processes": jax.process_count(),
-            "devices": run.mesh.devices.size,
-            "examples_per_sec": rate * config.batch_size,
+            "params": sum(leaf.size for leaf in jax.tree.leaves(run.state.params)),
+            "examples_per_sec": rate * batch_size,
             "step_seconds": 1 / rate,
-            "allreduce_seconds": reduce_seconds[True],
-            "allreduce_per_leaf_seconds": reduce_seconds[False],
-            "leaves": len(jax.tree.leaves(reduced)),
+            "allreduce_seconds": reduce_seconds,
             "allreduce_ops": len(re.findall(r"\sall-reduce(?:-start)?\(", hlo)),
-            "gradient_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(run.state.params)),
         }
         with open(out, "w") as file:
             json.dump(figures, file)
 
 
-def bench_multihost(config: TrainConfig, *, steps: int) -> list[str]:
-    """Runs ``multihost_worker`` as 1 process x 1 device and 2 x 1; returns the report's lines."""
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="jdp-bench-") as root:
-        for nproc in (1, 2):
-            out = os.path.join(root, f"{nproc}.json")
-            command = [
-                sys.executable, "-m", "jdp.launch", "--nproc", str(nproc),
-                "--devices-per-process", "1", "--",
-                sys.executable, "-m", "jdp.bench", "multihost-worker", "--out", out,
-                "--model", config.model, "--dataset", config.dataset,
-                "--batch-size", str(config.batch_size), "--steps", str(steps),
-            ]  # fmt: skip
-            if config.data_dir:
-                command += ["--data-dir", config.data_dir]
-            launcher = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-            try:
-                _, errors = launcher.communicate(timeout=600)
-            except subprocess.TimeoutExpired:
-                launcher.terminate()  # the launcher stops its processes
-                _, errors = launcher.communicate()
-            if launcher.returncode or not os.path.exists(out):
-                raise RuntimeError(f"{nproc}-process worker failed:\n{errors[-3000:]}")
-            with open(out) as file:
-                results[nproc] = json.load(file)
-    one, two = results[1], results[2]
-    lines = [
-        f"jdp.bench multihost: {config.model} on {config.dataset}, global batch "
-        f"{config.batch_size}, {steps} steps, {jax.devices()[0].device_kind}",
-        f"  {'':<26}{'examples/s':>12}{'step ms':>10}{'all-reduce ms: packed':>24}{'per leaf':>10}",
-    ]
-    for name, figures in (("1 process x 1 device", one), ("2 processes x 1 device", two)):
-        lines.append(
-            f"  {name:<26}{figures['examples_per_sec']:>12,.0f}"
-            f"{figures['step_seconds'] * 1e3:>10.2f}{figures['allreduce_seconds'] * 1e3:>24.2f}"
-            f"{figures['allreduce_per_leaf_seconds'] * 1e3:>10.2f}"
-        )
-    lines.append(
-        f"  2 processes / 1 process: {two['examples_per_sec'] / one['examples_per_sec']:.2f}x "
-        f"examples/s; the step's all-reduce ops: {two['allreduce_ops']}, "
-        f"{two['gradient_bytes'] / 1024:,.0f} KiB of gradients in {two['leaves']} leaves "
-        "(with the loss)"
+def _launch_worker(nproc: int, case: str, *, batch_size: int, seconds: float, out: str) -> dict:
+    command = [
+        sys.executable, "-m", "jdp.launch", "--nproc", str(nproc),
+        "--devices-per-process", "1", "--",
+        sys.executable, "-m", "jdp.bench", "multihost-worker", "--out", out, "--case", case,
+        "--batch-size", str(batch_size), "--seconds", str(seconds),
+    ]  # fmt: skip
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, errors = launcher.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        launcher.terminate()  # the launcher stops its processes
+        _, errors = launcher.communicate()
+    if launcher.returncode or not os.path.exists(out):
+        raise RuntimeError(f"{nproc}-process worker failed:\n{errors[-3000:]}")
+    with open(out) as file:
+        return json.load(file)
+
+
+def bench_multihost(
+    cases: Sequence[str], *, batch_size: int, seconds: float, on_line=print
+) -> list[str]:
+    """Each case in 1 process x 1 device and 2 x 1 (gloo on loopback); the report's lines."""
+    unknown = [name for name in cases if name not in CASES]
+    if unknown:
+        raise UsageError(f"unknown case {unknown[0]!r}; choose from: {', '.join(CASES)}")
+    lines = []
+
+    def emit(line: str) -> None:
+        lines.append(line)
+        on_line(line)
+
+    emit(
+        f"jdp.bench multihost: global batch {batch_size}, 1 device per process, gloo on "
+        f"loopback, {jax.devices()[0].device_kind}; all-reduce of the gradients alone (median)"
     )
+    emit(
+        f"  {'model':<10}{'params':>8}{'1 process ex/s':>16}{'2 processes ex/s':>18}{'2 / 1':>7}"
+        f"{'step ms':>9}{'ops':>5}   all-reduce ms: {'jdp':>6}{'per leaf':>10}{'one buffer':>12}"
+    )
+    with tempfile.TemporaryDirectory(prefix="jdp-bench-") as root:
+        for case in cases:
+            one, two = (
+                _launch_worker(
+                    nproc,
+                    case,
+                    batch_size=batch_size,
+                    seconds=seconds,
+                    out=os.path.join(root, f"{case}-{nproc}.json"),
+                )
+                for nproc in (1, 2)
+            )
+            params = two["params"]
+            shown = f"{params / 1e6:.2f}M" if params >= 1e6 else f"{params / 1e3:.0f}k"
+            reduce_ms = {how: two["allreduce_seconds"][how] * 1e3 for how in ("jdp", "leaf", "one")}
+            emit(
+                f"  {case:<10}{shown:>8}{one['examples_per_sec']:>16,.0f}"
+                f"{two['examples_per_sec']:>18,.0f}"
+                f"{two['examples_per_sec'] / one['examples_per_sec']:>6.2f}x"
+                f"{two['step_seconds'] * 1e3:>9.2f}{two['allreduce_ops']:>5}"
+                f"   {'':>14}{reduce_ms['jdp']:>6.2f}{reduce_ms['leaf']:>10.2f}"
+                f"{reduce_ms['one']:>12.2f}"
+            )
     return lines
 
 
@@ -292,7 +339,7 @@ def bench_scaling(config: TrainConfig, *, steps: int, out: str) -> list[str]:
     rates = []
     for size in sizes:
         run = build(dataclasses.replace(config, mesh=f"data={size}"), Console(enabled=False))
-        batch = _first_batch(run, config.batch_size)
+        batch = first_batch(run, config.batch_size)
         rates.append(_steps_per_sec(run, batch, steps) * config.batch_size)
     device = jax.devices()[0]
     kind = device.device_kind + (" (simulated devices)" if device.platform == "cpu" else "")
@@ -343,7 +390,7 @@ def bench_logging(config: TrainConfig, *, steps: int, rounds: int) -> list[str]:
     next to each other: this machine's speed drifts by more than the effect.
     """
     run = build(config, Console(enabled=False))
-    batch = _first_batch(run, config.batch_size)
+    batch = first_batch(run, config.batch_size)
     state = run.state
     for _ in range(3):  # compile and settle
         state, metrics = run.train_step(state, batch)
@@ -382,33 +429,6 @@ def bench_logging(config: TrainConfig, *, steps: int, rounds: int) -> list[str]:
     ]
 
 
-def _hand_written_step(model, optimizer: optax.GradientTransformation, mesh):
-    """The data-parallel step a careful engineer writes with plain JAX and Optax.
-
-    ``jit`` over ``shard_map``: each replica's gradient on its rows, ``pmean`` of
-    the gradients and the loss over ``data``, the Optax update; donated state.
-    """
-
-    def replica(params, opt_state, batch):
-        def loss_fn(params):
-            outputs, _ = model.apply(params, {}, batch, train=True, rng=jax.random.key(0))
-            return model.objective.loss(outputs, batch).mean()
-
-        # Marked varying so the gradient stays this replica's until the pmean.
-        loss, grads = jax.value_and_grad(loss_fn)(lax.pcast(params, DATA_AXIS, to="varying"))
-        grads, loss = lax.pmean((grads, loss), DATA_AXIS)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    mapped = jax.shard_map(
-        replica,
-        mesh=mesh,
-        in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(DATA_AXIS)),
-        out_specs=PartitionSpec(),
-    )
-    return jax.jit(mapped, donate_argnums=(0, 1))
-
-
 def _collectives(lowered: jax.stages.Lowered) -> dict[str, Any]:
     """All-reduce ops and bytes, and all-gathers, in the step as jdp emits it.
 
@@ -430,22 +450,21 @@ def _collectives(lowered: jax.stages.Lowered) -> dict[str, Any]:
     }
 
 
-def bench_step(config: TrainConfig, *, steps: int, rounds: int, calls: Sequence[int]) -> list[str]:
-    """jdp's step vs a hand-written one (both backends); collectives, dispatch, steps per call."""
+def bench_dispatch(
+    config: TrainConfig, *, round_seconds: float, rounds: int, calls: Sequence[int]
+) -> list[str]:
+    """One model in detail: steps per call, host dispatch per step, collective volume."""
     run = build(config, Console(enabled=False))
     mesh, size = run.mesh, config.batch_size
-    batch = _first_batch(run, size)
+    batch = first_batch(run, size)
     if jax.tree.leaves(run.state.model_state):
         raise UsageError(
-            f"bench step compares with a hand-written step without model state, and "
+            f"bench dispatch compares with a hand-written step without model state, and "
             f"--model {config.model} keeps BatchNorm statistics; use mlp, seq2seq or gpt"
         )
-    model = run.model
     optimizer = config.make_optimizer(config.make_schedule())
     # name -> (step, steps per call); the batch each takes, by steps per call.
     stepped = {"jdp, jit": (run.train_step, 1)}
-    pmap = build(dataclasses.replace(config, backend="pmap"), Console(enabled=False))
-    stepped["jdp, pmap"] = (pmap.train_step, 1)
     feeds = {1: batch}
     for k in calls:
         if k > 1:
@@ -458,54 +477,28 @@ def bench_step(config: TrainConfig, *, steps: int, rounds: int, calls: Sequence[
                 jax.tree.map(lambda x, k=k: jnp.stack([x] * k), batch),
                 batch_sharded(mesh, stacked=True),
             )
-
-    def fresh_state():
-        params = jax.tree.map(jnp.copy, run.state.params)
-        return create_train_state(params, optimizer, mesh, rng=jax.random.key(0))
-
-    hand = _hand_written_step(model, optimizer, mesh)
-
-    def run_hand(count):
-        params, opt_state = jax.tree.map(jnp.copy, (run.state.params, run.state.opt_state))
-        previous = None
-        for _ in range(count):
-            params, opt_state, loss = hand(params, opt_state, batch)
-            if previous is not None:  # at most two steps in flight: the CPU hazard in DESIGN.md
-                jax.block_until_ready(previous)
-            previous = loss
-        jax.block_until_ready(loss)
-
-    def run_jdp(name, count):
-        step, per_call = stepped[name]
-        state = fresh_state()
-        for _ in range(count // per_call):
-            state, metrics = step(state, feeds[per_call])
-        jax.block_until_ready(metrics)
-
-    arms = {"hand-written jit step": run_hand} | {
-        name: (lambda count, name=name: run_jdp(name, count)) for name in stepped
+    hand = {
+        f"hand-written jit step, {name}": hand_loop(
+            hand_written_step(run.model, optimizer, mesh, packed=packed), run, batch
+        )
+        for name, packed in (("per leaf", False), ("raveled", True))
     }
-    for arm in arms.values():
-        arm(2 * max(calls))  # compile and settle
-    rates: dict[str, list[float]] = {name: [] for name in arms}
-    for round_ in range(rounds):
-        order = list(arms) if round_ % 2 == 0 else list(reversed(arms))
-        for name in order:
-            started = time.perf_counter()
-            arms[name](steps)
-            rates[name].append(steps * size / (time.perf_counter() - started))
-    hand_rate = statistics.median(rates["hand-written jit step"])
+    arms = hand | {
+        name: jdp_loop(step, run, feeds[k], optimizer, per_call=k)
+        for name, (step, k) in stepped.items()
+    }
+    rates = interleaved_rates(arms, rounds=rounds, round_seconds=round_seconds, rows=size)
+    _, ratios = ratios_to_best(rates, list(hand))
 
     dispatch = {}
     for name, (step, per_call) in stepped.items():
-        if name == "jdp, pmap":
-            continue
         raw = step._fn  # the compiled call, without jdp's wait on the previous one
-        state, feed = fresh_state(), feeds[per_call]
+        params = jax.tree.map(jnp.copy, run.state.params)
+        state = create_train_state(params, optimizer, mesh, rng=jax.random.key(0))
         times = []
         for _ in range(50):
             started = time.perf_counter()
-            state, metrics = raw(state, feed)
+            state, metrics = raw(state, feeds[per_call])
             times.append(time.perf_counter() - started)
             jax.block_until_ready(metrics)
         dispatch[name] = statistics.median(times) / per_call
@@ -518,15 +511,16 @@ def bench_step(config: TrainConfig, *, steps: int, rounds: int, calls: Sequence[
 
     kind = mesh.devices.flat[0].device_kind
     lines = [
-        f"jdp.bench step: {config.model} {config.model_size} on {config.dataset}, "
+        f"jdp.bench dispatch: {config.model} {config.model_size} on {config.dataset}, "
         f"mesh {config.mesh} ({mesh.devices.size} x {kind}), global batch {size}, "
-        f"{config.optimizer}, {steps} steps x {rounds} interleaved rounds (median)",
-        f"  {'':<34}{'examples/s':>12}{'/ hand-written':>16}{'dispatch ms/step':>18}",
+        f"{config.optimizer}, {rounds} interleaved rounds of ~{round_seconds:g} s per arm "
+        "(median)",
+        f"  {'':<34}{'examples/s':>12}{'/ best hand':>14}{'dispatch ms/step':>18}",
     ]
-    for name in arms:
-        rate = statistics.median(rates[name])
+    for name, values in rates.items():
         shown = f"{dispatch[name] * 1e3:>18.3f}" if name in dispatch else f"{'':>18}"
-        lines.append(f"  {name:<34}{rate:>12,.0f}{rate / hand_rate:>15.3f}x{shown}")
+        rate = statistics.median(values)
+        lines.append(f"  {name:<34}{rate:>12,.0f}{ratios[name]:>13.3f}x{shown}")
     for dtype, found in volume.items():
         lines.append(
             f"  collectives, {dtype} all-reduce: {found['all_reduce_ops']} all-reduce op(s), "
@@ -534,6 +528,10 @@ def bench_step(config: TrainConfig, *, steps: int, rounds: int, calls: Sequence[
             f" x the fp32 gradients ({grad_bytes:,} bytes); all-gathers: {found['all_gather_ops']}"
         )
     return lines
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -553,29 +551,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     saves.add_argument("--mesh", default="data=8")
     saves.add_argument("--size-mb", type=int, default=128, help="parameter megabytes")
     saves.add_argument("--repeats", type=int, default=3)
-    for name, text in (
-        ("multihost", "1 process x 1 device vs 2 processes x 1 device, all-reduce time"),
-        ("multihost-worker", "one process of the multihost measurement (started by it)"),
-    ):
-        multihost = commands.add_parser(name, help=text)
-        multihost.add_argument("--model", default="mlp")
-        multihost.add_argument("--dataset", default="digits")
-        multihost.add_argument("--data-dir", default=None)
-        multihost.add_argument("--batch-size", type=int, default=128)
-        multihost.add_argument("--steps", type=int, default=200, help="train steps timed")
-        if name == "multihost-worker":
-            multihost.add_argument("--out", required=True)
-    steps = commands.add_parser("step", help="jdp's step vs a hand-written one, collectives")
-    steps.add_argument("--mesh", default="data=8")
-    steps.add_argument("--model", default="mlp", help="one without BatchNorm: mlp, seq2seq, gpt")
-    steps.add_argument("--model-size", default="small")
+    cases = ",".join(CASES)
+    multihost = commands.add_parser(
+        "multihost", help="each model in 1 process x 1 device vs 2 processes x 1 device"
+    )
+    worker = commands.add_parser("multihost-worker", help=argparse.SUPPRESS)
+    worker.add_argument("--case", required=True, choices=list(CASES))
+    worker.add_argument("--out", required=True)
+    for command in (multihost, worker):
+        command.add_argument("--batch-size", type=int, default=128)
+        command.add_argument(
+            "--seconds", type=float, default=2.0, help="seconds timed per measurement"
+        )
+    multihost.add_argument("--cases", default=cases, help=f"comma-separated, from: {cases}")
+    steps = commands.add_parser(
+        "step", help="jdp's step vs the best hand-written one, over model sizes and meshes"
+    )
+    steps.add_argument("--cases", default=cases, help=f"comma-separated, from: {cases}")
+    steps.add_argument("--meshes", default="data=1,data=2,data=8", help="comma-separated")
+    steps.add_argument("--batch-size", type=int, default=128)
+    steps.add_argument("--rounds", type=int, default=5)
     steps.add_argument(
+        "--round-seconds", type=float, default=0.5, help="time of one arm's round, about"
+    )
+    dispatch = commands.add_parser(
+        "dispatch", help="one model: steps per call, host dispatch per step, collective volume"
+    )
+    dispatch.add_argument("--mesh", default="data=8")
+    dispatch.add_argument("--model", default="mlp", help="one without BatchNorm: mlp, seq2seq, gpt")
+    dispatch.add_argument("--model-size", default="small")
+    dispatch.add_argument(
         "--dataset", default=None, help="default: digits, or numbers2words for seq2seq and gpt"
     )
-    steps.add_argument("--batch-size", type=int, default=128)
-    steps.add_argument("--steps", type=int, default=240, help="steps per round and arm")
-    steps.add_argument("--rounds", type=int, default=9)
-    steps.add_argument(
+    dispatch.add_argument("--batch-size", type=int, default=128)
+    dispatch.add_argument("--rounds", type=int, default=9)
+    dispatch.add_argument(
+        "--round-seconds", type=float, default=1.0, help="time of one arm's round, about"
+    )
+    dispatch.add_argument(
         "--steps-per-call", default="1,4,8", help="comma-separated values to compare"
     )
     scaling = commands.add_parser("scaling", help="examples/s against 1, 2, 4, 8 devices, PNG")
@@ -594,6 +607,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "step":
+            bench_step(
+                _names(args.cases),
+                _names(args.meshes),
+                batch_size=args.batch_size,
+                rounds=args.rounds,
+                round_seconds=args.round_seconds,
+                on_line=lambda line: print(line, flush=True),
+            )
+            return 0
+        if args.command == "dispatch":
             sequences = check_model(args.model).data == "sequence"
             config = TrainConfig(
                 mesh=args.mesh,
@@ -602,10 +625,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dataset=args.dataset or ("numbers2words" if sequences else "digits"),
                 batch_size=args.batch_size,
             )
-            calls = sorted({1, *(int(part) for part in args.steps_per_call.split(",") if part)})
-            if any(args.steps % k for k in calls):
-                raise UsageError(f"--steps {args.steps} must be a multiple of every steps per call")
-            print("\n".join(bench_step(config, steps=args.steps, rounds=args.rounds, calls=calls)))
+            calls = sorted({1, *(int(part) for part in _names(args.steps_per_call))})
+            lines = bench_dispatch(
+                config, round_seconds=args.round_seconds, rounds=args.rounds, calls=calls
+            )
+            print("\n".join(lines))
             return 0
         if args.command == "scaling":
             config = TrainConfig(
@@ -620,18 +644,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = TrainConfig(mesh=args.mesh, model=args.model, batch_size=args.batch_size)
             print("\n".join(bench_logging(config, steps=args.steps, rounds=args.rounds)))
             return 0
-        if args.command.startswith("multihost"):
-            config = TrainConfig(
-                mesh="data=-1",
-                model=args.model,
-                dataset=args.dataset,
-                data_dir=args.data_dir,
-                batch_size=args.batch_size,
+        if args.command == "multihost-worker":
+            multihost_worker(
+                args.case, batch_size=args.batch_size, seconds=args.seconds, out=args.out
             )
-            if args.command == "multihost-worker":
-                multihost_worker(config, steps=args.steps, out=args.out)
-                return 0
-            print("\n".join(bench_multihost(config, steps=args.steps)))
+            return 0
+        if args.command == "multihost":
+            bench_multihost(
+                _names(args.cases),
+                batch_size=args.batch_size,
+                seconds=args.seconds,
+                on_line=lambda line: print(line, flush=True),
+            )
             return 0
         if args.command == "checkpoint":
             print(

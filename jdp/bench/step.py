@@ -1,0 +1,259 @@
+"""``python -m jdp.bench step``: jdp's train step against the best hand-written one.
+
+The sweep runs several model sizes on several meshes, because what a step adds
+(or saves) depends on both: a trick that helps a 38k-parameter model can make a
+10M-parameter one several times slower. For each case the hand-written arm is
+the faster of two plain ``jit`` data-parallel steps, one all-reducing each
+gradient leaf and one all-reducing the gradients raveled into one vector, so
+jdp is held to the best a careful engineer writes, not to a weak baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.flatten_util import ravel_pytree
+from jax.sharding import PartitionSpec
+
+from jdp.config import TrainConfig
+from jdp.data.pipeline import train_batches
+from jdp.errors import UsageError
+from jdp.loop import Run, build, setup_devices
+from jdp.mesh import DATA_AXIS
+from jdp.metrics import Console
+from jdp.models import MLP, Model, classification, from_linen
+from jdp.state import create_train_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A model of the sweep: a built-in one, or an MLP of the given hidden widths."""
+
+    model: str
+    dataset: str
+    model_size: str = "small"
+    hidden: tuple[int, ...] | None = None
+
+    def model_for(self, run_split) -> Model | None:
+        if self.hidden is None:
+            return None  # the built-in config.model
+        return from_linen(MLP(run_split.num_classes, self.hidden), classification())
+
+
+# On the 64-pixel digits: 64*512 + 512*10 = 38k parameters; 64*768 + 768^2 + 768*10
+# = 0.65M; 64*2304 + 2*2304^2 + 2304*10 = 10.8M. gpt small is 0.83M on numbers2words.
+CASES: dict[str, Case] = {
+    "mlp-38k": Case("mlp", "digits"),
+    "mlp-0.7m": Case("mlp", "digits", hidden=(768, 768)),
+    "mlp-10m": Case("mlp", "digits", hidden=(2304, 2304, 2304)),
+    "gpt-small": Case("gpt", "numbers2words"),
+}
+
+
+def case_run(case: Case, mesh: str, batch_size: int, **overrides: Any) -> Run:
+    """The run of one case on one mesh (devices must already be set up)."""
+    config = TrainConfig(
+        mesh=mesh, model=case.model, model_size=case.model_size, dataset=case.dataset,
+        batch_size=batch_size, **overrides,
+    )  # fmt: skip
+    if case.hidden is None:
+        return build(config, Console(enabled=False))
+    from jdp.data.sources import load_split
+
+    model = case.model_for(load_split(case.dataset, "train", config.data_dir))
+    return build(config, Console(enabled=False), model=model)
+
+
+def first_batch(run: Run, batch_size: int):
+    """The global batch of step 0 (seed 0), placed on the run's mesh."""
+    with train_batches(run.train, run.mesh, batch_size=batch_size, seed=0) as loader:
+        return next(loader)
+
+
+def hand_written_step(model: Model, optimizer: optax.GradientTransformation, mesh, *, packed):
+    """The data-parallel step a careful engineer writes with plain JAX and Optax.
+
+    ``jit`` over ``shard_map``: each replica's gradient of the model's loss (and
+    its metrics, as jdp's step gets them from the same function) on its rows,
+    ``pmean`` of the gradients, loss and metrics over ``data`` (each leaf, or
+    ``packed``: the gradients raveled into one vector), the Optax update; donated
+    state. What it leaves out, jdp's step adds: the gradient norm, the learning
+    rate, the step count and a key per step and replica.
+    """
+
+    def replica(params, opt_state, batch):
+        def loss_fn(params):
+            loss, metrics, _ = model.loss_fn(params, {}, batch, jax.random.key(0))
+            return loss, metrics
+
+        # Marked varying so the gradient stays this replica's until the pmean.
+        varying = lax.pcast(params, DATA_AXIS, to="varying")
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(varying)
+        if packed:
+            vector, unravel = ravel_pytree(grads)
+            vector, loss, metrics = lax.pmean((vector, loss, metrics), DATA_AXIS)
+            grads = unravel(vector)
+        else:
+            grads, loss, metrics = lax.pmean((grads, loss, metrics), DATA_AXIS)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    mapped = jax.shard_map(
+        replica,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(DATA_AXIS)),
+        out_specs=PartitionSpec(),
+    )
+    return jax.jit(mapped, donate_argnums=(0, 1))
+
+
+def hand_loop(step, run: Run, batch) -> Callable[[int], None]:
+    """``count -> None``: runs a hand-written step ``count`` times, going on from the last call."""
+    carry = list(jax.tree.map(jnp.copy, (run.state.params, run.state.opt_state)))
+
+    def loop(count: int) -> None:
+        params, opt_state = carry
+        previous = loss = None
+        for _ in range(count):
+            params, opt_state, loss = step(params, opt_state, batch)
+            if previous is not None:  # at most two steps in flight: the CPU rendezvous hazard
+                jax.block_until_ready(previous)
+            previous = loss
+        jax.block_until_ready(loss)
+        carry[:] = params, opt_state
+
+    return loop
+
+
+def jdp_loop(step, run: Run, batch, optimizer, *, per_call: int = 1) -> Callable[[int], None]:
+    """``count -> None``: runs jdp's step for ``count`` optimizer steps, going on from the last."""
+    params = jax.tree.map(jnp.copy, run.state.params)
+    carry = [create_train_state(params, optimizer, run.mesh, rng=jax.random.key(0))]
+
+    def loop(count: int) -> None:
+        state, metrics = carry[0], None
+        for _ in range(count // per_call):
+            state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        carry[0] = state
+
+    return loop
+
+
+# Arms run whole multiples of this many steps: any steps per call up to 8 divides it.
+_STEP_MULTIPLE = 8
+
+
+def interleaved_rates(
+    arms: dict[str, Callable[[int], None]], *, rounds: int, round_seconds: float, rows: int
+) -> dict[str, list[float]]:
+    """Examples/s of each arm in each of ``rounds`` rounds, the arms' order alternating.
+
+    Every arm runs the same number of steps a round, about ``round_seconds`` of the
+    slowest arm (timed on a warm call), so small and large models get comparable
+    statistics.
+    """
+    slowest = 0.0
+    for arm in arms.values():
+        arm(_STEP_MULTIPLE)  # compile and settle
+        started = time.perf_counter()
+        arm(_STEP_MULTIPLE)
+        slowest = max(slowest, (time.perf_counter() - started) / _STEP_MULTIPLE)
+    calls = max(1, min(50, round(round_seconds / slowest / _STEP_MULTIPLE)))
+    steps = calls * _STEP_MULTIPLE
+    rates: dict[str, list[float]] = {name: [] for name in arms}
+    for round_ in range(rounds):
+        order = list(arms) if round_ % 2 == 0 else list(reversed(arms))
+        for name in order:
+            started = time.perf_counter()
+            arms[name](steps)
+            rates[name].append(steps * rows / (time.perf_counter() - started))
+    return rates
+
+
+def ratios_to_best(rates: dict[str, list[float]], baselines: Sequence[str]) -> tuple[str, dict]:
+    """The fastest baseline (by median) and each arm's median per-round ratio to it.
+
+    Ratios are taken within a round, between arms run next to each other, so the
+    machine's drift between rounds cancels.
+    """
+    best = max(baselines, key=lambda name: statistics.median(rates[name]))
+    ratios = {
+        name: statistics.median(a / b for a, b in zip(values, rates[best], strict=True))
+        for name, values in rates.items()
+    }
+    return best, ratios
+
+
+def _params(run: Run) -> str:
+    count = sum(np.size(leaf) for leaf in jax.tree.leaves(run.state.params))
+    return f"{count / 1e6:.2f}M" if count >= 1e6 else f"{count / 1e3:.0f}k"
+
+
+def bench_step(
+    cases: Sequence[str],
+    meshes: Sequence[str],
+    *,
+    batch_size: int,
+    rounds: int,
+    round_seconds: float,
+    on_line: Callable[[str], None] = print,
+) -> list[str]:
+    """The sweep: for each case and mesh, the best hand-written step's examples/s and
+    jdp's ``jit`` and ``pmap`` steps as ratios of it. Prints rows as they come."""
+    unknown = [name for name in cases if name not in CASES]
+    if unknown:
+        raise UsageError(f"unknown case {unknown[0]!r}; choose from: {', '.join(CASES)}")
+    largest = max(meshes, key=lambda spec: int(spec.partition("=")[2] or 0))
+    setup_devices(largest)  # devices are simulated once per process: the largest mesh's
+    kind = jax.devices()[0].device_kind
+    lines = []
+
+    def emit(line: str) -> None:
+        lines.append(line)
+        on_line(line)
+
+    emit(
+        f"jdp.bench step: global batch {batch_size}, adam, {rounds} interleaved rounds of "
+        f"~{round_seconds:g} s per arm; median examples/s, median per-round ratios; {kind}"
+    )
+    emit(
+        f"  {'model':<10}{'params':>8}  {'mesh':<8}{'hand-written ex/s':>19}  {'best of':<9}"
+        f"{'jdp jit':>9}{'jdp pmap':>10}"
+    )
+    for name in cases:
+        case = CASES[name]
+        for mesh in meshes:
+            run = case_run(case, mesh, batch_size)
+            pmap = case_run(case, mesh, batch_size, backend="pmap")
+            batch = first_batch(run, batch_size)
+            optimizer = run.config.make_optimizer(run.config.make_schedule())
+            arms = {
+                "per-leaf": hand_loop(
+                    hand_written_step(run.model, optimizer, run.mesh, packed=False), run, batch
+                ),
+                "raveled": hand_loop(
+                    hand_written_step(run.model, optimizer, run.mesh, packed=True), run, batch
+                ),
+                "jit": jdp_loop(run.train_step, run, batch, optimizer),
+                "pmap": jdp_loop(pmap.train_step, pmap, batch, optimizer),
+            }
+            rates = interleaved_rates(
+                arms, rounds=rounds, round_seconds=round_seconds, rows=batch_size
+            )
+            best, ratios = ratios_to_best(rates, ("per-leaf", "raveled"))
+            emit(
+                f"  {name:<10}{_params(run):>8}  {mesh:<8}"
+                f"{statistics.median(rates[best]):>19,.0f}  {best:<9}"
+                f"{ratios['jit']:>8.3f}x{ratios['pmap']:>9.3f}x"
+            )
+    return lines

@@ -1,0 +1,93 @@
+"""What the step's gradient all-reduce packs together, read from the program it emits."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jdp
+from jdp.step import BUCKET_BYTES, PACK_LEAF_BYTES, reduction_buckets
+
+KIB = 1024
+
+
+def _leaf(*shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def test_small_leaves_share_buckets_by_dtype_and_large_ones_go_alone():
+    leaves = [
+        _leaf(64, 512),  # 128 KiB: packed
+        _leaf(512),
+        _leaf(1024, 1024),  # 4 MiB: alone
+        _leaf(100, dtype=jnp.bfloat16),  # another dtype: its own bucket
+        _leaf(10),
+    ]
+    buckets = reduction_buckets(leaves, pack_leaf_bytes=256 * KIB, bucket_bytes=4096 * KIB)
+    assert buckets == [[0, 1, 4], [2], [3]]
+
+
+def test_a_bucket_is_closed_at_its_size_cap():
+    leaves = [_leaf(50 * KIB)] * 5  # 200 KiB each
+    assert reduction_buckets(leaves, pack_leaf_bytes=256 * KIB, bucket_bytes=512 * KIB) == [
+        [0, 1],
+        [2, 3],
+        [4],
+    ]
+
+
+def test_nothing_is_packed_when_packing_is_off():
+    leaves = [_leaf(3), _leaf(0), _leaf(4)]
+    assert reduction_buckets(leaves, pack_leaf_bytes=0) == [[0], [1], [2]]
+
+
+def test_the_sizes_are_a_leaf_below_a_bucket():
+    assert 0 < PACK_LEAF_BYTES < BUCKET_BYTES
+
+
+# A model with one leaf above PACK_LEAF_BYTES (96k floats = 384 KiB) and small ones.
+_BIG = (96, 1024)
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {
+        "w_in": jnp.asarray(rng.normal(size=(6, 96)) * 0.1, jnp.float32),
+        "b_in": jnp.zeros((96,), jnp.float32),
+        "w_big": jnp.asarray(rng.normal(size=_BIG) * 0.01, jnp.float32),
+        "w_out": jnp.asarray(rng.normal(size=(1024, 3)) * 0.01, jnp.float32),
+    }
+
+
+def _loss(params, batch, rng):
+    hidden = jnp.tanh(batch["x"] @ params["w_in"] + params["b_in"])
+    return jnp.mean((jnp.tanh(hidden @ params["w_big"]) @ params["w_out"] - batch["y"]) ** 2)
+
+
+def _all_reduce_operands(mesh):
+    """The all-reduced operands' types, in the program jdp emits (before XLA's passes)."""
+    optimizer = optax.sgd(0.1)
+    state = jdp.create_train_state(_params(), optimizer, mesh)
+    step = jdp.make_train_step(_loss, optimizer, mesh)
+    rng = np.random.default_rng(1)
+    batch = {
+        "x": rng.normal(size=(64, 6)).astype(np.float32),
+        "y": rng.normal(size=(64, 3)).astype(np.float32),
+    }
+    text = step.lower(state, jdp.shard_batch(batch, mesh)).as_text()
+    operands = re.findall(r'"stablehlo\.all_reduce"\(.*?\}\) : \(([^)]*)\) ->', text, re.S)
+    return sorted(t for found in operands for t in re.findall(r"tensor<[^>]*>", found))
+
+
+def test_on_cpu_replicas_the_large_leaf_goes_alone_and_the_small_ones_in_one_buffer(mesh8):
+    small = 6 * 96 + 96 + 1024 * 3 + 1  # the small gradients and the loss
+    assert _all_reduce_operands(mesh8) == sorted(
+        [f"tensor<{_BIG[0]}x{_BIG[1]}xf32>", f"tensor<{small}xf32>"]
+    )
+
+
+def test_on_one_device_nothing_is_packed(mesh1):
+    gradients = ["tensor<6x96xf32>", "tensor<96xf32>", "tensor<96x1024xf32>", "tensor<1024x3xf32>"]
+    assert _all_reduce_operands(mesh1) == sorted([*gradients, "tensor<f32>"])
