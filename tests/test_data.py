@@ -8,6 +8,7 @@ import pytest
 import jdp
 from jdp.data.digits import TEST_SIZE
 from jdp.data.pipeline import (
+    _AUGMENT_STREAM,
     EvalReader,
     Loader,
     TrainReader,
@@ -104,6 +105,19 @@ def test_augmentation_does_not_depend_on_the_topology(mesh8, mesh1):
         np.testing.assert_array_equal(joined, batches["data=8"][step])
     plain = TrainReader(_image_split(transform=_IDS), batch_size=16, seed=1, rows=slice(None))
     assert not np.array_equal(plain(0)["image"], batches["data=1"][0])  # it did augment
+
+
+def test_reading_steps_in_bulk_equals_reading_each_step():
+    """The loader reads chunks of steps at once; each step's rows are what one step reads."""
+    split, rows = _image_split(), slice(4, 12)
+    bulk = TrainReader(split, batch_size=16, seed=5, rows=rows).steps(3, 20)  # over 8 epochs
+    assert len(bulk) == 20
+    for step, batch in enumerate(bulk, start=3):
+        indices = global_batch_indices(5, step, 16, len(split))[rows]
+        draw = _AUGMENTED.draw(np.random.default_rng((5, step, _AUGMENT_STREAM)), 16)
+        expected = _AUGMENTED(split.image[indices], draw.take(rows))
+        np.testing.assert_array_equal(batch["image"], expected)
+        np.testing.assert_array_equal(batch["label"], split.label[indices])
 
 
 def test_start_step_resumes_the_same_stream(mesh8):

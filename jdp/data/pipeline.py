@@ -14,8 +14,8 @@ into global arrays on the mesh a few steps ahead of the train step.
 
 from __future__ import annotations
 
+import collections
 import functools
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jdp.data.sources import Split
+from jdp.data.transforms import Augmentation
 from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY, process_rows, shard_batch
 
@@ -65,16 +66,45 @@ class TrainReader:
         return global_batch_indices(self.seed, step, self.batch_size, len(self.split))[self.rows]
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
-        batch = self.split.read(self.indices(step))
+        return self.steps(step, 1)[0]
+
+    def steps(self, first: int, count: int) -> list[dict[str, np.ndarray]]:
+        """The batches of ``count`` steps from ``first``, read and preprocessed in bulk.
+
+        One gather and one vectorised transform for all of them: the per-batch
+        cost of a small batch is mostly fixed overhead, which this pays once.
+        The result is the same as ``count`` single calls.
+        """
+        steps = range(first, first + count)
+        indices = [self.indices(step) for step in steps]
+        batch = self.split.read(np.concatenate(indices))
         transform = self.split.transform
-        if transform is None:  # token sequences: nothing to preprocess
-            return batch
-        augmentation = None
-        if transform.augments:
-            rng = np.random.default_rng((self.seed, step, _AUGMENT_STREAM))
-            augmentation = transform.draw(rng, self.batch_size).take(self.rows)
-        batch["image"] = transform(batch["image"], augmentation)
-        return batch
+        if transform is not None:  # token sequences have nothing to preprocess
+            augmentation = None
+            if transform.augments:
+                draws = [
+                    transform.draw(
+                        np.random.default_rng((self.seed, step, _AUGMENT_STREAM)), self.batch_size
+                    ).take(self.rows)
+                    for step in steps
+                ]
+                augmentation = Augmentation(
+                    *(np.concatenate(parts) for parts in zip(*draws, strict=True))
+                )
+            batch["image"] = transform(batch["image"], augmentation)
+        bounds = np.cumsum([len(part) for part in indices])[:-1]
+        parts = {key: np.split(value, bounds) for key, value in batch.items()}
+        return [{key: parts[key][i] for key in parts} for i in range(count)]
+
+
+class ChunkedReader:
+    """Call ``i`` -> the list of batches of steps ``start + i*steps .. + steps - 1``."""
+
+    def __init__(self, reader: TrainReader, *, steps: int, start: int):
+        self.reader, self.steps, self.start = reader, steps, start
+
+    def __call__(self, call: int) -> list[dict[str, np.ndarray]]:
+        return self.reader.steps(self.start + call * self.steps, self.steps)
 
 
 class EvalReader:
@@ -108,7 +138,10 @@ class StackedReader:
 
     def __call__(self, call: int) -> dict[str, np.ndarray]:
         first = self.start + call * self.steps
-        batches = [self.reader(step) for step in range(first, first + self.steps)]
+        if isinstance(self.reader, TrainReader):
+            batches = self.reader.steps(first, self.steps)
+        else:
+            batches = [self.reader(step) for step in range(first, first + self.steps)]
         return {key: np.stack([batch[key] for batch in batches]) for key in batches[0]}
 
 
@@ -137,13 +170,24 @@ def host_batches(
 _END = object()
 
 
+# Training batches are read, preprocessed and placed on the devices up to
+# TRAIN_CHUNK steps at a time, at most CHUNK_BYTES of them: a small batch's host
+# work is mostly fixed cost (a transfer call alone took 94 us for a digits batch),
+# and paid per batch by a thread beside a fast step it made the step wait.
+TRAIN_CHUNK = 16
+CHUNK_BYTES = 16 * 1024 * 1024
+
+
 class Loader(Iterator[dict]):
     """Global batches on the mesh, made by Grain and placed ``prefetch`` batches ahead.
 
     Iterate it like any iterator; close it (or use it as a context manager) to
     stop its thread and workers. ``position`` is the index of the next batch, the
     whole state a resumed run needs; ``wait_seconds`` is the time callers spent
-    blocked waiting for a batch.
+    blocked waiting for a batch. ``steps_per_item`` stacks that many steps'
+    batches into one item; ``chunk`` has a `TrainReader` read, preprocess and
+    place that many steps' batches at once, yielded one by one. ``prefetch``
+    counts items (or chunks) placed ahead.
     """
 
     def __init__(
@@ -156,6 +200,7 @@ class Loader(Iterator[dict]):
         workers: int = 0,
         prefetch: int = 2,
         steps_per_item: int = 1,
+        chunk: int = 1,
     ):
         if workers < 0 or prefetch < 1 or steps_per_item < 1:
             raise UsageError(
@@ -167,13 +212,24 @@ class Loader(Iterator[dict]):
                 raise UsageError("stacked batches (steps_per_item > 1) are for training only")
             reader = StackedReader(reader, steps=steps_per_item, start=start)
             host = host_batches(reader, start=0, stop=None, workers=workers)
+        elif chunk > 1:
+            if stop is not None or not isinstance(reader, TrainReader):
+                raise UsageError("chunked reading (chunk > 1) is for training batches only")
+            reader = ChunkedReader(reader, steps=chunk, start=start)
+            host = host_batches(reader, start=0, stop=None, workers=workers)
         else:
             host = host_batches(reader, start=start, stop=stop, workers=workers)
         self.position = start
         self._steps_per_item = steps_per_item
+        self._chunk: collections.deque = collections.deque()  # placed batches not yet taken
         self.wait_seconds = 0.0
         self._mesh = mesh
-        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        # A deque and two semaphores rather than a queue.Queue: the consumer's
+        # side is on the training loop's path every step, and Queue.get's
+        # condition variable cost more than a fast step can spare.
+        self._ready: collections.deque = collections.deque()
+        self._free = threading.Semaphore(prefetch)
+        self._filled = threading.Semaphore(0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, args=(host,), daemon=True)
         self._thread.start()
@@ -182,8 +238,9 @@ class Loader(Iterator[dict]):
         iterator = None
         try:
             iterator = iter(host)
-            for batch in iterator:
-                placed = shard_batch(batch, self._mesh, stacked=self._steps_per_item > 1)
+            for item in iterator:
+                # A chunk (a list of batches) is placed in one transfer call.
+                placed = shard_batch(item, self._mesh, stacked=self._steps_per_item > 1)
                 if not self._put(placed):
                     return
             self._put(_END)
@@ -196,18 +253,25 @@ class Loader(Iterator[dict]):
 
     def _put(self, item) -> bool:
         while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
+            if self._free.acquire(timeout=0.1):
+                self._ready.append(item)
+                self._filled.release()
                 return True
-            except queue.Full:
-                continue
         return False
 
     def __next__(self) -> dict:
         if self._stop.is_set():
             raise StopIteration
         waited = time.perf_counter()
-        item = self._queue.get()
+        if self._chunk:
+            item = self._chunk.popleft()
+        else:
+            self._filled.acquire()
+            item = self._ready.popleft()
+            self._free.release()
+            if isinstance(item, list):  # a chunk of placed batches
+                self._chunk.extend(item)
+                item = self._chunk.popleft()
         self.wait_seconds += time.perf_counter() - waited
         if item is _END:
             self._stop.set()
@@ -291,7 +355,14 @@ def train_batches(
         workers=workers,
         prefetch=prefetch,
         steps_per_item=steps_per_call,
+        chunk=_chunk_steps(reader, start_step) if steps_per_call == 1 else 1,
     )
+
+
+def _chunk_steps(reader: TrainReader, step: int) -> int:
+    """How many steps' batches to read and place at once (see TRAIN_CHUNK)."""
+    nbytes = sum(value.nbytes for value in reader(step).values())
+    return max(1, min(TRAIN_CHUNK, CHUNK_BYTES // max(1, nbytes)))
 
 
 def eval_batches(split: Split, mesh: Mesh, *, batch_size: int, prefetch: int = 2) -> Loader:
