@@ -146,11 +146,17 @@ def step_flops(lowered: jax.stages.Lowered, devices: int) -> float | None:
     XLA counts a loop's body once: for a step that loops (gradient accumulation)
     the figure is too low, and callers leave it out.
     """
-    analysis = lowered.cost_analysis()
+    flops = _flops(lowered.cost_analysis())
+    if flops is None:  # some backends (GPU in JAX 0.11) analyse only the compiled program
+        flops = _flops(lowered.compile().cost_analysis())
+    return flops * devices if flops is not None else None
+
+
+def _flops(analysis) -> float | None:
     if isinstance(analysis, Sequence):
         analysis = analysis[0] if analysis else None
     flops = (analysis or {}).get("flops")
-    return float(flops) * devices if flops and flops > 0 else None
+    return float(flops) if flops and flops > 0 else None
 
 
 class JsonlWriter:
