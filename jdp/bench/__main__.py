@@ -52,6 +52,7 @@ from jdp.bench.step import (
     CASES,
     bench_step,
     case_run,
+    check_cases,
     first_batch,
     hand_loop,
     hand_written_step,
@@ -289,9 +290,7 @@ def bench_multihost(
     cases: Sequence[str], *, batch_size: int, seconds: float, on_line=print
 ) -> list[str]:
     """Each case in 1 process x 1 device and 2 x 1 (gloo on loopback); the report's lines."""
-    unknown = [name for name in cases if name not in CASES]
-    if unknown:
-        raise UsageError(f"unknown case {unknown[0]!r}; choose from: {', '.join(CASES)}")
+    check_cases(cases)
     lines = []
 
     def emit(line: str) -> None:

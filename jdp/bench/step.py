@@ -59,6 +59,13 @@ CASES: dict[str, Case] = {
 }
 
 
+def check_cases(cases: Sequence[str]) -> None:
+    """UsageError naming the first unknown case and the known ones."""
+    unknown = [name for name in cases if name not in CASES]
+    if unknown:
+        raise UsageError(f"unknown case {unknown[0]!r}; choose from: {', '.join(CASES)}")
+
+
 def case_run(case: Case, mesh: str, batch_size: int, **overrides: Any) -> Run:
     """The run of one case on one mesh (devices must already be set up)."""
     config = TrainConfig(
@@ -210,9 +217,7 @@ def bench_step(
 ) -> list[str]:
     """The sweep: for each case and mesh, the best hand-written step's examples/s and
     jdp's ``jit`` and ``pmap`` steps as ratios of it. Prints rows as they come."""
-    unknown = [name for name in cases if name not in CASES]
-    if unknown:
-        raise UsageError(f"unknown case {unknown[0]!r}; choose from: {', '.join(CASES)}")
+    check_cases(cases)
     largest = max(meshes, key=lambda spec: int(spec.partition("=")[2] or 0))
     setup_devices(largest)  # devices are simulated once per process: the largest mesh's
     kind = jax.devices()[0].device_kind
