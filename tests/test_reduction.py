@@ -6,9 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
+from jax.sharding import PartitionSpec
 
 import jdp
-from jdp.step import BUCKET_BYTES, PACK_LEAF_BYTES, reduction_buckets
+from jdp.mesh import DATA_AXIS
+from jdp.step import (
+    BUCKET_BYTES,
+    PACK_LEAF_BYTES,
+    SHARED_NORM_BYTES,
+    _global_norm,
+    reduction_buckets,
+)
 
 KIB = 1024
 
@@ -91,3 +100,27 @@ def test_on_cpu_replicas_the_large_leaf_goes_alone_and_the_small_ones_in_one_buf
 def test_on_one_device_nothing_is_packed(mesh1):
     gradients = ["tensor<6x96xf32>", "tensor<96xf32>", "tensor<96x1024xf32>", "tensor<1024x3xf32>"]
     assert _all_reduce_operands(mesh1) == sorted([*gradients, "tensor<f32>"])
+
+
+def test_the_shared_gradient_norm_is_the_global_norm(mesh8):
+    """Above SHARED_NORM_BYTES each replica squares a share; the shares add to the norm."""
+    rng = np.random.default_rng(2)
+    grads = {
+        "big": jnp.asarray(rng.normal(size=(1100, 1001)), jnp.float32),  # 4.2 MiB, 1101100 % 8 = 4
+        # Large values, so that a share counted twice or not at all shows: 13 values
+        # in shares of 2 (the last clamped over the 7th), and fewer values than replicas.
+        "odd": jnp.asarray(300 * rng.normal(size=(13,)), jnp.float32),
+        "tiny": jnp.asarray(1000 * rng.normal(size=(3,)), jnp.float32),
+    }
+    assert sum(leaf.nbytes for leaf in grads.values()) >= SHARED_NORM_BYTES
+
+    def norm(tree):
+        return _global_norm(lax.pcast(tree, DATA_AXIS, to="varying"), replicas=8)
+
+    shared = jax.jit(
+        jax.shard_map(norm, mesh=mesh8, in_specs=PartitionSpec(), out_specs=PartitionSpec())
+    )(grads)
+    expected = np.sqrt(sum(np.sum(np.float64(leaf) ** 2) for leaf in grads.values()))
+    # 1.1M squares (no cancellation) summed in float32 by XLA's tree reductions:
+    # about log2(1.1M) = 20 roundings of 6e-8 each, far within 1e-4.
+    np.testing.assert_allclose(float(shared), expected, rtol=1e-4)
