@@ -133,15 +133,11 @@ class EvalReader:
 class StackedReader:
     """Call ``i`` -> the batches of steps ``start + i*steps .. + steps - 1``, stacked on axis 0."""
 
-    def __init__(self, reader: Callable[[int], dict], *, steps: int, start: int):
-        self.reader, self.steps, self.start = reader, steps, start
+    def __init__(self, reader: TrainReader, *, steps: int, start: int):
+        self.chunks = ChunkedReader(reader, steps=steps, start=start)
 
     def __call__(self, call: int) -> dict[str, np.ndarray]:
-        first = self.start + call * self.steps
-        if isinstance(self.reader, TrainReader):
-            batches = self.reader.steps(first, self.steps)
-        else:
-            batches = [self.reader(step) for step in range(first, first + self.steps)]
+        batches = self.chunks(call)
         return {key: np.stack([batch[key] for batch in batches]) for key in batches[0]}
 
 
@@ -207,15 +203,16 @@ class Loader(Iterator[dict]):
                 f"need workers >= 0, prefetch >= 1 and steps_per_item >= 1, got "
                 f"workers={workers} prefetch={prefetch} steps_per_item={steps_per_item}"
             )
-        if steps_per_item > 1:
-            if stop is not None:
-                raise UsageError("stacked batches (steps_per_item > 1) are for training only")
-            reader = StackedReader(reader, steps=steps_per_item, start=start)
-            host = host_batches(reader, start=0, stop=None, workers=workers)
-        elif chunk > 1:
+        if steps_per_item > 1 or chunk > 1:
             if stop is not None or not isinstance(reader, TrainReader):
-                raise UsageError("chunked reading (chunk > 1) is for training batches only")
-            reader = ChunkedReader(reader, steps=chunk, start=start)
+                raise UsageError(
+                    "stacked (steps_per_item > 1) or chunked (chunk > 1) batches are for "
+                    "a TrainReader's endless training stream only"
+                )
+            if steps_per_item > 1:
+                reader = StackedReader(reader, steps=steps_per_item, start=start)
+            else:
+                reader = ChunkedReader(reader, steps=chunk, start=start)
             host = host_batches(reader, start=0, stop=None, workers=workers)
         else:
             host = host_batches(reader, start=start, stop=stop, workers=workers)
