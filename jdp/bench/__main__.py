@@ -7,10 +7,11 @@ a real training run's loop spent waiting for input.
 ``checkpoint``: how long the training loop is blocked by an async save and by a
 synchronous save of the same state, and how long a restore takes.
 
-``step``: jdp's train step against a hand-written ``jit`` data-parallel step
-(plain JAX and Optax) on the same model, mesh, batch and optimizer, for both
-backends and several steps per call; host dispatch time per step; and the
-collectives of the step as jdp emits it.
+``step``: jdp's train step (both backends) against the best of two hand-written
+``jit`` data-parallel steps, over four model sizes and three meshes (`jdp.bench.step`).
+
+``dispatch``: one model in detail: several steps per call, host dispatch time
+per step, and the collectives of the step as jdp emits it.
 
 ``scaling``: examples/s of one train step and global batch on 1, 2, 4 and 8
 devices, as a table and a PNG.
@@ -18,9 +19,9 @@ devices, as a table and a PNG.
 ``logging``: the step loop with metrics written every step (JSONL and
 TensorBoard) against no logging, in interleaved rounds.
 
-``multihost``: the same train step and global batch in 1 process x 1 device and
-in 2 processes x 1 device (started by ``jdp.launch``), with the time of the
-gradient all-reduce alone.
+``multihost``: for each model of the ``step`` sweep, the same train step and
+global batch in 1 process x 1 device and in 2 processes x 1 device (started by
+``jdp.launch``), with the gradient all-reduce alone timed three ways.
 """
 
 from __future__ import annotations
