@@ -570,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps.add_argument("--cases", default=cases, help=f"comma-separated, from: {cases}")
     steps.add_argument("--meshes", default="data=1,data=2,data=8", help="comma-separated")
     steps.add_argument("--batch-size", type=int, default=128)
-    steps.add_argument("--rounds", type=int, default=5)
+    steps.add_argument("--rounds", type=int, default=7)
     steps.add_argument(
         "--round-seconds", type=float, default=0.5, help="time of one arm's round, about"
     )
