@@ -6,12 +6,19 @@ device takes its slice of the global batch, gradients are averaged with
 
 Examples:
     >>> mesh = jdp.make_mesh("data=8")
-    >>> state = jdp.create_train_state(params, optax.adam(1e-3), mesh, rng=key)
+    >>> def loss_fn(params, batch, rng):
+    ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+    >>> params = {"w": jnp.zeros((4, 1))}
+    >>> state = jdp.create_train_state(params, optax.adam(1e-3), mesh, rng=jax.random.key(0))
     >>> step = jdp.make_train_step(loss_fn, optax.adam(1e-3), mesh, backend="jit")
+    >>> x, y = np.ones((64, 4), np.float32), np.ones((64, 1), np.float32)
     >>> state, metrics = step(state, jdp.shard_batch({"x": x, "y": y}, mesh))
+    >>> int(state.step), float(metrics["loss"])
+    (1, 1.0)
 """
 
-from jdp import distributed, models
+from jdp import actions, distributed, models
+from jdp.actions import Action, Callback, EarlyStopping, PeriodicAction, Progress
 from jdp.checkpoint import Checkpointer, load_params
 from jdp.config import TrainConfig
 from jdp.data.pipeline import Loader, eval_batches, train_batches
@@ -21,21 +28,29 @@ from jdp.loop import FitResult, fit
 from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices
 from jdp.optim import make_optimizer, make_schedule
 from jdp.precision import LossScale, Precision, make_precision
+from jdp.report.console import Console
 from jdp.state import TrainState, create_train_state
-from jdp.step import evaluate, make_eval_step, make_train_step
-
-__version__ = "0.1.0"
+from jdp.step import CompiledStep, evaluate, make_eval_step, make_train_step
+from jdp.version import __version__ as __version__
 
 __all__ = [
+    "Action",
+    "Callback",
     "Checkpointer",
+    "CompiledStep",
+    "Console",
+    "EarlyStopping",
     "FitResult",
     "Loader",
     "LossScale",
+    "PeriodicAction",
     "Precision",
+    "Progress",
     "Split",
     "TrainConfig",
     "TrainState",
     "UsageError",
+    "actions",
     "create_train_state",
     "distributed",
     "eval_batches",

@@ -12,9 +12,7 @@ Nothing is ever unpickled.
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,7 +24,7 @@ from jax.sharding import Mesh
 
 from jdp.errors import UsageError
 from jdp.mesh import replicated
-from jdp.metrics import quiet_absl
+from jdp.report.console import quiet_absl
 from jdp.state import TrainState
 
 
@@ -115,9 +113,13 @@ class Checkpointer:
             are copied off the devices.
 
     Examples:
-        >>> with jdp.Checkpointer("/tmp/run", keep=3) as checkpoints:
-        ...     restored = checkpoints.restore(state)  # None when there is none
-        ...     checkpoints.save(state, loader_step=int(state.step))
+        >>> mesh = jdp.make_mesh("data=8")
+        >>> state = jdp.create_train_state({"w": jnp.ones(3)}, optax.sgd(0.1), mesh)
+        >>> with jdp.Checkpointer(f"{tmp}/run", keep=3) as checkpoints:
+        ...     checkpoints.restore(state) is None  # none there yet
+        ...     checkpoints.save(state, loader_step=int(state.step))  # a save started
+        True
+        True
     """
 
     def __init__(
@@ -261,44 +263,6 @@ class Checkpointer:
         self.close()
 
 
-class Preemption:
-    """Turns SIGTERM and SIGINT into "save at the next step boundary and exit".
-
-    In a multi-process run every process must stop at the same step: JAX's
-    distributed runtime receives the signal and ``reached`` asks it (Orbax's
-    preemption sync); a single process uses its own handlers.
-    """
-
-    def __init__(self):
-        self._signal: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> Preemption:
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            for number in (signal.SIGTERM, signal.SIGINT):
-                self._previous[number] = signal.signal(number, self._handle)
-        return self
-
-    def _handle(self, number, frame) -> None:
-        self._signal = number
-
-    def reached(self, step: int) -> bool:
-        """Whether to save and stop after ``step`` (the same answer on every process)."""
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self._signal is not None
-
-    @property
-    def signal_name(self) -> str:
-        return signal.Signals(self._signal).name if self._signal else "preemption notice (SIGTERM)"
-
-    def __exit__(self, *exc_info) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-
-
 def _step_directory(path: str) -> str:
     """``path`` itself when it is one checkpoint, else its latest complete checkpoint."""
     if os.path.isdir(os.path.join(path, "state")):
@@ -329,8 +293,12 @@ def load_params(path: str | os.PathLike, mesh: Mesh | None = None) -> Any:
         UsageError: no checkpoint at ``path``.
 
     Examples:
-        >>> params = jdp.load_params("/tmp/run")
-        >>> logits = model.apply({"params": params}, images)
+        >>> mesh = jdp.make_mesh("data=8")
+        >>> state = jdp.create_train_state({"w": jnp.ones(3)}, optax.sgd(0.1), mesh)
+        >>> with jdp.Checkpointer(f"{tmp}/run") as checkpoints:
+        ...     _ = checkpoints.save(state, loader_step=0)
+        >>> jdp.load_params(f"{tmp}/run")["w"]
+        Array([1., 1., 1.], dtype=float32)
     """
     step_dir = _step_directory(os.path.abspath(os.fspath(path)))
     state_dir = os.path.join(step_dir, "state")

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
-from collections.abc import Sequence
+import typing
+from typing import Literal
 
-import optax
-
-from jdp.data.sources import dataset_kind
 from jdp.errors import UsageError
 from jdp.mesh import parse_mesh_spec
-from jdp.models import check_model
-from jdp.optim import make_optimizer, make_schedule, scale_lr
-from jdp.precision import make_precision
-from jdp.step import BACKENDS
+
+# The choices of the fields that name things. Each registry it names agrees
+# (tests/test_api.py): the step's backends, the built-in models and sizes, the
+# datasets, optimizers, schedules, LR scaling rules and precisions.
+Backend = Literal["jit", "pmap"]
+ModelName = Literal["cnn", "gpt", "mlp", "resnet18", "resnet20", "seq2seq"]
+ModelSize = Literal["small", "standard"]
+DatasetName = Literal["cifar10", "digits", "fashion_mnist", "mnist", "numbers2words"]
+OptimizerName = Literal["sgd", "momentum", "nesterov", "adam", "adamw", "lamb", "lars"]
+ScheduleName = Literal["constant", "cosine", "linear", "noam", "piecewise"]
+LrScaling = Literal["none", "linear", "sqrt"]
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+ReduceDtype = Literal["fp32", "bf16"]
+EarlyStopMetric = Literal["loss", "accuracy"]
 
 
 def _flag(default, help_text: str):
@@ -27,12 +33,14 @@ class TrainConfig:
     """Everything that defines a training run. Invalid values raise `UsageError`."""
 
     mesh: str = _flag("data=-1", "device mesh, e.g. data=8, data=-1 (all devices), data=4,model=2")
-    backend: str = _flag("jit", "step backend: jit (jit over shard_map) or pmap")
-    model: str = _flag(
+    backend: Backend = _flag("jit", "step backend: jit (jit over shard_map) or pmap")
+    model: ModelName = _flag(
         "mlp", "built-in model: mlp, cnn, resnet20, resnet18 (images), seq2seq or gpt (sequences)"
     )
-    model_size: str = _flag("small", "small (trains in minutes on a CPU) or standard (published)")
-    dataset: str = _flag(
+    model_size: ModelSize = _flag(
+        "small", "small (trains in minutes on a CPU) or standard (published)"
+    )
+    dataset: DatasetName = _flag(
         "digits",
         "digits (bundled), numbers2words (generated), mnist, fashion_mnist or cifar10",
     )
@@ -47,11 +55,13 @@ class TrainConfig:
         2, "batches (with --steps-per-call, calls' stacked batches) placed on the devices ahead"
     )
     steps: int = _flag(400, "number of training steps")
-    optimizer: str = _flag("adam", "sgd, momentum, nesterov, adam, adamw, lamb or lars")
+    optimizer: OptimizerName = _flag("adam", "sgd, momentum, nesterov, adam, adamw, lamb or lars")
     lr: float = _flag(3e-3, "base learning rate: the schedule's peak, before --lr-scaling")
-    schedule: str = _flag("cosine", "after warmup: constant, cosine, linear, noam or piecewise")
+    schedule: ScheduleName = _flag(
+        "cosine", "after warmup: constant, cosine, linear, noam or piecewise"
+    )
     warmup_steps: int = _flag(40, "steps of linear learning-rate warmup from 0")
-    lr_scaling: str = _flag(
+    lr_scaling: LrScaling = _flag(
         "none", "scale --lr with the global batch: none, linear (Goyal et al.) or sqrt"
     )
     lr_reference_batch: int = _flag(256, "the batch size --lr was tuned for (for --lr-scaling)")
@@ -64,8 +74,10 @@ class TrainConfig:
     steps_per_call: int = _flag(
         1, "optimizer steps per compiled call, scanned on the device (for small, fast steps)"
     )
-    precision: str = _flag("fp32", "compute dtype: fp32, bf16 or fp16 (fp16 scales the loss)")
-    reduce_dtype: str = _flag("fp32", "gradient all-reduce dtype: fp32 or bf16")
+    precision: PrecisionName = _flag(
+        "fp32", "compute dtype: fp32, bf16 or fp16 (fp16 scales the loss)"
+    )
+    reduce_dtype: ReduceDtype = _flag("fp32", "gradient all-reduce dtype: fp32 or bf16")
     eval_every: int = _flag(0, "evaluate on the test split every N steps (0: only at the end)")
     ckpt_dir: str | None = _flag(
         None, "directory of Orbax checkpoints; a run resumes from the latest one in it"
@@ -97,15 +109,21 @@ class TrainConfig:
     check_replicas_every: int = _flag(
         0, "compare a checksum of the parameters on every device every N steps (0: off)"
     )
+    early_stop_patience: int = _flag(
+        0, "stop when --early-stop-metric has not improved for N evaluations (0: off)"
+    )
+    early_stop_metric: EarlyStopMetric = _flag(
+        "loss", "test metric for --early-stop-patience: loss (lower wins) or accuracy (higher)"
+    )
 
     def __post_init__(self):
         parse_mesh_spec(self.mesh)
-        if self.backend not in BACKENDS:
-            raise UsageError(
-                f"unknown backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}"
-            )
-        check_model(self.model, self.model_size)
-        dataset_kind(self.dataset)  # a known dataset; whether the model takes it: `fit`
+        for name, choices in _choices().items():
+            if getattr(self, name) not in choices:
+                raise UsageError(
+                    f"unknown {name.replace('_', ' ')} {getattr(self, name)!r}; choose one "
+                    f"of: {', '.join(choices)}"
+                )
         for name in ("batch_size", "steps"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
@@ -131,13 +149,19 @@ class TrainConfig:
         self._check_steps_per_call()
         if self.check_replicas_every < 0:
             raise UsageError("--check-replicas-every must be >= 0 (0: off)")
+        if self.early_stop_patience < 0:
+            raise UsageError("--early-stop-patience must be >= 0 (0: off)")
+        if self.early_stop_patience and not self.eval_every:
+            raise UsageError(
+                "--early-stop-patience counts evaluations; add --eval-every N to evaluate "
+                "during the run"
+            )
         if self.lr_reference_batch < 1:
             raise UsageError("--lr-reference-batch must be at least 1")
         if any(not part.strip().isdigit() for part in self.lr_boundaries.split(",") if part):
             raise UsageError(f"--lr-boundaries {self.lr_boundaries!r}: write steps, e.g. 200,300")
-        make_precision(self.precision, reduce=self.reduce_dtype)
-        make_optimizer(self.optimizer)
-        self.make_schedule()  # checks the name, the warmup and the boundaries
+        if self.warmup_steps < 0:
+            raise UsageError("--warmup-steps must be >= 0")
 
     def _check_steps_per_call(self) -> None:
         calls = self.steps_per_call
@@ -157,13 +181,9 @@ class TrainConfig:
                     f"--{flag} {value} is not a multiple of --steps-per-call {calls}: a run "
                     f"evaluates and saves between calls; use a multiple of {calls}"
                 )
-        if self.profile_steps:
-            first, _, last = self.profile_steps.partition(":")
-            if (
-                not (first.isdigit() and last.isdigit())
-                or (int(first) - 1) % calls
-                or (int(last) % calls)
-            ):
+        if self.profile_window:
+            first, last = self.profile_window
+            if (first - 1) % calls or last % calls:
                 raise UsageError(
                     f"--profile-steps {self.profile_steps} must cover whole calls of "
                     f"--steps-per-call {calls}, e.g. {calls + 1}:{2 * calls}"
@@ -187,11 +207,6 @@ class TrainConfig:
             raise UsageError("--profile-steps needs --log-dir DIR (the trace goes in DIR/profile)")
         return int(first), int(last)
 
-    @property
-    def peak_lr(self) -> float:
-        """``--lr`` scaled for the global batch by ``--lr-scaling``."""
-        return scale_lr(self.lr, self.batch_size, self.lr_scaling, self.lr_reference_batch)
-
     def resume_conflicts(self, saved: dict) -> list[str]:
         """Flags whose values differ from the run that wrote a checkpoint, as ``--flag X (was Y)``.
 
@@ -207,25 +222,6 @@ class TrainConfig:
                 conflicts.append(f"--{flag} {getattr(self, field.name)} (was {saved[field.name]})")
         return conflicts
 
-    def make_schedule(self) -> optax.Schedule:
-        return make_schedule(
-            self.schedule,
-            self.peak_lr,
-            warmup_steps=self.warmup_steps,
-            total_steps=self.steps,
-            boundaries=[int(part) for part in self.lr_boundaries.split(",") if part],
-            decay_factor=self.lr_decay_factor,
-        )
-
-    def make_optimizer(self, schedule: optax.Schedule) -> optax.GradientTransformation:
-        return make_optimizer(
-            self.optimizer,
-            schedule,
-            momentum=self.momentum,
-            weight_decay=self.weight_decay,
-            clip_norm=self.clip_norm or None,
-        )
-
 
 # What a resumed run may change: where and how it runs, not what it computes.
 _TOPOLOGY_FIELDS = frozenset(
@@ -233,46 +229,15 @@ _TOPOLOGY_FIELDS = frozenset(
     | {"ckpt_dir", "ckpt_every", "keep", "no_resume"}
     | {"coordinator", "num_processes", "process_id", "startup_timeout", "heartbeat_timeout"}
     | {"check_replicas_every", "log_dir", "log_every", "profile_steps", "steps_per_call"}
+    | {"early_stop_patience", "early_stop_metric"}
 )
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, as every jdp error is."""
-
-    def error(self, message: str):
-        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
-        sys.exit(2)
-
-
-def _parse_optional_str(text: str) -> str | None:
-    return text or None
-
-
-def _parse_optional_int(text: str) -> int | None:
-    return int(text) if text else None
-
-
-def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "jdp.train") -> TrainConfig:
-    """Parses command-line flags (``--batch-size 256``) into a `TrainConfig`."""
-    parser = _OneLineParser(prog=prog, description="Data-parallel training with jdp.")
-    for field in dataclasses.fields(TrainConfig):
-        if field.type == "bool":
-            parser.add_argument(
-                f"--{field.name.replace('_', '-')}",
-                action="store_true",
-                help=field.metadata["help"],
-            )
-            continue
-        kind = {
-            "int": int,
-            "float": float,
-            "str": str,
-            "int | None": _parse_optional_int,
-        }.get(str(field.type), _parse_optional_str)
-        parser.add_argument(
-            f"--{field.name.replace('_', '-')}",
-            type=kind,
-            default=field.default,
-            help=f"{field.metadata['help']} (default: {field.default})",
-        )
-    return TrainConfig(**vars(parser.parse_args(argv)))
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The fields whose type is a ``Literal``, and their choices."""
+    hints = typing.get_type_hints(TrainConfig)
+    return {
+        name: typing.get_args(hint)
+        for name, hint in hints.items()
+        if typing.get_origin(hint) is Literal
+    }

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from jdp import distributed
+from jdp import cluster
 
 _CPU_COUNT = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
@@ -44,10 +44,10 @@ def process_env(
     address = f"127.0.0.1:{port}"
     env.update(
         {
-            distributed.ENV_COORDINATOR: address,
-            distributed.ENV_COORDINATOR_BIND: address,
-            distributed.ENV_NUM_PROCESSES: str(nproc),
-            distributed.ENV_PROCESS_ID: str(rank),
+            cluster.ENV_COORDINATOR: address,
+            cluster.ENV_COORDINATOR_BIND: address,
+            cluster.ENV_NUM_PROCESSES: str(nproc),
+            cluster.ENV_PROCESS_ID: str(rank),
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -114,20 +114,10 @@ def launch(
         for rank in range(nproc):
             if signals:
                 break
-            child = subprocess.Popen(
-                list(command),
-                env=process_env(rank, nproc, port, devices_per_process=devices_per_process),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                errors="backslashreplace",  # a stray byte must not stop the relay (and the child)
-                start_new_session=True,  # the launcher's signals go through `stop`
-            )
+            env = process_env(rank, nproc, port, devices_per_process=devices_per_process)
+            child, child_relays = _start(command, env, rank, lock)
             children.append(child)
-            for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-                relay = threading.Thread(target=_relay, args=(stream, rank, out, lock), daemon=True)
-                relay.start()
-                relays.append(relay)
+            relays.extend(child_relays)
             _say(lock, f"started process {rank} of {nproc} (pid {child.pid})")
         failed = _supervise(children, grace, lock)
     finally:
@@ -148,6 +138,25 @@ def launch(
         f"{_shell_code(code)}",
     )
     return _shell_code(code)
+
+
+def _start(command: Sequence[str], env: dict[str, str], rank: int, lock: threading.Lock):
+    """Starts one process of the run, its output relayed with a ``[rank]`` prefix."""
+    child = subprocess.Popen(
+        list(command),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="backslashreplace",  # a stray byte must not stop the relay (and the child)
+        start_new_session=True,  # the launcher's signals go through `stop`
+    )
+    relays = []
+    for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
+        relay = threading.Thread(target=_relay, args=(stream, rank, out, lock), daemon=True)
+        relay.start()
+        relays.append(relay)
+    return child, relays
 
 
 def _supervise(

@@ -85,6 +85,15 @@ def simulate_cpu_devices(count: int) -> bool:
 
     Raises:
         UsageError: JAX's backends are already initialised with fewer CPU devices.
+
+    Examples:
+        At the top of a script, before any JAX computation (here ``XLA_FLAGS``
+        already asks for 8, so the call has nothing to do):
+
+        >>> jdp.simulate_cpu_devices(8)
+        False
+        >>> len(jax.devices("cpu"))
+        8
     """
     if _CPU_COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
         return False
@@ -122,7 +131,7 @@ def make_mesh(spec: str, *, devices: Sequence[jax.Device] | None = None) -> Mesh
 
     Examples:
         >>> mesh = jdp.make_mesh("data=8")
-        >>> mesh.shape
+        >>> dict(mesh.shape)
         {'data': 8}
     """
     axes = parse_mesh_spec(spec)
@@ -216,7 +225,10 @@ def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh, *, stacked: bool = F
         UsageError: the rows do not split evenly over this process's replicas.
 
     Examples:
-        >>> batch = jdp.shard_batch({"x": x_local, "y": y_local}, mesh)
+        >>> mesh = jdp.make_mesh("data=8")
+        >>> batch = jdp.shard_batch({"x": np.zeros((64, 3), np.float32)}, mesh)
+        >>> batch["x"].shape, batch["x"].sharding.spec == jax.sharding.PartitionSpec("data")
+        ((64, 3), True)
     """
     sharding = batch_sharded(mesh, stacked=stacked)
     local_replicas = max(1, data_size(mesh) // jax.process_count())

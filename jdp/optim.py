@@ -69,8 +69,8 @@ def make_schedule(
 
     Examples:
         >>> schedule = jdp.make_schedule("cosine", 1e-3, warmup_steps=100, total_steps=1000)
-        >>> float(schedule(100))
-        0.001
+        >>> round(float(schedule(100)), 6), round(float(schedule(1000)), 6)
+        (0.001, 0.0)
     """
     _check_choice("schedule", name, SCHEDULES)
     if warmup_steps < 0:

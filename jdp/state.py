@@ -68,8 +68,11 @@ def create_train_state(
         A `TrainState` at step 0, every leaf replicated on ``mesh``.
 
     Examples:
-        >>> state = jdp.create_train_state(params, optax.adam(1e-3), mesh,
-        ...                                rng=jax.random.key(0))
+        >>> mesh = jdp.make_mesh("data=8")
+        >>> params = {"w": jnp.zeros((4, 1))}
+        >>> state = jdp.create_train_state(params, optax.adam(1e-3), mesh, rng=jax.random.key(0))
+        >>> int(state.step), state.params["w"].sharding.is_fully_replicated
+        (0, True)
     """
     sharding = replicated(mesh)
     rng = jax.random.key(0) if rng is None else rng

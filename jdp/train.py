@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from jdp.config import parse_flags
 from jdp.distributed import ReplicaMismatchError
 from jdp.errors import UsageError
+from jdp.flags import parse_flags
 from jdp.loop import fit
-from jdp.metrics import Console
+from jdp.report.console import Console
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,10 +1,6 @@
-"""Test setup: 8 simulated CPU devices, set before JAX starts its backends."""
+"""The tests' shared fixtures (the devices are set up in the repository's conftest.py)."""
 
 import os
-
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
 
 import jax
 import pytest

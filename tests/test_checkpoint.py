@@ -17,6 +17,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from closeness import assert_drift_within
+from helpers import subprocess_env
 
 import jdp
 from jdp.checkpoint import Checkpointer, load_params
@@ -27,7 +28,7 @@ _RUN = "--mesh data=8 --model cnn --steps 60 --warmup-steps 5 --batch-size 64 --
 
 
 def _cli(ckpt_dir, *extra):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     command = [sys.executable, "-m", "jdp.train", *shlex.split(_RUN), "--ckpt-dir", str(ckpt_dir)]
     return command + list(extra), env
 
@@ -166,8 +167,8 @@ def _mlp_state(mesh, seed=0):
 
 
 def _loss(params, batch, rng):
-    hidden = jax.nn.relu(batch["x"] @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"])
-    logits = hidden @ params["Dense_1"]["kernel"] + params["Dense_1"]["bias"]
+    hidden = jax.nn.relu(batch["x"] @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"][None])
+    logits = hidden @ params["Dense_1"]["kernel"] + params["Dense_1"]["bias"][None]
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 

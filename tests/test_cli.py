@@ -1,12 +1,10 @@
 """``python -m jdp.train`` as a user runs it: a fresh process that sets up its own devices."""
 
-import os
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
+from helpers import run_cli
 
 SUMMARY = re.compile(
     r"^jdp\.train: steps=(\d+) train_loss=\S+ test_loss=\S+ test_accuracy=([\d.]+) "
@@ -15,18 +13,7 @@ SUMMARY = re.compile(
 )
 
 
-def _run(*flags, timeout=240, devices=None):
-    """Runs the CLI in a fresh process; ``devices`` fixes the CPU device count, as hardware does."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets up devices
-    if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return subprocess.run(
-        [sys.executable, "-m", "jdp.train", *flags],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+_run = run_cli
 
 
 @pytest.mark.parametrize(
@@ -112,7 +99,7 @@ def test_tiny_seq2seq_run_on_numbers2words():
         (["--optimizer", "adagrad"], "unknown optimizer 'adagrad'"),
         (["--schedule", "exponential"], "unknown schedule 'exponential'"),
         (["--steps", "100", "--warmup-steps", "200"], "warmup (200 steps) is longer than training"),
-        (["--mesh", "data=8", "--accumulate", "3"], "--accumulate 3 does not divide"),
+        (["--mesh", "data=8", "--accumulate", "3"], "accumulate 3 does not divide the per-replica"),
         (["--precision", "fp8"], "unknown precision 'fp8'"),
         (["--data-dir", "/nonexistent/tfds"], "--data-dir /nonexistent/tfds does not exist"),
         (["--eval-every", "-1"], "--eval-every must be 0"),

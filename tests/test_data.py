@@ -83,6 +83,26 @@ def test_an_epoch_of_loaded_batches_is_the_dataset(layout, mesh8, mesh1):
         np.testing.assert_array_equal(batch_ids, global_batch_indices(4, step, batch_size, 96))
 
 
+def test_a_process_reads_the_rows_its_devices_hold_in_any_device_order(devices):
+    """A mesh whose device order is not sorted by process: process 1's devices come
+    first, so process 1 holds the first rows and process 0 the last ones."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(devices[4:] + devices[:4]), ("data",))
+    process_of = lambda device: 0 if device.id < 4 else 1  # noqa: E731
+    rows = rows_by_process(mesh, 16, process_of)
+    assert rows == {1: slice(0, 8), 0: slice(8, 16)}
+    # Read off the sharding independently: each device's rows lie in its process's.
+    sharding = jdp.mesh.batch_sharded(mesh)
+    for device, index in sharding.devices_indices_map((16,)).items():
+        owned = rows[process_of(device)]
+        assert owned.start <= index[0].start and index[0].stop <= owned.stop
+    # Processes whose devices interleave hold rows no loader can read as one block.
+    interleaved = Mesh(np.array([devices[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)]), ("data",))
+    with pytest.raises(ValueError, match="are not one contiguous block"):
+        rows_by_process(interleaved, 16, process_of)
+
+
 def test_global_batches_do_not_depend_on_the_mesh(mesh8, mesh1):
     on8 = _labels(train_batches(_split(), mesh8, batch_size=16, seed=5), 15)
     on1 = _labels(train_batches(_split(), mesh1, batch_size=16, seed=5), 15)

@@ -1,24 +1,15 @@
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import tensorflow_datasets as tfds
 from catalog import prepare
+from helpers import run_python
 
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
 
 
 def _run(script, *flags):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    result = subprocess.run(
-        [sys.executable, str(script), "--smoke", *flags],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
+    result = run_python(script, "--smoke", *flags)
     assert result.returncode == 0, result.stderr
     assert "test_accuracy=" in result.stdout
     return result

@@ -10,17 +10,20 @@ import time
 import jax
 import numpy as np
 import pytest
+from helpers import subprocess_env
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jdp.metrics import JsonlWriter, MetricLogger, TensorBoardWriter, Throughput, peak_flops
 from jdp.plot import main as plot_main
 from jdp.plot import read_run
+from jdp.report.logger import MetricLogger
+from jdp.report.throughput import Throughput, peak_flops
+from jdp.report.writers import JsonlWriter, TensorBoardWriter
 
 _RUN = ["--mesh", "data=8", "--steps", "60", "--warmup-steps", "10", "--eval-every", "30"]
 
 
 def _env():
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess_env()  # the commands set up their devices
 
 
 def _train(*flags, launch=None, timeout=240):

@@ -1,5 +1,7 @@
 """Built-in models, and users' Linen and NNX modules through `from_linen` / `from_nnx`."""
 
+import shutil
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,6 @@ from jdp.data import numbers2words
 from jdp.models import (
     DATA_AXIS,
     GPT,
-    MODELS,
     ResNet,
     classification,
     from_linen,
@@ -22,6 +23,7 @@ from jdp.models import (
     get_model,
     translate,
 )
+from jdp.models.registry import MODELS
 
 ROWS = 32
 
@@ -51,7 +53,7 @@ class LinenNet(nn.Module):
         probe = self.variable("probe", "mask", jnp.zeros, (8,))
         if train:
             probe.value = mask
-        return nn.Dense(3)(x * mask)
+        return nn.Dense(3)(x * mask[None])
 
 
 class Probe(nnx.Variable):
@@ -71,7 +73,7 @@ class NNXNet(nnx.Module):
         mask = self.dropout(jnp.ones(8))
         if not self.dropout.deterministic:
             self.probe[...] = mask
-        return self.head(x * mask)
+        return self.head(x * mask[None])
 
 
 def _model(api: str, rate: float) -> jdp.models.Model:
@@ -287,10 +289,16 @@ def test_fit_trains_and_resumes_an_nnx_model(tmp_path):
             x = x.reshape(x.shape[0], -1)
             return self.layers[1](nnx.relu(self.norm(self.layers[0](x))))
 
-    config = jdp.TrainConfig(mesh="data=8", steps=40, warmup_steps=5, ckpt_dir=str(tmp_path))
+    config = jdp.TrainConfig(
+        mesh="data=8", steps=40, warmup_steps=5, ckpt_dir=str(tmp_path), ckpt_every=20
+    )
     first = jdp.fit(config, model=from_nnx(Net(nnx.Rngs(0)), classification()))
     assert first.test_accuracy > 0.5
+    # Resume from step 20 (the step-40 save set aside), on a model built from another seed:
+    # the second half of the run must come out bitwise the same.
+    shutil.rmtree(tmp_path / "40")
     resumed = jdp.fit(config, model=from_nnx(Net(nnx.Rngs(1)), classification()))
+    assert resumed.steps == 40 and int(resumed.state.step) == 40
     assert resumed.test_accuracy == first.test_accuracy
     jax.tree.map(
         np.testing.assert_array_equal,

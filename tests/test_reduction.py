@@ -11,11 +11,11 @@ from jax.sharding import PartitionSpec
 
 import jdp
 from jdp.mesh import DATA_AXIS
-from jdp.step import (
+from jdp.reduce import (
     BUCKET_BYTES,
     PACK_LEAF_BYTES,
     SHARED_NORM_BYTES,
-    _global_norm,
+    global_norm,
     reduction_buckets,
 )
 
@@ -71,7 +71,7 @@ def _params():
 
 
 def _loss(params, batch, rng):
-    hidden = jnp.tanh(batch["x"] @ params["w_in"] + params["b_in"])
+    hidden = jnp.tanh(batch["x"] @ params["w_in"] + params["b_in"][None, :])
     return jnp.mean((jnp.tanh(hidden @ params["w_big"]) @ params["w_out"] - batch["y"]) ** 2)
 
 
@@ -115,7 +115,7 @@ def test_the_shared_gradient_norm_is_the_global_norm(mesh8):
     assert sum(leaf.nbytes for leaf in grads.values()) >= SHARED_NORM_BYTES
 
     def norm(tree):
-        return _global_norm(lax.pcast(tree, DATA_AXIS, to="varying"), replicas=8)
+        return global_norm(lax.pcast(tree, DATA_AXIS, to="varying"), replicas=8)
 
     shared = jax.jit(
         jax.shard_map(norm, mesh=mesh8, in_specs=PartitionSpec(), out_specs=PartitionSpec())

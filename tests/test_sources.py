@@ -84,7 +84,7 @@ def test_unknown_split(tmp_path):
 
 @pytest.mark.skipif(sources._reachable("storage.googleapis.com"), reason="the network is up")
 def test_cli_unprepared_dataset_offline_is_one_line_and_exit_2(tmp_path):
-    from test_cli import _run
+    from helpers import run_cli as _run
 
     result = _run("--dataset", "mnist", "--data-dir", str(tmp_path), timeout=120)
     assert result.returncode == 2, (result.stdout, result.stderr)
@@ -93,7 +93,7 @@ def test_cli_unprepared_dataset_offline_is_one_line_and_exit_2(tmp_path):
 
 
 def test_cli_trains_on_a_prepared_catalog_dataset(prepared_mnist):
-    from test_cli import _run
+    from helpers import run_cli as _run
 
     data_dir, _ = prepared_mnist
     result = _run(

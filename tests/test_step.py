@@ -1,5 +1,7 @@
 """The data-parallel step must not change the math."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -7,33 +9,12 @@ import numpy as np
 import optax
 import pytest
 from closeness import assert_drift_within
+from helpers import BATCH, assert_trees_close, init_params, regression_data, regression_loss
 
 import jdp
 from jdp.models import MLP, classification, from_linen
 
 STEPS = 5
-BATCH = 64
-
-
-def _regression_data(seed=0, rows=BATCH):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, 6)).astype(np.float32)
-    y = (x @ rng.normal(size=(6, 3)) + 0.1 * rng.normal(size=(rows, 3))).astype(np.float32)
-    return {"x": x, "y": y}
-
-
-def _init_params(seed=0):
-    rng = np.random.default_rng(seed + 100)
-    return {
-        "w1": jnp.asarray(rng.normal(size=(6, 16)) * 0.5, jnp.float32),
-        "b1": jnp.zeros((16,), jnp.float32),
-        "w2": jnp.asarray(rng.normal(size=(16, 3)) * 0.5, jnp.float32),
-    }
-
-
-def _loss(params, batch, rng):
-    hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
 
 
 def _optimizer():
@@ -42,44 +23,39 @@ def _optimizer():
 
 def _reference(batches, optimizer):
     """Plain JAX and Optax on one device, no jdp: the math data parallelism must keep."""
-    params = _init_params()
+    params = init_params()
     opt_state = optimizer.init(params)
     for batch in batches:
-        grads = jax.grad(_loss)(params, batch, None)
+        grads = jax.grad(regression_loss)(params, batch, None)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
     return params
 
 
 def _train(mesh, backend, batches, optimizer):
-    state = jdp.create_train_state(_init_params(), optimizer, mesh, rng=jax.random.key(0))
-    step = jdp.make_train_step(_loss, optimizer, mesh, backend=backend)
+    state = jdp.create_train_state(init_params(), optimizer, mesh, rng=jax.random.key(0))
+    step = jdp.make_train_step(regression_loss, optimizer, mesh, backend=backend)
     for batch in batches:
         state, metrics = step(state, jdp.shard_batch(batch, mesh))
     return state, metrics
 
 
-def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
-    """Element-wise: for a few steps of optimizers linear in the gradient (closeness.py)."""
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
-
-
 def test_data8_matches_one_device_on_the_same_global_batch(mesh8, backend):
-    batches = [_regression_data(seed) for seed in range(STEPS)]
+    batches = [regression_data(seed) for seed in range(STEPS)]
     expected = _reference(batches, _optimizer())
     state, _ = _train(mesh8, backend, batches, _optimizer())
     assert int(state.step) == STEPS
-    _assert_trees_close(jax.device_get(state.params), expected)
+    assert_trees_close(jax.device_get(state.params), expected)
 
 
 def test_data1_mesh_matches_reference(mesh1, backend):
-    batches = [_regression_data(seed) for seed in range(STEPS)]
+    batches = [regression_data(seed) for seed in range(STEPS)]
     state, _ = _train(mesh1, backend, batches, _optimizer())
-    _assert_trees_close(jax.device_get(state.params), _reference(batches, _optimizer()))
+    assert_trees_close(jax.device_get(state.params), _reference(batches, _optimizer()))
 
 
 def test_jit_and_pmap_backends_agree(mesh8):
-    batches = [_regression_data(seed) for seed in range(STEPS)]
+    batches = [regression_data(seed) for seed in range(STEPS)]
     jit_state, jit_metrics = _train(mesh8, "jit", batches, optax.adam(1e-2))
     pmap_state, pmap_metrics = _train(mesh8, "pmap", batches, optax.adam(1e-2))
     assert int(jit_state.step) == int(pmap_state.step) == STEPS
@@ -93,15 +69,15 @@ def test_jit_and_pmap_backends_agree(mesh8):
 
 
 def test_metrics_loss_is_the_global_batch_loss(mesh8, backend):
-    batch = _regression_data()
+    batch = regression_data()
     _, metrics = _train(mesh8, backend, [batch], _optimizer())
-    expected = _loss(_init_params(), batch, None)
+    expected = regression_loss(init_params(), batch, None)
     # A mean of 64 non-negative terms, summed in two orders: at most 64 * 1.2e-7 apart.
     np.testing.assert_allclose(metrics["loss"], expected, rtol=1e-5)
 
 
 def test_every_replica_holds_identical_params(mesh8, backend):
-    batches = [_regression_data(seed) for seed in range(STEPS)]
+    batches = [regression_data(seed) for seed in range(STEPS)]
     state, _ = _train(mesh8, backend, batches, optax.adam(1e-2))
     for leaf in jax.tree.leaves(state.params) + jax.tree.leaves(state.opt_state):
         shards = leaf.addressable_shards
@@ -112,32 +88,36 @@ def test_every_replica_holds_identical_params(mesh8, backend):
 
 
 def test_state_keeps_the_replicated_sharding(mesh8, backend):
-    state, _ = _train(mesh8, backend, [_regression_data()], _optimizer())
+    state, _ = _train(mesh8, backend, [regression_data()], _optimizer())
     for leaf in jax.tree.leaves(state):
         assert leaf.sharding == jdp.mesh.replicated(mesh8)
 
 
 def test_input_state_is_donated(mesh8, backend):
-    state = jdp.create_train_state(_init_params(), _optimizer(), mesh8)
-    step = jdp.make_train_step(_loss, _optimizer(), mesh8, backend=backend)
+    state = jdp.create_train_state(init_params(), _optimizer(), mesh8)
+    step = jdp.make_train_step(regression_loss, _optimizer(), mesh8, backend=backend)
     old_w = state.params["w1"]
-    step(state, jdp.shard_batch(_regression_data(), mesh8))
+    step(state, jdp.shard_batch(regression_data(), mesh8))
     assert old_w.is_deleted()
 
 
 def test_one_gradient_all_reduce_and_no_all_gather(mesh8):
-    state = jdp.create_train_state(_init_params(), _optimizer(), mesh8)
-    step = jdp.make_train_step(_loss, _optimizer(), mesh8)
-    hlo = step.lower(state, jdp.shard_batch(_regression_data(), mesh8)).compile().as_text()
+    state = jdp.create_train_state(init_params(), _optimizer(), mesh8)
+    step = jdp.make_train_step(regression_loss, _optimizer(), mesh8)
+    hlo = step.lower(state, jdp.shard_batch(regression_data(), mesh8)).compile().as_text()
     assert "all-gather" not in hlo
-    assert 1 <= hlo.count(" all-reduce(") <= 2  # gradients (+ the loss, unless XLA fused them)
+    # What the compiled program all-reduces, in elements: every gradient once and the
+    # loss (here all small, so packed into one buffer on CPU), nothing else.
+    reduced = re.findall(r"= f32\[(\d+)\]\{0\} all-reduce\(", hlo)
+    gradients = sum(np.size(leaf) for leaf in jax.tree.leaves(init_params()))
+    assert [int(size) for size in reduced] == [gradients + 1], hlo
 
 
 def test_long_loop_does_not_deadlock(mesh8, backend):
     """Unbounded async dispatch of a collective step used to abort on a 2-core CPU."""
-    state = jdp.create_train_state(_init_params(), _optimizer(), mesh8)
-    step = jdp.make_train_step(_loss, _optimizer(), mesh8, backend=backend)
-    batch = jdp.shard_batch(_regression_data(), mesh8)
+    state = jdp.create_train_state(init_params(), _optimizer(), mesh8)
+    step = jdp.make_train_step(regression_loss, _optimizer(), mesh8, backend=backend)
+    batch = jdp.shard_batch(regression_data(), mesh8)
     for _ in range(3000):
         state, metrics = step(state, batch)
     assert int(state.step) == 3000
@@ -166,7 +146,7 @@ def _batchnorm_loss(module):
 
 def test_batchnorm_statistics_are_global_batch_statistics(mesh8, mesh1, backend):
     module = _BatchNormNet()
-    batch = _regression_data()
+    batch = regression_data()
     batch["x"][: BATCH // 2] += 3.0  # replicas see very different local statistics
     variables = module.init(jax.random.key(1), batch["x"], train=False)
     params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
@@ -237,10 +217,10 @@ def test_classification_trains_the_mlp(mesh8, backend):
 
 def test_has_aux_metrics_are_averaged(mesh8, backend):
     def loss_fn(params, batch, rng):
-        return _loss(params, batch, rng), {"mean_x": jnp.mean(batch["x"])}
+        return regression_loss(params, batch, rng), {"mean_x": jnp.mean(batch["x"])}
 
-    batch = _regression_data()
-    state = jdp.create_train_state(_init_params(), _optimizer(), mesh8)
+    batch = regression_data()
+    state = jdp.create_train_state(init_params(), _optimizer(), mesh8)
     step = jdp.make_train_step(loss_fn, _optimizer(), mesh8, backend=backend, has_aux=True)
     _, metrics = step(state, jdp.shard_batch(batch, mesh8))
     np.testing.assert_allclose(metrics["mean_x"], batch["x"].mean(), rtol=1e-5)
@@ -249,13 +229,13 @@ def test_has_aux_metrics_are_averaged(mesh8, backend):
 def test_rng_differs_per_replica_and_per_step(mesh8, backend):
     def loss_fn(params, batch, rng):
         noise = jax.random.uniform(rng, ())
-        loss = _loss(params, batch, rng)
+        loss = regression_loss(params, batch, rng)
         # The mean of 8 replicas' draws is not any single replica's draw.
         return loss, {"noise": noise, "noise_sq": noise**2}
 
-    state = jdp.create_train_state(_init_params(), _optimizer(), mesh8, rng=jax.random.key(7))
+    state = jdp.create_train_state(init_params(), _optimizer(), mesh8, rng=jax.random.key(7))
     step = jdp.make_train_step(loss_fn, _optimizer(), mesh8, backend=backend, has_aux=True)
-    batch = jdp.shard_batch(_regression_data(), mesh8)
+    batch = jdp.shard_batch(regression_data(), mesh8)
     state, first = step(state, batch)
     state, second = step(state, batch)
     # Var of the 8 draws = E[u^2] - E[u]^2 > 0 only if the replicas drew differently.
@@ -266,16 +246,40 @@ def test_rng_differs_per_replica_and_per_step(mesh8, backend):
 def test_pmap_refuses_a_two_axis_mesh(devices):
     mesh = jdp.make_mesh("data=4,model=2")
     with pytest.raises(jdp.UsageError, match="use backend 'jit'"):
-        jdp.make_train_step(_loss, _optimizer(), mesh, backend="pmap")
+        jdp.make_train_step(regression_loss, _optimizer(), mesh, backend="pmap")
 
 
 def test_jit_trains_on_a_two_axis_mesh(devices):
     mesh = jdp.make_mesh("data=4,model=2")
-    batches = [_regression_data(seed) for seed in range(STEPS)]
+    batches = [regression_data(seed) for seed in range(STEPS)]
     state, _ = _train(mesh, "jit", batches, _optimizer())
-    _assert_trees_close(jax.device_get(state.params), _reference(batches, _optimizer()))
+    assert_trees_close(jax.device_get(state.params), _reference(batches, _optimizer()))
 
 
 def test_unknown_backend(mesh8):
     with pytest.raises(jdp.UsageError, match="unknown backend 'tpu'"):
-        jdp.make_train_step(_loss, _optimizer(), mesh8, backend="tpu")
+        jdp.make_train_step(regression_loss, _optimizer(), mesh8, backend="tpu")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"precision": "bf16"}, {"precision": "fp16"}, {"accumulate": 2}, {"steps_per_call": 2}],
+    ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items()) or "fp32",
+)
+def test_the_step_makes_no_implicit_dtype_promotion(mesh8, backend, options):
+    """jdp's own step code under strict promotion (SGD: Optax's Adam is not strict-clean)."""
+    precision = jdp.make_precision(options.get("precision", "fp32"))
+    calls = options.get("steps_per_call", 1)
+    optimizer = optax.sgd(0.05)
+    with jax.numpy_dtype_promotion("strict"):
+        state = jdp.create_train_state(init_params(), optimizer, mesh8, precision=precision)
+        step = jdp.make_train_step(
+            regression_loss, optimizer, mesh8, backend=backend, precision=precision,
+            accumulate=options.get("accumulate", 1), steps_per_call=calls,
+            lr_schedule=optax.constant_schedule(0.05),
+        )  # fmt: skip
+        batch = regression_data()
+        if calls > 1:
+            batch = jax.tree.map(lambda x: np.stack([x] * calls), batch)
+        state, metrics = step(state, jdp.shard_batch(batch, mesh8, stacked=calls > 1))
+    assert int(state.step) == calls and np.all(np.isfinite(jax.device_get(metrics["loss"])))

@@ -5,14 +5,16 @@ import numpy as np
 import optax
 import pytest
 from closeness import assert_drift_within
-from test_step import _init_params, _loss, _regression_data
+from helpers import init_params, regression_data, regression_loss, run_cli
 
 import jdp
 
 
 def _single_steps(mesh, backend, batches, optimizer):
-    state = jdp.create_train_state(_init_params(), optimizer, mesh)
-    step = jdp.make_train_step(_loss, optimizer, mesh, backend=backend, lr_schedule=lambda c: c)
+    state = jdp.create_train_state(init_params(), optimizer, mesh)
+    step = jdp.make_train_step(
+        regression_loss, optimizer, mesh, backend=backend, lr_schedule=lambda c: c
+    )
     losses = []
     for batch in batches:
         state, metrics = step(state, jdp.shard_batch(batch, mesh))
@@ -24,12 +26,12 @@ def _single_steps(mesh, backend, batches, optimizer):
 def test_k_steps_per_call_equal_k_single_steps(devices, backend, spec):
     mesh = jdp.make_mesh(spec)
     optimizer = optax.adam(1e-2)
-    batches = [_regression_data(seed) for seed in range(8)]
+    batches = [regression_data(seed) for seed in range(8)]
     single, single_losses = _single_steps(mesh, backend, batches, optimizer)
 
-    state = jdp.create_train_state(_init_params(), optimizer, mesh)
+    state = jdp.create_train_state(init_params(), optimizer, mesh)
     step = jdp.make_train_step(
-        _loss, optimizer, mesh, backend=backend, steps_per_call=4, lr_schedule=lambda c: c
+        regression_loss, optimizer, mesh, backend=backend, steps_per_call=4, lr_schedule=lambda c: c
     )
     losses, counts = [], []
     for first in (0, 4):
@@ -49,7 +51,7 @@ def test_k_steps_per_call_equal_k_single_steps(devices, backend, spec):
 
 def test_steps_per_call_must_be_positive(mesh8):
     with pytest.raises(jdp.UsageError, match="steps_per_call must be at least 1"):
-        jdp.make_train_step(_loss, optax.sgd(0.1), mesh8, steps_per_call=0)
+        jdp.make_train_step(regression_loss, optax.sgd(0.1), mesh8, steps_per_call=0)
 
 
 def test_loader_stacks_consecutive_steps(mesh8):
@@ -70,15 +72,7 @@ def test_loader_stacks_consecutive_steps(mesh8):
 
 
 def _cli(*flags):
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run(
-        [sys.executable, "-m", "jdp.train", "--mesh", "data=8", "--steps", "80", *flags],
-        capture_output=True, text=True, timeout=240, env=env,
-    )  # fmt: skip
+    return run_cli("--mesh", "data=8", "--steps", "80", *flags)
 
 
 def test_cli_steps_per_call_prints_the_same_run():
@@ -98,14 +92,14 @@ def test_cli_steps_per_call_prints_the_same_run():
 
 def test_flops_per_step_do_not_grow_with_steps_per_call(mesh8):
     # MFU uses the lowered call's FLOPs as one step's: XLA counts a scan's body once.
-    from jdp.metrics import step_flops
+    from jdp.report.throughput import step_flops
 
     optimizer = optax.sgd(0.1)
     flops = {}
     for k in (1, 4):
-        state = jdp.create_train_state(_init_params(), optimizer, mesh8)
-        step = jdp.make_train_step(_loss, optimizer, mesh8, steps_per_call=k)
-        batch = _regression_data()
+        state = jdp.create_train_state(init_params(), optimizer, mesh8)
+        step = jdp.make_train_step(regression_loss, optimizer, mesh8, steps_per_call=k)
+        batch = regression_data()
         if k > 1:
             batch = jax.tree.map(lambda x, k=k: np.stack([x] * k), batch)
         flops[k] = step_flops(step.lower(state, jdp.shard_batch(batch, mesh8, stacked=k > 1)), 8)
@@ -114,8 +108,8 @@ def test_flops_per_step_do_not_grow_with_steps_per_call(mesh8):
 
 def test_a_stack_of_the_wrong_length_is_refused(mesh8):
     optimizer = optax.sgd(0.1)
-    state = jdp.create_train_state(_init_params(), optimizer, mesh8)
-    step = jdp.make_train_step(_loss, optimizer, mesh8, steps_per_call=4)
-    batch = jax.tree.map(lambda x: np.stack([x] * 3), _regression_data())
+    state = jdp.create_train_state(init_params(), optimizer, mesh8)
+    step = jdp.make_train_step(regression_loss, optimizer, mesh8, steps_per_call=4)
+    batch = jax.tree.map(lambda x: np.stack([x] * 3), regression_data())
     with pytest.raises(jdp.UsageError, match="steps_per_call=4 takes that many batches"):
         step(state, jdp.shard_batch(batch, mesh8, stacked=True))

@@ -24,13 +24,14 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec
 
+from jdp.bench.common import names
 from jdp.config import TrainConfig
 from jdp.data.pipeline import train_batches
 from jdp.errors import UsageError
-from jdp.loop import Run, build, setup_devices
 from jdp.mesh import DATA_AXIS
-from jdp.metrics import Console
 from jdp.models import MLP, Model, classification, from_linen
+from jdp.report.console import Console
+from jdp.run import Run, build, setup_devices
 from jdp.state import create_train_state
 
 
@@ -259,7 +260,7 @@ def bench_step(
             run = case_run(case, mesh, batch_size)
             pmap = case_run(case, mesh, batch_size, backend="pmap")
             batch = first_batch(run, batch_size)
-            optimizer = run.config.make_optimizer(run.config.make_schedule())
+            optimizer = run.optimizer
             hand = {
                 name: hand_loop(
                     hand_written_step(run.model, optimizer, run.mesh, packed=packed), run, batch
@@ -285,3 +286,25 @@ def bench_step(
                 f"{ratios['jit']:>8.3f}x{ratios['pmap']:>9.3f}x"
             )
     return lines
+
+
+def add_arguments(parser) -> None:
+    cases = ",".join(CASES)
+    parser.add_argument("--cases", default=cases, help=f"comma-separated, from: {cases}")
+    parser.add_argument("--meshes", default="data=1,data=2,data=8", help="comma-separated")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--round-seconds", type=float, default=0.5, help="time of one arm's round, about"
+    )
+
+
+def run(args) -> None:
+    bench_step(
+        names(args.cases),
+        names(args.meshes),
+        batch_size=args.batch_size,
+        rounds=args.rounds,
+        round_seconds=args.round_seconds,
+        on_line=lambda line: print(line, flush=True),
+    )

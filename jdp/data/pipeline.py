@@ -337,8 +337,12 @@ def train_batches(
         UsageError: the batch is larger than the split.
 
     Examples:
+        >>> mesh = jdp.make_mesh("data=8")
+        >>> split = jdp.load_split("digits", "train", data_dir=tmp)
         >>> with jdp.train_batches(split, mesh, batch_size=128, seed=0) as batches:
-        ...     state, metrics = step(state, next(batches))
+        ...     batch = next(batches)
+        >>> batch["image"].shape, batch["label"].shape
+        ((128, 8, 8, 1), (128,))
     """
     check_train_batch(split, batch_size)
     reader = TrainReader(
@@ -363,6 +367,13 @@ def _chunk_steps(reader: TrainReader, step: int) -> int:
 
 
 def eval_batches(split: Split, mesh: Mesh, *, batch_size: int, prefetch: int = 2) -> Loader:
-    """The split once, in order, as global batches with a ``mask``; the last is padded."""
+    """The split once, in order, as global batches with a ``mask``; the last is padded.
+
+    Examples:
+        >>> mesh = jdp.make_mesh("data=8")
+        >>> test = jdp.load_split("digits", "test", data_dir=tmp)
+        >>> [int(batch["mask"].sum()) for batch in jdp.eval_batches(test, mesh, batch_size=128)]
+        [128, 128, 103]
+    """
     reader = EvalReader(split, batch_size=batch_size, rows=process_rows(mesh, batch_size))
     return Loader(reader, mesh, start=0, stop=len(reader), prefetch=prefetch)

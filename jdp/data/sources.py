@@ -21,7 +21,7 @@ import numpy as np
 from jdp.data import numbers2words
 from jdp.data.transforms import Transform
 from jdp.errors import UsageError
-from jdp.metrics import quiet_absl
+from jdp.report.console import quiet_absl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +215,11 @@ def load_split(
     Raises:
         UsageError: an unknown dataset or split, a ``data_dir`` that does not exist,
             or a dataset that is not prepared and cannot be downloaded.
+
+    Examples:
+        >>> train = jdp.load_split("digits", "train", data_dir=tmp)
+        >>> len(train), train.num_classes, train.image.shape[1:]
+        (1438, 10, (8, 8, 1))
     """
     spec = check_dataset(name)
     if spec is None:

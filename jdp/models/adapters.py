@@ -48,7 +48,14 @@ class Objective:
 
 
 def classification(label: str = "label") -> Objective:
-    """Softmax cross-entropy on logits ``(rows, classes)``; metric ``accuracy``."""
+    """Softmax cross-entropy on logits ``(rows, classes)``; metric ``accuracy``.
+
+    Examples:
+        >>> objective = jdp.models.classification()
+        >>> logits, batch = jnp.array([[2.0, 0.0], [0.0, 2.0]]), {"label": jnp.array([0, 0])}
+        >>> objective.metrics(logits, batch)["accuracy"]
+        Array([1., 0.], dtype=float32)
+    """
 
     def loss(logits, batch):
         return optax.softmax_cross_entropy_with_integer_labels(
@@ -125,11 +132,21 @@ class Model:
         objective: the loss and metrics on the outputs.
 
     Examples:
+        >>> import flax.linen as nn
+        >>> class Net(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x, train: bool = False):
+        ...         return nn.Dense(10)(x.reshape(x.shape[0], -1))
         >>> model = jdp.models.from_linen(Net(), jdp.models.classification())
-        >>> params, model_state = model.init(jax.random.key(0), sample_batch)
+        >>> batch = {"image": np.zeros((64, 8, 8, 1), np.float32), "label": np.zeros(64, np.int32)}
+        >>> params, model_state = model.init(jax.random.key(0), batch)
+        >>> mesh, optimizer = jdp.make_mesh("data=8"), optax.adam(1e-3)
         >>> state = jdp.create_train_state(params, optimizer, mesh, model_state=model_state)
         >>> step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True)
-        >>> evaluate = jdp.make_eval_step(model.metrics_fn, mesh, has_model_state=True)
+        >>> eval_step = jdp.make_eval_step(model.metrics_fn, mesh, has_model_state=True)
+        >>> state, metrics = step(state, jdp.shard_batch(batch, mesh))
+        >>> sorted(metrics)
+        ['accuracy', 'grad_norm', 'loss']
     """
 
     init: Callable[[jax.Array, Batch], tuple[Any, Any]]
@@ -225,6 +242,14 @@ def from_nnx(module, objective: Objective, *, inputs: Inputs = "image") -> Model
         module: an ``nnx.Module``.
         objective: its loss and metrics.
         inputs: as for `from_linen`.
+
+    Examples:
+        >>> from flax import nnx
+        >>> model = jdp.models.from_nnx(nnx.Linear(64, 10, rngs=nnx.Rngs(0)),
+        ...                             jdp.models.classification())
+        >>> params, model_state = model.init(jax.random.key(0), None)
+        >>> sorted(params), model_state
+        (['bias', 'kernel'], {})
     """
     from flax import nnx
 

@@ -86,7 +86,7 @@ class Seq2SeqTransformer(nn.Module):
     def _embed(self, tokens: jax.Array, train: bool) -> jax.Array:
         x = self.embed(tokens)  # in the parameters' dtype: keep it (NumPy constants are fp64)
         positions = jnp.asarray(sinusoids(tokens.shape[1], self.width), x.dtype)
-        x = x * jnp.asarray(np.sqrt(self.width), x.dtype) + positions
+        x = x * jnp.asarray(np.sqrt(self.width), x.dtype) + positions[None]
         return self.embed_dropout(x, deterministic=not train)
 
     def encode(self, source: jax.Array, *, train: bool = False) -> jax.Array:
@@ -130,7 +130,7 @@ class GPT(nn.Module):
             raise ValueError(f"{tokens.shape[1]} tokens, more than max_len={self.max_len}")
         embed = nn.Embed(self.vocab_size, self.width)
         positions = nn.Embed(self.max_len, self.width)(jnp.arange(tokens.shape[1]))
-        x = nn.Dropout(self.dropout, deterministic=not train)(embed(tokens) + positions)
+        x = nn.Dropout(self.dropout, deterministic=not train)(embed(tokens) + positions[None])
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.layers):
             x = Block(self.heads, self.hidden, self.dropout)(x, mask, train=train)

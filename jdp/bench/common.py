@@ -1,0 +1,75 @@
+"""What the benchmarks share: the flags that make a run, the run's config, timing helpers.
+
+Every benchmark builds its runs the library's way (`jdp.run.build` on a
+`TrainConfig`), from the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+
+from jdp.config import TrainConfig
+
+
+def add_run_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    mesh: str | None,
+    model_size: bool = False,
+    dataset: bool = False,
+    dataset_default: str | None = "digits",
+) -> None:
+    """The flags of the run a benchmark measures, named and read as `jdp.train`'s."""
+    if mesh is not None:
+        parser.add_argument("--mesh", default=mesh)
+    parser.add_argument("--model", default="mlp")
+    if model_size:
+        parser.add_argument("--model-size", default="small")
+    if dataset:
+        help_text = None if dataset_default else "default: digits, or numbers2words for sequences"
+        parser.add_argument("--dataset", default=dataset_default, help=help_text)
+        parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--batch-size", type=int, default=128)
+
+
+def config_from(args: argparse.Namespace, **overrides: Any) -> TrainConfig:
+    """The `TrainConfig` of `add_run_flags`' flags, with ``overrides``."""
+    fields = {
+        name: getattr(args, name)
+        for name in ("mesh", "model", "model_size", "dataset", "data_dir", "batch_size")
+        if getattr(args, name, None) is not None
+    }
+    return TrainConfig(**(fields | overrides))
+
+
+def names(text: str) -> list[str]:
+    """A comma-separated list."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def batches_per_sec(batches: Iterable, count: int) -> float:
+    """Batches per second over ``count`` batches, after the first (start-up) one."""
+    iterator = iter(batches)
+    next(iterator)
+    started = time.perf_counter()
+    for _ in range(count):
+        next(iterator)
+    return count / (time.perf_counter() - started)
+
+
+def steps_per_sec(run, batch, count: int) -> float:
+    """Train steps per second on one batch fed again and again (no input cost)."""
+    state = run.state
+    for _ in range(3):  # compile and settle
+        state, metrics = run.train_step(state, batch)
+    jax.block_until_ready(metrics)
+    started = time.perf_counter()
+    for _ in range(count):
+        state, metrics = run.train_step(state, batch)
+    jax.block_until_ready(metrics)
+    return count / (time.perf_counter() - started)

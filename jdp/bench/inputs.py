@@ -1,0 +1,67 @@
+"""``python -m jdp.bench input``: how fast the loader makes batches (with and without
+Grain workers), how fast the train step consumes them on the same batch shape, and
+the share of a real training run's loop spent waiting for input."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+
+from jdp.bench.common import add_run_flags, batches_per_sec, config_from, steps_per_sec
+from jdp.config import TrainConfig
+from jdp.data.pipeline import TrainReader, host_batches, train_batches
+from jdp.loop import fit
+from jdp.mesh import process_rows
+from jdp.report.console import Console
+from jdp.run import build
+
+
+def bench_input(config: TrainConfig, *, workers: int, batches: int, steps: int) -> list[str]:
+    """Measures the input pipeline against the train step; returns the report's lines."""
+    run = build(config, Console(enabled=False))
+    size = config.batch_size
+    reader = TrainReader(
+        run.train, batch_size=size, seed=config.seed, rows=process_rows(run.mesh, size)
+    )
+    rows = []
+    for count in sorted({0, workers}):
+        rate = batches_per_sec(host_batches(reader, start=0, stop=None, workers=count), batches)
+        rows.append((f"loader, {count} Grain workers: host batches", rate * size))
+    with train_batches(run.train, run.mesh, batch_size=size, seed=config.seed) as loader:
+        batch = next(loader)
+        placed = batches_per_sec(loader, batches)
+    rows.append(("loader, 0 Grain workers, batches placed on the mesh", placed * size))
+    consumed = steps_per_sec(run, batch, steps) * size
+    rows.append(("train step, same batch shape, no input", consumed))
+    result = fit(config, console=Console(enabled=False))
+
+    devices = run.mesh.devices.size
+    kind = jax.devices()[0].device_kind
+    lines = [
+        f"jdp.bench input: {config.model} on {config.dataset}, mesh {config.mesh} "
+        f"({devices} x {kind}), global batch {size}, backend {config.backend}"
+    ]
+    lines.append(f"  {'':<54}{'examples/s':>12}  {'/ train step':>12}")
+    lines += [f"  {name:<54}{rate:>12,.0f}  {rate / consumed:>11.1f}x" for name, rate in rows]
+    lines.append(
+        f"  training run, {config.steps} steps: input waiting {result.input_wait:.1%} of loop "
+        f"time ({result.examples_per_sec:,.0f} examples/s)"
+    )
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_run_flags(parser, mesh="data=8", dataset=True)
+    parser.add_argument("--steps", type=int, default=400, help="length of the training run")
+    parser.add_argument("--workers", type=int, default=2, help="Grain workers to compare with 0")
+    parser.add_argument("--batches", type=int, default=1000, help="batches timed per loader")
+    parser.add_argument("--step-repeats", type=int, default=200, help="train steps timed")
+
+
+def run(args: argparse.Namespace) -> None:
+    config = config_from(
+        args, steps=args.steps, warmup_steps=min(TrainConfig.warmup_steps, args.steps // 2)
+    )
+    lines = bench_input(config, workers=args.workers, batches=args.batches, steps=args.step_repeats)
+    print("\n".join(lines))

@@ -1,0 +1,83 @@
+"""Command-line flags, derived from `TrainConfig`'s fields and their types; ``--preset``.
+
+Every field is a flag (``batch_size`` -> ``--batch-size``), parsed by its type:
+``int``, ``float``, ``str``, a ``Literal`` of choices, ``bool`` (a switch), or
+one of those or ``None`` (an empty value). ``--preset NAME`` starts from a named
+configuration (`jdp.presets`); flags given with it override its values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from jdp.config import TrainConfig
+from jdp.presets import PRESETS
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, as every jdp error is."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def _parser_of(hint: Any) -> tuple[Callable[[str], Any], str | None]:
+    """How to read a flag of type ``hint``: the conversion and a metavar (choices)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [arg for arg in args if arg is not type(None)]
+        read, metavar = _parser_of(inner)
+        return (lambda text: read(text) if text else None), metavar
+    if typing.get_origin(hint) is Literal:
+        return str, "{" + ",".join(args) + "}"
+    if hint in (int, float, str):
+        return hint, None
+    raise TypeError(f"TrainConfig field of type {hint!r} has no flag parser")
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog=prog, description="Data-parallel training with jdp.")
+    parser.add_argument(
+        "--preset",
+        metavar="{" + ",".join(PRESETS) + "}",
+        help="start from a named configuration; the other flags override it",
+    )
+    hints = typing.get_type_hints(TrainConfig)
+    for field in dataclasses.fields(TrainConfig):
+        flag, hint = f"--{field.name.replace('_', '-')}", hints[field.name]
+        if hint is bool:
+            help_text = field.metadata["help"]
+            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+            continue
+        read, metavar = _parser_of(hint)
+        parser.add_argument(
+            flag,
+            type=read,
+            metavar=metavar,
+            help=f"{field.metadata['help']} (default: {field.default})",
+        )
+    return parser
+
+
+def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "jdp.train") -> TrainConfig:
+    """Parses command-line flags (``--batch-size 256``) into a `TrainConfig`.
+
+    Examples:
+        >>> parse_flags(["--preset", "digits-cnn", "--steps", "100"]).model
+        'cnn'
+    """
+    parser = _parser(prog)
+    args = vars(parser.parse_args(argv))
+    preset = args.pop("preset")
+    if preset is not None and preset not in PRESETS:
+        parser.error(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    given = {name: value for name, value in args.items() if value is not None}
+    base = PRESETS[preset]() if preset else TrainConfig()
+    return dataclasses.replace(base, **given)

@@ -1,0 +1,169 @@
+"""The processes of a run meet on the coordinator port before JAX connects.
+
+JAX's own start-up, when a process never comes, aborts every process after its
+timeout without saying which one is missing; this handshake names it. Process 0
+listens where JAX's service will listen next; the others report in, and each
+gets an answer: go on, or the one-line reason it cannot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+from jdp.cluster import ENV_COORDINATOR_BIND, Cluster, split_address
+from jdp.errors import UsageError
+
+_HELLO = "jdp-hello/1"
+
+
+def handshake(cluster: Cluster, timeout: float) -> None:
+    """Waits until every process has reached process 0, naming those that did not."""
+    if cluster.process_id == 0:
+        _gather(cluster, timeout)
+    else:
+        _report(cluster, timeout)
+
+
+def _listen(cluster: Cluster) -> socket.socket:
+    """Process 0's handshake socket: where JAX's service will listen next."""
+    port = split_address(cluster.bind or cluster.coordinator, "coordinator")[1]
+    try:
+        if cluster.bind:
+            host = split_address(cluster.bind, ENV_COORDINATOR_BIND)[0]
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            return socket.create_server((host, port), family=family)
+        if socket.has_dualstack_ipv6():  # every interface, IPv4 and IPv6, as JAX's service
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        return socket.create_server(("", port))
+    except OSError as error:
+        raise UsageError(
+            f"process 0 cannot listen on port {port} ({error.strerror or error}); choose a "
+            "free port in --coordinator"
+        ) from None
+
+
+def _gather(cluster: Cluster, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    arrived: dict[int, socket.socket] = {}
+    message = None
+    with _listen(cluster) as server:
+        try:
+            while message is None:
+                _drop_departed(arrived)
+                if len(arrived) == cluster.num_processes - 1:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [p for p in range(1, cluster.num_processes) if p not in arrived]
+                    message = _missing_message(missing, cluster, timeout)
+                    break
+                server.settimeout(min(left, 1.0))
+                try:
+                    connection, _ = server.accept()
+                except TimeoutError:
+                    continue
+                except OSError:  # an aborted connection, or out of file descriptors
+                    time.sleep(0.1)
+                    continue
+                message = _admit(connection, cluster, arrived)
+            reply = f"error {message}" if message else "go"
+            for connection in arrived.values():
+                _send(connection, reply)
+            for connection in arrived.values():  # the peers close first (TIME_WAIT stays there)
+                connection.settimeout(5)
+                with contextlib.suppress(OSError):
+                    connection.recv(1)
+        finally:
+            for connection in arrived.values():
+                connection.close()
+    if message:
+        raise UsageError(message)
+
+
+def _drop_departed(arrived: dict[int, socket.socket]) -> None:
+    """Forgets processes whose connection closed while they waited (they gave up or died)."""
+    for index, connection in list(arrived.items()):
+        try:
+            departed = connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            departed = False  # open, nothing to read: still waiting for the verdict
+        except OSError:
+            departed = True
+        if departed:
+            connection.close()
+            del arrived[index]
+
+
+def _admit(connection: socket.socket, cluster: Cluster, arrived: dict) -> str | None:
+    """Reads one process's hello and keeps its connection; returns what is wrong, if anything."""
+    connection.settimeout(5)
+    try:
+        words = connection.makefile("r").readline().split()
+    except OSError:
+        words = []
+    if len(words) != 3 or words[0] != _HELLO or not (words[1] + words[2]).isdigit():
+        connection.close()  # not a jdp process: a port scanner, a health probe
+        return None
+    index, count = int(words[1]), int(words[2])
+    problem = None
+    if count != cluster.num_processes:
+        problem = (
+            f"process {index} was started with --num-processes {count}, process 0 with "
+            f"{cluster.num_processes}; start every process with the same count"
+        )
+    elif index in arrived:
+        problem = f"two processes were started with --process-id {index}; give each its own id"
+    if problem:
+        _send(connection, f"error {problem}")
+        connection.close()
+        return problem
+    connection.settimeout(None)
+    arrived[index] = connection
+    return None
+
+
+def _missing_message(missing: list[int], cluster: Cluster, timeout: float) -> str:
+    names = ", ".join(map(str, missing))
+    noun = "process" if len(missing) == 1 else "processes"
+    return (
+        f"{noun} {names} of {cluster.num_processes} did not reach the coordinator "
+        f"{cluster.coordinator} within {timeout:g} s; start {'it' if len(missing) == 1 else 'them'}"
+        " with the same --coordinator and --num-processes, or raise --startup-timeout"
+    )
+
+
+def _send(connection: socket.socket, text: str) -> None:
+    with contextlib.suppress(OSError):
+        connection.sendall(text.encode() + b"\n")
+
+
+def _report(cluster: Cluster, timeout: float) -> None:
+    host, port = split_address(cluster.coordinator, "--coordinator")
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            connection = socket.create_connection((host, port), timeout=min(left, 2.0))
+        except OSError:
+            time.sleep(min(0.2, max(left, 0)))
+            continue
+        with connection:
+            _send(connection, f"{_HELLO} {cluster.process_id} {cluster.num_processes}")
+            # Process 0 answers by its own deadline, at most `timeout` from now (it is
+            # listening already); until then this process waits, whatever its own
+            # deadline, so that it is not counted and then lost.
+            connection.settimeout(timeout + 10)
+            try:
+                reply = connection.makefile("r").readline().strip()
+            except OSError:
+                reply = ""
+        if reply == "go":
+            return
+        if reply.startswith("error "):
+            raise UsageError(reply.removeprefix("error "))
+        time.sleep(0.2)  # something else answered on the port; try again
+    raise UsageError(
+        f"process 0 did not answer at {cluster.coordinator} within {timeout:g} s; check that "
+        "it runs, that --coordinator names its host and port, and that the port is reachable"
+    )

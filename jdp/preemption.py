@@ -1,0 +1,47 @@
+"""SIGTERM and SIGINT as "save at the next step boundary and stop", agreed by every process."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import jax
+
+
+class Preemption:
+    """Turns SIGTERM and SIGINT into "save at the next step boundary and exit".
+
+    In a multi-process run every process must stop at the same step: JAX's
+    distributed runtime receives the signal and ``reached`` asks it (Orbax's
+    preemption sync); a single process uses its own handlers.
+    """
+
+    def __init__(self):
+        self._signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Preemption:
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGTERM, signal.SIGINT):
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def _handle(self, number, frame) -> None:
+        self._signal = number
+
+    def reached(self, step: int) -> bool:
+        """Whether to save and stop after ``step`` (the same answer on every process)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self._signal is not None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self._signal).name if self._signal else "preemption notice (SIGTERM)"
+
+    def __exit__(self, *exc_info) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)

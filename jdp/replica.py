@@ -1,0 +1,226 @@
+"""What one replica computes in a step: pure functions of (state, its slice of the batch).
+
+Each replica takes its slice of the global batch, computes its gradient, and the
+one all-reduce (`jdp.reduce`) averages gradients, metrics and model state
+(BatchNorm statistics) before the optimizer update. With equal slices the
+average of the replicas' mean-loss gradients is the gradient of the mean loss
+over the global batch, so N replicas on a global batch B compute what one
+device computes on B. `jdp.step` compiles these over a mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jdp.errors import UsageError
+from jdp.mesh import DATA_AXIS, MASK_KEY
+from jdp.precision import Precision, all_finite, cast_floats
+from jdp.reduce import global_norm, pmean_bucketed, pmean_floats
+from jdp.state import TrainState
+
+LossFn = Callable[..., Any]
+Metrics = dict[str, jax.Array]
+
+
+def loss_with_state(loss_fn: LossFn, *, has_aux: bool, has_model_state: bool) -> LossFn:
+    """``loss_fn`` in any of its forms as ``(params, model_state, batch, rng) -> (loss,
+    aux, model_state)``: the one form the step calls."""
+    if has_model_state:
+        return loss_fn
+    if has_aux:
+
+        def with_aux(params, model_state, batch, rng):
+            loss, aux = loss_fn(params, batch, rng)
+            return loss, aux, model_state
+
+        return with_aux
+
+    def plain(params, model_state, batch, rng):
+        return loss_fn(params, batch, rng), {}, model_state
+
+    return plain
+
+
+def metrics_with_state(metrics_fn: LossFn, *, has_model_state: bool) -> LossFn:
+    """``metrics_fn`` as ``(params, model_state, batch) -> {name: per-example values}``."""
+    if has_model_state:
+        return metrics_fn
+    return lambda params, model_state, batch: metrics_fn(params, batch)
+
+
+def check_accumulate(rows: int, accumulate: int, replicas: int = 1) -> None:
+    """UsageError unless ``accumulate`` micro-batches divide a replica's ``rows``."""
+    if accumulate < 1 or rows % accumulate:
+        raise UsageError(
+            f"accumulate {accumulate} does not divide the per-replica batch of {rows}; use "
+            f"a global batch that is a multiple of {max(accumulate, 1) * replicas} "
+            f"({max(accumulate, 1)} micro-batches x {replicas} replicas)"
+        )
+
+
+def _replica_rng(state: TrainState) -> jax.Array:
+    """A key for this step and this replica: fresh every step, different per replica."""
+    return jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(DATA_AXIS))
+
+
+def _is_varying(x: jax.Array) -> bool:
+    """Whether ``x`` may differ across ``data`` replicas, as shard_map's type checking sees it."""
+    aval = jax.typeof(x)
+    varying = getattr(aval, "vma", None)  # the attribute's name before JAX 0.10
+    if varying is None:
+        varying = aval.manual_axis_type.varying
+    return DATA_AXIS in varying
+
+
+def _varying(tree: Any) -> Any:
+    """Marks leaves varying over ``data``: under shard_map a scan carry keeps one type."""
+    return jax.tree.map(
+        lambda x: x if _is_varying(x) else lax.pcast(x, DATA_AXIS, to="varying"), tree
+    )
+
+
+def _gradients(grad_fn, vary, accumulate: int, replicas: int):
+    """``(params, model_state, batch, rng, scale) -> (grads, (loss, aux, model_state))``:
+    this replica's mean gradient over its slice, in ``accumulate`` micro-batches."""
+    if accumulate == 1:
+        return grad_fn
+
+    def gradients(params, model_state, batch, rng, scale):
+        def micro_step(carry, inputs):
+            grads_sum, loss_sum, aux_sum, model_state = carry
+            index, micro_batch = inputs
+            grads, (loss, aux, model_state) = grad_fn(
+                params, model_state, micro_batch, jax.random.fold_in(rng, index), scale
+            )
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+            carry = (add(grads_sum, grads), loss_sum + loss, add(aux_sum, aux), model_state)
+            return vary(carry), None
+
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        check_accumulate(rows, accumulate, replicas)
+        split = lambda x: x.reshape(accumulate, x.shape[0] // accumulate, *x.shape[1:])  # noqa: E731
+        micro_batches = jax.tree.map(split, batch)
+        first = jax.tree.map(lambda leaf: leaf[0], micro_batches)
+        _, (loss_shape, aux_shape, _) = jax.eval_shape(
+            grad_fn, params, model_state, first, rng, scale
+        )
+        zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)  # noqa: E731
+        init = vary((zeros(params), zeros(loss_shape), zeros(aux_shape), model_state))
+        (grads, loss, aux, model_state), _ = lax.scan(
+            micro_step, init, (jnp.arange(accumulate), micro_batches)
+        )
+        mean = lambda tree: jax.tree.map(lambda x: x / accumulate, tree)  # noqa: E731
+        return mean(grads), (loss / accumulate, mean(aux), model_state)
+
+    return gradients
+
+
+def _apply(optimizer, precision: Precision, state: TrainState, grads, model_state, metrics):
+    """The optimizer update; under fp16 loss scaling, skipped when a gradient is not finite."""
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    loss_scale = state.loss_scale
+    if precision.loss_scaling:
+        # Every replica decides on the same averaged gradient, so all skip together.
+        finite = all_finite(grads)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        model_state = keep(model_state, state.model_state)
+        loss_scale = loss_scale.update(finite, precision.growth_interval)
+        metrics["loss_scale"] = loss_scale.scale
+        metrics["skipped_steps"] = loss_scale.skipped
+    return state.replace(
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        model_state=model_state,
+        loss_scale=loss_scale,
+    )
+
+
+def train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    local_grads: bool,
+    replicas: int,
+    pack_leaf_bytes: int,
+    precision: Precision,
+    accumulate: int,
+    lr_schedule: optax.Schedule | None,
+) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
+    """The step one replica runs on its slice of the batch.
+
+    ``loss_fn`` has the form `loss_with_state` gives. ``local_grads``: under
+    ``shard_map``, where replicated parameters must be marked varying for their
+    gradient to stay this replica's until the explicit all-reduce.
+    """
+
+    def objective(params, model_state, batch, rng, scale):
+        params = cast_floats(params, precision.compute_dtype)
+        batch = cast_floats(batch, precision.compute_dtype)
+        loss, aux, model_state = loss_fn(params, model_state, batch, rng)
+        loss = loss.astype(jnp.float32)
+        return loss * scale, (loss, cast_floats(aux, jnp.float32), model_state)
+
+    vary = _varying if local_grads else (lambda tree: tree)
+    gradients = _gradients(jax.grad(objective, has_aux=True), vary, accumulate, replicas)
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        # Under shard_map, replicated params are "invariant" and their gradient would
+        # come back already summed over replicas; marked varying, each replica's
+        # gradient stays local and the one reduction is the explicit pmean below.
+        params = lax.pcast(state.params, DATA_AXIS, to="varying") if local_grads else state.params
+        # A constant 1 folds away; only fp16 pays for scaling.
+        scale = state.loss_scale.scale if precision.loss_scaling else 1.0
+        grads, (loss, aux, model_state) = gradients(
+            params, state.model_state, batch, _replica_rng(state), scale
+        )
+        # The one gradient all-reduce of the step (after all micro-batches).
+        grads = cast_floats(grads, precision.reduce_dtype)
+        grads, metrics = pmean_bucketed(
+            (grads, {"loss": loss, **aux}), vary=vary, pack_leaf_bytes=pack_leaf_bytes
+        )
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / scale, grads, state.params)
+        metrics["grad_norm"] = global_norm(grads, replicas=replicas)
+        if lr_schedule is not None:
+            # The optimizer's count advances only on applied updates (not fp16 skips).
+            count = state.step - state.loss_scale.skipped
+            metrics["lr"] = jnp.asarray(lr_schedule(count), jnp.float32)
+        model_state = pmean_floats(model_state)
+        return _apply(optimizer, precision, state, grads, model_state, metrics), metrics
+
+    return step
+
+
+def eval_step(metrics_fn: LossFn) -> Callable[[TrainState, Any], Metrics]:
+    """Masked sums of per-example metrics over one replica's slice, summed over replicas.
+
+    ``metrics_fn`` has the form `metrics_with_state` gives.
+    """
+
+    def step(state: TrainState, batch: Any) -> Metrics:
+        per_example = metrics_fn(state.params, state.model_state, batch)
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        if isinstance(batch, Mapping) and MASK_KEY in batch:
+            mask = batch[MASK_KEY].astype(jnp.float32)
+        else:
+            mask = jnp.ones((rows,), jnp.float32)
+        sums = {}
+        for name, values in per_example.items():
+            if values.shape != (rows,):
+                raise UsageError(
+                    f"eval metric {name!r} has shape {values.shape}; metrics_fn must "
+                    f"return one value per example, shape ({rows},)"
+                )
+            sums[name] = jnp.sum(values.astype(jnp.float32) * mask)
+        sums["count"] = jnp.sum(mask)
+        return lax.psum(sums, DATA_AXIS)
+
+    return step

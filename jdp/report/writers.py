@@ -1,0 +1,102 @@
+"""Where metric records go: the writer protocol, JSONL and TensorBoard writers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import struct
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from jdp.report.events import event, masked_crc32c
+
+# Record keys that describe speed rather than the model (TensorBoard's perf/ group).
+_PERF_KEYS = ("examples_per_sec", "steps_per_sec", "flops_per_sec", "mfu")
+
+
+class Writer(Protocol):
+    """What the metric logger hands records to: a dict with ``kind``, ``step``,
+    ``time`` and the scalars; ``flush`` after each batch of records."""
+
+    def write(self, record: Mapping[str, Any]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlWriter:
+    """One JSON object per line: ``{"kind": "train", "step": 20, "loss": ..., ...}``.
+
+    A non-finite value (a diverged loss) is written as ``null``: JSON has no NaN.
+    """
+
+    def __init__(self, path: str):
+        self._file = open(path, "a+")  # noqa: SIM115 (open for the writer's life; a resumed run appends)
+        if self._file.tell():
+            self._file.seek(self._file.tell() - 1)
+            if self._file.read(1) != "\n":  # a run killed mid-line: start on a fresh one
+                self._file.write("\n")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        clean = {
+            key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()
+        }
+        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardWriter:
+    """TensorBoard event files without TensorFlow: one event per record, holding its scalars.
+
+    An event file is a sequence of TFRecords (length, masked CRC-32C, data,
+    masked CRC-32C), each holding one ``tensorflow.Event`` protobuf. The three
+    messages a scalar needs are encoded here directly (`jdp.report.events`): a tenth of
+    the cost of building them through a protobuf library, and tensorboardX's
+    SummaryWriter (a multiprocessing queue per scalar, a pure-Python CRC) cost
+    0.26 ms per record, a sixth of the default MLP's step. The tests read the
+    files back with TensorBoard's own reader.
+    """
+
+    def __init__(self, log_dir: str):
+        name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
+        self._file = open(os.path.join(log_dir, name), "ab")  # noqa: SIM115 (the writer's life)
+        self._append(event(time.time(), 0, file_version="brain.Event:2"))
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        scalars = {
+            f"{'perf' if key in _PERF_KEYS else record['kind']}/{key}": value
+            for key, value in record.items()
+            if key not in ("kind", "step", "time")
+        }
+        self._append(event(record["time"], record["step"], scalars=scalars))
+
+    def _append(self, data: bytes) -> None:
+        header = struct.pack("<Q", len(data))
+        self._file.write(
+            header
+            + struct.pack("<I", masked_crc32c(header))
+            + data
+            + struct.pack("<I", masked_crc32c(data))
+        )
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def open_writers(log_dir: str) -> list[Writer]:
+    """The JSONL and TensorBoard writers of a run directory."""
+    os.makedirs(log_dir, exist_ok=True)
+    return [JsonlWriter(os.path.join(log_dir, "metrics.jsonl")), TensorBoardWriter(log_dir)]

@@ -1,0 +1,216 @@
+"""A run built from its config, once: devices, mesh, data, model, optimizer, state, steps.
+
+`build` is the one place that turns a `TrainConfig` into the objects a run
+uses; `jdp.fit` and the benchmarks take them from the `Run` it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from jdp import distributed
+from jdp.config import TrainConfig
+from jdp.data.pipeline import EvalReader, check_train_batch
+from jdp.data.sources import Split, load_split
+from jdp.mesh import (
+    check_batch_size,
+    data_size,
+    make_mesh,
+    replicated,
+    requested_device_count,
+    simulate_cpu_devices,
+)
+from jdp.models import Model, get_model
+from jdp.optim import make_optimizer, make_schedule, scale_lr
+from jdp.precision import make_precision
+from jdp.replica import check_accumulate
+from jdp.report.console import Console
+from jdp.report.logger import MetricLogger
+from jdp.report.run_info import write_run_info
+from jdp.report.throughput import Throughput, peak_flops, step_flops
+from jdp.state import TrainState, create_train_state
+from jdp.step import CompiledStep, make_eval_step, make_train_step
+
+
+def peak_lr(config: TrainConfig) -> float:
+    """``--lr`` scaled for the global batch by ``--lr-scaling``."""
+    return scale_lr(config.lr, config.batch_size, config.lr_scaling, config.lr_reference_batch)
+
+
+def describe_run(
+    config: TrainConfig,
+    run: Run,
+    logger: MetricLogger,
+    lowered: jax.stages.Lowered,
+    console: Console,
+) -> None:
+    """FLOPs per step and the peak they are measured against; the run directory's facts."""
+    devices = run.mesh.devices.size
+    kind = run.mesh.devices.flat[0].device_kind
+    # XLA counts a loop's body once. With --steps-per-call the body is one step, so
+    # the figure is per step as wanted; the micro-batch loop of --accumulate would
+    # undercount: no figure rather than a wrong one.
+    flops = step_flops(lowered, devices) if config.accumulate == 1 else None
+    peak = peak_flops(kind)
+    logger.throughput = Throughput(
+        config.batch_size, flops_per_step=flops, peak_flops=peak * devices if peak else None
+    )
+    write_run_info(
+        config.log_dir,
+        dataclasses.asdict(config),
+        {
+            "mesh": dict(run.mesh.shape),
+            "backend": config.backend,
+            "flops_per_step": flops,
+            "peak_flops_per_device": peak,
+        },
+    )
+    if flops:
+        against = f"MFU against {peak:.3g} FLOP/s per {kind}" if peak else f"no peak for {kind}"
+        console.line(
+            f"jdp: {flops:.3g} FLOPs per step (XLA cost analysis, {devices} devices); {against}"
+        )
+
+
+def setup_devices(mesh_spec: str, *, processes: int = 1) -> None:
+    """Before JAX starts: on a CPU-only machine, simulate the devices the mesh asks of a process."""
+    wanted = requested_device_count(mesh_spec)
+    if wanted and wanted > processes and wanted % processes == 0:
+        simulate_cpu_devices(wanted // processes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A configured run before its first step: mesh, data, initial state and step functions."""
+
+    config: TrainConfig
+    mesh: Mesh
+    train: Split
+    test: Split
+    model: Model
+    state: TrainState
+    train_step: CompiledStep
+    eval_step: CompiledStep
+    schedule: optax.Schedule
+    optimizer: optax.GradientTransformation
+
+
+def build(config: TrainConfig, console: Console, model: Model | None = None) -> Run:
+    """Sets up devices, mesh, data, model, optimizer and steps; says what it built.
+
+    ``model`` replaces the built-in ``config.model`` (see `fit`).
+
+    Raises:
+        UsageError: a mesh, batch size, dataset or model that cannot work here.
+    """
+    mesh = _mesh(config, console)
+    train = load_split(config.dataset, "train", config.data_dir)
+    test = load_split(config.dataset, "test", config.data_dir)
+    check_train_batch(train, config.batch_size)
+    name = f"{config.model} {config.model_size}" if model is None else "your model"
+    if model is None:
+        model = get_model(config.model, train, config.model_size)
+    init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
+    sample = EvalReader(train, batch_size=1, rows=slice(None))(0)
+    params, model_state = jax.jit(
+        lambda rng: model.init(rng, sample), out_shardings=replicated(mesh)
+    )(init_rng)
+    schedule, optimizer = _optimizer(config)
+    precision = make_precision(config.precision, reduce=config.reduce_dtype)
+    state = create_train_state(
+        params, optimizer, mesh, rng=train_rng, model_state=model_state, precision=precision
+    )
+    train_step = make_train_step(
+        model.loss_fn,
+        optimizer,
+        mesh,
+        backend=config.backend,
+        has_model_state=True,
+        precision=precision,
+        accumulate=config.accumulate,
+        lr_schedule=schedule,
+        steps_per_call=config.steps_per_call,
+    )
+    eval_step = make_eval_step(model.metrics_fn, mesh, backend=config.backend, has_model_state=True)
+    num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
+    _say_what_was_built(config, console, mesh, f"{name} ({num_params:,} params)", train, test)
+    return Run(config, mesh, train, test, model, state, train_step, eval_step, schedule, optimizer)
+
+
+def _mesh(config: TrainConfig, console: Console) -> Mesh:
+    """Joins the run's processes, sets up devices, and makes a mesh the batch fits."""
+    cluster = distributed.initialize(
+        config.coordinator,
+        config.num_processes,
+        config.process_id,
+        startup_timeout=config.startup_timeout,
+        heartbeat_timeout=config.heartbeat_timeout,
+    )
+    setup_devices(config.mesh, processes=cluster.num_processes)
+    mesh = make_mesh(config.mesh)
+    check_batch_size(config.batch_size, mesh)
+    replicas = data_size(mesh)
+    check_accumulate(config.batch_size // replicas, config.accumulate, replicas)
+    devices = mesh.devices.size
+    if cluster.num_processes > 1:
+        console.line(
+            f"jdp: {cluster.num_processes} processes ({cluster.source}), coordinator "
+            f"{cluster.coordinator}, {jax.local_device_count()} devices each"
+        )
+    if jax.default_backend() == "cpu" and devices > 1:
+        console.line(
+            f"jdp: no accelerator; mesh {config.mesh} runs on {devices} simulated CPU devices"
+        )
+    if "model" in mesh.shape:
+        console.line(
+            "jdp: parameters are replicated over the 'model' axis (no tensor sharding yet)"
+        )
+    return mesh
+
+
+def _optimizer(config: TrainConfig) -> tuple[optax.Schedule, optax.GradientTransformation]:
+    """The learning-rate schedule and the optimizer that follows it."""
+    schedule = make_schedule(
+        config.schedule,
+        peak_lr(config),
+        warmup_steps=config.warmup_steps,
+        total_steps=config.steps,
+        boundaries=[int(part) for part in config.lr_boundaries.split(",") if part],
+        decay_factor=config.lr_decay_factor,
+    )
+    optimizer = make_optimizer(
+        config.optimizer,
+        schedule,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+        clip_norm=config.clip_norm or None,
+    )
+    return schedule, optimizer
+
+
+def _say_what_was_built(config: TrainConfig, console: Console, mesh: Mesh, model: str,
+                        train, test) -> None:  # fmt: skip
+    per_replica = config.batch_size // data_size(mesh)
+    console.line(
+        f"jdp: {model} on {config.dataset} "
+        f"({len(train)} train / {len(test)} test), mesh {dict(mesh.shape)}, "
+        f"backend {config.backend}, global batch {config.batch_size} "
+        f"({per_replica} per replica"
+        + (f", {config.accumulate} micro-batches" if config.accumulate > 1 else "")
+        + f"), {config.steps} steps"
+    )
+    scaling = (
+        f" x {config.batch_size}/{config.lr_reference_batch} ({config.lr_scaling} scaling)"
+        if config.lr_scaling != "none"
+        else ""
+    )
+    console.line(
+        f"jdp: {config.optimizer}, lr {config.lr:g}{scaling} = {peak_lr(config):.4g} peak, "
+        f"{config.schedule} schedule, {config.warmup_steps} warmup steps, "
+        f"precision {config.precision} (all-reduce {config.reduce_dtype})"
+    )

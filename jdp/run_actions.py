@@ -1,0 +1,182 @@
+"""The actions `jdp.fit` builds from its config: display, metric logging, profiling,
+evaluation, checkpointing, the replica check and preemption (see `jdp.actions`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from jdp.actions import PeriodicAction, Progress
+from jdp.checkpoint import Checkpointer
+from jdp.data.pipeline import eval_batches
+from jdp.data.sources import Split
+from jdp.preemption import Preemption
+from jdp.replica_check import check_replicas
+from jdp.report.console import Console
+from jdp.report.logger import MetricLogger
+from jdp.step import evaluate
+
+
+def _progress_fields(metrics: Mapping[str, Any], latest: Mapping | None) -> dict[str, str]:
+    values = jax.device_get(metrics)
+    fields = {"loss": f"{values['loss']:.4f}"}
+    for name in ("lr", "grad_norm"):
+        if name in values:
+            fields[name] = f"{values[name]:.3g}"
+    if "loss_scale" in values:
+        fields["loss_scale"] = f"{values['loss_scale']:g}"
+        fields["skipped"] = str(int(values["skipped_steps"]))
+    if latest and "examples_per_sec" in latest:  # over the last logging interval
+        fields["examples/s"] = f"{latest['examples_per_sec']:,.0f}"
+    return fields
+
+
+class Display(PeriodicAction):
+    """The progress bar: steps done and the loss; reading the loss waits for its step."""
+
+    def __init__(self, console: Console, logger: MetricLogger, *, every: int):
+        super().__init__(every, at_end=True)
+        self.console, self.logger = console, logger
+        self._shown: int | None = None  # the step the bar shows
+
+    def __call__(self, progress: Progress) -> bool:
+        if self._shown is None:  # the first pass, before the first call
+            self._shown = progress.step
+        return super().__call__(progress)
+
+    def run(self, progress: Progress) -> None:
+        if progress.metrics is not None:
+            fields = _progress_fields(progress.metrics, self.logger.latest)
+            self.console.advance(progress.step - self._shown, **fields)
+            self._shown = progress.step
+        if progress.final:
+            self.console.close_progress()
+
+
+class LogMetrics(PeriodicAction):
+    """Queues the last step's train metrics to the metric logger (never waits)."""
+
+    def __init__(self, logger: MetricLogger, *, every: int):
+        super().__init__(every)
+        self.logger = logger
+
+    def run(self, progress: Progress) -> None:
+        self.logger.record(progress.step, progress.metrics)
+
+
+class Profile:
+    """A profiler trace of steps ``first..last`` (inclusive) into ``directory``.
+
+    The trace starts after the call before ``first`` (before the first call, for
+    step 1) and stops after ``last``'s call, once its device work is done.
+    """
+
+    def __init__(self, first: int, last: int, directory: str):
+        self.first, self.last, self.directory = first, last, directory
+        self._tracing = False
+
+    def __call__(self, progress: Progress) -> bool:
+        if progress.final:
+            self.stop()
+            return False
+        if self._tracing and progress.ran and progress.step >= self.last:
+            jax.block_until_ready(progress.call_metrics)  # the trace holds the steps' work
+            self.stop()
+            return True
+        if progress.step + 1 == self.first:
+            jax.profiler.start_trace(self.directory)
+            self._tracing = True
+            return True
+        return False
+
+    def stop(self) -> None:
+        if self._tracing:
+            self._tracing = False
+            jax.profiler.stop_trace()
+
+
+def _eval_order(result: Mapping[str, float]) -> list[str]:
+    """Loss and accuracy first, then any other metric; not the example count."""
+    first = [name for name in ("loss", "accuracy") if name in result]
+    return first + sorted(set(result) - set(first) - {"count"})
+
+
+class Evaluate(PeriodicAction):
+    """Exact test metrics over the whole split; sets ``progress.evaluated``."""
+
+    def __init__(self, eval_step, split: Split, mesh, *, batch_size: int, every: int,
+                 console: Console, logger: MetricLogger):  # fmt: skip
+        super().__init__(every, at_end=True)
+        self.eval_step, self.split, self.mesh, self.batch_size = eval_step, split, mesh, batch_size
+        self.console, self.logger = console, logger
+
+    def run(self, progress: Progress) -> None:
+        batches = eval_batches(self.split, self.mesh, batch_size=self.batch_size)
+        result = evaluate(self.eval_step, progress.state, batches)
+        self.console.line(
+            f"step {progress.step}: "
+            + " ".join(f"test_{name}={result[name]:.4f}" for name in _eval_order(result))
+        )
+        self.logger.write("eval", progress.step, result)
+        progress.evaluated = result
+
+
+class Checkpoint(PeriodicAction):
+    """Saves the state, where the loader stands and this step's test metrics."""
+
+    def __init__(self, checkpointer: Checkpointer, loader, *, every: int, config: Mapping):
+        super().__init__(every, at_end=True)
+        self.checkpointer, self.loader, self.config = checkpointer, loader, dict(config)
+
+    def run(self, progress: Progress) -> None:
+        self.checkpointer.save(
+            progress.state,
+            loader_step=self.loader.position,
+            config=self.config,
+            metrics=progress.evaluated,
+        )
+
+    def save_now(self, progress: Progress) -> None:
+        """Saves at this step unless saved there already, and waits until it is on disk."""
+        if self._ran_at != progress.step:
+            self._ran_at = progress.step
+            self.run(progress)
+        self.checkpointer.wait()
+
+
+class CheckReplicas(PeriodicAction):
+    """Raises `jdp.distributed.ReplicaMismatchError` when devices hold different parameters."""
+
+    def run(self, progress: Progress) -> None:
+        state = progress.state
+        check_replicas((state.params, state.model_state), step=progress.step)
+
+
+class StopOnPreemption:
+    """On SIGTERM or SIGINT (every process agreeing): save, then stop without the end.
+
+    Asked after every call: with several processes, JAX's sync point wants a
+    counter that rises by one per call.
+    """
+
+    def __init__(self, preemption: Preemption, *, steps_per_call: int,
+                 checkpoint: Checkpoint | None, ckpt_dir: str | None):  # fmt: skip
+        self.preemption, self.steps_per_call = preemption, steps_per_call
+        self.checkpoint, self.ckpt_dir = checkpoint, ckpt_dir
+
+    def __call__(self, progress: Progress) -> bool:
+        if progress.final or not progress.ran:
+            return False
+        if not self.preemption.reached(progress.step // self.steps_per_call):
+            return False
+        where = f"jdp.train: {self.preemption.signal_name} at step {progress.step}"
+        if self.checkpoint is not None:
+            self.checkpoint.save_now(progress)
+            saved = f"checkpoint saved in {os.path.abspath(self.ckpt_dir)}"
+            progress.stop(f"{where}; {saved}; run the same command to resume", finish=False)
+        else:
+            progress.stop(f"{where}; stopped without saving (no --ckpt-dir)", finish=False)
+        return True

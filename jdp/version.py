@@ -1,0 +1,3 @@
+"""jdp's version."""
+
+__version__ = "0.1.0"

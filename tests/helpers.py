@@ -1,0 +1,65 @@
+"""What several test modules share: fresh-process runs and a small regression problem."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def subprocess_env(devices: int | None = None) -> dict[str, str]:
+    """This environment for a fresh process, which sets up its own devices unless
+    ``devices`` fixes the CPU device count (as hardware does)."""
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def run_python(*args, timeout=240, devices=None, **popen) -> subprocess.CompletedProcess:
+    """``python ARGS`` in a fresh process, output captured as text."""
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(devices),
+        **popen,
+    )
+
+
+def run_cli(*flags, timeout=240, devices=None) -> subprocess.CompletedProcess:
+    """``python -m jdp.train FLAGS`` as a user runs it."""
+    return run_python("-m", "jdp.train", *flags, timeout=timeout, devices=devices)
+
+
+# A small regression problem whose exact answer plain JAX gives on one device.
+BATCH = 64
+
+
+def regression_data(seed=0, rows=BATCH):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 6)).astype(np.float32)
+    y = (x @ rng.normal(size=(6, 3)) + 0.1 * rng.normal(size=(rows, 3))).astype(np.float32)
+    return {"x": x, "y": y}
+
+
+def init_params(seed=0):
+    rng = np.random.default_rng(seed + 100)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(6, 16)) * 0.5, jnp.float32),
+        "b1": jnp.zeros((16,), jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(16, 3)) * 0.5, jnp.float32),
+    }
+
+
+def regression_loss(params, batch, rng):
+    hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, :])
+    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    """Element-wise: for a few steps of optimizers linear in the gradient (closeness.py)."""
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)

@@ -1,0 +1,64 @@
+"""Flags derived from TrainConfig's typed fields, and the named presets."""
+
+import dataclasses
+
+import pytest
+
+import jdp
+from jdp.flags import parse_flags
+from jdp.presets import PRESETS
+
+
+def test_each_field_is_a_flag_read_by_its_type():
+    flags = "--batch-size 256 --lr 1e-2 --model cnn --num-processes 1 --no-resume --ckpt-dir /x"
+    config = parse_flags([*flags.split(" "), "--data-dir", ""])
+    assert config.batch_size == 256 and config.lr == 0.01 and config.model == "cnn"
+    assert config.num_processes == 1 and config.no_resume is True
+    assert config.ckpt_dir == "/x" and config.data_dir is None
+    assert parse_flags([]) == jdp.TrainConfig()
+
+
+def test_flags_refuse_bad_values_in_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        parse_flags(["--batch-size", "many"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--batch-size: invalid" in err
+    with pytest.raises(jdp.UsageError, match="unknown model 'vit'; choose one of: cnn, gpt"):
+        parse_flags(["--model", "vit"])
+
+
+def test_help_shows_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        parse_flags(["--help"])
+    out = capsys.readouterr().out
+    assert "--model {cnn,gpt,mlp,resnet18,resnet20,seq2seq}" in out
+    assert "--preset {digits-mlp,digits-cnn," in out
+
+
+def test_a_preset_is_a_start_that_flags_override(capsys):
+    assert parse_flags(["--preset", "digits-mlp"]) == jdp.TrainConfig()
+    config = parse_flags(["--preset", "digits-resnet20", "--mesh", "data=1"])
+    assert (config.model, config.lr, config.mesh) == ("resnet20", 1e-2, "data=1")
+    # The README's runs, by name.
+    assert parse_flags(["--preset", "numbers2words-gpt"]) == parse_flags(
+        ["--model", "gpt", "--dataset", "numbers2words"]
+    )
+    with pytest.raises(SystemExit) as stop:
+        parse_flags(["--preset", "imagenet"])
+    assert stop.value.code == 2
+    assert "unknown preset 'imagenet'; choose one of: digits-mlp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_is_a_valid_config(name):
+    config = PRESETS[name]()
+    assert isinstance(config, jdp.TrainConfig)
+    assert dataclasses.replace(config) == config  # validates again
+
+
+def test_a_preset_trains(capsys):
+    from jdp.train import main
+
+    assert main(["--preset", "digits-cnn", "--mesh", "data=2", "--steps", "40"]) == 0
+    assert "jdp: cnn small (" in capsys.readouterr().out
