@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -45,6 +45,17 @@ def config_from(args: argparse.Namespace, **overrides: Any) -> TrainConfig:
         if getattr(args, name, None) is not None
     }
     return TrainConfig(**(fields | overrides))
+
+
+def report_lines(on_line: Callable[[str], None]) -> tuple[list[str], Callable[[str], None]]:
+    """A report's lines, and ``emit(line)``: keeps a line and passes it to ``on_line``."""
+    lines: list[str] = []
+
+    def emit(line: str) -> None:
+        lines.append(line)
+        on_line(line)
+
+    return lines, emit
 
 
 def names(text: str) -> list[str]:

@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec
 
-from jdp.bench.common import names
+from jdp.bench.common import names, report_lines
 from jdp.bench.step import (
     CASES,
     case_run,
@@ -133,11 +133,7 @@ def bench_multihost(
 ) -> list[str]:
     """Each case in 1 process x 1 device and 2 x 1 (gloo on loopback); the report's lines."""
     check_cases(cases)
-    lines = []
-
-    def emit(line: str) -> None:
-        lines.append(line)
-        on_line(line)
+    lines, emit = report_lines(on_line)
 
     emit(
         f"jdp.bench multihost: global batch {batch_size}, 1 device per process, gloo on "

@@ -24,7 +24,7 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec
 
-from jdp.bench.common import names
+from jdp.bench.common import names, report_lines
 from jdp.config import TrainConfig
 from jdp.data.pipeline import train_batches
 from jdp.errors import UsageError
@@ -239,11 +239,7 @@ def bench_step(
     largest = max(meshes, key=lambda spec: int(spec.partition("=")[2] or 0))
     setup_devices(largest)  # devices are simulated once per process: the largest mesh's
     kind = jax.devices()[0].device_kind
-    lines = []
-
-    def emit(line: str) -> None:
-        lines.append(line)
-        on_line(line)
+    lines, emit = report_lines(on_line)
 
     emit(
         f"jdp.bench step: global batch {batch_size}, adam, {rounds} interleaved rounds of "
