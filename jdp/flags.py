@@ -57,12 +57,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
             continue
         read, metavar = _parser_of(hint)
-        parser.add_argument(
-            flag,
-            type=read,
-            metavar=metavar,
-            help=f"{field.metadata['help']} (default: {field.default})",
-        )
+        help_text = field.metadata["help"]
+        if field.default is not None and "default" not in help_text:
+            help_text += f" (default: {field.default})"
+        parser.add_argument(flag, type=read, metavar=metavar, help=help_text)
     return parser
 
 

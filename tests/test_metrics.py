@@ -69,6 +69,7 @@ def test_tensorboard_reads_the_scalars(run_dir):
     tags = set(accumulator.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/grad_norm", "eval/accuracy"} <= tags
     assert {"perf/examples_per_sec", "perf/steps_per_sec", "perf/flops_per_sec"} <= tags
+    assert "eval/count" not in tags  # a fact of the record (in metrics.jsonl), not a curve
     loss = accumulator.Scalars("train/loss")
     assert [e.step for e in loss] == [10, 20, 30, 40, 50, 60]
     jsonl = [r["loss"] for r in _records(log_dir, "train")]

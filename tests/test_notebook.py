@@ -53,3 +53,23 @@ def test_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
         if "image/png" in output.get("data", {})
     ]
     assert len(images) == 2
+
+
+def test_the_install_cell_finds_jdp_without_a_published_url(tmp_path, monkeypatch, capsys):
+    """Where the first cell installs jdp from: JDP_SOURCE, an uploaded wheel, a source tree."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    namespace: dict = {}
+    exec(notebook.cells[1].source, namespace)  # jdp is installed here: it only defines
+    assert "setup skipped" in capsys.readouterr().out
+    find = namespace["jdp_source"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("JDP_SOURCE", raising=False)
+    with pytest.raises(SystemExit, match=r"upload a jdp wheel .* or set JDP_SOURCE"):
+        find()
+    (tmp_path / "jdp").mkdir()
+    (tmp_path / "jdp" / "pyproject.toml").write_text("")
+    assert find() == "jdp"
+    (tmp_path / "jdp-0.1.0-py3-none-any.whl").write_bytes(b"")
+    assert find() == "jdp-0.1.0-py3-none-any.whl"
+    monkeypatch.setenv("JDP_SOURCE", "jdp @ git+https://example.org/me/jdp")
+    assert find() == "jdp @ git+https://example.org/me/jdp"

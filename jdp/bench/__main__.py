@@ -30,7 +30,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from jdp.bench import checkpoint, dispatch, inputs, logs, multihost, scaling, step
+from jdp.bench import checkpoint, dispatch, inputs, logs, multihost, readme, scaling, step
+from jdp.bench.common import HelpWithDefaults
 from jdp.errors import UsageError
 
 # command -> (module, help)
@@ -42,26 +43,30 @@ BENCHMARKS = {
     "scaling": (scaling, "examples/s against 1, 2, 4, 8 devices, PNG"),
     "logging": (logs, "step loop with metrics every step vs none"),
     "multihost": (multihost, "each model in 1 process x 1 device vs 2 processes x 1 device"),
+    "readme": (readme, "run README.md's figures table's commands; rewrite or check its rows"),
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jdp.bench", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    description = __doc__.splitlines()[0].replace("``", "")
+    parser = argparse.ArgumentParser(prog="jdp.bench", description=description)
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="{" + ",".join(BENCHMARKS) + "}"
+    )
     for name, (module, help_text) in BENCHMARKS.items():
-        module.add_arguments(commands.add_parser(name, help=help_text))
-    worker = commands.add_parser("multihost-worker", help=argparse.SUPPRESS)
+        command = commands.add_parser(name, help=help_text, formatter_class=HelpWithDefaults)
+        module.add_arguments(command)
+    worker = commands.add_parser("multihost-worker")  # one process of `multihost`: no help
     multihost.add_arguments(worker, worker=True)
     args = parser.parse_args(argv)
     try:
         if args.command == "multihost-worker":
             multihost.run_worker(args)
-        else:
-            BENCHMARKS[args.command][0].run(args)
+            return 0
+        return BENCHMARKS[args.command][0].run(args) or 0
     except UsageError as error:
         print(f"jdp.bench: error: {error}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import optax
 
 from jdp.checkpoint import Checkpointer
 from jdp.mesh import make_mesh
+from jdp.report.console import quiet_absl
 from jdp.run import setup_devices
 from jdp.state import create_train_state
 
@@ -44,7 +45,8 @@ def bench_checkpoint(mesh_spec: str, *, size_mb: int, repeats: int) -> list[str]
     state = state.replace(rng=jax.random.wrap_key_data(state.rng))
     megabytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 2**20
     blocked, total = {}, {}
-    with tempfile.TemporaryDirectory(prefix="jdp-bench-") as root:
+    # Orbax's absl warnings (a save waiting on the one before it) are what is timed here.
+    with tempfile.TemporaryDirectory(prefix="jdp-bench-") as root, quiet_absl():
         for mode in ("sync", "async"):
             directory = os.path.join(root, mode)
             with Checkpointer(directory, keep=1, async_save=mode == "async") as checkpoints:

@@ -16,6 +16,21 @@ import jax
 from jdp.config import TrainConfig
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Help that names each flag's default (flags without help text get one line too)."""
+
+    def _format_action(self, action):
+        if action.help is None and action.option_strings and action.default is not None:
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, argparse.SUPPRESS) and "default" not in text:
+            text = f"{text} (default: %(default)s)".strip()
+        return text
+
+
 def add_run_flags(
     parser: argparse.ArgumentParser,
     *,

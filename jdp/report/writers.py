@@ -16,6 +16,10 @@ from jdp.report.events import event, masked_crc32c
 # Record keys that describe speed rather than the model (TensorBoard's perf/ group).
 _PERF_KEYS = ("examples_per_sec", "steps_per_sec", "flops_per_sec", "mfu")
 
+# Record keys that are facts about a record, not curves: the evaluation's example
+# count stays in metrics.jsonl and out of TensorBoard.
+_NOT_CURVES = ("kind", "step", "time", "count")
+
 
 class Writer(Protocol):
     """What the metric logger hands records to: a dict with ``kind``, ``step``,
@@ -76,7 +80,7 @@ class TensorBoardWriter:
         scalars = {
             f"{'perf' if key in _PERF_KEYS else record['kind']}/{key}": value
             for key, value in record.items()
-            if key not in ("kind", "step", "time")
+            if key not in _NOT_CURVES
         }
         self._append(event(record["time"], record["step"], scalars=scalars))
 

@@ -1,0 +1,78 @@
+"""Every shell command in the docs that can run here runs, as the docs give it.
+
+A bash block runs whole, in a copy of the repository, after CI's own install
+(so a leading ``pip install ... &&`` is done already). A block may declare a
+smoke form in the line before it, ``<!-- smoke: FLAGS -->``: FLAGS are added to
+each ``python -m jdp...`` command in it, so benchmarks run in seconds. Blocks
+for a cluster (Slurm, Kubernetes, Cloud TPU tools) are recipes for there, and
+TensorBoard is a server that runs until stopped: those lines are the only ones
+left out, each for that reason.
+"""
+
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from helpers import subprocess_env
+
+ROOT = pathlib.Path(__file__).parent.parent
+DOCS = ["README.md", "docs/multihost.md", "docs/performance.md", "colab/README.md"]
+CLUSTER_TOOLS = ("srun", "sbatch", "gcloud", "kubectl")
+BLOCK = re.compile(r"(?:<!-- smoke: (?P<smoke>[^>]*?) -->\n)?```bash\n(?P<body>.*?)```", re.S)
+
+
+def _blocks():
+    """(doc, index, script or None, why left out) for every bash block of the docs."""
+    for doc in DOCS:
+        for index, match in enumerate(BLOCK.finditer((ROOT / doc).read_text())):
+            body, smoke = match.group("body"), match.group("smoke")
+            words = set(re.findall(r"[\w.-]+", body))
+            if words & set(CLUSTER_TOOLS):
+                yield doc, index, None, "a recipe for a cluster"
+                continue
+            lines = []
+            for line in body.splitlines():
+                line = re.sub(r"^pip install \S+ && ", "", line)  # CI installed jdp
+                if line.startswith(("tensorboard ", "python -m pytest")):
+                    continue  # a server; the suite this test belongs to
+                if smoke and line.startswith("python -m jdp."):
+                    line = line.rstrip("\\ ") + f" {smoke}" + (" \\" if line.endswith("\\") else "")
+                lines.append(line)
+            script = "\n".join(lines).strip()
+            yield doc, index, script or None, "nothing runnable here" if not script else ""
+
+
+BLOCKS = list(_blocks())
+
+
+def test_every_block_runs_or_says_why_not():
+    left_out = {(doc, index): why for doc, index, script, why in BLOCKS if script is None}
+    assert left_out == {
+        ("README.md", 1): "nothing runnable here",  # pip install '.[test]' && python -m pytest
+        ("docs/multihost.md", 1): "a recipe for a cluster",  # Slurm
+        ("docs/multihost.md", 2): "a recipe for a cluster",  # Cloud TPU
+    }
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "script",
+    [script for _, _, script, _ in BLOCKS if script],
+    ids=[f"{doc}#{index}" for doc, index, script, _ in BLOCKS if script],
+)
+def test_a_documented_block_runs(script, tmp_path):
+    repository = tmp_path / "repository"
+    shutil.copytree(
+        ROOT, repository,
+        ignore=shutil.ignore_patterns(".git", ".whl", "*.egg-info", "__pycache__", "runs"),
+    )  # fmt: skip
+    env = subprocess_env()
+    env["PATH"] = f"{pathlib.Path(sys.executable).parent}:{env['PATH']}"  # `python` is this one
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=repository, env=env, capture_output=True, text=True, timeout=850,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{script}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
