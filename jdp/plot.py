@@ -102,7 +102,8 @@ def _label(run_dir: str, run_dirs: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jdp.plot", description=__doc__.splitlines()[0])
+    description = __doc__.splitlines()[0].replace("``", "")
+    parser = argparse.ArgumentParser(prog="jdp.plot", description=description)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories of --log-dir")
     parser.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")
     args = parser.parse_args(argv)

@@ -62,3 +62,15 @@ def test_a_preset_trains(capsys):
 
     assert main(["--preset", "digits-cnn", "--mesh", "data=2", "--steps", "40"]) == 0
     assert "jdp: cnn small (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "command", ["jdp.train", "jdp.launch", "jdp.plot", "jdp.data", "jdp.bench", "jdp.bench step"]
+)
+def test_help_reads_as_plain_text(command):
+    from helpers import run_python
+
+    result = run_python("-m", *command.split(), "--help", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "``" not in result.stdout and "(default: None)" not in result.stdout
+    assert "multihost-worker" not in result.stdout

@@ -15,7 +15,8 @@ from jdp.errors import UsageError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jdp.data", description=__doc__.splitlines()[0])
+    description = __doc__.splitlines()[0].replace("``", "")
+    parser = argparse.ArgumentParser(prog="jdp.data", description=description)
     commands = parser.add_subparsers(dest="command", required=True)
     prepare_parser = commands.add_parser("prepare", help="download and prepare a dataset")
     prepare_parser.add_argument("name", choices=sorted(DATASETS))
