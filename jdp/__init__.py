@@ -23,7 +23,7 @@ from jdp.checkpoint import Checkpointer, load_params
 from jdp.config import TrainConfig
 from jdp.data.pipeline import Loader, eval_batches, train_batches
 from jdp.data.sources import Split, load_split
-from jdp.errors import UsageError
+from jdp.errors import NonFiniteError, UsageError
 from jdp.loop import FitResult, fit
 from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices
 from jdp.optim import make_optimizer, make_schedule
@@ -43,6 +43,7 @@ __all__ = [
     "FitResult",
     "Loader",
     "LossScale",
+    "NonFiniteError",
     "PeriodicAction",
     "Precision",
     "Progress",

@@ -3,14 +3,19 @@
 A checkpoint is one Orbax step directory with two items: ``state``, the whole
 `TrainState` (params, optimizer state, model state, step, rng as raw key data,
 loss scale) in Orbax's array format, and ``meta``, JSON with the loader position
-and the config that made the run. Orbax writes into a temporary directory and
-renames it when complete, so a step directory either is a whole checkpoint or
-was damaged afterwards; damaged ones are skipped with a warning and set aside.
-Nothing is ever unpickled.
+the config that made the run, the shape, dtype and digest of every array
+(`jdp.digest`) and a digest of the record itself. Orbax writes into a temporary
+directory and renames it when complete, so a step directory either is a whole
+checkpoint or was damaged afterwards: cut short, deleted in part, or with bytes
+changed in place. Restore checks all of it; damaged checkpoints are set aside
+with a warning naming what failed. One run at a time owns the directory
+(`jdp.lock`). Nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 import time
@@ -22,7 +27,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
+from jdp.digest import leaf_name, tree_digests
 from jdp.errors import UsageError
+from jdp.lock import DirectoryLock
 from jdp.mesh import replicated
 from jdp.report.console import quiet_absl
 from jdp.state import TrainState
@@ -46,13 +53,42 @@ def _abstract(tree: Any) -> Any:
 
 def _leaf_names(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """``"params/Dense_0/kernel" -> (shape, dtype)`` for every array leaf."""
-    names = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts = (
-            getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))) for key in path
-        )
-        names["/".join(map(str, parts))] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
-    return names
+    return {
+        leaf_name(path): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _meta_digest(meta: Mapping[str, Any]) -> str:
+    """A digest of the meta record's own content (all but this digest)."""
+    body = {key: value for key, value in meta.items() if key != "meta_digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _drop_closed_loop_errors() -> None:
+    """Silences one kind of noise from reading a damaged checkpoint, for good.
+
+    When tensorstore fails a read, Orbax closes its event loop while tensorstore's
+    other reads of the same checkpoint are still finishing; each then reports
+    "Event loop is closed" as an unraisable error, a traceback apiece. The
+    failed read itself is reported (one line) by `Checkpointer.restore`.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "jdp_filter", False):
+        return
+
+    def hook(unraisable) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.jdp_filter = True
+    sys.unraisablehook = hook
+
+
+class _Damaged(Exception):
+    """A checkpoint whose files are incomplete, unreadable or not what was saved."""
 
 
 def _describe_mismatch(saved: Mapping, expected: Mapping, limit: int = 4) -> str:
@@ -101,8 +137,43 @@ def warn(text: str) -> None:
         print(f"jdp: warning: {text}", file=sys.stderr, flush=True)
 
 
+def _all_ok(ok: bool) -> bool:
+    """Whether ``ok`` holds in every process (each process asks together)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
+def _from_process_0(values: list[int]) -> list[int]:
+    """Process 0's list, in every process: process 0 decides, the others follow."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    count = int(multihost_utils.broadcast_one_to_all(np.asarray(len(values), np.int64)))
+    mine = np.asarray(values if jax.process_index() == 0 else [0] * count, np.int64)
+    return [int(v) for v in multihost_utils.broadcast_one_to_all(mine.reshape(count))]
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 class Checkpointer:
     """Saves and restores a run's checkpoints in one directory through Orbax.
+
+    The directory belongs to one run at a time (`jdp.lock`): a second
+    Checkpointer on it, in this process or another, is refused until this one
+    is closed. Every save records a digest of each array (`jdp.digest`) and of
+    its own record; restore checks them and sets aside a checkpoint that does
+    not match, naming the leaf, and uses the previous one. With several
+    processes, process 0 holds the lock and decides which checkpoints exist;
+    the others follow.
 
     Args:
         directory: where the step directories live (created if missing).
@@ -111,6 +182,9 @@ class Checkpointer:
             eval metric (among saves that were given metrics).
         async_save: write in the background; ``save`` returns once the arrays
             are copied off the devices.
+
+    Raises:
+        UsageError: another run holds the directory, or it cannot be written.
 
     Examples:
         >>> mesh = jdp.make_mesh("data=8")
@@ -135,6 +209,8 @@ class Checkpointer:
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise UsageError(f"--ckpt-dir {self.directory} is a file, not a directory")
+        self._lock = DirectoryLock(self.directory)
+        self._take_lock()
         policies = [ocp.checkpoint_managers.LatestN(keep)]
         if best_metric:
             policies.append(
@@ -155,9 +231,31 @@ class Checkpointer:
             item_handlers={"state": _state_handler(), "meta": ocp.JsonCheckpointHandler()},
         )
 
+    def _take_lock(self) -> None:
+        """Process 0 takes the lock; the others check that they see the same lock file."""
+        token, problem = None, None
+        if jax.process_index() == 0:
+            try:
+                token = self._lock.acquire()
+            except UsageError as error:
+                problem = error
+        if not _all_ok(problem is None):
+            raise problem or UsageError(
+                f"process 0 could not take {self.directory}; its error says why"
+            )
+        if jax.process_count() == 1:
+            return
+        expected = _process_0_token(token)
+        if not _all_ok(jax.process_index() == 0 or self._lock.token() == expected):
+            self._lock.release()
+            raise UsageError(
+                f"--ckpt-dir {self.directory} is not the same directory in every process; "
+                "give every process one shared directory"
+            )
+
     def steps(self) -> list[int]:
-        """Steps of the complete checkpoints, oldest first."""
-        return sorted(self._manager.all_steps())
+        """Steps of the complete checkpoints, oldest first (process 0's list in every process)."""
+        return _from_process_0(sorted(self._manager.all_steps()))
 
     def save(
         self,
@@ -175,11 +273,23 @@ class Checkpointer:
         step = int(state.step)
         if step in self._manager.all_steps():
             return False
-        meta = {"step": step, "loader_step": loader_step, "config": dict(config or {})}
+        saveable = _saveable(state)
+        digests = tree_digests(saveable)
+        arrays = {
+            name: {"shape": list(shape), "dtype": dtype, "digest": digests[name]}
+            for name, (shape, dtype) in _leaf_names(saveable).items()
+        }
+        meta = {
+            "step": step,
+            "loader_step": loader_step,
+            "config": dict(config or {}),
+            "arrays": arrays,
+        }
+        meta["meta_digest"] = _meta_digest(meta)
         return self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(_saveable(state)), meta=ocp.args.JsonSave(meta)
+                state=ocp.args.PyTreeSave(saveable), meta=ocp.args.JsonSave(meta)
             ),
             metrics=dict(metrics) if metrics else None,
             force=True,
@@ -188,11 +298,14 @@ class Checkpointer:
     def restore(
         self, like: TrainState, *, check: Callable[[dict], None] | None = None
     ) -> tuple[TrainState, dict] | None:
-        """Restores the latest readable checkpoint onto ``like``'s shardings.
+        """Restores the latest good checkpoint onto ``like``'s shardings.
 
         ``like`` is a state of the same model and optimizer on the mesh to restore
         onto (any mesh, either backend); only its structure and shardings are used,
-        and the arrays are read straight into those shardings.
+        and the arrays are read straight into those shardings. A checkpoint that is
+        incomplete, unreadable or not what was saved (an array or the record whose
+        digest differs, missing metadata) is moved aside as ``damaged-STEP-TIME``
+        with a warning, and the one before it is tried.
 
         Args:
             like: a state of the same structure, placed where the result should be.
@@ -200,21 +313,23 @@ class Checkpointer:
                 raises to refuse it.
 
         Returns:
-            ``(state, meta)``, or None when the directory holds no checkpoint.
+            ``(state, meta)``, or None when the directory holds no good checkpoint.
 
         Raises:
             UsageError: the checkpoint holds a different model or optimizer.
         """
+        _drop_closed_loop_errors()
         target = _abstract(_saveable(like))
         expected = _leaf_names(target)
         for step in reversed(self.steps()):
             try:
-                saved = _leaf_names(self._manager.item_metadata(step)["state"])
-                meta = self._manager.restore(
-                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-                ).meta
-            except Exception as error:  # unreadable metadata: a damaged checkpoint
-                self._set_aside(step, error)
+                meta, saved = self._read_record(step)
+            except _Damaged as damage:
+                problem = str(damage)
+            else:
+                problem = None
+            if not _all_ok(problem is None):
+                self._set_aside(step, problem or "another process could not read it")
                 continue
             if check is not None:
                 check(dict(meta))
@@ -226,26 +341,58 @@ class Checkpointer:
                 )
             try:
                 restored = self._manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=_restore_args(target), meta=ocp.args.JsonRestore()
-                    ),
-                )
+                    step, args=ocp.args.Composite(state=_restore_args(target))
+                ).state
+                problem = None
             except Exception as error:  # truncated or missing array files
-                self._set_aside(step, error)
+                problem = _first_line(error)
+            if _all_ok(problem is None):  # every process restored: compare digests (together)
+                problem = _digest_mismatch(restored, meta.get("arrays"))
+            elif problem is None:
+                problem = "another process could not read it"
+            if problem is not None:
+                self._set_aside(step, problem or "another process could not read it")
                 continue
-            return _from_saveable(restored.state, like), dict(restored.meta)
+            return _from_saveable(restored, like), meta
         return None
 
-    def _set_aside(self, step: int, error: Exception) -> None:
+    def _read_record(self, step: int) -> tuple[dict, dict]:
+        """The checkpoint's meta record and its arrays' (shape, dtype), both checked."""
+        try:
+            meta = dict(
+                self._manager.restore(
+                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+                ).meta
+            )
+        except Exception as error:
+            raise _Damaged(f"its record is unreadable: {_first_line(error)}") from None
+        if "meta_digest" in meta and meta["meta_digest"] != _meta_digest(meta):
+            raise _Damaged("its record does not match its digest")
+        try:
+            with quiet_absl():
+                saved = _leaf_names(self._manager.item_metadata(step)["state"])
+        except Exception as error:
+            raise _Damaged(f"its array metadata is unreadable: {_first_line(error)}") from None
+        if not saved:
+            raise _Damaged("its array metadata is missing")
+        recorded = {
+            name: (tuple(array["shape"]), array["dtype"])
+            for name, array in meta.get("arrays", {}).items()
+        }
+        if recorded and recorded != saved:
+            raise _Damaged(
+                "its array metadata is not what was saved: "
+                + _describe_mismatch(saved, recorded, limit=1)
+            )
+        return meta, saved
+
+    def _set_aside(self, step: int, reason: str) -> None:
         """Moves a damaged checkpoint out of the way (kept for inspection, never deleted)."""
-        reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else repr(error)
         aside = os.path.join(self.directory, f"damaged-{step}-{int(time.time())}")
         if jax.process_index() == 0:
             os.rename(os.path.join(self.directory, str(step)), aside)
-        warn(
-            f"checkpoint step {step} is unreadable ({reason}); moved to {aside}, using an older one"
-        )
+        warn(f"checkpoint step {step} is damaged ({reason}); moved to {aside}, using an older one")
+        _barrier(f"jdp-set-aside-{step}")
         self._manager.reload()
 
     def wait(self) -> None:
@@ -253,14 +400,41 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self._manager.wait_until_finished()
+            self._manager.close()
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:160] if text else repr(error)
+
+
+def _process_0_token(token: str | None) -> str:
+    """Process 0's lock token, in every process."""
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(bytes.fromhex(token or "0" * 16), np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw), np.uint8)).hex()
+
+
+def _digest_mismatch(restored: Any, arrays: Mapping[str, Mapping] | None) -> str | None:
+    """Which restored leaf's bytes differ from the digest saved with it, if any."""
+    if not arrays:
+        return None  # written before checkpoints carried digests: nothing to compare
+    digests = tree_digests(restored)
+    for name in sorted(digests):
+        if arrays.get(name, {}).get("digest") != digests[name]:
+            return f"{name} does not match its digest"
+    return None
 
 
 def _step_directory(path: str) -> str:

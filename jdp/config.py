@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Literal
 
@@ -22,6 +23,7 @@ LrScaling = Literal["none", "linear", "sqrt"]
 PrecisionName = Literal["fp32", "bf16", "fp16"]
 ReduceDtype = Literal["fp32", "bf16"]
 EarlyStopMetric = Literal["loss", "accuracy"]
+NanPolicy = Literal["stop", "skip", "ignore"]
 
 
 def _flag(default, help_text: str):
@@ -78,6 +80,14 @@ class TrainConfig:
         "fp32", "compute dtype: fp32, bf16 or fp16 (fp16 scales the loss)"
     )
     reduce_dtype: ReduceDtype = _flag("fp32", "gradient all-reduce dtype: fp32 or bf16")
+    nan_policy: NanPolicy = _flag(
+        "stop",
+        "a non-finite loss or gradient: stop (the run, exit 1), skip (that update, as fp16 "
+        "does) or ignore; a non-finite state is never saved",
+    )
+    max_skipped_fraction: float = _flag(
+        0.25, "stop when more than this fraction of the steps were skipped (fp16 or skip)"
+    )
     eval_every: int = _flag(0, "evaluate on the test split every N steps (0: only at the end)")
     ckpt_dir: str | None = _flag(
         None, "directory of Orbax checkpoints; a run resumes from the latest one in it"
@@ -127,8 +137,7 @@ class TrainConfig:
         for name in ("batch_size", "steps"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-        if not self.lr > 0:
-            raise UsageError(f"--lr must be positive, got {self.lr}")
+        self._check_numbers()
         if self.accumulate < 1:
             raise UsageError("--accumulate must be at least 1")
         if self.eval_every < 0:
@@ -139,10 +148,6 @@ class TrainConfig:
             raise UsageError("--ckpt-every and --no-resume need --ckpt-dir DIR")
         if self.loader_workers < 0 or self.prefetch < 1:
             raise UsageError("--loader-workers must be >= 0 and --prefetch at least 1")
-        if self.clip_norm < 0 or self.weight_decay < 0:
-            raise UsageError("--clip-norm and --weight-decay must be >= 0")
-        if self.startup_timeout <= 0 or self.heartbeat_timeout <= 0:
-            raise UsageError("--startup-timeout and --heartbeat-timeout must be positive")
         if self.log_every < 1:
             raise UsageError("--log-every must be at least 1")
         _ = self.profile_window  # checks --profile-steps
@@ -162,6 +167,28 @@ class TrainConfig:
             raise UsageError(f"--lr-boundaries {self.lr_boundaries!r}: write steps, e.g. 200,300")
         if self.warmup_steps < 0:
             raise UsageError("--warmup-steps must be >= 0")
+
+    def _check_numbers(self) -> None:
+        """Real-valued flags: finite (NaN and inf pass ``x > 0``) and in their range."""
+        ranges = {  # flag: (lowest, lowest allowed?, highest, highest allowed?)
+            "lr": (0.0, False, math.inf, False),
+            "momentum": (0.0, True, 1.0, False),
+            "weight_decay": (0.0, True, math.inf, False),
+            "clip_norm": (0.0, True, math.inf, False),
+            "lr_decay_factor": (0.0, False, math.inf, False),
+            "max_skipped_fraction": (0.0, False, 1.0, True),
+            "startup_timeout": (0.0, False, math.inf, False),
+            "heartbeat_timeout": (0.0, False, math.inf, False),
+        }
+        for name, (low, low_in, high, high_in) in ranges.items():
+            value = getattr(self, name)
+            above = value >= low if low_in else value > low
+            below = value <= high if high_in else value < high
+            if not (above and below):  # also false for NaN
+                span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+                raise UsageError(f"--{name.replace('_', '-')} must be in {span}, got {value}")
+        if not 0 <= self.seed < 2**32:
+            raise UsageError(f"--seed must be in [0, 2**32), got {self.seed}")
 
     def _check_steps_per_call(self) -> None:
         calls = self.steps_per_call
@@ -229,7 +256,7 @@ _TOPOLOGY_FIELDS = frozenset(
     | {"ckpt_dir", "ckpt_every", "keep", "no_resume"}
     | {"coordinator", "num_processes", "process_id", "startup_timeout", "heartbeat_timeout"}
     | {"check_replicas_every", "log_dir", "log_every", "profile_steps", "steps_per_call"}
-    | {"early_stop_patience", "early_stop_metric"}
+    | {"early_stop_patience", "early_stop_metric", "max_skipped_fraction"}
 )
 
 

@@ -27,6 +27,7 @@ from jdp.run_actions import (
     CheckReplicas,
     Display,
     Evaluate,
+    GuardFinite,
     LogMetrics,
     Profile,
     StopOnPreemption,
@@ -187,6 +188,12 @@ def _actions(config, run, stack, console, logger, batches, checkpoints, callback
             )
         )
     actions.extend(callbacks)
+    if config.nan_policy != "ignore":
+        skipping = config.nan_policy == "skip" or config.precision == "fp16"
+        actions.append(
+            GuardFinite(skipping=skipping, max_skipped_fraction=config.max_skipped_fraction,
+                        ckpt_dir=config.ckpt_dir)
+        )  # fmt: skip
     checkpoint = None
     if checkpoints is not None:
         checkpoint = Checkpoint(

@@ -121,19 +121,25 @@ def _gradients(grad_fn, vary, accumulate: int, replicas: int):
     return gradients
 
 
-def _apply(optimizer, precision: Precision, state: TrainState, grads, model_state, metrics):
-    """The optimizer update; under fp16 loss scaling, skipped when a gradient is not finite."""
+def _apply(optimizer, precision: Precision, skip_nonfinite: bool, state: TrainState, grads,
+           model_state, metrics):  # fmt: skip
+    """The optimizer update; skipped when a gradient is not finite under fp16 loss scaling
+    or ``skip_nonfinite``."""
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     loss_scale = state.loss_scale
-    if precision.loss_scaling:
+    if precision.loss_scaling or skip_nonfinite:
         # Every replica decides on the same averaged gradient, so all skip together.
-        finite = all_finite(grads)
+        finite = all_finite(grads) & jnp.isfinite(metrics["loss"])
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         model_state = keep(model_state, state.model_state)
-        loss_scale = loss_scale.update(finite, precision.growth_interval)
-        metrics["loss_scale"] = loss_scale.scale
+        if precision.loss_scaling:
+            loss_scale = loss_scale.update(finite, precision.growth_interval)
+            metrics["loss_scale"] = loss_scale.scale
+        else:
+            skipped = loss_scale.skipped + (~finite).astype(jnp.int32)
+            loss_scale = loss_scale.replace(skipped=skipped)
         metrics["skipped_steps"] = loss_scale.skipped
     return state.replace(
         step=state.step + 1,
@@ -154,12 +160,15 @@ def train_step(
     precision: Precision,
     accumulate: int,
     lr_schedule: optax.Schedule | None,
+    skip_nonfinite: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
     """The step one replica runs on its slice of the batch.
 
     ``loss_fn`` has the form `loss_with_state` gives. ``local_grads``: under
     ``shard_map``, where replicated parameters must be marked varying for their
     gradient to stay this replica's until the explicit all-reduce.
+    ``skip_nonfinite``: leave the state as it was (but the step count) when the
+    loss or the averaged gradient is not finite, as fp16 loss scaling does.
     """
 
     def objective(params, model_state, batch, rng, scale):
@@ -194,7 +203,8 @@ def train_step(
             count = state.step - state.loss_scale.skipped
             metrics["lr"] = jnp.asarray(lr_schedule(count), jnp.float32)
         model_state = pmean_floats(model_state)
-        return _apply(optimizer, precision, state, grads, model_state, metrics), metrics
+        updated = _apply(optimizer, precision, skip_nonfinite, state, grads, model_state, metrics)
+        return updated, metrics
 
     return step
 

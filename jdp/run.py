@@ -135,6 +135,7 @@ def build(config: TrainConfig, console: Console, model: Model | None = None) -> 
         accumulate=config.accumulate,
         lr_schedule=schedule,
         steps_per_call=config.steps_per_call,
+        skip_nonfinite=config.nan_policy == "skip",
     )
     eval_step = make_eval_step(model.metrics_fn, mesh, backend=config.backend, has_model_state=True)
     num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))

@@ -8,11 +8,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
+from jdp import checkpoint
 from jdp.actions import PeriodicAction, Progress
 from jdp.checkpoint import Checkpointer
 from jdp.data.pipeline import eval_batches
 from jdp.data.sources import Split
+from jdp.errors import NonFiniteError
+from jdp.precision import all_finite
 from jdp.preemption import Preemption
 from jdp.replica_check import check_replicas
 from jdp.report.console import Console
@@ -132,6 +136,12 @@ class Checkpoint(PeriodicAction):
         self.checkpointer, self.loader, self.config = checkpointer, loader, dict(config)
 
     def run(self, progress: Progress) -> None:
+        if not bool(_state_finite(progress.state)):
+            checkpoint.warn(
+                f"not saving step {progress.step}: its parameters or optimizer state are not "
+                "finite; the checkpoints already saved are kept"
+            )
+            return
         self.checkpointer.save(
             progress.state,
             loader_step=self.loader.position,
@@ -145,6 +155,73 @@ class Checkpoint(PeriodicAction):
             self._ran_at = progress.step
             self.run(progress)
         self.checkpointer.wait()
+
+
+@jax.jit
+def _state_finite(state) -> jax.Array:
+    return all_finite((state.params, state.opt_state, state.model_state))
+
+
+# fp16 skips a few steps at the start while its loss scale comes down from 2**15;
+# the skipped fraction is judged from this many skips on.
+_MIN_SKIPS = 20
+
+
+class GuardFinite:
+    """Stops the run (`jdp.errors.NonFiniteError`) when training stops being finite.
+
+    Without skipping, a NaN or infinite loss or gradient norm stops it; with
+    skipping (fp16 loss scaling, or ``--nan-policy skip``) skipped updates leave
+    the state finite, and more than ``max_skipped_fraction`` of the steps (from
+    20 skips on) stops it. Each pass reads the call before the one just started,
+    which the device has finished or is finishing, so the check never stalls the
+    loop; the end reads the last call too. Goes before `Checkpoint`, which never
+    saves a non-finite state in any case.
+    """
+
+    def __init__(self, *, skipping: bool, max_skipped_fraction: float, ckpt_dir: str | None):
+        self.skipping, self.max_skipped_fraction = skipping, max_skipped_fraction
+        self.ckpt_dir = ckpt_dir
+        self._previous: tuple[int, Any] | None = None  # (step, call metrics) not yet read
+
+    def __call__(self, progress: Progress) -> bool:
+        if progress.final:
+            if self._previous is not None:
+                self._check(*self._previous)
+            self._previous = None
+            return False
+        if not progress.ran:
+            return False
+        if self._previous is not None:
+            self._check(*self._previous)
+        self._previous = (progress.step, progress.call_metrics)
+        return True
+
+    def _check(self, step: int, metrics: Mapping[str, Any]) -> None:
+        values = jax.device_get(metrics)
+        kept = (
+            f"the checkpoints in {self.ckpt_dir} are finite"
+            if self.ckpt_dir
+            else "nothing was saved (no --ckpt-dir)"
+        )
+        if self.skipping:
+            skipped = int(np.max(values["skipped_steps"]))
+            if skipped > _MIN_SKIPS and skipped > self.max_skipped_fraction * step:
+                raise NonFiniteError(
+                    f"{skipped} of {step} updates were skipped for a non-finite loss or "
+                    f"gradient (over --max-skipped-fraction {self.max_skipped_fraction:g}); "
+                    f"{kept}; lower --lr or use fp32/bf16"
+                )
+            return
+        for name in ("loss", "grad_norm"):
+            per_step = np.atleast_1d(values.get(name, 0.0))  # (steps of the call,)
+            bad = np.flatnonzero(~np.isfinite(per_step))
+            if bad.size:
+                first = step - per_step.size + 1 + int(bad[0])
+                raise NonFiniteError(
+                    f"{name} is {float(per_step[bad[0]])} at step {first} (--nan-policy stop); "
+                    f"{kept}; lower --lr, add --clip-norm, or --nan-policy skip"
+                )
 
 
 class CheckReplicas(PeriodicAction):

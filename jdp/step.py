@@ -214,6 +214,7 @@ def make_train_step(
     accumulate: int = 1,
     lr_schedule: optax.Schedule | None = None,
     steps_per_call: int = 1,
+    skip_nonfinite: bool = False,
 ) -> CompiledStep:
     """Builds a data-parallel train step: ``state, metrics = step(state, batch)``.
 
@@ -253,6 +254,10 @@ def make_train_step(
             leaves ``(steps_per_call, rows, ...)`` (`shard_batch` with
             ``stacked=True``), and each metric comes back as ``(steps_per_call,)``,
             one value per step. The result equals as many single steps.
+        skip_nonfinite: when the loss or the averaged gradient is not finite,
+            keep the parameters, optimizer and model state as they were (every
+            replica decides alike) and count the step in ``skipped_steps``, as
+            fp16 loss scaling does for overflows.
 
     Returns:
         A `CompiledStep`: ``step(state, batch) -> (state, metrics)``, where ``batch`` is a pytree of
@@ -260,8 +265,8 @@ def make_train_step(
         ``loss`` and the ``aux`` entries averaged over the global batch,
         ``grad_norm`` (global norm of the averaged gradient, before clipping),
         ``lr`` (the schedule at the optimizer's update count) when ``lr_schedule``
-        is given, and ``loss_scale`` and
-        ``skipped_steps`` under loss scaling.
+        is given, ``loss_scale`` under loss scaling, and ``skipped_steps`` under
+        loss scaling or ``skip_nonfinite``.
 
     Raises:
         UsageError: unknown backend, a mesh without ``data``, ``pmap`` on a mesh
@@ -293,6 +298,7 @@ def make_train_step(
         precision=precision or Precision(),
         accumulate=accumulate,
         lr_schedule=lr_schedule,
+        skip_nonfinite=skip_nonfinite,
     )
     if steps_per_call > 1:
         replica_fn = lambda state, batches: lax.scan(one_step, state, batches)  # noqa: E731

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from jdp.distributed import ReplicaMismatchError
-from jdp.errors import UsageError
+from jdp.errors import NonFiniteError, UsageError
 from jdp.flags import parse_flags
 from jdp.loop import fit
 from jdp.report.console import Console
@@ -20,7 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         sys.stderr.write(f"jdp.train: error: {error}\n")
         return 2
-    except ReplicaMismatchError as error:
+    except (ReplicaMismatchError, NonFiniteError) as error:
         sys.stderr.write(f"jdp.train: error: {error}\n")
         return 1
     console.line(result.summary_line())

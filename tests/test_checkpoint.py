@@ -137,7 +137,7 @@ def test_damaged_and_partial_saves_are_skipped(reference, tmp_path):
 
     result = _run(directory)
     assert result.returncode == 0, result.stderr
-    assert "jdp: warning: checkpoint step 60 is unreadable" in result.stderr
+    assert "jdp: warning: checkpoint step 60 is damaged" in result.stderr
     assert "jdp: resuming from step 50 in " in result.stdout
     assert any(name.startswith("damaged-60-") for name in os.listdir(directory))
     _assert_bitwise_equal(_saved(directory, 60), reference[1])

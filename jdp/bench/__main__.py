@@ -22,6 +22,10 @@ TensorBoard) against no logging, in interleaved rounds.
 ``multihost``: for each model of the ``step`` sweep, the same train step and
 global batch in 1 process x 1 device and in 2 processes x 1 device (started by
 ``jdp.launch``), with the gradient all-reduce alone timed three ways.
+
+``faults``: random kill -9 trials (each resumed and compared bitwise with an
+uninterrupted run) and random bit flips in a checkpoint (each detected,
+unaffected, or restored silently).
 """
 
 from __future__ import annotations
@@ -30,7 +34,17 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from jdp.bench import checkpoint, dispatch, inputs, logs, multihost, readme, scaling, step
+from jdp.bench import (
+    checkpoint,
+    dispatch,
+    faults,
+    inputs,
+    logs,
+    multihost,
+    readme,
+    scaling,
+    step,
+)
 from jdp.bench.common import HelpWithDefaults
 from jdp.errors import UsageError
 
@@ -43,6 +57,7 @@ BENCHMARKS = {
     "scaling": (scaling, "examples/s against 1, 2, 4, 8 devices, PNG"),
     "logging": (logs, "step loop with metrics every step vs none"),
     "multihost": (multihost, "each model in 1 process x 1 device vs 2 processes x 1 device"),
+    "faults": (faults, "random kill -9 trials and checkpoint bit flips: resumes, detections"),
     "readme": (readme, "run README.md's figures table's commands; rewrite or check its rows"),
 }
 

@@ -1,0 +1,210 @@
+"""Faults that used to pass silently: damaged checkpoint bytes, two runs on one directory,
+non-finite settings and training. Each ends in one line (and a kept good state), never in
+a wrong result."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import run_cli, subprocess_env
+
+import jdp
+from jdp.bench.faults import bit_flips
+from jdp.checkpoint import Checkpointer
+from jdp.lock import LOCK_NAME
+
+
+def _two_checkpoints(directory, mesh):
+    """Checkpoints of step 0 and step 1 (other parameters) in ``directory``; their states."""
+    first = jdp.create_train_state(
+        {"w": jnp.arange(512.0).reshape(8, 64), "b": jnp.ones(3)}, optax.adam(0.1), mesh
+    )
+    second = first.replace(step=first.step + 1, params=jax.tree.map(lambda x: x + 1, first.params))
+    with Checkpointer(directory) as checkpoints:
+        checkpoints.save(first, loader_step=0)
+        checkpoints.save(second, loader_step=1)
+    return first, second
+
+
+def _restore(directory, like):
+    with Checkpointer(directory) as checkpoints:
+        state, meta = checkpoints.restore(like)
+    return state, meta
+
+
+def test_single_bit_flips_are_detected_never_restored_silently():
+    # Every flip either sets the checkpoint aside (detected) or fell in bytes that
+    # nothing reads (the restored state equals the saved one bit for bit).
+    outcomes = bit_flips(20, seed=0)
+    assert outcomes["silent"] == 0, outcomes
+    assert outcomes["detected"] + outcomes["unaffected"] == 20, outcomes
+    assert outcomes["detected"] >= 1, outcomes  # the trials reach bytes that matter
+
+
+def test_changed_array_bytes_name_the_leaf(tmp_path, mesh8, capfd):
+    first, second = _two_checkpoints(tmp_path, mesh8)
+    # Same-size damage that still decodes: the step-1 "w" leaf rewritten with other values.
+    import orbax.checkpoint as ocp
+
+    from jdp.checkpoint import _saveable
+
+    state_dir = tmp_path / "1" / "state"
+    other = _saveable(second).replace(params={"w": second.params["w"] * 2, "b": second.params["b"]})
+    shutil.rmtree(state_dir)
+    with ocp.StandardCheckpointer() as writer:
+        writer.save(state_dir, other)
+    _, meta = _restore(tmp_path, first)
+    assert meta["step"] == 0
+    err = capfd.readouterr().err
+    assert "checkpoint step 1 is damaged (params/w does not match its digest)" in err, err
+    assert any(name.startswith("damaged-1-") for name in os.listdir(tmp_path))
+
+
+def test_a_changed_record_is_damage(tmp_path, mesh8, capfd):
+    first, _ = _two_checkpoints(tmp_path, mesh8)
+    path = tmp_path / "1" / "meta" / "metadata"
+    record = json.loads(path.read_text())
+    record["loader_step"] = 7  # still valid JSON: only the digest can tell
+    path.write_text(json.dumps(record))
+    _, meta = _restore(tmp_path, first)
+    assert meta["step"] == 0
+    assert "its record does not match its digest" in capfd.readouterr().err
+
+
+def test_missing_array_metadata_is_damage_not_another_model(tmp_path, mesh8, capfd):
+    first, _ = _two_checkpoints(tmp_path, mesh8)
+    os.remove(tmp_path / "1" / "state" / "_METADATA")
+    _, meta = _restore(tmp_path, first)
+    assert meta["step"] == 0
+    assert "checkpoint step 1 is damaged (its array metadata is missing)" in capfd.readouterr().err
+
+
+def test_one_owner_per_directory(tmp_path, mesh8, capfd):
+    owner = Checkpointer(tmp_path)
+    with pytest.raises(jdp.UsageError, match=f"in use by another run \\(pid {os.getpid()} on "):
+        Checkpointer(tmp_path)
+    owner.close()
+    assert (tmp_path / LOCK_NAME).read_text() == ""  # a clean end leaves no owner
+    Checkpointer(tmp_path).close()
+    assert "took over" not in capfd.readouterr().err
+    # The lock file of a run that died: it names an owner, but nobody holds it.
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "gone", "pid": 1, "started": "then"}))
+    Checkpointer(tmp_path).close()
+    err = capfd.readouterr().err
+    assert f"took over the lock on {tmp_path} from a run that is gone (pid 1 on gone" in err
+
+
+def test_a_second_run_on_a_live_directory_is_refused(tmp_path):
+    flags = ["--mesh", "data=1", "--steps", "4000", "--ckpt-every", "50", "--ckpt-dir", tmp_path]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "jdp.train", *map(str, flags)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    try:
+        lock = tmp_path / LOCK_NAME
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text().strip()):
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "the first run never took the lock"
+            time.sleep(0.05)
+        second = run_cli(*flags, "--seed", "1", timeout=120)
+        assert second.returncode == 2, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1, second.stderr
+        assert f"is in use by another run (pid {first.pid} on " in lines[0]
+        assert first.poll() is None  # the owner goes on
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("lr", float("inf"), "--lr must be in (0, inf), got inf"),
+        ("lr", float("nan"), "--lr must be in (0, inf), got nan"),
+        ("momentum", -5.0, "--momentum must be in [0, 1), got -5.0"),
+        ("weight_decay", float("nan"), "--weight-decay must be in [0, inf), got nan"),
+        ("clip_norm", float("inf"), "--clip-norm must be in [0, inf)"),
+        ("heartbeat_timeout", float("inf"), "--heartbeat-timeout must be in (0, inf)"),
+        ("max_skipped_fraction", 0.0, "--max-skipped-fraction must be in (0, 1]"),
+        ("seed", -1, "--seed must be in [0, 2**32), got -1"),
+        ("seed", 10**23, "--seed must be in [0, 2**32)"),
+    ],
+)
+def test_non_finite_and_out_of_range_numbers_are_refused(field, value, needle):
+    with pytest.raises(jdp.UsageError) as error:
+        jdp.TrainConfig(**{field: value})
+    assert needle in str(error.value)
+
+
+def test_skip_nonfinite_keeps_the_state_and_counts(mesh8):
+    def loss_fn(params, batch, rng):
+        return jnp.mean((batch["x"] @ params["w"]) ** 2) * batch["scale"][0]
+
+    tx = optax.sgd(0.1)
+    state = jdp.create_train_state({"w": jnp.ones((4, 1))}, tx, mesh8)
+    step = jdp.make_train_step(loss_fn, tx, mesh8, skip_nonfinite=True)
+    batch = {"x": np.ones((8, 4), np.float32), "scale": np.full((8,), np.nan, np.float32)}
+    before = np.asarray(state.params["w"])
+    state, metrics = step(state, jdp.shard_batch(batch, mesh8))
+    assert int(metrics["skipped_steps"]) == 1 and int(state.step) == 1
+    np.testing.assert_array_equal(np.asarray(state.params["w"]), before)
+    batch["scale"] = np.ones((8,), np.float32)
+    state, metrics = step(state, jdp.shard_batch(batch, mesh8))
+    assert int(metrics["skipped_steps"]) == 1
+    assert not np.array_equal(np.asarray(state.params["w"]), before)
+
+
+# Plain SGD whose learning rate jumps by 1e12 at step 20: finite until then, then divergent.
+_DIVERGES = [
+    *("--mesh", "data=2", "--steps", "60", "--optimizer", "sgd", "--lr", "0.05"),
+    *("--warmup-steps", "0", "--schedule", "piecewise", "--lr-boundaries", "20"),
+    *("--lr-decay-factor", "1e12", "--ckpt-every", "10"),
+]
+
+
+def _all_finite_checkpoints(directory):
+    import orbax.checkpoint as ocp
+
+    steps = sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+    for step in steps:
+        restored = ocp.StandardCheckpointer().restore(os.path.join(directory, str(step), "state"))
+        for leaf in jax.tree.leaves(restored):
+            assert np.all(np.isfinite(np.asarray(leaf, np.float64))), step
+    return steps
+
+
+def test_divergence_stops_the_run_and_keeps_the_finite_checkpoints(tmp_path):
+    result = run_cli(*_DIVERGES, "--ckpt-dir", tmp_path)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("jdp.train: error: ") and " at step 2" in last, result.stderr
+    assert "(--nan-policy stop); the checkpoints in " in last
+    assert _all_finite_checkpoints(tmp_path) == [10, 20]
+
+
+def test_nan_policy_ignore_trains_on_but_never_saves_a_nonfinite_state(tmp_path):
+    result = run_cli(*_DIVERGES, "--nan-policy", "ignore", "--keep", "2", "--ckpt-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "jdp: warning: not saving step 30: " in result.stderr
+    assert _all_finite_checkpoints(tmp_path) == [10, 20]  # --keep 2 rotated neither out
+
+
+def test_nan_policy_skip_stops_when_most_updates_are_skipped(tmp_path):
+    result = run_cli(*_DIVERGES, "--steps", "100", "--nan-policy", "skip", "--ckpt-dir", tmp_path)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "updates were skipped for a non-finite loss or gradient" in result.stderr
+    _all_finite_checkpoints(tmp_path)
