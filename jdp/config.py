@@ -234,6 +234,14 @@ class TrainConfig:
             raise UsageError("--profile-steps needs --log-dir DIR (the trace goes in DIR/profile)")
         return int(first), int(last)
 
+    def shared_settings(self) -> dict:
+        """The flags every process of a run must agree on: all but where each one runs."""
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name not in _PER_PROCESS_FIELDS
+        }
+
     def resume_conflicts(self, saved: dict) -> list[str]:
         """Flags whose values differ from the run that wrote a checkpoint, as ``--flag X (was Y)``.
 
@@ -257,6 +265,14 @@ _TOPOLOGY_FIELDS = frozenset(
     | {"coordinator", "num_processes", "process_id", "startup_timeout", "heartbeat_timeout"}
     | {"check_replicas_every", "log_dir", "log_every", "profile_steps", "steps_per_call"}
     | {"early_stop_patience", "early_stop_metric", "max_skipped_fraction"}
+)
+
+
+# What may differ between the processes of one run: who each is, where it finds
+# the data, how it loads it, and how long it waits for the others.
+_PER_PROCESS_FIELDS = frozenset(
+    {"coordinator", "num_processes", "process_id", "data_dir", "loader_workers", "prefetch"}
+    | {"startup_timeout"}
 )
 
 

@@ -34,6 +34,7 @@ def initialize(
     *,
     startup_timeout: float = 300,
     heartbeat_timeout: float = 60,
+    settings: dict | None = None,
 ) -> Cluster:
     """Joins this process to a multi-process run; a no-op for a single process.
 
@@ -47,6 +48,8 @@ def initialize(
         process_id: this process, ``0 .. num_processes - 1`` (or ``$JDP_PROCESS_ID``).
         startup_timeout: seconds to wait for every process to arrive.
         heartbeat_timeout: seconds without a heartbeat after which a process is lost.
+        settings: what every process must agree on (JSON values by flag name);
+            a difference stops every process at start-up, naming the flags.
 
     Returns:
         The `Cluster` this process belongs to.
@@ -76,7 +79,7 @@ def initialize(
     if cluster.num_processes == 1:
         return cluster
     started = time.monotonic()
-    handshake(cluster, startup_timeout)
+    handshake(cluster, startup_timeout, settings)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         cluster.coordinator,

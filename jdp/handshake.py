@@ -2,28 +2,37 @@
 
 JAX's own start-up, when a process never comes, aborts every process after its
 timeout without saying which one is missing; this handshake names it. Process 0
-listens where JAX's service will listen next; the others report in, and each
-gets an answer: go on, or the one-line reason it cannot.
+listens where JAX's service will listen next; the others report in with their
+settings, and each gets an answer: go on, or the one-line reason it cannot (a
+missing process, a duplicate id, or settings that differ from process 0's,
+which would otherwise train apart or hang in a collective).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import time
 
 from jdp.cluster import ENV_COORDINATOR_BIND, Cluster, split_address
 from jdp.errors import UsageError
 
-_HELLO = "jdp-hello/1"
+_HELLO = "jdp-hello/2"
+
+Settings = dict[str, object]
 
 
-def handshake(cluster: Cluster, timeout: float) -> None:
-    """Waits until every process has reached process 0, naming those that did not."""
+def handshake(cluster: Cluster, timeout: float, settings: Settings | None = None) -> None:
+    """Waits until every process has reached process 0, naming those that did not.
+
+    ``settings`` (JSON values by flag name) must be the same in every process;
+    a process whose settings differ stops every process, naming the flags.
+    """
     if cluster.process_id == 0:
-        _gather(cluster, timeout)
+        _gather(cluster, timeout, settings or {})
     else:
-        _report(cluster, timeout)
+        _report(cluster, timeout, settings or {})
 
 
 def _listen(cluster: Cluster) -> socket.socket:
@@ -44,7 +53,7 @@ def _listen(cluster: Cluster) -> socket.socket:
         ) from None
 
 
-def _gather(cluster: Cluster, timeout: float) -> None:
+def _gather(cluster: Cluster, timeout: float, settings: Settings) -> None:
     deadline = time.monotonic() + timeout
     arrived: dict[int, socket.socket] = {}
     message = None
@@ -67,7 +76,7 @@ def _gather(cluster: Cluster, timeout: float) -> None:
                 except OSError:  # an aborted connection, or out of file descriptors
                     time.sleep(0.1)
                     continue
-                message = _admit(connection, cluster, arrived)
+                message = _admit(connection, cluster, arrived, settings)
             reply = f"error {message}" if message else "go"
             for connection in arrived.values():
                 _send(connection, reply)
@@ -96,19 +105,39 @@ def _drop_departed(arrived: dict[int, socket.socket]) -> None:
             del arrived[index]
 
 
-def _admit(connection: socket.socket, cluster: Cluster, arrived: dict) -> str | None:
+def _admit(connection: socket.socket, cluster: Cluster, arrived: dict, settings: Settings
+           ) -> str | None:  # fmt: skip
     """Reads one process's hello and keeps its connection; returns what is wrong, if anything."""
     connection.settimeout(5)
     try:
-        words = connection.makefile("r").readline().split()
-    except OSError:
-        words = []
-    if len(words) != 3 or words[0] != _HELLO or not (words[1] + words[2]).isdigit():
+        words = connection.makefile("r").readline().rstrip("\n").split(" ", 3)
+        theirs = json.loads(words[3]) if len(words) == 4 else None
+    except (OSError, ValueError):
+        words, theirs = [], None
+    if (
+        len(words) != 4
+        or words[0] != _HELLO
+        or not (words[1] + words[2]).isdigit()
+        or not isinstance(theirs, dict)
+    ):
         connection.close()  # not a jdp process: a port scanner, a health probe
         return None
     index, count = int(words[1]), int(words[2])
     problem = None
-    if count != cluster.num_processes:
+    differ = sorted(name for name in settings.keys() | theirs.keys()
+                    if settings.get(name) != theirs.get(name))  # fmt: skip
+    if differ:
+        shown = "; ".join(
+            f"--{name.replace('_', '-')} {theirs.get(name)} in process {index}, "
+            f"{settings.get(name)} in process 0"
+            for name in differ[:4]
+        )
+        more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+        problem = (
+            f"the processes were started with different flags: {shown}{more}; start every "
+            "process with the same flags"
+        )
+    elif count != cluster.num_processes:
         problem = (
             f"process {index} was started with --num-processes {count}, process 0 with "
             f"{cluster.num_processes}; start every process with the same count"
@@ -139,7 +168,7 @@ def _send(connection: socket.socket, text: str) -> None:
         connection.sendall(text.encode() + b"\n")
 
 
-def _report(cluster: Cluster, timeout: float) -> None:
+def _report(cluster: Cluster, timeout: float, settings: Settings) -> None:
     host, port = split_address(cluster.coordinator, "--coordinator")
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
@@ -149,7 +178,10 @@ def _report(cluster: Cluster, timeout: float) -> None:
             time.sleep(min(0.2, max(left, 0)))
             continue
         with connection:
-            _send(connection, f"{_HELLO} {cluster.process_id} {cluster.num_processes}")
+            _send(
+                connection,
+                f"{_HELLO} {cluster.process_id} {cluster.num_processes} {json.dumps(settings)}",
+            )
             # Process 0 answers by its own deadline, at most `timeout` from now (it is
             # listening already); until then this process waits, whatever its own
             # deadline, so that it is not counted and then lost.

@@ -151,6 +151,7 @@ def _mesh(config: TrainConfig, console: Console) -> Mesh:
         config.process_id,
         startup_timeout=config.startup_timeout,
         heartbeat_timeout=config.heartbeat_timeout,
+        settings=config.shared_settings(),
     )
     setup_devices(config.mesh, processes=cluster.num_processes)
     mesh = make_mesh(config.mesh)

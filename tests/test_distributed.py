@@ -339,7 +339,7 @@ def test_a_process_that_left_the_handshake_is_missing_not_counted():
     while True:  # process 1 says hello, then gives up before the verdict
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1) as gone:
-                gone.sendall(b"jdp-hello/1 1 3\n")
+                gone.sendall(b"jdp-hello/2 1 3 {}\n")
             break
         except OSError:
             assert time.monotonic() < deadline

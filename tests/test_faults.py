@@ -20,6 +20,7 @@ from helpers import run_cli, subprocess_env
 import jdp
 from jdp.bench.faults import bit_flips
 from jdp.checkpoint import Checkpointer
+from jdp.launch import free_port
 from jdp.lock import LOCK_NAME
 
 
@@ -208,3 +209,57 @@ def test_nan_policy_skip_stops_when_most_updates_are_skipped(tmp_path):
     assert result.returncode == 1, (result.stdout, result.stderr)
     assert "updates were skipped for a non-finite loss or gradient" in result.stderr
     _all_finite_checkpoints(tmp_path)
+
+
+def test_processes_with_different_flags_all_stop_naming_them():
+    port = free_port()
+    common = ["--mesh", "data=2", "--steps", "40", "--coordinator", f"127.0.0.1:{port}"]
+    common += ["--num-processes", "2", "--startup-timeout", "60"]
+    started = time.monotonic()
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jdp.train", *common, "--process-id", str(index), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(devices=1),
+        )
+        for index, extra in ((0, []), (1, ["--lr", "0.03", "--steps", "80"]))
+    ]
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert time.monotonic() - started < 60  # at start-up, not at a collective's timeout
+    for process, (_, stderr) in zip(processes, outputs, strict=True):
+        assert process.returncode == 2, stderr
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1, stderr
+        assert (
+            "the processes were started with different flags: --lr 0.03 in process 1, "
+            in (lines[0])
+        )
+        assert (
+            "0.003 in process 0; --steps 80 in process 1, 40 in process 0; start every"
+            in (lines[0])
+        )
+
+
+def _launch_two(*flags, timeout=300):
+    command = [
+        sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "1",
+        "--", sys.executable, "-m", "jdp.train", "--mesh", "data=2", *map(str, flags),
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env=subprocess_env())  # fmt: skip
+
+
+def test_two_processes_agree_on_a_damaged_latest_checkpoint(tmp_path):
+    flags = ["--steps", "40", "--warmup-steps", "5", "--ckpt-every", "20", "--ckpt-dir", tmp_path]
+    first = _launch_two(*flags)
+    assert first.returncode == 0, first.stderr
+    os.remove(tmp_path / "40" / "state" / "_METADATA")
+    started = time.monotonic()
+    again = _launch_two(*flags)
+    assert again.returncode == 0, again.stderr
+    assert time.monotonic() - started < 120  # no wait for a barrier's timeout
+    assert "checkpoint step 40 is damaged (its array metadata is missing)" in again.stderr
+    assert "jdp: resuming from step 20 in " in again.stdout
+    assert 40 in {int(name) for name in os.listdir(tmp_path) if name.isdigit()}  # saved again
