@@ -73,6 +73,14 @@ def requested_device_count(spec: str) -> int | None:
     return math.prod(size for _, size in axes)
 
 
+def check_spec_fits_batch(spec: str, global_batch: int) -> None:
+    """`check_batch_size` from the spec alone, before any device exists (when ``data`` is
+    not -1): a mesh too large for the batch is refused before it is made."""
+    data = dict(parse_mesh_spec(spec)).get(DATA_AXIS, 1)
+    if data > 0:
+        _check_batch_split(global_batch, data)
+
+
 def simulate_cpu_devices(count: int) -> bool:
     """Asks JAX for ``count`` CPU devices, so a mesh can be tried on a laptop.
 
@@ -195,7 +203,10 @@ def check_batch_size(global_batch: int, mesh: Mesh) -> None:
     Raises:
         UsageError: naming the nearest sizes that would work.
     """
-    replicas = data_size(mesh)
+    _check_batch_split(global_batch, data_size(mesh))
+
+
+def _check_batch_split(global_batch: int, replicas: int) -> None:
     if global_batch < 1 or global_batch % replicas:
         lower = max(replicas, global_batch // replicas * replicas)
         raise UsageError(

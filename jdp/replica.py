@@ -32,11 +32,16 @@ def loss_with_state(loss_fn: LossFn, *, has_aux: bool, has_model_state: bool) ->
     """``loss_fn`` in any of its forms as ``(params, model_state, batch, rng) -> (loss,
     aux, model_state)``: the one form the step calls."""
     if has_model_state:
-        return loss_fn
+
+        def with_state(params, model_state, batch, rng):
+            return _unpack(loss_fn(params, model_state, batch, rng), 3, "has_model_state=True",
+                           "(loss, aux, model_state)")  # fmt: skip
+
+        return with_state
     if has_aux:
 
         def with_aux(params, model_state, batch, rng):
-            loss, aux = loss_fn(params, batch, rng)
+            loss, aux = _unpack(loss_fn(params, batch, rng), 2, "has_aux=True", "(loss, aux)")
             return loss, aux, model_state
 
         return with_aux
@@ -45,6 +50,44 @@ def loss_with_state(loss_fn: LossFn, *, has_aux: bool, has_model_state: bool) ->
         return loss_fn(params, batch, rng), {}, model_state
 
     return plain
+
+
+def _unpack(result: Any, count: int, flag: str, form: str) -> tuple:
+    if not isinstance(result, tuple | list) or len(result) != count:
+        got = f"a {len(result)}-tuple" if isinstance(result, tuple | list) else "one value"
+        raise UsageError(f"with {flag}, loss_fn must return {form}; it returned {got}")
+    return tuple(result)
+
+
+def _check_params(params: Any) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            raise UsageError(
+                f"parameter {jax.tree_util.keystr(path)} is {jnp.result_type(leaf)}; parameters "
+                "must be floating point (keep integer constants out of params)"
+            )
+
+
+def _check_objective(loss: Any, aux: Any) -> None:
+    """One line for a loss or aux that has no useful gradient or average."""
+    shape, dtype = jnp.shape(loss), jnp.result_type(loss)
+    if shape != ():
+        raise UsageError(
+            f"loss_fn returned a loss of shape {shape}; return one number, the mean over the "
+            "batch (e.g. jnp.mean(per_example))"
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise UsageError(
+            f"loss_fn returned a {dtype} loss, which has no gradient; compute it in floating point"
+        )
+    if not isinstance(aux, Mapping):
+        raise UsageError(f"aux must be a dict of scalar metrics, got {type(aux).__name__}")
+    for name, value in aux.items():
+        if jnp.shape(value) != ():
+            raise UsageError(
+                f"aux metric {name!r} has shape {jnp.shape(value)}; aux holds scalars, "
+                "averaged over replicas (e.g. jnp.mean(per_example))"
+            )
 
 
 def metrics_with_state(metrics_fn: LossFn, *, has_model_state: bool) -> LossFn:
@@ -175,6 +218,7 @@ def train_step(
         params = cast_floats(params, precision.compute_dtype)
         batch = cast_floats(batch, precision.compute_dtype)
         loss, aux, model_state = loss_fn(params, model_state, batch, rng)
+        _check_objective(loss, aux)
         loss = loss.astype(jnp.float32)
         return loss * scale, (loss, cast_floats(aux, jnp.float32), model_state)
 
@@ -185,6 +229,7 @@ def train_step(
         # Under shard_map, replicated params are "invariant" and their gradient would
         # come back already summed over replicas; marked varying, each replica's
         # gradient stays local and the one reduction is the explicit pmean below.
+        _check_params(state.params)
         params = lax.pcast(state.params, DATA_AXIS, to="varying") if local_grads else state.params
         # A constant 1 folds away; only fp16 pays for scaling.
         scale = state.loss_scale.scale if precision.loss_scaling else 1.0

@@ -17,8 +17,10 @@ from jdp import distributed
 from jdp.config import TrainConfig
 from jdp.data.pipeline import EvalReader, check_train_batch
 from jdp.data.sources import Split, load_split
+from jdp.errors import UsageError
 from jdp.mesh import (
     check_batch_size,
+    check_spec_fits_batch,
     data_size,
     make_mesh,
     replicated,
@@ -77,10 +79,20 @@ def describe_run(
         )
 
 
+# Beyond this, simulated CPU devices take minutes and gigabytes to create.
+MAX_SIMULATED_DEVICES = 1024
+
+
 def setup_devices(mesh_spec: str, *, processes: int = 1) -> None:
     """Before JAX starts: on a CPU-only machine, simulate the devices the mesh asks of a process."""
     wanted = requested_device_count(mesh_spec)
     if wanted and wanted > processes and wanted % processes == 0:
+        if wanted // processes > MAX_SIMULATED_DEVICES:
+            raise UsageError(
+                f"--mesh {mesh_spec} asks for {wanted // processes} devices per process; jdp "
+                f"simulates at most {MAX_SIMULATED_DEVICES} CPU devices (each costs memory "
+                "and start-up time); use a smaller mesh"
+            )
         simulate_cpu_devices(wanted // processes)
 
 
@@ -153,6 +165,7 @@ def _mesh(config: TrainConfig, console: Console) -> Mesh:
         heartbeat_timeout=config.heartbeat_timeout,
         settings=config.shared_settings(),
     )
+    check_spec_fits_batch(config.mesh, config.batch_size)  # before devices are made for it
     setup_devices(config.mesh, processes=cluster.num_processes)
     mesh = make_mesh(config.mesh)
     check_batch_size(config.batch_size, mesh)

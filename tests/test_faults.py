@@ -263,3 +263,116 @@ def test_two_processes_agree_on_a_damaged_latest_checkpoint(tmp_path):
     assert "checkpoint step 40 is damaged (its array metadata is missing)" in again.stderr
     assert "jdp: resuming from step 20 in " in again.stdout
     assert 40 in {int(name) for name in os.listdir(tmp_path) if name.isdigit()}  # saved again
+
+
+def _loss_vector(params, batch, rng):
+    return (batch["x"] @ params["w"]).sum(axis=1)
+
+
+def _loss_int(params, batch, rng):
+    return jnp.mean(batch["x"] @ params["w"]).astype(jnp.int32)
+
+
+def _aux_vector(params, batch, rng):
+    out = batch["x"] @ params["w"]
+    return jnp.mean(out**2), {"per_example": out.sum(axis=1)}
+
+
+def _aux_missing(params, batch, rng):
+    return jnp.mean((batch["x"] @ params["w"]) ** 2)
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "has_aux", "params", "needle"),
+    [
+        (_loss_vector, False, None, "loss_fn returned a loss of shape (1,); return one number"),
+        (_loss_int, False, None, "loss_fn returned a int32 loss, which has no gradient"),
+        (_aux_vector, True, None, "aux metric 'per_example' has shape (1,); aux holds scalars"),
+        (_aux_missing, True, None, "with has_aux=True, loss_fn must return (loss, aux); it "),
+        (_aux_missing, False, {"w": jnp.ones((4, 1), jnp.int32)}, "parameter ['w'] is int32"),
+    ],
+)
+def test_a_loss_without_a_useful_gradient_is_one_line(mesh8, loss_fn, has_aux, params, needle):
+    params = params or {"w": jnp.ones((4, 1))}
+    tx = optax.sgd(0.1)
+    state = jdp.create_train_state(params, tx, mesh8)
+    step = jdp.make_train_step(loss_fn, tx, mesh8, has_aux=has_aux)
+    batch = jdp.shard_batch({"x": np.ones((8, 4), np.float32)}, mesh8)
+    with pytest.raises(jdp.UsageError) as error:
+        step(state, batch)
+    assert needle in str(error.value)
+
+
+def test_a_damaged_run_json_is_set_aside_and_begun_again(tmp_path, capfd):
+    from jdp.report.run_info import write_run_info
+
+    write_run_info(str(tmp_path), {"lr": 0.1}, {"mesh": {"data": 8}})
+    (tmp_path / "run.json").write_text('{"started": "2026-')  # cut short
+    write_run_info(str(tmp_path), {"lr": 0.1}, {"mesh": {"data": 8}})
+    assert "run.json was unreadable; moved to " in capfd.readouterr().err
+    assert json.loads((tmp_path / "run.json").read_text())["mesh"] == {"data": 8}
+    write_run_info(str(tmp_path), {"lr": 0.1}, {"mesh": {"data": 4}})
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["mesh"] == {"data": 8} and run["resumed"][0]["mesh"] == {"data": 4}
+    assert not [name for name in os.listdir(tmp_path) if ".tmp-" in name]
+
+
+def test_a_mesh_too_large_is_refused_before_devices_are_made():
+    result = run_cli("--mesh", "data=100000", timeout=60)
+    assert result.returncode == 2 and "not divisible by the data axis (100000" in result.stderr
+    result = run_cli("--mesh", "data=100000", "--batch-size", "100000", timeout=60)
+    assert result.returncode == 2 and "jdp simulates at most 1024 CPU devices" in result.stderr
+
+
+def _children(pid):
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:  # the parent pid
+                found.append(int(name))
+    return found
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read()
+    except OSError:
+        return b""
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_loader_workers_die_with_a_killed_trainer(tmp_path):
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps", "100000",
+         "--loader-workers", "2", "--log-dir", str(tmp_path), "--log-every", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=subprocess_env(),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "metrics.jsonl").exists():  # training, so the workers run
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(2.0)  # well into training: workers busy or waiting for room in the queue
+        workers = [pid for pid in _children(trainer.pid) if _alive(pid)]
+        spawned = [pid for pid in workers if b"spawn_main" in _cmdline(pid)]
+        assert len(spawned) == 2, workers
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    deadline = time.monotonic() + 20  # each worker looks for its parent once a second
+    while any(_alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, [pid for pid in workers if _alive(pid)]
+        time.sleep(0.2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -162,8 +163,27 @@ def host_batches(
         # reports it ("leaked shared_memory objects").
         options = grain.experimental.DatasetOptions(min_shm_size=32 * 1024)
         host = grain.experimental.WithOptionsIterDataset(host, options)
-        host = host.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+        host = host.mp_prefetch(
+            grain.MultiprocessingOptions(num_workers=workers), worker_init_fn=die_with_parent
+        )
     return host
+
+
+def die_with_parent(worker_index: int = 0, worker_count: int = 0) -> None:
+    """In a worker process: exit when the process that started it is gone.
+
+    A parent killed with SIGKILL cannot stop its workers, which would go on
+    holding their memory; each worker watches its parent's pid instead (a
+    daemon thread, once a second) and exits when it changes.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="jdp-watch-parent", daemon=True).start()
 
 
 _END = object()

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,16 +45,41 @@ def write_run_info(log_dir: str, config: Mapping[str, Any], facts: Mapping[str, 
         **facts,
     }
     run_path = os.path.join(log_dir, "run.json")
-    if os.path.exists(run_path):
-        with open(run_path) as file:
-            first = json.load(file)
+    first = _read_or_set_aside(run_path)
+    if first is not None:
         first.setdefault("resumed", []).append(run)
         run = first
-    else:
-        with open(os.path.join(log_dir, "config.json"), "w") as file:
-            json.dump(dict(config), file, indent=2)
-    with open(run_path, "w") as file:
-        json.dump(run, file, indent=2)
+    if not os.path.exists(os.path.join(log_dir, "config.json")):
+        write_json(os.path.join(log_dir, "config.json"), dict(config))
+    write_json(run_path, run)
+
+
+def write_json(path: str, value: Any) -> None:
+    """Writes ``path`` whole or not at all: into a temporary file, then renamed over it."""
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as file:
+        json.dump(value, file, indent=2)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def _read_or_set_aside(path: str) -> dict | None:
+    """The JSON object in ``path``; None when there is none, or it is damaged (then renamed
+    ``PATH.damaged-TIME`` with a warning, and a new one begun)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as file:
+            value = json.load(file)
+        if isinstance(value, dict):
+            return value
+    except (OSError, ValueError):
+        pass
+    aside = f"{path}.damaged-{int(time.time())}"
+    os.replace(path, aside)
+    print(f"jdp: warning: {path} was unreadable; moved to {aside}", file=sys.stderr, flush=True)
+    return None
 
 
 def _command_line() -> list[str]:
