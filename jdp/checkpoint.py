@@ -14,8 +14,10 @@ with a warning naming what failed. One run at a time owns the directory
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -81,10 +83,45 @@ def _drop_closed_loop_errors() -> None:
         error = unraisable.exc_value
         if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
             return
+        if isinstance(error, ImportError) and "shutting down" in str(error):
+            return  # a failed save's writes, abandoned at exit
         previous(unraisable)
 
     hook.jdp_filter = True
     sys.unraisablehook = hook
+    logging.getLogger("absl").addFilter(_not_a_save_thread_error)
+
+
+def _not_a_save_thread_error(record: logging.LogRecord) -> bool:
+    """Drops Orbax's logs of a failed background write (tracebacks from its threads): the
+    same error comes back from the save or the wait, and `Checkpointer` reports it in
+    one line."""
+    from_orbax = f"{os.sep}orbax{os.sep}checkpoint{os.sep}" in record.pathname
+    with_traceback = record.exc_info is not None or "raised an exception" in str(record.msg)
+    return not (from_orbax and record.levelno >= logging.ERROR and with_traceback)
+
+
+_OS_REASONS = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "File too large",
+    "Read-only file system",
+    "Permission denied",
+    "No such file or directory",
+)
+
+
+def _not_an_abandoned_write(record: logging.LogRecord) -> bool:
+    return "exception was never retrieved" not in str(record.msg)
+
+
+def _os_reason(error: Exception) -> str:
+    """The operating system's reason in a (long, nested) Orbax or tensorstore error."""
+    text = str(error)
+    for reason in _OS_REASONS:
+        if reason.lower() in text.lower():
+            return reason
+    return _first_line(error)
 
 
 class _Damaged(Exception):
@@ -210,6 +247,8 @@ class Checkpointer:
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise UsageError(f"--ckpt-dir {self.directory} is a file, not a directory")
         self._lock = DirectoryLock(self.directory)
+        self._failed = False
+        _drop_closed_loop_errors()
         self._take_lock()
         policies = [ocp.checkpoint_managers.LatestN(keep)]
         if best_metric:
@@ -286,13 +325,35 @@ class Checkpointer:
             "arrays": arrays,
         }
         meta["meta_digest"] = _meta_digest(meta)
-        return self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(saveable), meta=ocp.args.JsonSave(meta)
-            ),
-            metrics=dict(metrics) if metrics else None,
-            force=True,
+        try:
+            return self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeSave(saveable), meta=ocp.args.JsonSave(meta)
+                ),
+                metrics=dict(metrics) if metrics else None,
+                force=True,
+            )
+        except Exception as error:  # this save, or the one before it in the background
+            raise self._write_failed(error) from None
+
+    def _write_failed(self, error: Exception) -> UsageError:
+        """One line for a save that failed: why, and the last checkpoint that is whole."""
+        self._failed = True
+        # The save's other writes failed alike; asyncio would log each one at exit.
+        logging.getLogger("asyncio").addFilter(_not_an_abandoned_write)
+        complete: list[int] = []
+        with contextlib.suppress(Exception):
+            self._manager.reload()
+            complete = sorted(self._manager.all_steps())
+        last = (
+            f"the last complete checkpoint is step {complete[-1]}"
+            if complete
+            else "no checkpoint there is complete"
+        )
+        return UsageError(
+            f"could not write a checkpoint in {self.directory} ({_os_reason(error)}); {last}; "
+            "free space there, or choose another --ckpt-dir"
         )
 
     def restore(
@@ -318,7 +379,6 @@ class Checkpointer:
         Raises:
             UsageError: the checkpoint holds a different model or optimizer.
         """
-        _drop_closed_loop_errors()
         target = _abstract(_saveable(like))
         expected = _leaf_names(target)
         for step in reversed(self.steps()):
@@ -396,13 +456,25 @@ class Checkpointer:
         self._manager.reload()
 
     def wait(self) -> None:
-        """Blocks until every started save is committed to disk."""
-        self._manager.wait_until_finished()
+        """Blocks until every started save is committed to disk.
+
+        Raises:
+            UsageError: a save failed (a full disk, a directory gone), naming the
+                last complete checkpoint.
+        """
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:
+            raise self._write_failed(error) from None
 
     def close(self) -> None:
         try:
-            self._manager.wait_until_finished()
-            self._manager.close()
+            if self._failed:  # reported already: let the rest go quietly
+                with contextlib.suppress(Exception):
+                    self._manager.close()
+            else:
+                self.wait()
+                self._manager.close()
         finally:
             self._lock.release()
 

@@ -90,8 +90,9 @@ def initialize(
         initialization_timeout=max(30, int(startup_timeout - (time.monotonic() - started))),
         heartbeat_timeout_seconds=max(1, round(heartbeat_timeout)),
         # How long a finished process waits for the others at exit: they may be
-        # seconds behind (a last eval, a save), so not the short heartbeat timeout.
-        shutdown_timeout_seconds=max(1, round(startup_timeout)),
+        # seconds behind (a last eval, a save), never longer than a lost one is
+        # waited for.
+        shutdown_timeout_seconds=max(1, round(heartbeat_timeout)),
         coordinator_bind_address=cluster.bind,
     )
     return cluster

@@ -201,13 +201,13 @@ def _actions(config, run, stack, console, logger, batches, checkpoints, callback
         )
         actions.append(checkpoint)
     actions.append(CheckReplicas(config.check_replicas_every))
-    # Several processes: JAX's runtime takes SIGTERM over, so it is always asked.
-    if checkpoints is not None or jax.process_count() > 1:
-        preemption = stack.enter_context(Preemption())
-        actions.append(
-            StopOnPreemption(preemption, steps_per_call=config.steps_per_call,
-                             checkpoint=checkpoint, ckpt_dir=config.ckpt_dir)
-        )  # fmt: skip
+    # Always asked: a signal ends the run at a step boundary (saving when it can),
+    # never mid-step; several processes agree on the step through JAX's runtime.
+    preemption = stack.enter_context(Preemption())
+    actions.append(
+        StopOnPreemption(preemption, steps_per_call=config.steps_per_call,
+                         checkpoint=checkpoint, ckpt_dir=config.ckpt_dir)
+    )  # fmt: skip
     return actions
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
@@ -9,12 +10,20 @@ from typing import Any
 import jax
 
 
+def _forward_as_sigterm(number, frame) -> None:
+    """SIGINT in a multi-process run: to JAX's runtime as SIGTERM, which every process
+    hears of and stops at the same step for."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 class Preemption:
     """Turns SIGTERM and SIGINT into "save at the next step boundary and exit".
 
     In a multi-process run every process must stop at the same step: JAX's
-    distributed runtime receives the signal and ``reached`` asks it (Orbax's
-    preemption sync); a single process uses its own handlers.
+    distributed runtime receives SIGTERM and ``reached`` asks it (Orbax's
+    preemption sync), and SIGINT to any one process is passed on to it as
+    SIGTERM (Ctrl-C under Slurm reaches the processes one by one); a single
+    process uses its own handlers.
     """
 
     def __init__(self):
@@ -22,9 +31,13 @@ class Preemption:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> Preemption:
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        if jax.process_count() == 1:
             for number in (signal.SIGTERM, signal.SIGINT):
                 self._previous[number] = signal.signal(number, self._handle)
+        else:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, _forward_as_sigterm)
         return self
 
     def _handle(self, number, frame) -> None:

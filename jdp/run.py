@@ -35,6 +35,7 @@ from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
 from jdp.report.run_info import write_run_info
 from jdp.report.throughput import Throughput, peak_flops, step_flops
+from jdp.report.writers import check_writable
 from jdp.state import TrainState, create_train_state
 from jdp.step import CompiledStep, make_eval_step, make_train_step
 
@@ -121,6 +122,10 @@ def build(config: TrainConfig, console: Console, model: Model | None = None) -> 
         UsageError: a mesh, batch size, dataset or model that cannot work here.
     """
     mesh = _mesh(config, console)
+    if jax.process_index() == 0:  # now, not after the data and model are made
+        for flag, directory in (("--log-dir", config.log_dir), ("--ckpt-dir", config.ckpt_dir)):
+            if directory:
+                check_writable(directory, flag)
     train = load_split(config.dataset, "train", config.data_dir)
     test = load_split(config.dataset, "test", config.data_dir)
     check_train_batch(train, config.batch_size)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -12,19 +14,41 @@ from jdp.loop import fit
 from jdp.report.console import Console
 
 
+class _Interrupted(Exception):
+    """A signal before the training loop took signals over (or after it let go)."""
+
+
+def _interrupt(number, frame) -> None:
+    raise _Interrupted(signal.Signals(number).name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    previous = {number: signal.signal(number, _interrupt) for number in _SIGNALS}
     try:
         config = parse_flags(argv)
         console = Console()
         result = fit(config, console=console)
+    except _Interrupted as interrupted:
+        sys.stderr.write(f"jdp.train: {interrupted} outside training steps; nothing saved\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Interrupted anywhere in start-up, threads (compilation, loading) may be
+        # mid-work; waiting for them at exit can abort. Nothing is in flight to keep.
+        os._exit(128 + signal.Signals[str(interrupted)].value)
     except UsageError as error:
         sys.stderr.write(f"jdp.train: error: {error}\n")
         return 2
     except (ReplicaMismatchError, NonFiniteError) as error:
         sys.stderr.write(f"jdp.train: error: {error}\n")
         return 1
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
     console.line(result.summary_line())
     return 0
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 if __name__ == "__main__":

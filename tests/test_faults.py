@@ -376,3 +376,112 @@ def test_loader_workers_die_with_a_killed_trainer(tmp_path):
     while any(_alive(pid) for pid in workers):
         assert time.monotonic() < deadline, [pid for pid in workers if _alive(pid)]
         time.sleep(0.2)
+
+
+def test_sigint_to_one_process_saves_in_every_process_at_one_step(tmp_path):
+    port = free_port()
+    flags = ["--mesh", "data=2", "--steps", "100000", "--ckpt-dir", tmp_path]
+    flags += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jdp.train", *map(str, flags), "--process-id", str(index)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(devices=1),
+        )
+        for index in range(2)
+    ]
+    try:
+        lock = tmp_path / LOCK_NAME
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text().strip()):  # past start-up
+            assert all(p.poll() is None for p in processes) and time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(3)  # training
+        started = time.monotonic()
+        processes[1].send_signal(signal.SIGINT)  # to one process only
+        outputs = [process.communicate(timeout=120) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    assert time.monotonic() - started < 60  # no wait for a collective's or barrier's timeout
+    for process, (_, stderr) in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, stderr[-2000:]
+        assert "KeyboardInterrupt" not in stderr
+    line = [text for text in outputs[0][0].splitlines() if "checkpoint saved in" in text]
+    assert line, outputs[0][0][-2000:]
+    steps = {int(name) for name in os.listdir(tmp_path) if name.isdigit()}
+    assert len(steps) == 1 and f"at step {steps.pop()};" in line[0]
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_at_start_up_or_without_a_ckpt_dir_is_one_line(tmp_path, signal_number):
+    command = [sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps", "100000"]
+    # At start-up: as soon as the run says what it built, before its first step.
+    early = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=subprocess_env())  # fmt: skip
+    early.stdout.readline()
+    early.send_signal(signal_number)
+    _, stderr = early.communicate(timeout=120)
+    name = signal.Signals(signal_number).name
+    if early.returncode == 0:  # it had reached its steps: then it stops as below
+        assert "stopped without saving (no --ckpt-dir)" in early.stdout.read() + stderr
+    else:
+        assert early.returncode == 128 + signal_number, stderr
+        assert stderr.strip().splitlines()[-1] == (
+            f"jdp.train: {name} outside training steps; nothing saved"
+        ), stderr
+    # Mid-run, without --ckpt-dir: the run stops at a step boundary and says so.
+    late = subprocess.Popen([*command, "--log-dir", str(tmp_path), "--log-every", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env())  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics.jsonl").exists():
+        assert late.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    late.send_signal(signal_number)
+    stdout, stderr = late.communicate(timeout=120)
+    assert late.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert f"jdp.train: {name} at step " in stdout
+    assert stdout.strip().splitlines()[-1].endswith("stopped without saving (no --ckpt-dir)")
+
+
+@pytest.mark.parametrize(
+    ("flag", "path", "needle"),
+    [
+        ("--log-dir", "/proc/jdp-logs", "cannot write in --log-dir /proc/jdp-logs ("),
+        ("--ckpt-dir", "/proc/jdp-ckpt", "cannot write in --ckpt-dir /proc/jdp-ckpt ("),
+        ("--log-dir", "FILE", "is a file, not a directory"),
+    ],
+)
+def test_an_unwritable_directory_is_one_line(tmp_path, flag, path, needle):
+    if path == "FILE":
+        path = tmp_path / "a-file"
+        path.write_text("")
+    result = run_cli("--mesh", "data=1", "--steps", "2", "--warmup-steps", "0", flag, path,
+                     timeout=120)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_a_full_disk_during_a_save_is_one_line(tmp_path):
+    # A file-size limit stands in for a full disk (no root or tmpfs needed): every
+    # write past 100 KiB fails with EFBIG, as one past the free space fails with ENOSPC.
+    prepared = run_cli("--mesh", "data=1", "--steps", "1", "--warmup-steps", "0")  # the data
+    assert prepared.returncode == 0, prepared.stderr
+    command = (
+        f"ulimit -f 100; exec {sys.executable} -m jdp.train --mesh data=1 --steps 40 "
+        f"--ckpt-every 10 --ckpt-dir {tmp_path}"
+    )
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                            timeout=240, env=subprocess_env())  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if not line.startswith(" ")]
+    lines = [line for line in lines if "Warning" not in line]  # a library's own warnings
+    assert lines == [
+        f"jdp.train: error: could not write a checkpoint in {tmp_path} (File too large); no "
+        "checkpoint there is complete; free space there, or choose another --ckpt-dir"
+    ], result.stderr

@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from jdp.errors import UsageError
 from jdp.report.events import event, masked_crc32c
 
 # Record keys that describe speed rather than the model (TensorBoard's perf/ group).
@@ -98,6 +99,27 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def check_writable(directory: str, flag: str) -> None:
+    """Creates ``directory`` and writes and removes a probe file in it, or says why not.
+
+    Raises:
+        UsageError: one line naming the flag and the reason.
+    """
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"{flag} {directory} is a file, not a directory")
+    probe = os.path.join(directory, f".jdp-probe-{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "w") as file:
+            file.write("probe")
+        os.remove(probe)
+    except OSError as error:
+        raise UsageError(
+            f"cannot write in {flag} {directory} ({error.strerror or error}); choose a "
+            "writable directory"
+        ) from None
 
 
 def open_writers(log_dir: str) -> list[Writer]:
