@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -89,6 +90,10 @@ def _drop_closed_loop_errors() -> None:
 
     hook.jdp_filter = True
     sys.unraisablehook = hook
+    # A damaged array's metadata read leaves Orbax's other reads unawaited.
+    warnings.filterwarnings(
+        "ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning
+    )
     logging.getLogger("absl").addFilter(_not_a_save_thread_error)
 
 
@@ -503,7 +508,7 @@ def _digest_mismatch(restored: Any, arrays: Mapping[str, Mapping] | None) -> str
     if not arrays:
         return None  # written before checkpoints carried digests: nothing to compare
     digests = tree_digests(restored)
-    for name in sorted(digests):
+    for name in sorted(digests):  # every restored leaf has a recorded digest to match
         if arrays.get(name, {}).get("digest") != digests[name]:
             return f"{name} does not match its digest"
     return None
@@ -516,11 +521,14 @@ def _step_directory(path: str) -> str:
     steps = (
         [int(name) for name in os.listdir(path) if name.isdigit()] if os.path.isdir(path) else []
     )
-    if not steps:
+    # The latest whole one: a step directory emptied or a broken link is passed over.
+    whole = [step for step in steps if os.path.isdir(os.path.join(path, str(step), "state"))]
+    if not whole:
+        found = f" (steps {', '.join(map(str, sorted(steps)))} are incomplete)" if steps else ""
         raise UsageError(
-            f"no checkpoint in {path}; pass a --ckpt-dir or one of its step directories"
+            f"no checkpoint in {path}{found}; pass a --ckpt-dir or one of its step directories"
         )
-    return os.path.join(path, str(max(steps)))
+    return os.path.join(path, str(max(whole)))
 
 
 def load_params(path: str | os.PathLike, mesh: Mesh | None = None) -> Any:
@@ -561,4 +569,19 @@ def load_params(path: str | os.PathLike, mesh: Mesh | None = None) -> Any:
         dict(metadata["params"]),
     )
     restored = checkpointer.restore(state_dir, args=_restore_args({"params": params}, partial=True))
+    problem = _digest_mismatch(restored, _recorded_arrays(step_dir))
+    if problem:
+        raise UsageError(
+            f"checkpoint {step_dir} is damaged ({problem}); load another of its step directories"
+        )
     return restored["params"]
+
+
+def _recorded_arrays(step_dir: str) -> dict:
+    """The digests a checkpoint's record holds for its params (none if unreadable or old)."""
+    try:
+        with open(os.path.join(step_dir, "meta", "metadata")) as file:
+            arrays = json.load(file).get("arrays", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {name: value for name, value in arrays.items() if name.startswith("params/")}

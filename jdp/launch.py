@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -231,6 +232,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give the command to run after --, e.g. -- python -m jdp.train")
     if args.nproc < 1 or (args.devices_per_process is not None and args.devices_per_process < 1):
         parser.error("--nproc and --devices-per-process must be at least 1")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    if not 0 <= args.grace < float("inf"):  # also false for NaN
+        parser.error(f"--grace must be a finite number of seconds >= 0, got {args.grace}")
+    if shutil.which(command[0]) is None:
+        parser.error(f"command not found: {command[0]}")
     return launch(
         command,
         args.nproc,

@@ -150,6 +150,12 @@ def make_mesh(spec: str, *, devices: Sequence[jax.Device] | None = None) -> Mesh
             raise UsageError(
                 f"mesh {spec!r}: {len(devices)} devices do not divide by the fixed axes' "
                 f"product {fixed}; choose sizes whose product divides {len(devices)}"
+                + (
+                    f" (without an accelerator, give every axis a size, e.g. "
+                    f"{spec.replace('-1', '2')}, and jdp simulates the CPU devices)"
+                    if devices[0].platform == "cpu"
+                    else ""
+                )
             )
         axes = tuple((name, len(devices) // fixed if size == -1 else size) for name, size in axes)
     needed = math.prod(size for _, size in axes)

@@ -485,3 +485,60 @@ def test_a_full_disk_during_a_save_is_one_line(tmp_path):
         f"jdp.train: error: could not write a checkpoint in {tmp_path} (File too large); no "
         "checkpoint there is complete; free space there, or choose another --ckpt-dir"
     ], result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--nproc", "2", "--grace", "-5", "--", "python"], "--grace must be a finite number"),
+        (["--nproc", "2", "--port", "70000", "--", "python"], "--port must be in 1..65535"),
+        (["--nproc", "2", "--", "/nonexistent"], "command not found: /nonexistent"),
+    ],
+)
+def test_launcher_refuses_bad_settings_in_one_line(argv, needle):
+    from helpers import run_python
+
+    result = run_python("-m", "jdp.launch", *argv, timeout=60)
+    assert result.returncode == 2
+    assert needle in result.stderr.strip().splitlines()[-1], result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--data-dir", "FILE"], "is a file, not a directory; create it"),
+        (["--mesh", "data=-1,model=2"], "e.g. data=2,model=2, and jdp simulates the CPU devices"),
+        (["--reduce-dtype", "fp16"], "unknown reduce dtype 'fp16'; choose one of: fp32, bf16"),
+    ],
+)
+def test_more_bad_flags_are_one_line(tmp_path, flags, needle):
+    file = tmp_path / "a-file"
+    file.write_text("")
+    result = run_cli(*[str(file) if flag == "FILE" else flag for flag in flags], devices=1,
+                     timeout=120)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_load_params_skips_incomplete_entries_and_checks_digests(tmp_path, mesh8):
+    _, second = _two_checkpoints(tmp_path, mesh8)
+    (tmp_path / "7").mkdir()  # emptied
+    os.symlink(tmp_path / "gone", tmp_path / "9")  # a broken link
+    np.testing.assert_array_equal(jdp.load_params(tmp_path)["w"], second.params["w"])
+    only_broken = tmp_path / "only-broken"
+    (only_broken / "7").mkdir(parents=True)
+    os.symlink(tmp_path / "gone", only_broken / "9")
+    with pytest.raises(jdp.UsageError, match=r"\(steps 7, 9 are incomplete\)"):
+        jdp.load_params(only_broken)
+    # Same-size damage that still decodes, in the params: named, never returned.
+    import orbax.checkpoint as ocp
+
+    from jdp.checkpoint import _saveable
+
+    other = _saveable(second).replace(params={"w": second.params["w"] * 3, "b": second.params["b"]})
+    shutil.rmtree(tmp_path / "1" / "state")
+    with ocp.StandardCheckpointer() as writer:
+        writer.save(tmp_path / "1" / "state", other)
+    with pytest.raises(jdp.UsageError, match=r"is damaged \(params/w does not match its digest\)"):
+        jdp.load_params(tmp_path)

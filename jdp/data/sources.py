@@ -235,8 +235,9 @@ def load_split(
 
 def _load_split(spec: DatasetSpec, name: str, split: str, data_dir: str | None) -> Split:
     if data_dir is not None and not os.path.isdir(data_dir):
+        what = "is a file, not a directory" if os.path.exists(data_dir) else "does not exist"
         raise UsageError(
-            f"--data-dir {data_dir} does not exist; create it, or omit --data-dir to use "
+            f"--data-dir {data_dir} {what}; create it, or omit --data-dir to use "
             f"{default_data_dir()}"
         )
     data_dir = data_dir or default_data_dir()
