@@ -70,11 +70,17 @@ def _sums(leaves: list[jax.Array]) -> jax.Array:
 _sums_jit = jax.jit(_sums)
 
 
+def _replicated(leaf: Any) -> bool:
+    sharding = getattr(leaf, "sharding", None)
+    return sharding is None or sharding.is_fully_replicated
+
+
 def tree_digests(tree: Any) -> dict[str, str]:
     """``{leaf name: 16 hex digits}`` for every array leaf of ``tree``.
 
-    Every process of a multi-process run must call it together (it is one
-    compiled computation over the global arrays).
+    When every leaf is replicated, each process hashes its first device's copy
+    alone; otherwise every process of a multi-process run must call it together
+    (one compiled computation over the global arrays).
 
     Examples:
         >>> digests = jdp.digest.tree_digests({"w": jnp.ones(3), "b": jnp.zeros(2)})
@@ -82,6 +88,13 @@ def tree_digests(tree: Any) -> dict[str, str]:
         (['b', 'w'], 16)
     """
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    sums = np.asarray(jax.device_get(_sums_jit([leaf for _, leaf in flat])))
+    leaves = [leaf for _, leaf in flat]
+    if all(_replicated(leaf) for leaf in leaves):
+        # One copy is the whole of each: hash it on one device, not once per replica.
+        copies = [leaf.addressable_shards[0].data if hasattr(leaf, "sharding") else leaf
+                  for leaf in leaves]  # fmt: skip
+        device = next((c.device for c in copies if hasattr(c, "device")), None)
+        leaves = jax.device_put(copies, device) if device is not None else copies
+    sums = np.asarray(jax.device_get(_sums_jit(leaves)))
     pairs = zip(flat, sums, strict=True)
     return {leaf_name(path): f"{a:08x}{b:08x}" for (path, _), (a, b) in pairs}
