@@ -48,7 +48,9 @@ def test_single_bit_flips_are_detected_never_restored_silently():
     outcomes = bit_flips(20, seed=0)
     assert outcomes["silent"] == 0, outcomes
     assert outcomes["detected"] + outcomes["unaffected"] == 20, outcomes
-    assert outcomes["detected"] >= 1, outcomes  # the trials reach bytes that matter
+    # Each byte is as likely, and most of a checkpoint is array data that restore reads:
+    # without the digests most of these flips restore silently (15 of 20 here).
+    assert outcomes["detected"] >= 10, outcomes
 
 
 def test_changed_array_bytes_name_the_leaf(tmp_path, mesh8, capfd):

@@ -2,10 +2,11 @@
 
 Kills: a run is killed with SIGKILL at a random moment (any step, during a save
 or between saves), resumed with the same command, and its final checkpoint
-compared bitwise with an uninterrupted run's. Flips: one random bit of one
-random file of the latest checkpoint is flipped, the directory restored, and
-the outcome sorted: the damage detected (the checkpoint set aside and the one
-before it restored), unaffected (the bit was in bytes nothing reads, and the
+compared bitwise with an uninterrupted run's. Flips: one random bit of the
+latest checkpoint (every byte of its files as likely; or of its array data
+files alone) is flipped, the directory restored, and the outcome sorted: the
+damage detected (the checkpoint set aside and the one before it restored),
+unaffected (the bit was in bytes nothing reads, and the
 restored state equals the saved one bit for bit), or restored silently with
 other values. The last count is the one that must be 0.
 """
@@ -69,8 +70,12 @@ def _saved_bytes(state) -> dict[str, np.ndarray]:
     return _tree_bytes(_saveable(state))
 
 
-def bit_flips(trials: int, seed: int) -> Counter:
-    """Flips one random bit per trial in the latest of two checkpoints; counts the outcomes."""
+def bit_flips(trials: int, seed: int, *, data_only: bool = False) -> Counter:
+    """Flips one random bit per trial in the latest of two checkpoints; counts the outcomes.
+
+    ``data_only``: only in the array data files (OCDBT's ``d/`` files), not the
+    metadata and record beside them.
+    """
     from jdp.checkpoint import Checkpointer
 
     first = _flip_state()
@@ -86,23 +91,29 @@ def bit_flips(trials: int, seed: int) -> Counter:
             checkpoints.save(first, loader_step=1)
             checkpoints.save(second, loader_step=2)
         latest = os.path.join(base, str(int(second.step)))
-        files = sorted(
-            os.path.relpath(os.path.join(where, name), base)
+        files = sorted(  # by size: the random names of OCDBT's files change between runs
+            (
+                os.path.getsize(os.path.join(where, name)),
+                os.path.relpath(os.path.join(where, name), base),
+            )
             for where, _, names in os.walk(latest)
             for name in names
+            if not data_only or os.path.basename(where) == "d"
         )
+        total = sum(size for size, _ in files)
         for trial in range(trials):
             directory = os.path.join(root, f"trial-{trial}")  # a new path: no cached reads
             shutil.copytree(base, directory)
-            path = os.path.join(directory, rng.choice(files))
-            with open(path, "r+b") as handle:
-                data = bytearray(handle.read())
-                if not data:
-                    outcomes["unaffected"] += 1
-                    continue
-                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-                handle.seek(0)
-                handle.write(data)
+            offset = rng.randrange(total)  # a byte of the checkpoint, each as likely
+            index = 0
+            while offset >= files[index][0]:
+                offset -= files[index][0]
+                index += 1
+            with open(os.path.join(directory, files[index][1]), "r+b") as handle:
+                handle.seek(offset)
+                byte = handle.read(1)[0] ^ (1 << rng.randrange(8))
+                handle.seek(offset)
+                handle.write(bytes([byte]))
             with Checkpointer(directory) as checkpoints:
                 restored = checkpoints.restore(first)
             if restored is None or int(restored[1]["step"]) != int(second.step):
@@ -174,12 +185,13 @@ def bench_faults(
 ) -> list[str]:
     """Both kinds of trial; the report's lines, each passed to ``on_line`` as it comes."""
     lines, emit = report_lines(on_line)
-    if flip_trials:
-        flips = bit_flips(flip_trials, seed)
-        emit(
-            f"bit flips: trials={flip_trials} detected={flips['detected']} "
-            f"unaffected={flips['unaffected']} silent={flips['silent']}"
-        )
+    for data_only, where in ((False, "anywhere in a checkpoint"), (True, "in its array data")):
+        if flip_trials:
+            flips = bit_flips(flip_trials, seed, data_only=data_only)
+            emit(
+                f"bit flips {where}: trials={flip_trials} detected={flips['detected']} "
+                f"unaffected={flips['unaffected']} silent={flips['silent']}"
+            )
     if kill_trials:
         emit(f"kill -9 trials ({KILL_RUN}):")
         result = kills(kill_trials, seed, emit)
