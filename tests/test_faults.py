@@ -544,3 +544,19 @@ def test_load_params_skips_incomplete_entries_and_checks_digests(tmp_path, mesh8
         writer.save(tmp_path / "1" / "state", other)
     with pytest.raises(jdp.UsageError, match=r"is damaged \(params/w does not match its digest\)"):
         jdp.load_params(tmp_path)
+
+
+def test_a_damaged_dataset_file_is_one_line(tmp_path):
+    flags = ["--mesh", "data=1", "--steps", "1", "--warmup-steps", "0", "--data-dir", tmp_path]
+    prepared = run_cli(*flags)
+    assert prepared.returncode == 0, prepared.stderr
+    (path,) = tmp_path.glob("digits/*/digits-train.array_record-*")
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 40] = bytes(byte ^ 0x55 for byte in data[middle : middle + 40])
+    path.write_bytes(data)
+    result = run_cli(*flags)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "dataset 'digits' (train) in " in lines[0], result.stderr
+    assert "is damaged (Corrupted Riegeli/records file" in lines[0]

@@ -256,7 +256,14 @@ def _load_split(spec: DatasetSpec, name: str, split: str, data_dir: str | None) 
             f"`{_prepare_command(name, data_dir)}` into another --data-dir"
         )
     source = builder.as_data_source(split=split)
-    examples = source.__getitems__(range(len(source)))
+    try:
+        examples = source.__getitems__(range(len(source)))
+    except RuntimeError as error:  # array_record's own checksums: "Corrupted Riegeli/records"
+        reason = str(error).strip().splitlines()[0][:120]
+        raise UsageError(
+            f"dataset {name!r} ({split}) in {data_dir} is damaged ({reason}); prepare it "
+            f"again: remove {os.path.join(data_dir, spec.tfds_name)} and rerun"
+        ) from None
     return Split(
         image=np.stack([np.asarray(example["image"]) for example in examples]),
         label=np.asarray([example["label"] for example in examples], np.int32),
