@@ -35,6 +35,7 @@ def initialize(
     startup_timeout: float = 300,
     heartbeat_timeout: float = 60,
     settings: dict | None = None,
+    error: str | None = None,
 ) -> Cluster:
     """Joins this process to a multi-process run; a no-op for a single process.
 
@@ -50,6 +51,8 @@ def initialize(
         heartbeat_timeout: seconds without a heartbeat after which a process is lost.
         settings: what every process must agree on (JSON values by flag name);
             a difference stops every process at start-up, naming the flags.
+        error: why this process cannot run (found before joining, e.g. its
+            data is missing); every process then stops at start-up with it.
 
     Returns:
         The `Cluster` this process belongs to.
@@ -79,7 +82,7 @@ def initialize(
     if cluster.num_processes == 1:
         return cluster
     started = time.monotonic()
-    handshake(cluster, startup_timeout, settings)
+    handshake(cluster, startup_timeout, settings, error)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         cluster.coordinator,

@@ -21,18 +21,26 @@ from jdp.errors import UsageError
 _HELLO = "jdp-hello/2"
 
 Settings = dict[str, object]
+_ERROR = "jdp_start_up_error"  # a key of the settings: this process's start-up error
 
 
-def handshake(cluster: Cluster, timeout: float, settings: Settings | None = None) -> None:
+def handshake(
+    cluster: Cluster, timeout: float, settings: Settings | None = None, error: str | None = None
+) -> None:
     """Waits until every process has reached process 0, naming those that did not.
 
     ``settings`` (JSON values by flag name) must be the same in every process;
     a process whose settings differ stops every process, naming the flags.
+    ``error``: this process cannot run (its data is missing, say); every process
+    stops with it, instead of waiting for it in a collective.
     """
+    settings = dict(settings or {})
+    if error:
+        settings[_ERROR] = f"process {cluster.process_id}: {error}"
     if cluster.process_id == 0:
-        _gather(cluster, timeout, settings or {})
+        _gather(cluster, timeout, settings)
     else:
-        _report(cluster, timeout, settings or {})
+        _report(cluster, timeout, settings)
 
 
 def _listen(cluster: Cluster) -> socket.socket:
@@ -54,6 +62,7 @@ def _listen(cluster: Cluster) -> socket.socket:
 
 
 def _gather(cluster: Cluster, timeout: float, settings: Settings) -> None:
+    own_error = settings.pop(_ERROR, None)
     deadline = time.monotonic() + timeout
     arrived: dict[int, socket.socket] = {}
     message = None
@@ -77,6 +86,7 @@ def _gather(cluster: Cluster, timeout: float, settings: Settings) -> None:
                     time.sleep(0.1)
                     continue
                 message = _admit(connection, cluster, arrived, settings)
+            message = own_error or message
             reply = f"error {message}" if message else "go"
             for connection in arrived.values():
                 _send(connection, reply)
@@ -123,26 +133,13 @@ def _admit(connection: socket.socket, cluster: Cluster, arrived: dict, settings:
         connection.close()  # not a jdp process: a port scanner, a health probe
         return None
     index, count = int(words[1]), int(words[2])
-    problem = None
-    differ = sorted(name for name in settings.keys() | theirs.keys()
-                    if settings.get(name) != theirs.get(name))  # fmt: skip
-    if differ:
-        shown = "; ".join(
-            f"--{name.replace('_', '-')} {theirs.get(name)} in process {index}, "
-            f"{settings.get(name)} in process 0"
-            for name in differ[:4]
-        )
-        more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
-        problem = (
-            f"the processes were started with different flags: {shown}{more}; start every "
-            "process with the same flags"
-        )
-    elif count != cluster.num_processes:
+    problem = theirs.pop(_ERROR, None) or _differences(index, theirs, settings)
+    if not problem and count != cluster.num_processes:
         problem = (
             f"process {index} was started with --num-processes {count}, process 0 with "
             f"{cluster.num_processes}; start every process with the same count"
         )
-    elif index in arrived:
+    elif not problem and index in arrived:
         problem = f"two processes were started with --process-id {index}; give each its own id"
     if problem:
         _send(connection, f"error {problem}")
@@ -151,6 +148,24 @@ def _admit(connection: socket.socket, cluster: Cluster, arrived: dict, settings:
     connection.settimeout(None)
     arrived[index] = connection
     return None
+
+
+def _differences(index: int, theirs: Settings, settings: Settings) -> str | None:
+    """The flags on which process ``index`` differs from process 0, as one line."""
+    differ = sorted(name for name in settings.keys() | theirs.keys()
+                    if settings.get(name) != theirs.get(name))  # fmt: skip
+    if not differ:
+        return None
+    shown = "; ".join(
+        f"--{name.replace('_', '-')} {theirs.get(name)} in process {index}, "
+        f"{settings.get(name)} in process 0"
+        for name in differ[:4]
+    )
+    more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+    return (
+        f"the processes were started with different flags: {shown}{more}; start every "
+        "process with the same flags"
+    )
 
 
 def _missing_message(missing: list[int], cluster: Cluster, timeout: float) -> str:

@@ -121,14 +121,22 @@ def build(config: TrainConfig, console: Console, model: Model | None = None) -> 
     Raises:
         UsageError: a mesh, batch size, dataset or model that cannot work here.
     """
-    mesh = _mesh(config, console)
-    if jax.process_index() == 0:  # now, not after the data and model are made
+    # The data first, before the processes join: a process that cannot read its
+    # data stops every process at start-up, not a collective's timeout later.
+    try:
+        train = load_split(config.dataset, "train", config.data_dir)
+        test = load_split(config.dataset, "test", config.data_dir)
+        check_train_batch(train, config.batch_size)
+        problem = None
+    except UsageError as error:
+        problem = error
+    mesh = _mesh(config, console, str(problem) if problem else None)
+    if problem:
+        raise problem
+    if jax.process_index() == 0:  # now, not after the model is made
         for flag, directory in (("--log-dir", config.log_dir), ("--ckpt-dir", config.ckpt_dir)):
             if directory:
                 check_writable(directory, flag)
-    train = load_split(config.dataset, "train", config.data_dir)
-    test = load_split(config.dataset, "test", config.data_dir)
-    check_train_batch(train, config.batch_size)
     name = f"{config.model} {config.model_size}" if model is None else "your model"
     if model is None:
         model = get_model(config.model, train, config.model_size)
@@ -160,8 +168,9 @@ def build(config: TrainConfig, console: Console, model: Model | None = None) -> 
     return Run(config, mesh, train, test, model, state, train_step, eval_step, schedule, optimizer)
 
 
-def _mesh(config: TrainConfig, console: Console) -> Mesh:
-    """Joins the run's processes, sets up devices, and makes a mesh the batch fits."""
+def _mesh(config: TrainConfig, console: Console, error: str | None = None) -> Mesh:
+    """Joins the run's processes (telling them ``error``, when this one cannot run), sets
+    up devices, and makes a mesh the batch fits."""
     cluster = distributed.initialize(
         config.coordinator,
         config.num_processes,
@@ -169,6 +178,7 @@ def _mesh(config: TrainConfig, console: Console) -> Mesh:
         startup_timeout=config.startup_timeout,
         heartbeat_timeout=config.heartbeat_timeout,
         settings=config.shared_settings(),
+        error=error,
     )
     check_spec_fits_batch(config.mesh, config.batch_size)  # before devices are made for it
     setup_devices(config.mesh, processes=cluster.num_processes)

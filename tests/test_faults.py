@@ -560,3 +560,28 @@ def test_a_damaged_dataset_file_is_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "dataset 'digits' (train) in " in lines[0], result.stderr
     assert "is damaged (Corrupted Riegeli/records file" in lines[0]
+
+
+def test_an_error_in_one_process_stops_every_process_at_start_up(tmp_path):
+    port = free_port()
+    common = ["--mesh", "data=2", "--steps", "40", "--coordinator", f"127.0.0.1:{port}"]
+    common += ["--num-processes", "2", "--startup-timeout", "60"]
+    missing = tmp_path / "not-here"
+    started = time.monotonic()
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jdp.train", *common, "--process-id", str(index), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(devices=1),
+        )
+        for index, extra in ((0, []), (1, ["--data-dir", str(missing)]))  # its data is not there
+    ]
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert time.monotonic() - started < 60  # not a collective's timeout later
+    for process, (_, stderr) in zip(processes, outputs, strict=True):
+        assert process.returncode == 2, stderr
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1, stderr
+        assert f"error: process 1: --data-dir {missing} does not exist" in lines[0]
