@@ -585,3 +585,38 @@ def test_an_error_in_one_process_stops_every_process_at_start_up(tmp_path):
         lines = stderr.strip().splitlines()
         assert len(lines) == 1, stderr
         assert f"error: process 1: --data-dir {missing} does not exist" in lines[0]
+
+
+def test_a_full_log_dir_warns_once_and_training_goes_on(tmp_path):
+    prepared = run_cli("--mesh", "data=1", "--steps", "1", "--warmup-steps", "0")  # the data
+    assert prepared.returncode == 0, prepared.stderr
+    command = (  # 8 KiB of files at most: the metrics outgrow it within the run
+        f"ulimit -f 8; exec {sys.executable} -m jdp.train --mesh data=1 --steps 200 "
+        f"--warmup-steps 0 --log-dir {tmp_path} --log-every 1"
+    )
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                            timeout=240, env=subprocess_env())  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("jdp: warning:")]
+    assert warnings == [
+        "jdp: warning: metrics are no longer written: File too large; training goes on "
+        "(free space in --log-dir to keep its files whole)"
+    ], result.stderr
+    assert result.stdout.strip().splitlines()[-1].startswith("jdp.train: steps=200 ")
+
+
+def test_a_full_data_dir_while_preparing_is_one_line(tmp_path):
+    command = (
+        f"ulimit -f 8; exec {sys.executable} -m jdp.train --mesh data=1 --steps 2 "
+        f"--warmup-steps 0 --data-dir {tmp_path}"
+    )
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                            timeout=240, env=subprocess_env())  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == (
+        f"jdp.train: error: could not prepare dataset 'digits' in {tmp_path} (File too large); "
+        "free space there, or choose another --data-dir"
+    ), result.stderr
+    assert "Traceback" not in result.stderr

@@ -145,13 +145,15 @@ def test_a_disabled_logger_writes_nothing(mesh8):
     assert records == []
 
 
-def test_logger_rates_and_errors():
+def test_logger_rates_and_errors(capfd):
     written = []
 
     class Writer:
         def write(self, record):
             if record["step"] == 99:
-                raise OSError("disk full")
+                raise OSError(28, "No space left on device")
+            if record["step"] == 98:
+                raise ValueError("not a number")
             written.append(record)
 
         def flush(self):
@@ -173,9 +175,18 @@ def test_logger_rates_and_errors():
     assert written[1]["mfu"] == pytest.approx(rate * 1e6 / 1e9)
     assert logger.latest["step"] == 6
 
+    # A full disk: one warning, and the run goes on without its metric files.
+    full = MetricLogger([Writer()], every=1, throughput=throughput)
+    for step in (99, 99, 100):
+        full.record(step, {"loss": jax.device_put(np.float32(0))})
+    full.close()
+    err = capfd.readouterr().err
+    assert err.count("jdp: warning: metrics are no longer written: No space left on device") == 1
+    assert written[-1]["step"] == 6  # nothing more was written
+    # Any other failure is a bug to report, not to train past.
     failing = MetricLogger([Writer()], every=1, throughput=throughput)
-    failing.record(99, {"loss": jax.device_put(np.float32(0))})
-    with pytest.raises(RuntimeError, match="writing metrics failed: disk full"):
+    failing.record(98, {"loss": jax.device_put(np.float32(0))})
+    with pytest.raises(RuntimeError, match="writing metrics failed: not a number"):
         failing.close()
 
 

@@ -199,8 +199,27 @@ def _download_and_prepare(spec: DatasetSpec, name: str, data_dir: str, builder) 
                 f"prepare it (only to prepare, not to train); `pip install tensorflow` and "
                 f"rerun, or {elsewhere}"
             )
-    builder.download_and_prepare()
+    try:
+        builder.download_and_prepare()
+    except (OSError, RuntimeError) as error:
+        reason = next((r for r in _WRITE_FAILURES if r.lower() in str(error).lower()), None)
+        if reason is None:
+            raise
+        raise UsageError(
+            f"could not prepare dataset {name!r} in {data_dir} ({reason}); free space there, "
+            "or choose another --data-dir"
+        ) from None
     return str(builder.data_dir)
+
+
+# Why writing a prepared dataset can fail, as the operating system says it.
+_WRITE_FAILURES = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "File too large",
+    "Read-only file system",
+    "Permission denied",
+)
 
 
 def load_split(

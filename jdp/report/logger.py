@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -53,6 +54,7 @@ class MetricLogger:
         self._queue: queue.Queue = queue.Queue()
         self._closing = threading.Event()
         self._error: BaseException | None = None
+        self._stopped_writing = False
         self._previous: tuple[int, float] | None = None
         self._thread = threading.Thread(target=self._drain, name="jdp-metrics", daemon=True)
         if enabled:
@@ -80,9 +82,12 @@ class MetricLogger:
             self._closing.set()
             self._queue.put(None)
             self._thread.join(timeout)
-        for writer in self._writers:
-            writer.close()
-        self._writers = []
+        writers, self._writers = self._writers, []
+        for writer in writers:
+            try:
+                writer.close()
+            except OSError as error:
+                self._stop_writing(error)
         self._raise_error()
 
     def __enter__(self) -> MetricLogger:
@@ -114,13 +119,34 @@ class MetricLogger:
                     break
                 try:
                     self._write(items[start : start + _WRITE_GROUP])
+                except OSError as error:  # a full disk: the run goes on without its files
+                    self._stop_writing(error)
                 except Exception as error:  # reported to the loop by the next record or close
                     self._error = error
                 # Hand the GIL back: the loop, waking from its wait on a step, must not
                 # queue behind many writes (Python's switch interval is 5 ms).
                 time.sleep(0)
-            for writer in self._writers:  # a live run's files stay current, and survive a kill
-                writer.flush()
+            try:
+                for writer in self._writers:  # a live run's files stay current, survive a kill
+                    writer.flush()
+            except OSError as error:
+                self._stop_writing(error)
+
+    def _stop_writing(self, error: OSError) -> None:
+        """Says once that the metric files can no longer be written, and stops writing them."""
+        writers, self._writers = self._writers, []
+        for writer in writers:
+            with contextlib.suppress(OSError):
+                writer.close()
+        if not self._stopped_writing:
+            self._stopped_writing = True
+            where = f" ({error.filename})" if error.filename else ""
+            print(
+                f"jdp: warning: metrics are no longer written: {error.strerror or error}{where}; "
+                "training goes on (free space in --log-dir to keep its files whole)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _write(self, items: list[tuple]) -> None:
         fetched = _fetch([values for _, _, values, _, _ in items])
