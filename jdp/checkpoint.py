@@ -15,11 +15,13 @@ with a warning naming what failed. One run at a time owns the directory
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -30,8 +32,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from jdp.digest import leaf_name, tree_digests
-from jdp.errors import UsageError
+from jdp.digest import finish_digests, leaf_name, start_digests, tree_digests
+from jdp.errors import UsageError, os_failure
 from jdp.lock import DirectoryLock
 from jdp.mesh import replicated
 from jdp.report.console import quiet_absl
@@ -68,13 +70,16 @@ def _meta_digest(meta: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def _drop_closed_loop_errors() -> None:
-    """Silences one kind of noise from reading a damaged checkpoint, for good.
+def _quiet_orbax_failures() -> None:
+    """Silences, for good, the noise of Orbax reads and writes that failed.
 
     When tensorstore fails a read, Orbax closes its event loop while tensorstore's
     other reads of the same checkpoint are still finishing; each then reports
-    "Event loop is closed" as an unraisable error, a traceback apiece. The
-    failed read itself is reported (one line) by `Checkpointer.restore`.
+    "Event loop is closed" as an unraisable error, a traceback apiece (and
+    leaves coroutines unawaited). A failed background write is logged with its
+    traceback by Orbax's threads, and its abandoned writes at exit. The failure
+    itself comes back from `Checkpointer.restore`, `save` or `wait`, which
+    report it in one line.
     """
     previous = sys.unraisablehook
     if getattr(previous, "jdp_filter", False):
@@ -106,27 +111,72 @@ def _not_a_save_thread_error(record: logging.LogRecord) -> bool:
     return not (from_orbax and record.levelno >= logging.ERROR and with_traceback)
 
 
-_OS_REASONS = (
-    "No space left on device",
-    "Disk quota exceeded",
-    "File too large",
-    "Read-only file system",
-    "Permission denied",
-    "No such file or directory",
-)
-
-
 def _not_an_abandoned_write(record: logging.LogRecord) -> bool:
     return "exception was never retrieved" not in str(record.msg)
 
 
 def _os_reason(error: Exception) -> str:
     """The operating system's reason in a (long, nested) Orbax or tensorstore error."""
-    text = str(error)
-    for reason in _OS_REASONS:
-        if reason.lower() in text.lower():
-            return reason
-    return _first_line(error)
+    return os_failure(error) or _first_line(error)
+
+
+class _PendingRecord:
+    """A checkpoint's record whose array digests are still being computed on the devices.
+
+    `start` dispatches them once Orbax has its copies of the arrays (hashing
+    first would hold up the copies on a CPU); `finish` waits for them, in the
+    save's background commit.
+    """
+
+    def __init__(self, meta: dict):
+        self.meta = meta
+        self._started = threading.Event()
+        self._digests: tuple[list[str], jax.Array] | None = None
+
+    def start(self, tree: Any) -> None:
+        try:
+            self._digests = start_digests(tree)
+        finally:
+            self._started.set()
+
+    def finish(self) -> dict:
+        # Set right after Orbax's save returns; a wait this long would be a bug, so fail
+        # the save rather than hang the run.
+        if not self._started.wait(timeout=300) or self._digests is None:
+            raise RuntimeError("the checkpoint's digests could not be computed")
+        digests = finish_digests(*self._digests)
+        for name, array in self.meta["arrays"].items():
+            array["digest"] = digests[name]
+        self.meta["meta_digest"] = _meta_digest(self.meta)
+        return self.meta
+
+
+@dataclasses.dataclass
+class _RecordSave(ocp.args.CheckpointArgs):
+    """Save arguments of the record: a `_PendingRecord`."""
+
+    item: _PendingRecord
+
+
+class _RecordHandler(ocp.JsonCheckpointHandler):
+    """The record as Orbax's JSON item, finished (its digests fetched) and written in the
+    save's background commit, as Orbax writes JSON: the loop does not wait for it."""
+
+    _FILENAME = "metadata"
+
+    def __init__(self):
+        super().__init__(filename=self._FILENAME)
+
+    async def async_save(self, directory, item=None, args=None):
+        if not isinstance(args, _RecordSave):
+            return await super().async_save(directory, item, args)
+
+        async def write() -> None:  # once Orbax has made the item's directory
+            record = args.item.finish()
+            if jax.process_index() == 0:
+                (directory / self._FILENAME).write_text(json.dumps(record))
+
+        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jdp_record")]
 
 
 class _Damaged(Exception):
@@ -206,6 +256,32 @@ def _barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def _manager(directory: str, keep: int, best_metric: str | None, async_save: bool
+             ) -> ocp.CheckpointManager:  # fmt: skip
+    """Orbax's manager of the directory: retention, async saves, the two items' handlers."""
+    policies = [ocp.checkpoint_managers.LatestN(keep)]
+    if best_metric:
+        policies.append(
+            ocp.checkpoint_managers.BestN(
+                get_metric_fn=lambda metrics: metrics[best_metric],
+                n=1,
+                keep_checkpoints_without_metrics=False,
+            )
+        )
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+        enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True,  # left by a run killed mid-save
+    )
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    state, record = _state_handler(), _RecordHandler()
+    registry.add("state", ocp.args.PyTreeSave, state)
+    registry.add("state", ocp.args.PyTreeRestore, state)
+    registry.add("meta", _RecordSave, record)
+    registry.add("meta", ocp.args.JsonRestore, record)
+    return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+
+
 class Checkpointer:
     """Saves and restores a run's checkpoints in one directory through Orbax.
 
@@ -253,27 +329,14 @@ class Checkpointer:
             raise UsageError(f"--ckpt-dir {self.directory} is a file, not a directory")
         self._lock = DirectoryLock(self.directory)
         self._failed = False
-        _drop_closed_loop_errors()
+        self._async = async_save
+        _quiet_orbax_failures()
         self._take_lock()
-        policies = [ocp.checkpoint_managers.LatestN(keep)]
-        if best_metric:
-            policies.append(
-                ocp.checkpoint_managers.BestN(
-                    get_metric_fn=lambda metrics: metrics[best_metric],
-                    n=1,
-                    keep_checkpoints_without_metrics=False,
-                )
-            )
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
-            enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,  # left by a run killed mid-save
-        )
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={"state": _state_handler(), "meta": ocp.JsonCheckpointHandler()},
-        )
+        try:
+            self._manager = _manager(self.directory, keep, best_metric, async_save)
+        except BaseException:
+            self._lock.release()
+            raise
 
     def _take_lock(self) -> None:
         """Process 0 takes the lock; the others check that they see the same lock file."""
@@ -318,9 +381,8 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return False
         saveable = _saveable(state)
-        digests = tree_digests(saveable)
         arrays = {
-            name: {"shape": list(shape), "dtype": dtype, "digest": digests[name]}
+            name: {"shape": list(shape), "dtype": dtype}
             for name, (shape, dtype) in _leaf_names(saveable).items()
         }
         meta = {
@@ -329,18 +391,25 @@ class Checkpointer:
             "config": dict(config or {}),
             "arrays": arrays,
         }
-        meta["meta_digest"] = _meta_digest(meta)
+        record = _PendingRecord(meta)
+        if not self._async:  # the commit happens inside the save: the digests go first
+            record.start(saveable)
         try:
             return self._manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.PyTreeSave(saveable), meta=ocp.args.JsonSave(meta)
+                    state=ocp.args.PyTreeSave(saveable), meta=_RecordSave(record)
                 ),
                 metrics=dict(metrics) if metrics else None,
                 force=True,
             )
         except Exception as error:  # this save, or the one before it in the background
             raise self._write_failed(error) from None
+        finally:
+            # The digests: dispatched before the next step can donate the arrays, and
+            # fetched in the background commit.
+            if self._async:
+                record.start(saveable)
 
     def _write_failed(self, error: Exception) -> UsageError:
         """One line for a save that failed: why, and the last checkpoint that is whole."""

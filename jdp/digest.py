@@ -4,13 +4,15 @@ A checkpoint records one digest per leaf when it is saved and checks it when it
 is restored, so a flipped bit in the files is found instead of trained on.
 
 Each leaf's bytes are read as 32-bit words ``w_i``; each word is mixed with
-its position, ``h_i = mix(w_i ^ mix(i * 0x9E3779B1 + seed))``, and the
-``h_i`` summed modulo 2**32, for two seeds. ``mix`` is MurmurHash3's 32-bit
-finalizer, a bijection: a change confined to one word (any single-bit flip)
-changes that word's ``h_i`` and so both sums, always. Any other change (words
-swapped, every value doubled, a leaf rewritten) leaves both sums equal only by
-chance, about one in 2**64. The sums run under ``jit`` on the arrays' own
-devices (sharded or not), so only 8 bytes per leaf come back to the host.
+its position, ``h_i = mix(w_i ^ (i * 0x9E3779B1 + 0x243F6A88))``, and two sums
+are kept modulo 2**32: of ``h_i``, and of ``h_i * (2i + 1)``. ``mix`` is
+MurmurHash3's 32-bit finalizer, a bijection: a change confined to one word (any
+single-bit flip) changes that word's ``h_i`` by some ``d != 0`` and so the first
+sum, always (and the second, ``d`` times an odd number). Any other change (words
+swapped, every value doubled, a leaf rewritten) leaves the sums equal only by
+chance. One mix per word keeps the cost near a memory pass on an accelerator.
+The sums run under ``jit`` where the arrays live (one copy of replicated ones),
+so only 8 bytes per leaf come back to the host.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-_SEEDS = (0x243F6A88, 0x85A308D3)  # digits of pi: any two distinct constants
 
 
 def leaf_name(path: tuple) -> str:
@@ -55,13 +55,12 @@ def _sums(leaves: list[jax.Array]) -> jax.Array:
     rows = []
     for leaf in leaves:
         words = _words(leaf)
-        index = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1)
+        index = jnp.arange(words.size, dtype=jnp.uint32)
+        mixed = _mix(words ^ (index * jnp.uint32(0x9E3779B1) + jnp.uint32(0x243F6A88)))
+        weights = (index << 1) | jnp.uint32(1)  # odd
         rows.append(
             jnp.stack(
-                [
-                    jnp.sum(_mix(words ^ _mix(index + jnp.uint32(seed))), dtype=jnp.uint32)
-                    for seed in _SEEDS
-                ]
+                [jnp.sum(mixed, dtype=jnp.uint32), jnp.sum(mixed * weights, dtype=jnp.uint32)]
             )
         )
     return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.uint32)
@@ -73,6 +72,28 @@ _sums_jit = jax.jit(_sums)
 def _replicated(leaf: Any) -> bool:
     sharding = getattr(leaf, "sharding", None)
     return sharding is None or sharding.is_fully_replicated
+
+
+def start_digests(tree: Any) -> tuple[list[str], jax.Array]:
+    """Dispatches the digests of ``tree``'s leaves without waiting for them: the leaf
+    names, and a device array of their sums for `finish_digests`."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    leaves = [leaf for _, leaf in flat]
+    if all(_replicated(leaf) for leaf in leaves):
+        # One copy is the whole of each: hash it on one device, not once per replica;
+        # the last one, since Orbax copies a checkpoint's arrays from the first and
+        # would wait behind the hashing there.
+        copies = [leaf.addressable_shards[-1].data if hasattr(leaf, "sharding") else leaf
+                  for leaf in leaves]  # fmt: skip
+        device = next((c.device for c in copies if hasattr(c, "device")), None)
+        leaves = jax.device_put(copies, device) if device is not None else copies
+    return [leaf_name(path) for path, _ in flat], _sums_jit(leaves)
+
+
+def finish_digests(names: list[str], sums: jax.Array) -> dict[str, str]:
+    """``{leaf name: 16 hex digits}`` once the sums `start_digests` dispatched are done."""
+    values = np.asarray(jax.device_get(sums))
+    return {name: f"{a:08x}{b:08x}" for name, (a, b) in zip(names, values, strict=True)}
 
 
 def tree_digests(tree: Any) -> dict[str, str]:
@@ -87,14 +108,4 @@ def tree_digests(tree: Any) -> dict[str, str]:
         >>> sorted(digests), len(digests["w"])
         (['b', 'w'], 16)
     """
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    leaves = [leaf for _, leaf in flat]
-    if all(_replicated(leaf) for leaf in leaves):
-        # One copy is the whole of each: hash it on one device, not once per replica.
-        copies = [leaf.addressable_shards[0].data if hasattr(leaf, "sharding") else leaf
-                  for leaf in leaves]  # fmt: skip
-        device = next((c.device for c in copies if hasattr(c, "device")), None)
-        leaves = jax.device_put(copies, device) if device is not None else copies
-    sums = np.asarray(jax.device_get(_sums_jit(leaves)))
-    pairs = zip(flat, sums, strict=True)
-    return {leaf_name(path): f"{a:08x}{b:08x}" for (path, _), (a, b) in pairs}
+    return finish_digests(*start_digests(tree))

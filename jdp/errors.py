@@ -14,3 +14,21 @@ class NonFiniteError(RuntimeError):
     gradient, or too many skipped updates. The CLI prints it and exits with code 1;
     no non-finite state was saved.
     """
+
+
+# What the operating system says when a write fails, as it appears (nested) in the
+# errors of Orbax, tensorstore and TFDS.
+_OS_FAILURES = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "File too large",
+    "Read-only file system",
+    "Permission denied",
+    "No such file or directory",
+)
+
+
+def os_failure(error: BaseException) -> str | None:
+    """The operating system's reason inside a library's long error, if it holds one."""
+    text = str(error).lower()
+    return next((reason for reason in _OS_FAILURES if reason.lower() in text), None)

@@ -188,8 +188,8 @@ def _actions(config, run, stack, console, logger, batches, checkpoints, callback
             )
         )
     actions.extend(callbacks)
+    skipping = config.nan_policy == "skip" or config.precision == "fp16"
     if config.nan_policy != "ignore":
-        skipping = config.nan_policy == "skip" or config.precision == "fp16"
         actions.append(
             GuardFinite(skipping=skipping, max_skipped_fraction=config.max_skipped_fraction,
                         ckpt_dir=config.ckpt_dir)
@@ -197,7 +197,11 @@ def _actions(config, run, stack, console, logger, batches, checkpoints, callback
     checkpoint = None
     if checkpoints is not None:
         checkpoint = Checkpoint(
-            checkpoints, batches, every=config.ckpt_every, config=dataclasses.asdict(config)
+            checkpoints,
+            batches,
+            every=config.ckpt_every,
+            config=dataclasses.asdict(config),
+            skipping=skipping,
         )
         actions.append(checkpoint)
     actions.append(CheckReplicas(config.check_replicas_every))

@@ -16,7 +16,6 @@ from jdp.checkpoint import Checkpointer
 from jdp.data.pipeline import eval_batches
 from jdp.data.sources import Split
 from jdp.errors import NonFiniteError
-from jdp.precision import all_finite
 from jdp.preemption import Preemption
 from jdp.replica_check import check_replicas
 from jdp.report.console import Console
@@ -129,17 +128,24 @@ class Evaluate(PeriodicAction):
 
 
 class Checkpoint(PeriodicAction):
-    """Saves the state, where the loader stands and this step's test metrics."""
+    """Saves the state, where the loader stands and this step's test metrics.
 
-    def __init__(self, checkpointer: Checkpointer, loader, *, every: int, config: Mapping):
+    Never a state that may not be finite: without skipping, one whose call's
+    loss or gradient norm was not (a non-finite parameter makes every later loss
+    NaN, so this step's figures tell); the save waits for the step anyway.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, loader, *, every: int, config: Mapping,
+                 skipping: bool):  # fmt: skip
         super().__init__(every, at_end=True)
         self.checkpointer, self.loader, self.config = checkpointer, loader, dict(config)
+        self.skipping = skipping  # updates with a non-finite gradient are skipped: all finite
 
     def run(self, progress: Progress) -> None:
-        if not bool(_state_finite(progress.state)):
+        if not self.skipping and not _finite(progress.call_metrics):
             checkpoint.warn(
-                f"not saving step {progress.step}: its parameters or optimizer state are not "
-                "finite; the checkpoints already saved are kept"
+                f"not saving step {progress.step}: its loss or gradient is not finite, so "
+                "its parameters may not be; the checkpoints already saved are kept"
             )
             return
         self.checkpointer.save(
@@ -157,9 +163,14 @@ class Checkpoint(PeriodicAction):
         self.checkpointer.wait()
 
 
-@jax.jit
-def _state_finite(state) -> jax.Array:
-    return all_finite((state.params, state.opt_state, state.model_state))
+def _finite(call_metrics: Mapping[str, Any] | None) -> bool:
+    """Whether a call's loss and gradient norm (every step of it) are finite."""
+    if call_metrics is None:
+        return True  # no step ran yet: the initial state
+    values = jax.device_get(
+        {k: call_metrics[k] for k in ("loss", "grad_norm") if k in call_metrics}
+    )
+    return all(bool(np.all(np.isfinite(value))) for value in values.values())
 
 
 # fp16 skips a few steps at the start while its loss scale comes down from 2**15;

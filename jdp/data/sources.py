@@ -20,7 +20,7 @@ import numpy as np
 
 from jdp.data import numbers2words
 from jdp.data.transforms import Transform
-from jdp.errors import UsageError
+from jdp.errors import UsageError, os_failure
 from jdp.report.console import quiet_absl
 
 
@@ -202,7 +202,7 @@ def _download_and_prepare(spec: DatasetSpec, name: str, data_dir: str, builder) 
     try:
         builder.download_and_prepare()
     except (OSError, RuntimeError) as error:
-        reason = next((r for r in _WRITE_FAILURES if r.lower() in str(error).lower()), None)
+        reason = os_failure(error)
         if reason is None:
             raise
         raise UsageError(
@@ -210,16 +210,6 @@ def _download_and_prepare(spec: DatasetSpec, name: str, data_dir: str, builder) 
             "or choose another --data-dir"
         ) from None
     return str(builder.data_dir)
-
-
-# Why writing a prepared dataset can fail, as the operating system says it.
-_WRITE_FAILURES = (
-    "No space left on device",
-    "Disk quota exceeded",
-    "File too large",
-    "Read-only file system",
-    "Permission denied",
-)
 
 
 def load_split(
