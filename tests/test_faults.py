@@ -213,12 +213,11 @@ def test_nan_policy_skip_stops_when_most_updates_are_skipped(tmp_path):
     _all_finite_checkpoints(tmp_path)
 
 
-def test_processes_with_different_flags_all_stop_naming_them():
-    port = free_port()
-    common = ["--mesh", "data=2", "--steps", "40", "--coordinator", f"127.0.0.1:{port}"]
+def _start_two(flags, extra_for_1=()):
+    """Processes 0 and 1 of a run on loopback, started by hand (the second with extra flags)."""
+    common = [*map(str, flags), "--coordinator", f"127.0.0.1:{free_port()}"]
     common += ["--num-processes", "2", "--startup-timeout", "60"]
-    started = time.monotonic()
-    processes = [
+    return [
         subprocess.Popen(
             [sys.executable, "-m", "jdp.train", *common, "--process-id", str(index), *extra],
             stdout=subprocess.PIPE,
@@ -226,8 +225,13 @@ def test_processes_with_different_flags_all_stop_naming_them():
             text=True,
             env=subprocess_env(devices=1),
         )
-        for index, extra in ((0, []), (1, ["--lr", "0.03", "--steps", "80"]))
+        for index, extra in ((0, ()), (1, extra_for_1))
     ]
+
+
+def test_processes_with_different_flags_all_stop_naming_them():
+    started = time.monotonic()
+    processes = _start_two(["--mesh", "data=2", "--steps", "40"], ["--lr", "0.03", "--steps", "80"])
     outputs = [process.communicate(timeout=120) for process in processes]
     assert time.monotonic() - started < 60  # at start-up, not at a collective's timeout
     for process, (_, stderr) in zip(processes, outputs, strict=True):
@@ -381,19 +385,7 @@ def test_loader_workers_die_with_a_killed_trainer(tmp_path):
 
 
 def test_sigint_to_one_process_saves_in_every_process_at_one_step(tmp_path):
-    port = free_port()
-    flags = ["--mesh", "data=2", "--steps", "100000", "--ckpt-dir", tmp_path]
-    flags += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "jdp.train", *map(str, flags), "--process-id", str(index)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=subprocess_env(devices=1),
-        )
-        for index in range(2)
-    ]
+    processes = _start_two(["--mesh", "data=2", "--steps", "100000", "--ckpt-dir", tmp_path])
     try:
         lock = tmp_path / LOCK_NAME
         deadline = time.monotonic() + 120
@@ -469,17 +461,20 @@ def test_an_unwritable_directory_is_one_line(tmp_path, flag, path, needle):
     assert len(lines) == 1 and needle in lines[0], result.stderr
 
 
+def _train_with_file_limit(kib, *flags):
+    """``jdp.train FLAGS`` under ``ulimit -f KIB``: a write past KIB KiB fails with EFBIG, as
+    one past a disk's free space fails with ENOSPC (no root or tmpfs needed)."""
+    command = f"ulimit -f {kib}; exec {sys.executable} -m jdp.train " + " ".join(map(str, flags))
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                          timeout=240, env=subprocess_env())  # fmt: skip
+
+
 def test_a_full_disk_during_a_save_is_one_line(tmp_path):
-    # A file-size limit stands in for a full disk (no root or tmpfs needed): every
-    # write past 100 KiB fails with EFBIG, as one past the free space fails with ENOSPC.
     prepared = run_cli("--mesh", "data=1", "--steps", "1", "--warmup-steps", "0")  # the data
     assert prepared.returncode == 0, prepared.stderr
-    command = (
-        f"ulimit -f 100; exec {sys.executable} -m jdp.train --mesh data=1 --steps 40 "
-        f"--ckpt-every 10 --ckpt-dir {tmp_path}"
+    result = _train_with_file_limit(
+        100, "--mesh", "data=1", "--steps", "40", "--ckpt-every", "10", "--ckpt-dir", tmp_path
     )
-    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
-                            timeout=240, env=subprocess_env())  # fmt: skip
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if not line.startswith(" ")]
     lines = [line for line in lines if "Warning" not in line]  # a library's own warnings
@@ -563,21 +558,10 @@ def test_a_damaged_dataset_file_is_one_line(tmp_path):
 
 
 def test_an_error_in_one_process_stops_every_process_at_start_up(tmp_path):
-    port = free_port()
-    common = ["--mesh", "data=2", "--steps", "40", "--coordinator", f"127.0.0.1:{port}"]
-    common += ["--num-processes", "2", "--startup-timeout", "60"]
     missing = tmp_path / "not-here"
     started = time.monotonic()
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "jdp.train", *common, "--process-id", str(index), *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=subprocess_env(devices=1),
-        )
-        for index, extra in ((0, []), (1, ["--data-dir", str(missing)]))  # its data is not there
-    ]
+    # Process 1's data is not there.
+    processes = _start_two(["--mesh", "data=2", "--steps", "40"], ["--data-dir", str(missing)])
     outputs = [process.communicate(timeout=120) for process in processes]
     assert time.monotonic() - started < 60  # not a collective's timeout later
     for process, (_, stderr) in zip(processes, outputs, strict=True):
@@ -590,12 +574,10 @@ def test_an_error_in_one_process_stops_every_process_at_start_up(tmp_path):
 def test_a_full_log_dir_warns_once_and_training_goes_on(tmp_path):
     prepared = run_cli("--mesh", "data=1", "--steps", "1", "--warmup-steps", "0")  # the data
     assert prepared.returncode == 0, prepared.stderr
-    command = (  # 8 KiB of files at most: the metrics outgrow it within the run
-        f"ulimit -f 8; exec {sys.executable} -m jdp.train --mesh data=1 --steps 200 "
-        f"--warmup-steps 0 --log-dir {tmp_path} --log-every 1"
-    )
-    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
-                            timeout=240, env=subprocess_env())  # fmt: skip
+    result = _train_with_file_limit(  # 8 KiB: the metrics outgrow it within the run
+        8, "--mesh", "data=1", "--steps", "200", "--warmup-steps", "0", "--log-dir", tmp_path,
+        "--log-every", "1",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("jdp: warning:")]
@@ -607,12 +589,9 @@ def test_a_full_log_dir_warns_once_and_training_goes_on(tmp_path):
 
 
 def test_a_full_data_dir_while_preparing_is_one_line(tmp_path):
-    command = (
-        f"ulimit -f 8; exec {sys.executable} -m jdp.train --mesh data=1 --steps 2 "
-        f"--warmup-steps 0 --data-dir {tmp_path}"
+    result = _train_with_file_limit(
+        8, "--mesh", "data=1", "--steps", "2", "--warmup-steps", "0", "--data-dir", tmp_path
     )
-    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
-                            timeout=240, env=subprocess_env())  # fmt: skip
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == (
