@@ -206,8 +206,11 @@ def test_nan_policy_ignore_trains_on_but_never_saves_a_nonfinite_state(tmp_path)
     assert _all_finite_checkpoints(tmp_path) == [10, 20]  # --keep 2 rotated neither out
 
 
-def test_nan_policy_skip_stops_when_most_updates_are_skipped(tmp_path):
-    result = run_cli(*_DIVERGES, "--steps", "100", "--nan-policy", "skip", "--ckpt-dir", tmp_path)
+@pytest.mark.parametrize(
+    "skipping", [["--nan-policy", "skip"], ["--precision", "fp16"]], ids=["skip", "fp16"]
+)
+def test_skipping_stops_when_most_updates_are_skipped(tmp_path, skipping):
+    result = run_cli(*_DIVERGES, "--steps", "100", *skipping, "--ckpt-dir", tmp_path)
     assert result.returncode == 1, (result.stdout, result.stderr)
     assert "updates were skipped for a non-finite loss or gradient" in result.stderr
     _all_finite_checkpoints(tmp_path)
