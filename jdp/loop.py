@@ -191,8 +191,8 @@ def _actions(config, run, stack, console, logger, batches, checkpoints, callback
     skipping = config.nan_policy == "skip" or config.precision == "fp16"
     if config.nan_policy != "ignore":
         actions.append(
-            GuardFinite(skipping=skipping, max_skipped_fraction=config.max_skipped_fraction,
-                        ckpt_dir=config.ckpt_dir)
+            GuardFinite(every=_DISPLAY_EVERY, skipping=skipping,
+                        max_skipped_fraction=config.max_skipped_fraction, ckpt_dir=config.ckpt_dir)
         )  # fmt: skip
     checkpoint = None
     if checkpoints is not None:

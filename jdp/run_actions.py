@@ -178,38 +178,31 @@ def _finite(call_metrics: Mapping[str, Any] | None) -> bool:
 _MIN_SKIPS = 20
 
 
-class GuardFinite:
+class GuardFinite(PeriodicAction):
     """Stops the run (`jdp.errors.NonFiniteError`) when training stops being finite.
 
     Without skipping, a NaN or infinite loss or gradient norm stops it; with
     skipping (fp16 loss scaling, or ``--nan-policy skip``) skipped updates leave
     the state finite, and more than ``max_skipped_fraction`` of the steps (from
-    20 skips on) stops it. Each pass reads the call before the one just started,
-    which the device has finished or is finishing, so the check never stalls the
-    loop; the end reads the last call too. Goes before `Checkpoint`, which never
-    saves a non-finite state in any case.
+    20 skips on) stops it. It reads the metrics every ``every`` steps, with the
+    progress display (which waits for those steps anyway), and at the end: a
+    read every call would make the host wait for each step. A non-finite
+    parameter makes every later loss NaN, so nothing is missed between reads.
+    Goes before `Checkpoint`, which never saves a non-finite state in any case.
     """
 
-    def __init__(self, *, skipping: bool, max_skipped_fraction: float, ckpt_dir: str | None):
+    def __init__(self, *, every: int, skipping: bool, max_skipped_fraction: float,
+                 ckpt_dir: str | None):  # fmt: skip
+        super().__init__(every, at_end=True)
         self.skipping, self.max_skipped_fraction = skipping, max_skipped_fraction
         self.ckpt_dir = ckpt_dir
-        self._previous: tuple[int, Any] | None = None  # (step, call metrics) not yet read
+        self._finite_at = 0  # the last step read finite
 
-    def __call__(self, progress: Progress) -> bool:
-        if progress.final:
-            if self._previous is not None:
-                self._check(*self._previous)
-            self._previous = None
-            return False
-        if not progress.ran:
-            return False
-        if self._previous is not None:
-            self._check(*self._previous)
-        self._previous = (progress.step, progress.call_metrics)
-        return True
-
-    def _check(self, step: int, metrics: Mapping[str, Any]) -> None:
-        values = jax.device_get(metrics)
+    def run(self, progress: Progress) -> None:
+        if progress.call_metrics is None:
+            return
+        values = jax.device_get(progress.call_metrics)
+        step = progress.step
         kept = (
             f"the checkpoints in {self.ckpt_dir} are finite"
             if self.ckpt_dir
@@ -226,13 +219,13 @@ class GuardFinite:
             return
         for name in ("loss", "grad_norm"):
             per_step = np.atleast_1d(values.get(name, 0.0))  # (steps of the call,)
-            bad = np.flatnonzero(~np.isfinite(per_step))
-            if bad.size:
-                first = step - per_step.size + 1 + int(bad[0])
+            if not np.all(np.isfinite(per_step)):
                 raise NonFiniteError(
-                    f"{name} is {float(per_step[bad[0]])} at step {first} (--nan-policy stop); "
-                    f"{kept}; lower --lr, add --clip-norm, or --nan-policy skip"
+                    f"{name} is {float(per_step[~np.isfinite(per_step)][0])} at step {step} "
+                    f"(finite at step {self._finite_at}; --nan-policy stop); {kept}; lower "
+                    "--lr, add --clip-norm, or --nan-policy skip"
                 )
+        self._finite_at = step
 
 
 class CheckReplicas(PeriodicAction):
