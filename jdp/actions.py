@@ -47,8 +47,10 @@ class Progress:
         call_metrics: the call's train metrics as the step returned them.
         metrics: the last step's train metrics, on the device: reading one waits
             for the step.
-        evaluated: test metrics (``loss``, ``accuracy``, ...) when the evaluation
-            ran after this call, else None.
+        evaluated: the metrics (``loss``, ``accuracy``, ...) that choose the best
+            checkpoint and stop early, when an evaluation ran after this call, else
+            None: the validation split's when there is one, else the test split's.
+        tested: the test split's metrics, when they were measured after this call.
         final: set in the pass after the last step, or after a stop.
         stop_reason: why the run stops early, once an action asked (`stop`).
     """
@@ -59,6 +61,7 @@ class Progress:
     ran: int = 0
     call_metrics: Any = None  # as the step returned them: (ran,) values when ran > 1
     evaluated: dict[str, float] | None = None
+    tested: dict[str, float] | None = None
     final: bool = False
     stop_reason: str | None = None
     finish: bool = True  # whether the at-end actions run after the stop
@@ -67,7 +70,7 @@ class Progress:
     def after_call(self, step: int, ran: int, state: Any, call_metrics: Any) -> None:
         """Moves on to the state and metrics of a call that ran ``ran`` steps up to ``step``."""
         self.step, self.ran, self.state, self.call_metrics = step, ran, state, call_metrics
-        self.evaluated, self._last = None, None
+        self.evaluated, self.tested, self._last = None, None, None
 
     @property
     def metrics(self) -> Any:

@@ -7,6 +7,7 @@ import math
 import typing
 from typing import Literal
 
+from jdp.data.custom import check_named
 from jdp.errors import UsageError
 from jdp.mesh import parse_mesh_spec
 
@@ -16,6 +17,7 @@ from jdp.mesh import parse_mesh_spec
 Backend = Literal["jit", "pmap"]
 ModelName = Literal["cnn", "gpt", "mlp", "resnet18", "resnet20", "seq2seq"]
 ModelSize = Literal["small", "standard"]
+# The datasets known by name; --dataset also takes tfds:NAME and folder:PATH.
 DatasetName = Literal["cifar10", "digits", "fashion_mnist", "mnist", "numbers2words"]
 OptimizerName = Literal["sgd", "momentum", "nesterov", "adam", "adamw", "lamb", "lars"]
 ScheduleName = Literal["constant", "cosine", "linear", "noam", "piecewise"]
@@ -42,9 +44,16 @@ class TrainConfig:
     model_size: ModelSize = _flag(
         "small", "small (trains in minutes on a CPU) or standard (published)"
     )
-    dataset: DatasetName = _flag(
+    dataset: str = _flag(
         "digits",
-        "digits (bundled), numbers2words (generated), mnist, fashion_mnist or cifar10",
+        "digits (bundled), numbers2words (generated), mnist, fashion_mnist, cifar10, "
+        "tfds:NAME (any TFDS dataset prepared as array_record) or folder:PATH (images in "
+        "class folders)",
+    )
+    validation_fraction: float = _flag(
+        0.0,
+        "hold out this fraction of the training split (seeded) to validate on: it chooses the "
+        "best checkpoint and early stopping, and the test split is only reported (0: none)",
     )
     data_dir: str | None = _flag(
         None, "TFDS data directory (default: $TFDS_DATA_DIR or ~/tensorflow_datasets)"
@@ -57,6 +66,9 @@ class TrainConfig:
         2, "batches (with --steps-per-call, calls' stacked batches) placed on the devices ahead"
     )
     steps: int = _flag(400, "number of training steps")
+    epochs: int = _flag(
+        0, "train for this many passes over the training split instead of --steps (0: off)"
+    )
     optimizer: OptimizerName = _flag("adam", "sgd, momentum, nesterov, adam, adamw, lamb or lars")
     lr: float = _flag(3e-3, "base learning rate: the schedule's peak, before --lr-scaling")
     schedule: ScheduleName = _flag(
@@ -95,6 +107,16 @@ class TrainConfig:
     ckpt_every: int = _flag(0, "save every N steps (0: only at the end and when preempted)")
     keep: int = _flag(3, "latest checkpoints to keep (the best by test accuracy is kept too)")
     no_resume: bool = _flag(False, "start fresh; refused when --ckpt-dir holds checkpoints")
+    init_from: str | None = _flag(
+        None,
+        "start from the parameters (and model state) of another run's checkpoint: its "
+        "--ckpt-dir or one step directory; the optimizer starts fresh (fine-tuning)",
+    )
+    eval_only: bool = _flag(
+        False,
+        "evaluate the latest checkpoint in --ckpt-dir (made with the flags it recorded) on the "
+        "test split, and train nothing",
+    )
     seed: int = _flag(0, "seed for initialisation and the data order")
     log_dir: str | None = _flag(
         None, "run directory: TensorBoard events, metrics.jsonl, config.json, run.json, profiles"
@@ -128,6 +150,12 @@ class TrainConfig:
 
     def __post_init__(self):
         parse_mesh_spec(self.mesh)
+        if not isinstance(self.optimizer, str):
+            raise UsageError(
+                "TrainConfig(optimizer=...) names a built-in optimizer; pass an Optax one as "
+                "jdp.fit(config, optimizer=tx, lr_schedule=...)"
+            )
+        check_named(self.dataset)
         for name, choices in _choices().items():
             if getattr(self, name) not in choices:
                 raise UsageError(
@@ -167,6 +195,12 @@ class TrainConfig:
             raise UsageError(f"--lr-boundaries {self.lr_boundaries!r}: write steps, e.g. 200,300")
         if self.warmup_steps < 0:
             raise UsageError("--warmup-steps must be >= 0")
+        if self.epochs < 0:
+            raise UsageError("--epochs must be >= 0 (0: train for --steps)")
+        if self.eval_only and self.ckpt_dir is None:
+            raise UsageError("--eval-only evaluates a checkpoint; give --ckpt-dir DIR")
+        if self.init_from is not None and self.eval_only:
+            raise UsageError("--init-from starts training; with --eval-only give --ckpt-dir only")
 
     def _check_numbers(self) -> None:
         """Real-valued flags: finite (NaN and inf pass ``x > 0``) and in their range."""
@@ -177,6 +211,7 @@ class TrainConfig:
             "clip_norm": (0.0, True, math.inf, False),
             "lr_decay_factor": (0.0, False, math.inf, False),
             "max_skipped_fraction": (0.0, False, 1.0, True),
+            "validation_fraction": (0.0, True, 1.0, False),
             "startup_timeout": (0.0, False, math.inf, False),
             "heartbeat_timeout": (0.0, False, math.inf, False),
         }
@@ -250,7 +285,7 @@ class TrainConfig:
         """
         conflicts = []
         for field in dataclasses.fields(self):
-            if field.name in _TOPOLOGY_FIELDS or field.name not in saved:
+            if field.name in TOPOLOGY_FIELDS or field.name not in saved:
                 continue
             if saved[field.name] != getattr(self, field.name):
                 flag = field.name.replace("_", "-")
@@ -259,12 +294,13 @@ class TrainConfig:
 
 
 # What a resumed run may change: where and how it runs, not what it computes.
-_TOPOLOGY_FIELDS = frozenset(
+TOPOLOGY_FIELDS = frozenset(
     {"mesh", "backend", "data_dir", "loader_workers", "prefetch", "eval_every"}
     | {"ckpt_dir", "ckpt_every", "keep", "no_resume"}
     | {"coordinator", "num_processes", "process_id", "startup_timeout", "heartbeat_timeout"}
     | {"check_replicas_every", "log_dir", "log_every", "profile_steps", "steps_per_call"}
     | {"early_stop_patience", "early_stop_metric", "max_skipped_fraction"}
+    | {"steps", "epochs", "init_from", "eval_only"}  # steps: see jdp.loop's resume
 )
 
 

@@ -77,5 +77,7 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "jdp.train") -
     if preset is not None and preset not in PRESETS:
         parser.error(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     given = {name: value for name, value in args.items() if value is not None}
+    if given.get("epochs") and "steps" in given:
+        parser.error("give --epochs or --steps, not both")
     base = PRESETS[preset]() if preset else TrainConfig()
     return dataclasses.replace(base, **given)

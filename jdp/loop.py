@@ -9,11 +9,13 @@ import time
 from collections.abc import Sequence
 
 import jax
+import optax
 
 from jdp.actions import Action, EarlyStopping, Progress
-from jdp.checkpoint import Checkpointer
-from jdp.config import TrainConfig
+from jdp.checkpoint import Checkpointer, read_params, read_record, step_directory
+from jdp.config import TOPOLOGY_FIELDS, TrainConfig
 from jdp.data.pipeline import train_batches
+from jdp.data.sources import Split
 from jdp.errors import UsageError
 from jdp.models import Model
 from jdp.preemption import Preemption
@@ -21,7 +23,7 @@ from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
 from jdp.report.throughput import Throughput
 from jdp.report.writers import open_writers
-from jdp.run import Run, build, describe_run
+from jdp.run import Data, Run, Yours, build, config_optimizer, describe_run
 from jdp.run_actions import (
     Checkpoint,
     CheckReplicas,
@@ -52,12 +54,26 @@ class FitResult:
     wall_seconds: float
     preempted: str | None = None  # the line saying where a preempted run saved
     stopped: str | None = None  # why the run stopped before config.steps, when it did
+    validation: dict[str, float] | None = None  # the last validation metrics, with a split
+    # Every record logged (process 0): {"kind": "train" | "val" | "eval", "step", ...}.
+    history: list[dict] = dataclasses.field(default_factory=list)
+    evaluated_only: bool = False  # --eval-only: a checkpoint evaluated, nothing trained
 
     def summary_line(self) -> str:
         if self.preempted:
             return self.preempted
+        validation = (
+            f"val_accuracy={self.validation['accuracy']:.4f} "
+            if self.validation and "accuracy" in self.validation
+            else ""
+        )
+        if self.evaluated_only:
+            return (
+                f"jdp.train: evaluated step={self.steps} {validation}"
+                f"test_loss={self.test_loss:.4f} test_accuracy={self.test_accuracy:.4f}"
+            )
         return (
-            f"jdp.train: steps={self.steps} train_loss={self.train_loss:.4f} "
+            f"jdp.train: steps={self.steps} train_loss={self.train_loss:.4f} {validation}"
             f"test_loss={self.test_loss:.4f} test_accuracy={self.test_accuracy:.4f} "
             f"examples/s={self.examples_per_sec:.0f} input_wait={self.input_wait:.1%} "
             f"wall={self.wall_seconds:.1f}s"
@@ -80,6 +96,11 @@ def fit(
     config: TrainConfig,
     *,
     model: Model | None = None,
+    train: Split | None = None,
+    validation: Split | None = None,
+    test: Split | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    lr_schedule: optax.Schedule | float | None = None,
     console: Console | None = None,
     callbacks: Sequence[Action] = (),
 ) -> FitResult:
@@ -87,7 +108,18 @@ def fit(
 
     ``model`` brings your own (`jdp.models.from_linen` / `jdp.models.from_nnx`) in
     place of the built-in ``config.model`` and ``config.model_size``; it takes the
-    dataset's batches (``image`` and ``label``, or ``source`` and ``target``).
+    dataset's batches (``image`` and ``label``, or ``source`` and ``target``, or
+    your own data's features). An NNX module gets its trained values back.
+
+    ``train``, ``validation`` and ``test`` bring your own data (`jdp.data`) in
+    place of ``config.dataset``. A validation split (given, or held out with
+    ``config.validation_fraction``) is evaluated every ``eval_every`` steps and
+    chooses the best checkpoint and early stopping; the test split is then only
+    measured at the end and reported.
+
+    ``optimizer`` is any Optax optimizer, used in place of the config's
+    optimizer fields (which are then neither used nor recorded);
+    ``lr_schedule`` (a schedule or a constant) is what the run logs as ``lr``.
 
     ``callbacks`` are your own actions (see `jdp.actions`), run after each call
     of the train step, after the evaluation and before the checkpoint: for
@@ -110,13 +142,28 @@ def fit(
     """
     started = time.perf_counter()
     console = console or Console()
-    run = build(config, console, model)
+    data = None
+    if train is not None:
+        data = Data(train, validation, test)
+    elif validation is not None or test is not None:
+        raise UsageError("fit: give train= with validation= or test= (your own data)")
+    yours = Yours(model, data, optimizer, lr_schedule)
+    if config.eval_only:
+        return _evaluate_only(config, console, yours, started)
+    run = build(config, console, yours)
+    config = run.config  # resolved: --epochs as steps, a clamped warmup
     calls = config.steps_per_call  # steps per call of the train step
     with contextlib.ExitStack() as stack:
         state, start = run.state, 0
         checkpoints = Checkpointer(config.ckpt_dir, keep=config.keep) if config.ckpt_dir else None
         if checkpoints is not None:
             state, start = _resume(config, stack.enter_context(checkpoints), state, console)
+            if start >= config.steps:
+                console.line(
+                    f"jdp: {checkpoints.directory} holds the finished run (step {start} of "
+                    f"{config.steps}); evaluating it (raise --steps to train on)"
+                )
+                return _evaluated(run, state, start, console, started)
         batches = stack.enter_context(_train_loader(config, run, start))
         logger = stack.enter_context(_metric_logger(config))
         actions = _actions(config, run, stack, console, logger, batches, checkpoints, callbacks)
@@ -142,7 +189,9 @@ def fit(
             console.line(f"jdp: {progress.stop_reason}; stopping at step {progress.step}")
         progress.final = True
         _call_each(actions, progress)
-    return _finished(config, progress, timer, started, start)
+    if run.model.update is not None:  # an NNX module gets its trained values back
+        run.model.update(progress.state.params, progress.state.model_state)
+    return _finished(config, progress, timer, started, start, logger.history)
 
 
 def _call_each(actions: Sequence[Action], progress: Progress) -> None:
@@ -177,7 +226,8 @@ def _actions(config, run, stack, console, logger, batches, checkpoints, callback
         actions.append(profile)
     actions.append(
         Evaluate(run.eval_step, run.test, run.mesh, batch_size=config.batch_size,
-                 every=config.eval_every, console=console, logger=logger)
+                 every=config.eval_every, console=console, logger=logger,
+                 validation=run.validation)
     )  # fmt: skip
     if config.early_stop_patience:
         actions.append(
@@ -200,7 +250,7 @@ def _actions(config, run, stack, console, logger, batches, checkpoints, callback
             checkpoints,
             batches,
             every=config.ckpt_every,
-            config=dataclasses.asdict(config),
+            config=run.recorded,
             skipping=skipping,
         )
         actions.append(checkpoint)
@@ -234,18 +284,21 @@ class _SteadyTimer:
             self.waited = self.loader.wait_seconds - self.waited_before
 
 
-def _finished(
-    config: TrainConfig, progress: Progress, timer: _SteadyTimer, started: float, start: int
-) -> FitResult:
+def _finished(config: TrainConfig, progress: Progress, timer: _SteadyTimer, started: float,
+              start: int, history: list) -> FitResult:  # fmt: skip
     last = progress.metrics
-    final = progress.evaluated
+    tested = progress.tested or {}
+    validated = progress.evaluated if progress.evaluated is not progress.tested else None
     timed = progress.step - start - config.steps_per_call  # the steps after the first call
+    nan = float("nan")
     return FitResult(
         state=progress.state,
         steps=progress.step,
-        train_loss=float(last["loss"]) if last is not None else float("nan"),
-        test_loss=final["loss"],
-        test_accuracy=final["accuracy"],
+        train_loss=float(last["loss"]) if last is not None else nan,
+        test_loss=tested.get("loss", nan),
+        test_accuracy=tested.get("accuracy", nan),
+        validation=validated,
+        history=list(history),
         examples_per_sec=timed * config.batch_size / timer.seconds if timer.seconds else 0.0,
         input_wait=timer.waited / timer.seconds if timer.seconds else 0.0,
         wall_seconds=time.perf_counter() - started,
@@ -277,6 +330,7 @@ def _resume(
         return state, 0
     state, meta = restored
     start = int(meta["loader_step"])
+    _say_how_steps_changed(config, meta.get("config", {}), start, checkpoints.directory, console)
     if start % config.steps_per_call:
         raise UsageError(
             f"{checkpoints.directory} holds step {start}, not a multiple of --steps-per-call "
@@ -300,4 +354,75 @@ def _stopped(progress: Progress, started: float) -> FitResult:
         wall_seconds=time.perf_counter() - started,
         preempted=progress.stop_reason,
         stopped=progress.stop_reason,
+    )
+
+
+def _say_how_steps_changed(config: TrainConfig, saved: dict, start: int, directory: str,
+                           console: Console) -> None:  # fmt: skip
+    """A resumed run may train longer than the run that saved; the schedule's horizon moves."""
+    before = saved.get("steps", config.steps)
+    if before == config.steps:
+        return
+    if config.steps <= start:
+        raise UsageError(
+            f"{directory} holds step {start}, and --steps is {config.steps}; raise --steps "
+            f"above {start} to train on, or use --eval-only to evaluate it"
+        )
+    line = f"jdp: --steps {config.steps} (was {before})"
+    if "lr" in saved:  # the built-in schedule, whose horizon is --steps
+        was = dataclasses.replace(config, steps=before)
+        now_lr, was_lr = (float(config_optimizer(c)[0](start)) for c in (config, was))
+        line += (
+            f": the {config.schedule} schedule now spans {config.steps} steps; at step {start} "
+            f"its learning rate is {now_lr:.4g} (it was {was_lr:.4g})"
+        )
+    console.line(line)
+
+
+def _evaluate_only(config: TrainConfig, console: Console, yours: Yours, started: float
+                   ) -> FitResult:  # fmt: skip
+    """``--eval-only``: the latest checkpoint of ``--ckpt-dir``, evaluated as its run would."""
+    step_dir = step_directory(os.path.abspath(config.ckpt_dir))
+    saved = read_record(step_dir).get("config", {})
+    fields = {field.name for field in dataclasses.fields(TrainConfig)}
+    made_with = {
+        name: value
+        for name, value in saved.items()
+        if name in fields and name not in TOPOLOGY_FIELDS and value != "yours"
+        and not str(value).startswith("yours")
+    }  # fmt: skip
+    config = dataclasses.replace(config, **made_with, ckpt_dir=config.ckpt_dir)
+    run = build(config, console, yours)
+    params, model_state = read_params(step_dir, like=(run.state.params, run.state.model_state))
+    state = run.state.replace(params=params, model_state=model_state)
+    step = int(read_record(step_dir).get("step", 0))
+    return _evaluated(run, state, step, console, started)
+
+
+def _evaluated(run: Run, state: TrainState, step: int, console: Console, started: float
+               ) -> FitResult:  # fmt: skip
+    """The result of evaluating ``state`` (a checkpoint) without training."""
+    config = run.config
+    progress = Progress(step=step, steps=step, state=state)
+    progress.final = True
+    with _metric_logger(config) as logger:
+        evaluation = Evaluate(
+            run.eval_step, run.test, run.mesh, batch_size=config.batch_size, every=0,
+            console=console, logger=logger, validation=run.validation,
+        )  # fmt: skip
+        evaluation.run(progress)
+    tested, nan = progress.tested or {}, float("nan")
+    validated = progress.evaluated if progress.evaluated is not progress.tested else None
+    return FitResult(
+        state=state,
+        steps=progress.step,
+        train_loss=nan,
+        test_loss=tested.get("loss", nan),
+        test_accuracy=tested.get("accuracy", nan),
+        examples_per_sec=nan,
+        input_wait=nan,
+        wall_seconds=time.perf_counter() - started,
+        validation=validated,
+        history=list(logger.history),
+        evaluated_only=True,
     )

@@ -85,14 +85,20 @@ def simulate_cpu_devices(count: int) -> bool:
     """Asks JAX for ``count`` CPU devices, so a mesh can be tried on a laptop.
 
     Only the CPU platform is affected: on a machine with an accelerator, JAX still
-    runs on the accelerator. It must happen before JAX initialises its backends;
-    a count the user already set in ``XLA_FLAGS`` is left alone.
+    runs on the accelerator. A count the user already set in ``XLA_FLAGS`` is
+    left alone.
 
     Returns:
         True when the request was made, False when ``XLA_FLAGS`` already sets a count.
 
+    Called after JAX started on the CPU with fewer devices (an NNX model built
+    first, say), it starts the CPU backend again with ``count`` devices; arrays
+    made before remain usable, and jit or ``jax.device_put`` move them onto the
+    new devices.
+
     Raises:
-        UsageError: JAX's backends are already initialised with fewer CPU devices.
+        UsageError: JAX's backends are already initialised with fewer CPU devices
+            in a run of several processes, where they cannot be started again.
 
     Examples:
         At the top of a script, before any JAX computation (here ``XLA_FLAGS``
@@ -108,14 +114,23 @@ def simulate_cpu_devices(count: int) -> bool:
     from jax._src import xla_bridge  # no public way to ask "already started?"
 
     if xla_bridge.backends_are_initialized():
+        if jax.default_backend() != "cpu":
+            return False  # the mesh is made of the accelerators
         have = len(jax.devices("cpu"))
         if have >= count:
             return False
-        raise UsageError(
-            f"JAX already started with {have} CPU device(s), {count} wanted; call "
-            f"jdp.simulate_cpu_devices({count}) before any JAX computation, or set "
-            f"XLA_FLAGS={_CPU_COUNT_FLAG}={count} before starting Python"
-        )
+        if jax.process_count() > 1:
+            raise UsageError(
+                f"JAX already started with {have} CPU device(s), {count} wanted; call "
+                f"jdp.simulate_cpu_devices({count}) before any JAX computation, or set "
+                f"XLA_FLAGS={_CPU_COUNT_FLAG}={count} before starting Python"
+            )
+        # Started already (say, by building a Flax NNX model): start the CPU
+        # backend again with more devices. Arrays made before stay readable on
+        # the old one, and jit and device_put move them onto the new devices.
+        from jax.extend import backend
+
+        backend.clear_backends()
     jax.config.update("jax_num_cpu_devices", count)
     return True
 

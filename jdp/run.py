@@ -7,6 +7,7 @@ uses; `jdp.fit` and the benchmarks take them from the `Run` it returns.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -14,10 +15,13 @@ import optax
 from jax.sharding import Mesh
 
 from jdp import distributed
+from jdp.checkpoint import read_params
 from jdp.config import TrainConfig
+from jdp.data.custom import holdout, load_named
 from jdp.data.pipeline import EvalReader, check_train_batch
-from jdp.data.sources import Split, load_split
+from jdp.data.sources import Split
 from jdp.errors import UsageError
+from jdp.inference import data_facts
 from jdp.mesh import (
     check_batch_size,
     check_spec_fits_batch,
@@ -65,7 +69,7 @@ def describe_run(
     )
     write_run_info(
         config.log_dir,
-        dataclasses.asdict(config),
+        run.recorded or dataclasses.asdict(config),
         {
             "mesh": dict(run.mesh.shape),
             "backend": config.backend,
@@ -98,41 +102,145 @@ def setup_devices(mesh_spec: str, *, processes: int = 1) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Data:
+    """A run's splits: ``train``, and ``validation`` and ``test`` when it has them."""
+
+    train: Split
+    validation: Split | None = None
+    test: Split | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Yours:
+    """What the user brought to `jdp.fit` in place of the config's named choices."""
+
+    model: Model | None = None
+    data: Data | None = None
+    optimizer: optax.GradientTransformation | None = None
+    lr_schedule: optax.Schedule | float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Run:
-    """A configured run before its first step: mesh, data, initial state and step functions."""
+    """A configured run before its first step: mesh, data, initial state and step functions.
+
+    ``config`` is the run's resolved config (``--epochs`` as steps, a clamped
+    warmup); ``recorded`` what checkpoints and run files record of it.
+    """
 
     config: TrainConfig
     mesh: Mesh
     train: Split
-    test: Split
+    test: Split | None
     model: Model
     state: TrainState
     train_step: CompiledStep
     eval_step: CompiledStep
-    schedule: optax.Schedule
+    schedule: optax.Schedule | None
     optimizer: optax.GradientTransformation
+    validation: Split | None = None
+    recorded: dict | None = None
 
 
-def build(config: TrainConfig, console: Console, model: Model | None = None) -> Run:
+def load_data(config: TrainConfig, given: Data | None = None) -> Data:
+    """The run's splits: ``given`` (`jdp.fit`'s), else ``--dataset``'s; a held-out validation."""
+    if given is not None:
+        data = given
+    else:
+        data = Data(
+            train=load_named(config.dataset, "train", config.data_dir),
+            validation=load_named(config.dataset, "validation", config.data_dir),
+            test=load_named(config.dataset, "test", config.data_dir),
+        )
+    if config.validation_fraction:
+        if data.validation is not None:
+            raise UsageError(
+                "the data has a validation split already; drop --validation-fraction, or "
+                "give no validation split"
+            )
+        train, validation = holdout(data.train, config.validation_fraction, config.seed)
+        data = dataclasses.replace(data, train=train, validation=validation)
+    return data
+
+
+def resolve(config: TrainConfig, train_examples: int, console: Console, *,
+            own_optimizer: bool) -> TrainConfig:  # fmt: skip
+    """``--epochs`` as steps; a warmup longer than a short run clamped, with a line each."""
+    if config.epochs:
+        calls = config.steps_per_call
+        steps = math.ceil(config.epochs * train_examples / config.batch_size)
+        steps = calls * math.ceil(steps / calls)
+        console.line(
+            f"jdp: --epochs {config.epochs} of {train_examples} examples at batch "
+            f"{config.batch_size} = {steps} steps"
+        )
+        config = dataclasses.replace(config, steps=steps)
+    if not own_optimizer and config.warmup_steps > config.steps:
+        warmup = config.steps // 10
+        console.line(
+            f"jdp: --warmup-steps {config.warmup_steps} is longer than the run's "
+            f"{config.steps} steps; warming up over {warmup} steps (a tenth) instead"
+        )
+        config = dataclasses.replace(config, warmup_steps=warmup)
+    return config
+
+
+def recorded_config(config: TrainConfig, yours: Yours, train: Split) -> dict:
+    """The config as checkpoints and run files record it: what the user brought is named
+    ``yours`` and the config fields it replaced are left out, never logged as if used."""
+    recorded = dataclasses.asdict(config)
+    if yours.optimizer is not None:
+        for name in _OPTIMIZER_FIELDS:
+            recorded.pop(name)
+        recorded["optimizer"] = f"yours: {_describe(yours.optimizer)}"
+        recorded["lr_schedule"] = "yours" if callable(yours.lr_schedule) else yours.lr_schedule
+    if yours.model is not None:
+        recorded["model"] = "yours"
+        recorded.pop("model_size")
+    if yours.data is not None:
+        recorded["dataset"] = "yours"
+    recorded["data"] = data_facts(train)  # for jdp.load_model to rebuild a built-in model
+    return recorded
+
+
+# The config fields that make the built-in optimizer and schedule.
+_OPTIMIZER_FIELDS = (
+    "optimizer", "lr", "schedule", "warmup_steps", "lr_scaling", "lr_reference_batch",
+    "lr_boundaries", "lr_decay_factor", "momentum", "weight_decay", "clip_norm",
+)  # fmt: skip
+
+
+def _describe(optimizer) -> str:
+    """An Optax optimizer as far as it describes itself: its type, and its function's name."""
+    update = getattr(optimizer, "update", None)
+    where = getattr(update, "__qualname__", "").split(".<locals>")[0]
+    return f"{type(optimizer).__name__}({where})" if where else type(optimizer).__name__
+
+
+def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> Run:
     """Sets up devices, mesh, data, model, optimizer and steps; says what it built.
 
-    ``model`` replaces the built-in ``config.model`` (see `fit`).
+    ``yours`` brings a model, data or an optimizer in place of the config's (see `fit`).
 
     Raises:
         UsageError: a mesh, batch size, dataset or model that cannot work here.
     """
+    yours = yours or Yours()
+    model = yours.model
     # The data first, before the processes join: a process that cannot read its
     # data stops every process at start-up, not a collective's timeout later.
+    data = None
     try:
-        train = load_split(config.dataset, "train", config.data_dir)
-        test = load_split(config.dataset, "test", config.data_dir)
-        check_train_batch(train, config.batch_size)
+        data = load_data(config, yours.data)
+        check_train_batch(data.train, config.batch_size)
         problem = None
     except UsageError as error:
         problem = error
     mesh = _mesh(config, console, str(problem) if problem else None)
     if problem:
         raise problem
+    train, validation, test = data.train, data.validation, data.test
+    config = resolve(config, len(train), console, own_optimizer=yours.optimizer is not None)
     if jax.process_index() == 0:  # now, not after the model is made
         for flag, directory in (("--log-dir", config.log_dir), ("--ckpt-dir", config.ckpt_dir)):
             if directory:
@@ -140,13 +248,22 @@ def build(config: TrainConfig, console: Console, model: Model | None = None) -> 
     name = f"{config.model} {config.model_size}" if model is None else "your model"
     if model is None:
         model = get_model(config.model, train, config.model_size)
+
     init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
     sample = EvalReader(train, batch_size=1, rows=slice(None))(0)
     params, model_state = jax.jit(
         lambda rng: model.init(rng, sample), out_shardings=replicated(mesh)
     )(init_rng)
-    schedule, optimizer = _optimizer(config)
+    if yours.optimizer is not None:
+        optimizer, schedule = yours.optimizer, yours.lr_schedule
+        if isinstance(schedule, int | float):
+            schedule = optax.constant_schedule(float(schedule))
+    else:
+        schedule, optimizer = config_optimizer(config)
     precision = make_precision(config.precision, reduce=config.reduce_dtype)
+    if config.init_from:  # before the optimizer's state is made from the parameters
+        params, model_state = read_params(config.init_from, like=(params, model_state))
+        console.line(f"jdp: parameters and model state from {config.init_from}")
     state = create_train_state(
         params, optimizer, mesh, rng=train_rng, model_state=model_state, precision=precision
     )
@@ -164,8 +281,12 @@ def build(config: TrainConfig, console: Console, model: Model | None = None) -> 
     )
     eval_step = make_eval_step(model.metrics_fn, mesh, backend=config.backend, has_model_state=True)
     num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
-    _say_what_was_built(config, console, mesh, f"{name} ({num_params:,} params)", train, test)
-    return Run(config, mesh, train, test, model, state, train_step, eval_step, schedule, optimizer)
+    dataset = "your data" if yours.data is not None else config.dataset
+    _say_what_was_built(
+        config, console, mesh, f"{name} ({num_params:,} params)", dataset, data, yours
+    )
+    return Run(config, mesh, train, test, model, state, train_step, eval_step, schedule,
+               optimizer, validation, recorded_config(config, yours, train))  # fmt: skip
 
 
 def _mesh(config: TrainConfig, console: Console, error: str | None = None) -> Mesh:
@@ -203,7 +324,7 @@ def _mesh(config: TrainConfig, console: Console, error: str | None = None) -> Me
     return mesh
 
 
-def _optimizer(config: TrainConfig) -> tuple[optax.Schedule, optax.GradientTransformation]:
+def config_optimizer(config: TrainConfig) -> tuple[optax.Schedule, optax.GradientTransformation]:
     """The learning-rate schedule and the optimizer that follows it."""
     schedule = make_schedule(
         config.schedule,
@@ -224,16 +345,36 @@ def _optimizer(config: TrainConfig) -> tuple[optax.Schedule, optax.GradientTrans
 
 
 def _say_what_was_built(config: TrainConfig, console: Console, mesh: Mesh, model: str,
-                        train, test) -> None:  # fmt: skip
+                        dataset: str, data: Data, yours: Yours) -> None:  # fmt: skip
     per_replica = config.batch_size // data_size(mesh)
+    sizes = " / ".join(
+        f"{len(split)} {name}"
+        for name, split in (
+            ("train", data.train),
+            ("validation", data.validation),
+            ("test", data.test),
+        )
+        if split is not None
+    )
     console.line(
-        f"jdp: {model} on {config.dataset} "
-        f"({len(train)} train / {len(test)} test), mesh {dict(mesh.shape)}, "
+        f"jdp: {model} on {dataset} "
+        f"({sizes}), mesh {dict(mesh.shape)}, "
         f"backend {config.backend}, global batch {config.batch_size} "
         f"({per_replica} per replica"
         + (f", {config.accumulate} micro-batches" if config.accumulate > 1 else "")
         + f"), {config.steps} steps"
     )
+    if yours.optimizer is not None:
+        lr = (
+            "lr as your lr_schedule gives it"
+            if yours.lr_schedule is not None
+            else "lr not logged (pass fit(lr_schedule=...) to log it)"
+        )
+        console.line(
+            f"jdp: your optimizer {_describe(yours.optimizer)}, {lr}; the config's optimizer "
+            f"flags are unused; precision {config.precision} (all-reduce {config.reduce_dtype})"
+        )
+        return
     scaling = (
         f" x {config.batch_size}/{config.lr_reference_batch} ({config.lr_scaling} scaling)"
         if config.lr_scaling != "none"

@@ -108,23 +108,37 @@ def _eval_order(result: Mapping[str, float]) -> list[str]:
 
 
 class Evaluate(PeriodicAction):
-    """Exact test metrics over the whole split; sets ``progress.evaluated``."""
+    """Exact metrics over whole splits; sets ``progress.evaluated`` and ``progress.tested``.
 
-    def __init__(self, eval_step, split: Split, mesh, *, batch_size: int, every: int,
-                 console: Console, logger: MetricLogger):  # fmt: skip
+    With a validation split, the periodic evaluations are of it (it chooses the
+    best checkpoint and stops early) and the test split is measured at the end
+    only; without one, the test split is evaluated throughout.
+    """
+
+    def __init__(self, eval_step, split: Split | None, mesh, *, batch_size: int, every: int,
+                 console: Console, logger: MetricLogger, validation: Split | None = None
+                 ):  # fmt: skip
         super().__init__(every, at_end=True)
         self.eval_step, self.split, self.mesh, self.batch_size = eval_step, split, mesh, batch_size
-        self.console, self.logger = console, logger
+        self.console, self.logger, self.validation = console, logger, validation
 
     def run(self, progress: Progress) -> None:
-        batches = eval_batches(self.split, self.mesh, batch_size=self.batch_size)
+        if self.validation is not None:
+            progress.evaluated = self.measure("val", self.validation, progress)
+            if progress.final and self.split is not None:
+                progress.tested = self.measure("test", self.split, progress)
+        elif self.split is not None:
+            progress.evaluated = progress.tested = self.measure("test", self.split, progress)
+
+    def measure(self, prefix: str, split: Split, progress: Progress) -> dict[str, float]:
+        batches = eval_batches(split, self.mesh, batch_size=self.batch_size)
         result = evaluate(self.eval_step, progress.state, batches)
         self.console.line(
             f"step {progress.step}: "
-            + " ".join(f"test_{name}={result[name]:.4f}" for name in _eval_order(result))
+            + " ".join(f"{prefix}_{name}={result[name]:.4f}" for name in _eval_order(result))
         )
-        self.logger.write("eval", progress.step, result)
-        progress.evaluated = result
+        self.logger.write("eval" if prefix == "test" else prefix, progress.step, result)
+        return result
 
 
 class Checkpoint(PeriodicAction):

@@ -166,10 +166,11 @@ def test_evaluation_uses_running_averages_and_no_dropout(api, mesh8, backend):
 def test_user_model_errors_name_the_fix(mesh8):
     with pytest.raises(jdp.UsageError, match=r"reads batch key\(s\) 'image' .* 'source'"):
         from_linen(nn.Dense(3), classification()).init(jax.random.key(0), {"source": np.ones(2)})
-    with pytest.raises(jdp.UsageError, match="Dense takes no keyword 'train'; pass train_arg=None"):
-        from_linen(nn.Dense(3), classification(), inputs="x").init(
-            jax.random.key(0), {"x": np.ones((2, 4), np.float32)}
-        )
+    # What the signature cannot map is refused when the model is wrapped, before any trace.
+    with pytest.raises(jdp.UsageError, match=r"Dense.__call__ takes no keyword 'train' \(it takes"):
+        from_linen(nn.Dense(3), classification(), train_arg="train")
+    with pytest.raises(jdp.UsageError, match=r"takes \(inputs\) and jdp would pass 2 argument"):
+        from_linen(nn.Dense(3), classification(), inputs=("image", "mask"))
 
 
 @pytest.mark.parametrize("name", ["seq2seq", "gpt"])

@@ -37,6 +37,8 @@ class SequenceSplit:
     vocab: tuple[str, ...]
     kind = "sequence"
     transform = None
+    map = None
+    input_key, label_key = "source", None
     pad, bos, eos = PAD, BOS, EOS
 
     def __len__(self) -> int:
@@ -44,6 +46,10 @@ class SequenceSplit:
 
     def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         return {"source": self.source[indices], "target": self.target[indices]}
+
+    def take(self, indices: np.ndarray) -> SequenceSplit:
+        """The split of these examples, in this order."""
+        return dataclasses.replace(self, **self.read(indices))
 
     def decode(self, tokens: np.ndarray) -> str:
         """Tokens to text, without ``<pad>``, ``<bos>`` and anything from ``<eos>`` on."""

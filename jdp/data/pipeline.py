@@ -30,8 +30,20 @@ from jdp.data.transforms import Augmentation
 from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY, process_rows, shard_batch
 
-# Mixed into the augmentation seed so its stream never coincides with an epoch order's.
+# Mixed into the augmentation seeds so their streams never coincide with an epoch order's.
 _AUGMENT_STREAM = 0x61756780
+_MAP_STREAM = 0x6D617080
+
+
+def map_examples(fn: Callable, batch: dict[str, np.ndarray], rngs: list) -> dict[str, np.ndarray]:
+    """``fn(example, rng)`` on each row of ``batch``, the results stacked back into a batch."""
+    rows = len(next(iter(batch.values())))
+    examples = [
+        fn({name: value[row] for name, value in batch.items()}, rngs[row]) for row in range(rows)
+    ]
+    if not examples:
+        return batch
+    return {name: np.stack([example[name] for example in examples]) for name in examples[0]}
 
 
 @functools.lru_cache(maxsize=4)
@@ -92,7 +104,15 @@ class TrainReader:
                 augmentation = Augmentation(
                     *(np.concatenate(parts) for parts in zip(*draws, strict=True))
                 )
-            batch["image"] = transform(batch["image"], augmentation)
+            batch[self.split.input_key] = transform(batch[self.split.input_key], augmentation)
+        if self.split.map is not None:
+            places = np.arange(self.batch_size)[self.rows]  # in the global batch
+            rngs = [
+                np.random.default_rng((self.seed, step, int(place), _MAP_STREAM))
+                for step in steps
+                for place in places
+            ]
+            batch = map_examples(self.split.map, batch, rngs)
         bounds = np.cumsum([len(part) for part in indices])[:-1]
         parts = {key: np.split(value, bounds) for key, value in batch.items()}
         return [{key: parts[key][i] for key in parts} for i in range(count)]
@@ -126,7 +146,9 @@ class EvalReader:
         real = indices < len(self.split)
         batch = self.split.read(np.where(real, indices, 0)[self.rows])
         if self.split.transform is not None:
-            batch["image"] = self.split.transform(batch["image"])
+            batch[self.split.input_key] = self.split.transform(batch[self.split.input_key])
+        if self.split.map is not None:
+            batch = map_examples(self.split.map, batch, [None] * len(real[self.rows]))
         batch[MASK_KEY] = real[self.rows].astype(np.float32)
         return batch
 

@@ -15,12 +15,14 @@ import fcntl
 import io
 import os
 import socket
+from collections.abc import Callable
 
 import numpy as np
 
 from jdp.data import numbers2words
 from jdp.data.transforms import Transform
 from jdp.errors import UsageError, os_failure
+from jdp.mesh import MASK_KEY
 from jdp.report.console import quiet_absl
 
 
@@ -72,12 +74,75 @@ class Split:
     num_classes: int
     transform: Transform = AS_IS
     kind = "image"
+    input_key, label_key = "image", "label"  # what a built-in model reads and predicts
+    map = None  # no per-example function (see `ArraySplit`)
 
     def __len__(self) -> int:
         return len(self.label)
 
     def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         return {"image": self.image[indices], "label": self.label[indices]}
+
+    def take(self, indices: np.ndarray) -> Split:
+        """The split of these examples, in this order."""
+        return dataclasses.replace(self, image=self.image[indices], label=self.label[indices])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ArraySplit:
+    """One split of named arrays in host memory, any names: your own data (`jdp.data`).
+
+    Every array has one row per example. ``input_key`` names the feature a
+    built-in model reads and ``label_key`` the integer class it predicts (your
+    own model may read any of them). ``transform`` (a `Transform`, for images)
+    applies to ``input_key``, vectorised over a batch; ``map`` is your own
+    per-example function ``map(example, rng) -> example`` on a dict of NumPy
+    arrays, run in the loader (in Grain's workers with ``--loader-workers``).
+    ``rng`` is a ``numpy.random.Generator`` drawn from the seed, the step and
+    the example's place in the global batch in training (so augmentation does
+    not depend on the devices or processes), and None in evaluation.
+    """
+
+    features: dict[str, np.ndarray]
+    input_key: str = "image"
+    label_key: str | None = "label"
+    num_classes: int | None = None
+    transform: Transform | None = None
+    map: Callable[[dict, np.random.Generator | None], dict] | None = None
+    classes: tuple[str, ...] | None = None  # class names, label order (an image folder's)
+    kind = "image"
+
+    def __post_init__(self):
+        if not self.features:
+            raise UsageError("a split needs at least one feature array")
+        lengths = {name: len(array) for name, array in self.features.items()}
+        if len(set(lengths.values())) != 1:
+            raise UsageError(
+                "the features have different numbers of rows ("
+                + ", ".join(f"{name}: {n}" for name, n in lengths.items())
+                + "); give one row per example in each"
+            )
+        if MASK_KEY in self.features:
+            raise UsageError(
+                f"a feature is named {MASK_KEY!r}, which jdp's evaluation adds to mark "
+                "padding rows; rename it"
+            )
+        for role, key in (("input_key", self.input_key), ("label_key", self.label_key)):
+            if key is not None and key not in self.features:
+                raise UsageError(
+                    f"{role} {key!r} is not a feature; the features are "
+                    f"{', '.join(map(repr, self.features))}"
+                )
+
+    def __len__(self) -> int:
+        return len(next(iter(self.features.values())))
+
+    def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: array[indices] for name, array in self.features.items()}
+
+    def take(self, indices: np.ndarray) -> ArraySplit:
+        """The split of these examples, in this order."""
+        return dataclasses.replace(self, features=self.read(indices))
 
 
 def check_dataset(name: str) -> DatasetSpec | None:
@@ -242,27 +307,88 @@ def load_split(
         return _load_split(spec, name, split, data_dir)
 
 
-def _load_split(spec: DatasetSpec, name: str, split: str, data_dir: str | None) -> Split:
+def _check_data_dir(data_dir: str | None) -> str:
     if data_dir is not None and not os.path.isdir(data_dir):
         what = "is a file, not a directory" if os.path.exists(data_dir) else "does not exist"
         raise UsageError(
             f"--data-dir {data_dir} {what}; create it, or omit --data-dir to use "
             f"{default_data_dir()}"
         )
-    data_dir = data_dir or default_data_dir()
-    builder = _builder(spec.tfds_name, data_dir)
-    if not builder.is_prepared():
-        _prepare(spec, name, data_dir)
+    return data_dir or default_data_dir()
+
+
+def open_builder(name_or_builder, data_dir: str | None, spec: DatasetSpec | None = None):
+    """A prepared TFDS builder: by name (prepared here when jdp knows how) or as given.
+
+    A name TFDS does not know is looked up among the datasets already prepared
+    in ``data_dir`` (a builder of your own needs no code to be read back).
+    """
+    with _quiet():
+        return _open_builder(name_or_builder, data_dir, spec)
+
+
+def _open_builder(name_or_builder, data_dir: str | None, spec: DatasetSpec | None):
+    import tensorflow_datasets as tfds
+
+    if not isinstance(name_or_builder, str):
+        builder = name_or_builder
+        if not builder.is_prepared():
+            try:
+                builder.download_and_prepare()
+            except (OSError, RuntimeError) as error:
+                reason = os_failure(error)
+                if reason is None:
+                    raise
+                raise UsageError(
+                    f"could not prepare dataset {builder.name!r} in {builder.data_dir} "
+                    f"({reason}); free space there, or give the builder another data_dir"
+                ) from None
+        return builder
+    name, data_dir = name_or_builder, _check_data_dir(data_dir)
+    if spec is not None:
         builder = _builder(spec.tfds_name, data_dir)
-    if split not in builder.info.splits:
+        if not builder.is_prepared():
+            _prepare(spec, name, data_dir)
+            builder = _builder(spec.tfds_name, data_dir)
+        return builder
+    try:
+        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+    except tfds.core.registered.DatasetNotFoundError:
         raise UsageError(
-            f"dataset {name!r} has no split {split!r}; it has: {', '.join(builder.info.splits)}"
+            f"no TFDS dataset {name!r} is known or prepared in {data_dir}; prepare it there "
+            "(your builder's download_and_prepare, with file_format='array_record'), or pass "
+            "--data-dir"
+        ) from None
+    if not builder.is_prepared():
+        raise UsageError(
+            f"TFDS dataset {name!r} is not prepared in {data_dir}; prepare it there as "
+            f"array_record (tfds.builder({name!r}, data_dir=..., file_format='array_record')"
+            ".download_and_prepare(), which may need TensorFlow) and rerun"
         )
-    if builder.info.file_format is None or builder.info.file_format.value != "array_record":
+    return builder
+
+
+def read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], object]:
+    """Every example of a prepared builder's ``split``, stacked per numeric feature.
+
+    Returns:
+        ``({feature: array}, builder.info)``; string and nested features are left out.
+    """
+    with _quiet():
+        return _read_builder_split(builder, split)
+
+
+def _read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], object]:
+    name, info = builder.name, builder.info
+    if split not in info.splits:
         raise UsageError(
-            f"dataset {name!r} in {data_dir} was prepared as {builder.info.file_format}, which "
-            f"needs TensorFlow to read; prepare it as array_record with "
-            f"`{_prepare_command(name, data_dir)}` into another --data-dir"
+            f"dataset {name!r} has no split {split!r}; it has: {', '.join(info.splits)}"
+        )
+    if info.file_format is None or info.file_format.value != "array_record":
+        raise UsageError(
+            f"dataset {name!r} in {builder.data_dir} was prepared as {info.file_format}, which "
+            "needs TensorFlow to read; prepare it as array_record (file_format='array_record') "
+            "into another data directory"
         )
     source = builder.as_data_source(split=split)
     try:
@@ -270,12 +396,29 @@ def _load_split(spec: DatasetSpec, name: str, split: str, data_dir: str | None) 
     except RuntimeError as error:  # array_record's own checksums: "Corrupted Riegeli/records"
         reason = str(error).strip().splitlines()[0][:120]
         raise UsageError(
-            f"dataset {name!r} ({split}) in {data_dir} is damaged ({reason}); prepare it "
-            f"again: remove {os.path.join(data_dir, spec.tfds_name)} and rerun"
+            f"dataset {name!r} ({split}) in {builder.data_dir} is damaged ({reason}); prepare "
+            f"it again: remove {builder.data_dir} and rerun"
         ) from None
+    arrays = {}
+    for key in info.features:
+        values = [np.asarray(example[key]) for example in examples]
+        if not values or values[0].dtype.kind not in "biuf":
+            continue  # text, bytes and nested features: not model inputs
+        if len({value.shape for value in values}) > 1:
+            raise UsageError(
+                f"feature {key!r} of {name!r} has examples of different shapes; pad or resize "
+                "them to one shape when preparing the dataset"
+            )
+        arrays[key] = np.stack(values)
+    return arrays, info
+
+
+def _load_split(spec: DatasetSpec, name: str, split: str, data_dir: str | None) -> Split:
+    builder = _open_builder(name, data_dir, spec)
+    arrays, info = _read_builder_split(builder, split)
     return Split(
-        image=np.stack([np.asarray(example["image"]) for example in examples]),
-        label=np.asarray([example["label"] for example in examples], np.int32),
-        num_classes=builder.info.features["label"].num_classes,
+        image=arrays["image"],
+        label=arrays["label"].astype(np.int32),
+        num_classes=info.features["label"].num_classes,
         transform=spec.transform,
     )

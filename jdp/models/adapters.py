@@ -18,11 +18,13 @@ averages are averaged over the replicas after each step, so replicas agree.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jdp.errors import UsageError
@@ -130,6 +132,8 @@ class Model:
         init: ``(rng, batch) -> (params, model_state)`` from a sample batch.
         apply: ``(params, model_state, batch, *, train, rng) -> (outputs, model_state)``.
         objective: the loss and metrics on the outputs.
+        update: puts trained ``(params, model_state)`` back where the model came
+            from (an NNX module), or None.
 
     Examples:
         >>> import flax.linen as nn
@@ -152,6 +156,9 @@ class Model:
     init: Callable[[jax.Array, Batch], tuple[Any, Any]]
     apply: Callable[..., tuple[Any, Any]]
     objective: Objective
+    # ``(params, model_state) -> None``: puts trained values back into the object
+    # the model was made from (an NNX module); `jdp.fit` calls it at the end.
+    update: Callable[[Any, Any], None] | None = None
 
     def loss_fn(self, params, model_state, batch, rng):
         """Mean loss, mean metrics and the new model state, for `jdp.make_train_step`."""
@@ -168,12 +175,79 @@ class Model:
         )
 
 
+# Keywords that switch a module between training and evaluation: True in training
+# for the first kind, False in training for the second.
+_TRAINING_KEYWORDS = ("train", "training", "is_training")
+_EVALUATION_KEYWORDS = ("deterministic", "use_running_average", "eval", "inference")
+AUTO = "auto"
+
+
+def _call_parameters(module) -> list[inspect.Parameter] | None:
+    """The parameters of the module's ``__call__`` after ``self``; None if unreadable."""
+    try:
+        signature = inspect.signature(type(module).__call__)
+    except (TypeError, ValueError):
+        return None
+    return list(signature.parameters.values())[1:]
+
+
+def _count_inputs(inputs: Inputs) -> int | None:
+    if callable(inputs):
+        return None
+    return 1 if isinstance(inputs, str) else len(tuple(inputs))
+
+
+def _training_switch(module, train_arg: str | None, inputs: Inputs) -> tuple[str, bool] | None:
+    """``(keyword, inverted)`` of the module's training switch, checked against its signature.
+
+    Raises a one-line UsageError, before anything is traced, for what cannot be
+    mapped: a ``train_arg`` the signature lacks, or more required arguments than
+    ``inputs`` gives.
+    """
+    name = type(module).__name__
+    parameters = _call_parameters(module)
+    if parameters is None:
+        return (train_arg, False) if train_arg not in (None, AUTO) else None
+    names = [p.name for p in parameters]
+    open_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    if train_arg == AUTO:
+        found = [k for k in _TRAINING_KEYWORDS + _EVALUATION_KEYWORDS if k in names]
+        switch = (found[0], found[0] in _EVALUATION_KEYWORDS) if found else None
+    elif train_arg is None:
+        switch = None
+    elif train_arg in names or open_keywords:
+        switch = (train_arg, train_arg in _EVALUATION_KEYWORDS)
+    else:
+        raise UsageError(
+            f"{name}.__call__ takes no keyword {train_arg!r} (it takes {', '.join(names)}); "
+            f"pass train_arg=None to from_linen, or the name of its training switch"
+        )
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [
+        p.name
+        for p in parameters
+        if p.kind in positional
+        and p.default is inspect.Parameter.empty
+        and (switch is None or p.name != switch[0])
+    ]
+    given = _count_inputs(inputs)
+    varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
+    takes = sum(p.kind in positional for p in parameters if switch is None or p.name != switch[0])
+    if given is not None and (len(required) > given or (given > takes and not varargs)):
+        raise UsageError(
+            f"{name}.__call__ takes ({', '.join(names)}) and jdp would pass {given} "
+            f"argument(s) from the batch (inputs={inputs!r}); pass inputs= naming one batch key "
+            "per argument, or a function of the batch"
+        )
+    return switch
+
+
 def from_linen(
     module,
     objective: Objective,
     *,
     inputs: Inputs = "image",
-    train_arg: str | None = "train",
+    train_arg: str | None = AUTO,
     rng_streams: Sequence[str] = ("dropout",),
 ) -> Model:
     """Wraps a Flax Linen module.
@@ -184,31 +258,34 @@ def from_linen(
         inputs: the batch key (or keys) passed positionally to the module, or a
             function ``batch -> tuple of arguments``.
         train_arg: the keyword that switches training behaviour (dropout on,
-            BatchNorm on batch statistics): passed True in training and False in
-            evaluation; None for a module without one.
+            BatchNorm on batch statistics). ``"auto"`` reads ``__call__``'s
+            signature: ``train``, ``training`` or ``is_training`` is passed True in
+            training, ``deterministic``, ``use_running_average``, ``eval`` or
+            ``inference`` False, and a module without any (Flax's MNIST ``CNN``)
+            gets none. Name one to choose it; None passes none.
         rng_streams: the rng collections the module draws from in training; each
             gets its own key from the step's per-replica, per-step rng.
 
     Every variable collection other than ``params`` (``batch_stats`` for
     BatchNorm) becomes ``model_state`` and is updated in training.
+
+    Raises:
+        UsageError: at once, before any device is touched, for a signature jdp
+            cannot map (a named ``train_arg`` it lacks, more required arguments
+            than ``inputs`` gives).
     """
     arguments = _input_fn(inputs)
+    switch = _training_switch(module, train_arg, inputs)
 
     def mode(train: bool) -> dict[str, bool]:
-        return {train_arg: train} if train_arg else {}
+        if switch is None:
+            return {}
+        keyword, inverted = switch
+        return {keyword: train != inverted}
 
     def init(rng, batch):
         streams = {name: jax.random.fold_in(rng, i + 1) for i, name in enumerate(rng_streams)}
-        try:
-            variables = module.init({"params": rng, **streams}, *arguments(batch), **mode(False))
-        except TypeError as error:
-            if train_arg and f"'{train_arg}'" in str(error):
-                raise UsageError(
-                    f"{type(module).__name__} takes no keyword {train_arg!r}; pass "
-                    f"train_arg=None to from_linen, or the name of its training switch"
-                ) from error
-            raise
-        variables = dict(variables)
+        variables = dict(module.init({"params": rng, **streams}, *arguments(batch), **mode(False)))
         params = variables.pop("params")
         return params, variables
 
@@ -234,9 +311,17 @@ def from_nnx(module, objective: Objective, *, inputs: Inputs = "image") -> Model
     ``use_running_average=False`` set on the sub-modules that have them (Dropout,
     BatchNorm), evaluation with both True. ``params`` are its ``nnx.Param``
     variables; ``model_state`` the other variables (BatchNorm's ``BatchStat``) except
-    rng state: every rng stream the module holds (give Dropout ``rngs=``) is reseeded
-    from the step's per-replica, per-step rng. Both are plain nested dicts.
-    ``init`` returns the module's current values and ignores its rng.
+    rng state: every rng stream the module holds (Dropout given ``rngs=``) is
+    reseeded from the step's per-replica, per-step rng. A module whose
+    ``__call__`` takes ``rngs`` (Flax's NNX MNIST tutorial passes them to
+    ``nnx.Dropout`` at call time) is given ``nnx.Rngs`` drawn from that rng in
+    training and ``rngs=None`` in evaluation. Both are plain nested dicts.
+    ``init`` returns the module's current values and ignores its rng; `jdp.fit`
+    puts the trained values back into ``module`` (``update``).
+
+    A module built before `jdp.fit` started JAX with one CPU device; on a
+    machine without an accelerator, ``fit`` starts the CPU backend again with the
+    devices its mesh needs, and the module's values move over.
 
     Args:
         module: an ``nnx.Module``.
@@ -255,6 +340,8 @@ def from_nnx(module, objective: Objective, *, inputs: Inputs = "image") -> Model
 
     arguments = _input_fn(inputs)
     trainable, others = nnx.Param, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
+    parameters = _call_parameters(module) or []
+    takes_rngs = any(p.name == "rngs" for p in parameters)
 
     def split(mode: bool):
         view = nnx.view(
@@ -266,6 +353,13 @@ def from_nnx(module, objective: Objective, *, inputs: Inputs = "image") -> Model
     streams = sorted(
         {v.tag for v in jax.tree.leaves(rngs, is_leaf=lambda x: isinstance(x, nnx.Variable))}
     )
+    # Host copies of the values: they outlive a restart of the CPU backend (see
+    # above). Rng keys cannot be NumPy arrays; arrays of a stopped backend still work.
+    initial = [
+        jax.tree.map(np.asarray, nnx.to_pure_dict(params)),
+        jax.tree.map(np.asarray, nnx.to_pure_dict(state)),
+        nnx.to_pure_dict(rngs),
+    ]
 
     def as_state(template, pure):
         """A new State shaped like ``template`` holding ``pure``'s values (in this trace)."""
@@ -275,19 +369,27 @@ def from_nnx(module, objective: Objective, *, inputs: Inputs = "image") -> Model
 
     def init(rng, batch):
         del rng, batch
-        return nnx.to_pure_dict(params), nnx.to_pure_dict(state)
+        return initial[0], initial[1]
 
     def apply(params_now, state_now, batch, *, train, rng=None):
         graphdef = train_def if train else eval_def
-        rng_state = as_state(rngs, nnx.to_pure_dict(rngs))
         model = nnx.merge(
-            graphdef, as_state(params, params_now), as_state(state, state_now), rng_state
+            graphdef,
+            as_state(params, params_now),
+            as_state(state, state_now),
+            as_state(rngs, initial[2]),
         )
         if train and streams:
             nnx.reseed(model, **{tag: jax.random.fold_in(rng, i) for i, tag in enumerate(streams)})
-        outputs = model(*arguments(batch))
+        given = {}
+        if takes_rngs:
+            given["rngs"] = nnx.Rngs(jax.random.fold_in(rng, len(streams))) if train else None
+        outputs = model(*arguments(batch), **given)
         if not train:
             return outputs, state_now
         return outputs, nnx.to_pure_dict(nnx.state(model, others))
 
-    return Model(init, apply, objective)
+    def update(params_now, state_now) -> None:
+        nnx.update(module, as_state(params, params_now), as_state(state, state_now))
+
+    return Model(init, apply, objective, update)

@@ -106,8 +106,15 @@ def get_model(name: str, split, size: str = "small") -> Model:
     builtin = check_model(name, size, split.kind)
     options = builtin.sizes[size]
     if builtin.data == "image":
+        if split.label_key is None or not split.num_classes:
+            raise UsageError(
+                f"the built-in {name} classifies, and the data has no integer label; give "
+                "label_key= naming it, or bring your own model (jdp.models.from_linen)"
+            )
         return from_linen(
-            builtin.module(num_classes=split.num_classes, **options), classification()
+            builtin.module(num_classes=split.num_classes, **options),
+            classification(split.label_key),
+            inputs=split.input_key,
         )
     module = builtin.module(vocab_size=len(split.vocab), **options)
     if name == "gpt":

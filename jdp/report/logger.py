@@ -34,7 +34,8 @@ class MetricLogger:
     gathered every 0.2 s, copies it to the host (stacked on a device first: one
     transfer per 16 records), adds examples/s, steps/s, FLOP/s and MFU over the
     steps since the previous record, and hands the records to the writers.
-    ``latest`` is the newest record written (for the progress display).
+    ``latest`` is the newest record written (for the progress display), ``history``
+    all of them.
     Disabled (``enabled=False``, every process but 0), it does nothing.
     """
 
@@ -49,6 +50,7 @@ class MetricLogger:
         self.every = every
         self.throughput = throughput  # may be set before the first record (FLOPs come later)
         self.latest: dict[str, Any] | None = None
+        self.history: list[dict[str, Any]] = []  # every record written, oldest first
         self._writers = list(writers)
         self._enabled = enabled
         self._queue: queue.Queue = queue.Queue()
@@ -156,6 +158,7 @@ class MetricLogger:
             if kind == "train":
                 record.update(self._rates(step, dispatched))
                 self.latest = record
+            self.history.append(record)
             for writer in self._writers:
                 writer.write(record)
 

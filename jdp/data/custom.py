@@ -1,0 +1,330 @@
+"""Your own data, read into the same loader as the bundled datasets.
+
+Three ways in, each returning an `ArraySplit` (named arrays in host memory):
+
+- `from_arrays`: NumPy arrays, or a dict of them with any feature names;
+- `from_tfds`: any TFDS dataset prepared as array_record, from the catalog or a
+  builder of your own (its feature names are kept);
+- `from_folder`: a folder of images with one subdirectory per class, decoded
+  with Pillow.
+
+On the command line, ``--dataset tfds:NAME`` and ``--dataset folder:PATH`` name
+the last two (`load_named`). `holdout` sets a seeded fraction of a split apart,
+as a validation split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from jdp.data.sources import (
+    DATASETS,
+    ArraySplit,
+    check_dataset,
+    load_split,
+    open_builder,
+    read_builder_split,
+)
+from jdp.data.transforms import Transform
+from jdp.errors import UsageError
+
+# The prefixes of --dataset that name your own data.
+TFDS_PREFIX, FOLDER_PREFIX = "tfds:", "folder:"
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+# Mixed into a holdout's seed so its order never coincides with an epoch's.
+_HOLDOUT_STREAM = 0x686F6C64
+
+
+def from_arrays(
+    features: np.ndarray | Mapping[str, np.ndarray],
+    labels: np.ndarray | None = None,
+    *,
+    input_key: str | None = None,
+    label_key: str | None = "label",
+    num_classes: int | None = None,
+    transform: Transform | None = None,
+    map: Callable | None = None,
+) -> ArraySplit:
+    """A split of your NumPy arrays: ``from_arrays(x, y)`` or ``from_arrays({"name": array, ...})``.
+
+    ``from_arrays(x, y)`` names them ``image`` and ``label`` (what `jdp.models.from_linen`
+    and the built-in models read by default). A dict keeps its names; say which
+    feature is the input (``input_key``, default ``image`` or the first
+    non-label feature) and which the integer label (``label_key``, None for
+    none). ``num_classes`` defaults to the largest label + 1. ``transform``
+    preprocesses the input (``jdp.data.Transform()`` divides uint8 images by
+    255); ``map(example, rng) -> example`` is your own per-example function
+    (see `ArraySplit`).
+
+    Examples:
+        >>> x = np.random.default_rng(0).normal(size=(100, 5)).astype(np.float32)
+        >>> split = jdp.data.from_arrays({"x": x, "y": (x[:, 0] > 0).astype(np.int32)},
+        ...                              input_key="x", label_key="y")
+        >>> len(split), split.num_classes, sorted(split.read(np.arange(2)))
+        (100, 2, ['x', 'y'])
+    """
+    if labels is not None:
+        if isinstance(features, Mapping):
+            raise UsageError("from_arrays: give a dict of features, or inputs and labels")
+        features = {"image": features, "label": labels}
+        input_key, label_key = input_key or "image", "label"
+    elif not isinstance(features, Mapping):
+        raise UsageError("from_arrays: give labels with the inputs, or a dict of named features")
+    arrays = {str(name): np.asarray(value) for name, value in features.items()}
+    if label_key is not None and label_key not in arrays:
+        label_key = None if label_key == "label" else label_key  # the default is optional
+    if input_key is None:
+        others = [name for name in arrays if name != label_key]
+        input_key = "image" if "image" in arrays else (others[0] if others else label_key)
+    if label_key is not None:
+        labels = arrays.get(label_key)
+        if labels is not None:
+            if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+                raise UsageError(
+                    f"labels {label_key!r} must be one integer class per example, got "
+                    f"{labels.dtype} of shape {labels.shape}; pass label_key=None for other targets"
+                )
+            arrays[label_key] = labels.astype(np.int32)
+            if num_classes is None:
+                num_classes = int(labels.max()) + 1 if len(labels) else 0
+    return ArraySplit(arrays, input_key, label_key, num_classes, transform, map)
+
+
+def from_tfds(
+    name_or_builder,
+    split: str = "train",
+    *,
+    data_dir: str | None = None,
+    input_key: str | None = None,
+    label_key: str | None = None,
+    transform: Transform | None = None,
+    map: Callable | None = None,
+) -> ArraySplit:
+    """A split of any TFDS dataset prepared as array_record, read without TensorFlow.
+
+    ``name_or_builder`` is a catalog name (``"mnist"``), the name of a dataset
+    already prepared in ``data_dir`` (its code need not be importable), or a
+    builder instance of your own (``MyDataset(data_dir=..., file_format="array_record")``),
+    prepared here when it is not yet. Feature names are kept. ``input_key`` and
+    ``label_key`` default to the dataset's supervised keys, else its only image
+    feature and its only class label. Image (and other uint8) inputs are divided
+    by 255 unless ``transform`` says otherwise; the bundled and catalog datasets
+    jdp knows use their own preprocessing.
+
+    Raises:
+        UsageError: a dataset that is not there and cannot be prepared, a split it
+            does not have, or features that cannot be stacked into arrays.
+    """
+    name = name_or_builder if isinstance(name_or_builder, str) else None
+    known = check_dataset(name) if name in DATASETS else None
+    builder = open_builder(name_or_builder, data_dir, known)
+    arrays, info = read_builder_split(builder, split)
+    features = info.features
+    kinds = {key: type(features[key]).__name__ for key in arrays}
+    supervised = tuple(info.supervised_keys or ()) if _plain(info.supervised_keys) else ()
+    if label_key is None:
+        classes = [key for key, kind in kinds.items() if kind == "ClassLabel"]
+        label_key = supervised[1] if supervised else (classes[0] if len(classes) == 1 else None)
+    if input_key is None:
+        images = [key for key, kind in kinds.items() if kind == "Image"]
+        others = [key for key in arrays if key != label_key]
+        input_key = supervised[0] if supervised else (images + others)[0]
+    for role, key in (("input_key", input_key), ("label_key", label_key)):
+        if key is not None and key not in arrays:
+            raise UsageError(
+                f"{role} {key!r} is not a numeric feature of {builder.name}; its features "
+                f"are {', '.join(map(repr, arrays))}"
+            )
+    num_classes = None
+    if label_key is not None:
+        num_classes = getattr(features[label_key], "num_classes", None)
+        arrays[label_key] = arrays[label_key].astype(np.int32)
+    if transform is None:
+        if known is not None:
+            transform = known.transform
+        elif arrays[input_key].dtype == np.uint8:
+            transform = Transform()
+    return from_arrays(
+        arrays,
+        input_key=input_key,
+        label_key=label_key,
+        num_classes=num_classes,
+        transform=transform,
+        map=map,
+    )
+
+
+def _plain(keys) -> bool:
+    """Supervised keys as a plain (input, label) pair of feature names."""
+    return (
+        isinstance(keys, tuple | list)
+        and len(keys) == 2
+        and all(isinstance(key, str) for key in keys)
+    )
+
+
+def from_folder(
+    path: str | os.PathLike,
+    *,
+    image_size: tuple[int, int] | None = None,
+    transform: Transform | None = None,
+    classes: tuple[str, ...] | None = None,
+    map: Callable | None = None,
+) -> ArraySplit:
+    """A split of the images under ``path``, one subdirectory per class.
+
+    Class ``i`` is the ``i``-th subdirectory in sorted order (or in ``classes``,
+    to keep the labels of another split). Images are decoded with Pillow, in
+    grey when every one is grey, else RGB, into ``uint8`` ``image`` and
+    ``int32`` ``label``; ``image_size=(height, width)`` resizes them, otherwise
+    they must share one size. ``transform`` defaults to dividing by 255.
+
+    Raises:
+        UsageError: a missing folder, no class subdirectories, no images, an
+            image Pillow cannot read, or images of different sizes without
+            ``image_size``.
+    """
+    from PIL import Image
+
+    root = os.fspath(path)
+    if not os.path.isdir(root):
+        raise UsageError(f"image folder {root} does not exist; give a folder of class folders")
+    found = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    classes = tuple(classes) if classes is not None else tuple(found)
+    if not classes:
+        raise UsageError(
+            f"{root} has no class subdirectories; put each class's images in a folder of its own"
+        )
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        folder = os.path.join(root, name)
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        for file in names:
+            if file.lower().endswith(_IMAGE_SUFFIXES):
+                files.append(os.path.join(folder, file))
+                labels.append(label)
+    if not files:
+        raise UsageError(
+            f"no images in {root}'s class folders (looked for {', '.join(_IMAGE_SUFFIXES)})"
+        )
+    images = []
+    for file in files:
+        try:
+            with Image.open(file) as image:
+                image.load()
+                images.append(image.copy())
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot read image {file} ({error}); remove or replace it") from None
+    grey = all(image.mode in ("1", "L", "LA", "I", "I;16") for image in images)
+    mode = "L" if grey else "RGB"
+    decoded = []
+    for file, image in zip(files, images, strict=True):
+        image = image.convert(mode)
+        if image_size is not None:
+            height, width = image_size
+            image = image.resize((width, height), Image.Resampling.BILINEAR)
+        elif image.size != images[0].size:
+            raise UsageError(
+                f"images differ in size: {files[0]} is {images[0].size[0]}x{images[0].size[1]}, "
+                f"{file} is {image.size[0]}x{image.size[1]}; resize them, or pass "
+                "image_size=(height, width)"
+            )
+        array = np.asarray(image, np.uint8)
+        decoded.append(array[..., None] if grey else array)
+    split = from_arrays(
+        np.stack(decoded),
+        np.asarray(labels, np.int32),
+        num_classes=len(classes),
+        transform=transform if transform is not None else Transform(),
+        map=map,
+    )
+    return dataclasses.replace(split, classes=classes)
+
+
+def holdout(split, fraction: float, seed: int):
+    """``(rest, held_out)``: a seeded ``fraction`` of ``split``'s examples set apart.
+
+    Both keep the original order; the choice depends only on ``seed`` and the
+    number of examples.
+
+    Examples:
+        >>> split = jdp.data.from_arrays(np.arange(10.0)[:, None], np.arange(10) % 2)
+        >>> train, validation = jdp.data.holdout(split, 0.2, seed=0)
+        >>> len(train), len(validation)
+        (8, 2)
+    """
+    if not 0.0 < fraction < 1.0:
+        raise UsageError(f"a held-out fraction must be in (0, 1), got {fraction}")
+    count = len(split)
+    held = max(1, round(count * fraction))
+    if held >= count:
+        raise UsageError(
+            f"holding out {fraction:g} of {count} examples leaves none to train on; "
+            "use a smaller fraction"
+        )
+    order = np.random.default_rng((seed, _HOLDOUT_STREAM)).permutation(count)
+    return split.take(np.sort(order[held:])), split.take(np.sort(order[:held]))
+
+
+def is_named(dataset: str) -> bool:
+    """Whether ``--dataset`` names your own data (``tfds:NAME``, ``folder:PATH``)."""
+    return dataset.startswith((TFDS_PREFIX, FOLDER_PREFIX))
+
+
+def check_named(dataset: str) -> None:
+    """UsageError for a ``--dataset`` that is neither a known name nor a prefixed one."""
+    for prefix in (TFDS_PREFIX, FOLDER_PREFIX):
+        if dataset.startswith(prefix):
+            if not dataset[len(prefix) :]:
+                raise UsageError(f"--dataset {dataset}: give a name or path after {prefix!r}")
+            return
+    try:
+        check_dataset(dataset)
+    except UsageError as error:
+        raise UsageError(f"{error}, or tfds:NAME (any TFDS dataset) or folder:PATH") from None
+
+
+def load_named(dataset: str, split: str, data_dir: str | None = None):
+    """``--dataset``'s ``split``: a built-in dataset, ``tfds:NAME`` or ``folder:PATH``.
+
+    A folder with ``train`` and ``test`` subfolders gives those; a folder of
+    class folders alone gives a seeded fifth of its images as ``test`` and the
+    rest as ``train``. Returns None for a split the dataset does not have
+    (``validation``, say).
+    """
+    if dataset.startswith(TFDS_PREFIX):
+        name = dataset[len(TFDS_PREFIX) :]
+        if split == "validation":
+            return _tfds_validation(name, data_dir)
+        return from_tfds(name, split, data_dir=data_dir)
+    if dataset.startswith(FOLDER_PREFIX):
+        return _folder_split(dataset[len(FOLDER_PREFIX) :], split)
+    if split == "validation":
+        return None
+    return load_split(dataset, split, data_dir)
+
+
+def _tfds_validation(name: str, data_dir: str | None):
+    builder = open_builder(name, data_dir, DATASETS.get(name))
+    if "validation" not in builder.info.splits:
+        return None
+    return from_tfds(name, "validation", data_dir=data_dir)
+
+
+def _folder_split(root: str, split: str):
+    parts = {part: os.path.join(root, part) for part in ("train", "test", "validation")}
+    if os.path.isdir(parts["train"]):
+        if not os.path.isdir(parts[split]):
+            if split == "validation":
+                return None
+            raise UsageError(f"{root} has a train folder and no {split} folder; add {parts[split]}")
+        classes = tuple(sorted(e.name for e in os.scandir(parts["train"]) if e.is_dir()))
+        return from_folder(parts[split], classes=classes)
+    if split == "validation":
+        return None
+    train, test = holdout(from_folder(root), 0.2, seed=0)
+    return train if split == "train" else test
