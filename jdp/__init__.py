@@ -17,13 +17,14 @@ Examples:
     (1, 1.0)
 """
 
-from jdp import actions, distributed, models
+from jdp import actions, data, distributed, models
 from jdp.actions import Action, Callback, EarlyStopping, PeriodicAction, Progress
 from jdp.checkpoint import Checkpointer, load_params
 from jdp.config import TrainConfig
 from jdp.data.pipeline import Loader, eval_batches, train_batches
 from jdp.data.sources import Split, load_split
 from jdp.errors import NonFiniteError, UsageError
+from jdp.inference import LoadedModel, load_model, predict
 from jdp.loop import FitResult, fit
 from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices
 from jdp.optim import make_optimizer, make_schedule
@@ -41,6 +42,7 @@ __all__ = [
     "Console",
     "EarlyStopping",
     "FitResult",
+    "LoadedModel",
     "Loader",
     "LossScale",
     "NonFiniteError",
@@ -53,10 +55,12 @@ __all__ = [
     "UsageError",
     "actions",
     "create_train_state",
+    "data",
     "distributed",
     "eval_batches",
     "evaluate",
     "fit",
+    "load_model",
     "load_params",
     "load_split",
     "make_eval_step",
@@ -66,6 +70,7 @@ __all__ = [
     "make_schedule",
     "make_train_step",
     "models",
+    "predict",
     "shard_batch",
     "simulate_cpu_devices",
     "train_batches",

@@ -7,7 +7,6 @@ import math
 import typing
 from typing import Literal
 
-from jdp.data.custom import check_named
 from jdp.errors import UsageError
 from jdp.mesh import parse_mesh_spec
 
@@ -17,8 +16,10 @@ from jdp.mesh import parse_mesh_spec
 Backend = Literal["jit", "pmap"]
 ModelName = Literal["cnn", "gpt", "mlp", "resnet18", "resnet20", "seq2seq"]
 ModelSize = Literal["small", "standard"]
-# The datasets known by name; --dataset also takes tfds:NAME and folder:PATH.
+# The datasets known by name; --dataset also takes your own data by these prefixes
+# (jdp.data.custom reads them).
 DatasetName = Literal["cifar10", "digits", "fashion_mnist", "mnist", "numbers2words"]
+DATASET_PREFIXES = ("tfds:", "folder:", "npz:")
 OptimizerName = Literal["sgd", "momentum", "nesterov", "adam", "adamw", "lamb", "lars"]
 ScheduleName = Literal["constant", "cosine", "linear", "noam", "piecewise"]
 LrScaling = Literal["none", "linear", "sqrt"]
@@ -47,8 +48,8 @@ class TrainConfig:
     dataset: str = _flag(
         "digits",
         "digits (bundled), numbers2words (generated), mnist, fashion_mnist, cifar10, "
-        "tfds:NAME (any TFDS dataset prepared as array_record) or folder:PATH (images in "
-        "class folders)",
+        "tfds:NAME (any TFDS dataset prepared as array_record), folder:PATH (images in "
+        "class folders) or npz:FILE (NumPy arrays named like x_train, y_train, x_test, y_test)",
     )
     validation_fraction: float = _flag(
         0.0,
@@ -155,7 +156,7 @@ class TrainConfig:
                 "TrainConfig(optimizer=...) names a built-in optimizer; pass an Optax one as "
                 "jdp.fit(config, optimizer=tx, lr_schedule=...)"
             )
-        check_named(self.dataset)
+        self._check_dataset()
         for name, choices in _choices().items():
             if getattr(self, name) not in choices:
                 raise UsageError(
@@ -201,6 +202,20 @@ class TrainConfig:
             raise UsageError("--eval-only evaluates a checkpoint; give --ckpt-dir DIR")
         if self.init_from is not None and self.eval_only:
             raise UsageError("--init-from starts training; with --eval-only give --ckpt-dir only")
+
+    def _check_dataset(self) -> None:
+        for prefix in DATASET_PREFIXES:
+            if self.dataset.startswith(prefix):
+                if not self.dataset[len(prefix) :]:
+                    raise UsageError(f"--dataset {self.dataset}: give a name or path after it")
+                return
+        if self.dataset not in typing.get_args(DatasetName):
+            raise UsageError(
+                f"unknown dataset {self.dataset!r}; choose one of: "
+                f"{', '.join(typing.get_args(DatasetName))}, or tfds:NAME (any TFDS dataset), "
+                "folder:PATH (images in class folders) or npz:FILE (arrays named like x_train, "
+                "y_train)"
+            )
 
     def _check_numbers(self) -> None:
         """Real-valued flags: finite (NaN and inf pass ``x > 0``) and in their range."""
@@ -277,19 +292,22 @@ class TrainConfig:
             if field.name not in _PER_PROCESS_FIELDS
         }
 
-    def resume_conflicts(self, saved: dict) -> list[str]:
+    def resume_conflicts(self, saved: dict, recorded: dict | None = None) -> list[str]:
         """Flags whose values differ from the run that wrote a checkpoint, as ``--flag X (was Y)``.
 
         A resumed run may change where and how it runs (mesh, backend, loader,
-        checkpointing), never what it computes.
+        checkpointing), never what it computes. ``recorded`` is this run's config
+        as checkpoints record it (what the user brought in place of fields is
+        recorded as theirs), by default the fields themselves.
         """
+        recorded = dataclasses.asdict(self) if recorded is None else recorded
+        fields = {field.name for field in dataclasses.fields(self)} | {"lr_schedule"}
         conflicts = []
-        for field in dataclasses.fields(self):
-            if field.name in TOPOLOGY_FIELDS or field.name not in saved:
+        for name, value in recorded.items():
+            if name in TOPOLOGY_FIELDS or name not in fields or name not in saved:
                 continue
-            if saved[field.name] != getattr(self, field.name):
-                flag = field.name.replace("_", "-")
-                conflicts.append(f"--{flag} {getattr(self, field.name)} (was {saved[field.name]})")
+            if saved[name] != value:
+                conflicts.append(f"--{name.replace('_', '-')} {value} (was {saved[name]})")
         return conflicts
 
 

@@ -157,7 +157,9 @@ def fit(
         state, start = run.state, 0
         checkpoints = Checkpointer(config.ckpt_dir, keep=config.keep) if config.ckpt_dir else None
         if checkpoints is not None:
-            state, start = _resume(config, stack.enter_context(checkpoints), state, console)
+            state, start = _resume(
+                config, stack.enter_context(checkpoints), state, console, run.recorded
+            )
             if start >= config.steps:
                 console.line(
                     f"jdp: {checkpoints.directory} holds the finished run (step {start} of "
@@ -306,9 +308,8 @@ def _finished(config: TrainConfig, progress: Progress, timer: _SteadyTimer, star
     )
 
 
-def _resume(
-    config: TrainConfig, checkpoints: Checkpointer, state: TrainState, console: Console
-) -> tuple[TrainState, int]:
+def _resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, console: Console,
+            recorded: dict | None = None) -> tuple[TrainState, int]:  # fmt: skip
     """The state and first step to continue from: a restored checkpoint's, or the fresh ones."""
     existing = checkpoints.steps()
     if existing and config.no_resume:
@@ -318,7 +319,7 @@ def _resume(
         )
 
     def same_run(meta: dict) -> None:
-        conflicts = config.resume_conflicts(meta.get("config", {}))
+        conflicts = config.resume_conflicts(meta.get("config", {}), recorded)
         if conflicts:
             raise UsageError(
                 f"{checkpoints.directory} holds a run made with other settings: "

@@ -165,7 +165,8 @@ def load_data(config: TrainConfig, given: Data | None = None) -> Data:
 
 def resolve(config: TrainConfig, train_examples: int, console: Console, *,
             own_optimizer: bool) -> TrainConfig:  # fmt: skip
-    """``--epochs`` as steps; a warmup longer than a short run clamped, with a line each."""
+    """``--epochs`` as steps; the default warmup clamped to a tenth of a shorter run, with a
+    line each (a warmup you chose longer than the run is refused by the schedule)."""
     if config.epochs:
         calls = config.steps_per_call
         steps = math.ceil(config.epochs * train_examples / config.batch_size)
@@ -175,7 +176,8 @@ def resolve(config: TrainConfig, train_examples: int, console: Console, *,
             f"{config.batch_size} = {steps} steps"
         )
         config = dataclasses.replace(config, steps=steps)
-    if not own_optimizer and config.warmup_steps > config.steps:
+    default = TrainConfig.__dataclass_fields__["warmup_steps"].default
+    if not own_optimizer and config.warmup_steps == default and default > config.steps:
         warmup = config.steps // 10
         console.line(
             f"jdp: --warmup-steps {config.warmup_steps} is longer than the run's "

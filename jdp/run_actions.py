@@ -122,6 +122,14 @@ class Evaluate(PeriodicAction):
         self.eval_step, self.split, self.mesh, self.batch_size = eval_step, split, mesh, batch_size
         self.console, self.logger, self.validation = console, logger, validation
 
+    def __call__(self, progress: Progress) -> bool:
+        validated_last = progress.final and self._ran_at == progress.step
+        untested = progress.tested is None and self.split is not None
+        if validated_last and untested and self.validation is not None:
+            progress.tested = self.measure("test", self.split, progress)  # still to measure
+            return True
+        return super().__call__(progress)
+
     def run(self, progress: Progress) -> None:
         if self.validation is not None:
             progress.evaluated = self.measure("val", self.validation, progress)

@@ -75,7 +75,7 @@ def test_the_config_choices_are_the_registries():
     import typing
 
     from jdp import config, optim, precision, step
-    from jdp.data import sources
+    from jdp.data import custom, sources
     from jdp.models.registry import MODELS, SIZES
 
     def choices(alias):
@@ -85,6 +85,7 @@ def test_the_config_choices_are_the_registries():
     assert choices(config.ModelName) == set(MODELS)
     assert choices(config.ModelSize) == set(SIZES)
     assert choices(config.DatasetName) == set(sources.DATASETS) | set(sources.GENERATED)
+    assert config.DATASET_PREFIXES == custom.PREFIXES  # the config checks what the data reads
     assert choices(config.OptimizerName) == set(optim.OPTIMIZERS)
     assert choices(config.ScheduleName) == set(optim.SCHEDULES)
     assert choices(config.LrScaling) == set(optim.LR_SCALING)

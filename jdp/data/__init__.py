@@ -7,8 +7,17 @@ validation=..., test=...)``; `holdout` sets a validation split apart; `Transform
 preprocesses images and ``map=`` takes your own per-example function.
 """
 
-from jdp.data.custom import from_arrays, from_folder, from_tfds, holdout
+from jdp.data.custom import from_arrays, from_folder, from_npz, from_tfds, holdout
 from jdp.data.sources import ArraySplit, Split
 from jdp.data.transforms import Transform
 
-__all__ = ["ArraySplit", "Split", "Transform", "from_arrays", "from_folder", "from_tfds", "holdout"]
+__all__ = [
+    "ArraySplit",
+    "Split",
+    "Transform",
+    "from_arrays",
+    "from_folder",
+    "from_npz",
+    "from_tfds",
+    "holdout",
+]

@@ -9,7 +9,8 @@ Three ways in, each returning an `ArraySplit` (named arrays in host memory):
   with Pillow.
 
 On the command line, ``--dataset tfds:NAME`` and ``--dataset folder:PATH`` name
-the last two (`load_named`). `holdout` sets a seeded fraction of a split apart,
+the last two, and ``--dataset npz:FILE`` a NumPy file of arrays named like
+Keras's ``mnist.npz`` (`from_npz`; `load_named`). `holdout` sets a seeded fraction of a split apart,
 as a validation split.
 """
 
@@ -33,7 +34,8 @@ from jdp.data.transforms import Transform
 from jdp.errors import UsageError
 
 # The prefixes of --dataset that name your own data.
-TFDS_PREFIX, FOLDER_PREFIX = "tfds:", "folder:"
+TFDS_PREFIX, FOLDER_PREFIX, NPZ_PREFIX = "tfds:", "folder:", "npz:"
+PREFIXES = (TFDS_PREFIX, FOLDER_PREFIX, NPZ_PREFIX)
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 # Mixed into a holdout's seed so its order never coincides with an epoch's.
 _HOLDOUT_STREAM = 0x686F6C64
@@ -111,9 +113,9 @@ def from_tfds(
     builder instance of your own (``MyDataset(data_dir=..., file_format="array_record")``),
     prepared here when it is not yet. Feature names are kept. ``input_key`` and
     ``label_key`` default to the dataset's supervised keys, else its only image
-    feature and its only class label. Image (and other uint8) inputs are divided
-    by 255 unless ``transform`` says otherwise; the bundled and catalog datasets
-    jdp knows use their own preprocessing.
+    feature (or its largest other feature) and its only class label. Image (and
+    other uint8) inputs are divided by 255 unless ``transform`` says otherwise;
+    the bundled and catalog datasets jdp knows use their own preprocessing.
 
     Raises:
         UsageError: a dataset that is not there and cannot be prepared, a split it
@@ -130,8 +132,12 @@ def from_tfds(
         classes = [key for key, kind in kinds.items() if kind == "ClassLabel"]
         label_key = supervised[1] if supervised else (classes[0] if len(classes) == 1 else None)
     if input_key is None:
-        images = [key for key, kind in kinds.items() if kind == "Image"]
-        others = [key for key in arrays if key != label_key]
+        images = sorted(key for key, kind in kinds.items() if kind == "Image")
+        # Else the largest other feature: the pixels, say, not a per-example weight.
+        others = sorted(
+            (key for key in arrays if key != label_key),
+            key=lambda key: (-arrays[key][0].size if len(arrays[key]) else 0, key),
+        )
         input_key = supervised[0] if supervised else (images + others)[0]
     for role, key in (("input_key", input_key), ("label_key", label_key)):
         if key is not None and key not in arrays:
@@ -270,26 +276,36 @@ def holdout(split, fraction: float, seed: int):
     return split.take(np.sort(order[held:])), split.take(np.sort(order[:held]))
 
 
-def is_named(dataset: str) -> bool:
-    """Whether ``--dataset`` names your own data (``tfds:NAME``, ``folder:PATH``)."""
-    return dataset.startswith((TFDS_PREFIX, FOLDER_PREFIX))
+def from_npz(path: str | os.PathLike, split: str = "train") -> ArraySplit | None:
+    """A split of a NumPy ``.npz`` file whose arrays are named ``FEATURE_SPLIT``.
 
-
-def check_named(dataset: str) -> None:
-    """UsageError for a ``--dataset`` that is neither a known name nor a prefixed one."""
-    for prefix in (TFDS_PREFIX, FOLDER_PREFIX):
-        if dataset.startswith(prefix):
-            if not dataset[len(prefix) :]:
-                raise UsageError(f"--dataset {dataset}: give a name or path after {prefix!r}")
-            return
+    Keras's ``mnist.npz`` layout (``x_train``, ``y_train``, ``x_test``, ``y_test``)
+    is one: feature ``x`` is the input and ``y`` the label; otherwise ``image``
+    and ``label`` are, as in `from_arrays`. uint8 inputs are divided by 255.
+    Returns None when the file has no array of ``split``.
+    """
+    file = os.fspath(path)
     try:
-        check_dataset(dataset)
-    except UsageError as error:
-        raise UsageError(f"{error}, or tfds:NAME (any TFDS dataset) or folder:PATH") from None
+        with np.load(file) as arrays:
+            suffix = f"_{split}"
+            features = {
+                name[: -len(suffix)]: arrays[name] for name in arrays.files if name.endswith(suffix)
+            }
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot read {file} as a NumPy .npz file ({error})") from None
+    if not features:
+        return None
+    keras = "x" in features and "y" in features
+    input_key, label_key = ("x", "y") if keras else (None, "label")
+    transform = Transform() if features[input_key or "image"].dtype == np.uint8 else None
+    if keras and features["y"].ndim == 1 and features["y"].dtype.kind in "iu":
+        features["y"] = features["y"].astype(np.int32)
+    return from_arrays(features, input_key=input_key, label_key=label_key, transform=transform)
 
 
 def load_named(dataset: str, split: str, data_dir: str | None = None):
-    """``--dataset``'s ``split``: a built-in dataset, ``tfds:NAME`` or ``folder:PATH``.
+    """``--dataset``'s ``split``: a built-in dataset, ``tfds:NAME``, ``folder:PATH`` or
+    ``npz:FILE``.
 
     A folder with ``train`` and ``test`` subfolders gives those; a folder of
     class folders alone gives a seeded fifth of its images as ``test`` and the
@@ -303,6 +319,14 @@ def load_named(dataset: str, split: str, data_dir: str | None = None):
         return from_tfds(name, split, data_dir=data_dir)
     if dataset.startswith(FOLDER_PREFIX):
         return _folder_split(dataset[len(FOLDER_PREFIX) :], split)
+    if dataset.startswith(NPZ_PREFIX):
+        found = from_npz(dataset[len(NPZ_PREFIX) :], split)
+        if found is None and split != "validation":
+            raise UsageError(
+                f"{dataset[len(NPZ_PREFIX) :]} has no arrays of the {split} split; name them "
+                f"like x_{split} and y_{split}"
+            )
+        return found
     if split == "validation":
         return None
     return load_split(dataset, split, data_dir)

@@ -409,7 +409,8 @@ def _read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], obj
                 f"feature {key!r} of {name!r} has examples of different shapes; pad or resize "
                 "them to one shape when preparing the dataset"
             )
-        arrays[key] = np.stack(values)
+        dtype = getattr(info.features[key], "np_dtype", None)  # a scalar reads as a Python float
+        arrays[key] = np.stack(values).astype(dtype) if dtype is not None else np.stack(values)
     return arrays, info
 
 

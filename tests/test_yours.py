@@ -1,0 +1,281 @@
+"""The user's path: their own data, models and optimizer through `jdp.fit` and the CLI,
+and the trained model back (`load_model`, `predict`, ``--eval-only``, ``--init-from``)."""
+
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from closeness import assert_drift_within
+from helpers import run_cli, run_python
+
+import jdp
+
+QUIET = jdp.Console(enabled=False)
+TEST_SIZE = 297  # not a multiple of any batch or device count
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    order = np.random.default_rng(1).permutation(len(digits.target))
+    images = digits.images.astype(np.uint8)[..., None]  # values 0..16
+    return images, digits.target, order[TEST_SIZE:], order[:TEST_SIZE]
+
+
+def _config(**overrides):
+    settings = dict(mesh="data=8", steps=40, warmup_steps=4, batch_size=64, lr=1e-2)
+    return jdp.TrainConfig(**(settings | overrides))
+
+
+def _fit(config, **given):
+    return jdp.fit(config, console=QUIET, **given)
+
+
+def _summary(result) -> dict[str, str]:
+    """The summary line's ``name=value`` pairs."""
+    line = result.stdout.strip().splitlines()[-1]
+    return dict(re.findall(r"(\w+)=(\S+)", line))
+
+
+class _StopAt:
+    """An action that stops the run at one step (the run then evaluates and saves)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def __call__(self, progress) -> None:
+        if progress.step == self.step:
+            progress.stop(f"stopped at step {self.step} for the test")
+
+
+def _check_source(tmp_path, train, test, cli_dataset, *cli_flags):
+    """A source of data trains the same on 8 devices as on 1, evaluates every test example
+    once, resumes bitwise through fit, and trains, resumes and evaluates through the CLI."""
+    one = _fit(_config(mesh="data=1"), train=train, test=test)
+    eight = _fit(_config(), train=train, test=test)
+    assert_drift_within(eight.state.params, one.state.params)
+    assert eight.test_accuracy > 0.5
+    evaluations = [record for record in eight.history if record["kind"] == "eval"]
+    assert evaluations[-1]["count"] == len(test)  # each example once, the padding none
+    # Bitwise resume through fit: stopped (and saved) at 20, then on to 40, equals 40 straight.
+    ckpt = str(tmp_path / "fit")
+    _fit(_config(ckpt_dir=ckpt), train=train, test=test, callbacks=[_StopAt(20)])
+    resumed = _fit(_config(ckpt_dir=ckpt), train=train, test=test)
+    jax.tree.map(np.testing.assert_array_equal, resumed.state.params, eight.state.params)
+    # The CLI: a run, raised --steps resumes it, --eval-only reads the same figure.
+    flags = ["--dataset", cli_dataset, *cli_flags, "--batch-size", "64", "--warmup-steps", "4"]
+    flags += ["--ckpt-dir", str(tmp_path / "cli")]
+    first = run_cli(*flags, "--steps", "20", timeout=240)
+    assert first.returncode == 0, first.stderr
+    longer = run_cli(*flags, "--steps", "40", timeout=240)
+    assert longer.returncode == 0, longer.stderr
+    assert "resuming from step 20" in longer.stdout and "--steps 40 (was 20)" in longer.stdout
+    evaluated = run_cli(*flags, "--eval-only", timeout=240)
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert _summary(evaluated)["test_accuracy"] == _summary(longer)["test_accuracy"]
+    assert _summary(evaluated)["step"] == "40"
+
+
+def test_numpy_arrays_with_their_own_names_train_through_fit_and_the_cli(tmp_path):
+    images, labels, train_rows, test_rows = _digits()
+
+    def split(rows):
+        return jdp.data.from_arrays(
+            {"pixels": images[rows], "digit": labels[rows]},
+            input_key="pixels",
+            label_key="digit",
+            transform=jdp.data.Transform(scale=16.0),
+        )
+
+    # On the command line: a .npz file named as Keras's mnist.npz is.
+    file = tmp_path / "digits.npz"
+    np.savez(file, x_train=images[train_rows], y_train=labels[train_rows],
+             x_test=images[test_rows], y_test=labels[test_rows])  # fmt: skip
+    _check_source(tmp_path, split(train_rows), split(test_rows), f"npz:{file}")
+
+
+def test_a_tfds_builder_of_ones_own_trains_through_fit_and_the_cli(tmp_path):
+    from user_dataset import MyDigits
+
+    data_dir = tmp_path / "tfds"
+    data_dir.mkdir()
+    builder = MyDigits(data_dir=str(data_dir), file_format="array_record")
+    scale = jdp.data.Transform(scale=16.0)
+    train = jdp.data.from_tfds(builder, "train", transform=scale)  # prepared here
+    test = jdp.data.from_tfds(builder, "test", transform=scale)
+    assert (train.input_key, train.label_key, train.num_classes) == ("pixels", "digit", 10)
+    assert train.features["weight"].dtype == np.float32  # every numeric feature, its name kept
+    # The CLI reads it from the data directory, without the builder's code.
+    _check_source(tmp_path, train, test, "tfds:my_digits", "--data-dir", str(data_dir))
+
+
+def test_an_image_folder_trains_through_fit_and_the_cli(tmp_path):
+    from PIL import Image
+
+    images, labels, train_rows, test_rows = _digits()
+    names = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+    root = tmp_path / "images"
+    for part, rows in (("train", train_rows), ("test", test_rows)):
+        for row in rows:
+            folder = root / part / names[labels[row]]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(images[row, :, :, 0] * 15).save(folder / f"{row}.png")
+    train = jdp.data.from_folder(root / "train")
+    test = jdp.data.from_folder(root / "test", classes=train.classes)
+    assert train.classes == tuple(sorted(names)) and train.features["image"].shape[1:] == (8, 8, 1)
+    assert len(test) == TEST_SIZE
+    _check_source(tmp_path, train, test, f"folder:{root}")
+
+
+def test_bad_folders_and_files_are_one_line(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    Image.new("L", (8, 8)).save(tmp_path / "a" / "1.png")
+    Image.new("L", (9, 8)).save(tmp_path / "b" / "1.png")
+    with pytest.raises(jdp.UsageError, match=r"images differ in size: .* pass image_size="):
+        jdp.data.from_folder(tmp_path)
+    assert jdp.data.from_folder(tmp_path, image_size=(8, 8)).features["image"].shape == (2, 8, 8, 1)
+    (tmp_path / "b" / "2.png").write_bytes(b"not an image")
+    with pytest.raises(jdp.UsageError, match=r"cannot read image .*2.png"):
+        jdp.data.from_folder(tmp_path, image_size=(8, 8))
+    with pytest.raises(jdp.UsageError, match=r"unknown dataset 'mydata'.* npz:FILE"):
+        jdp.TrainConfig(dataset="mydata")
+    result = run_cli("--dataset", f"npz:{tmp_path}/missing.npz", "--steps", "2", timeout=120)
+    assert result.returncode == 2 and "cannot read" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    with pytest.raises(jdp.UsageError, match="no TFDS dataset 'nothing_here'"):
+        jdp.data.from_tfds("nothing_here", data_dir=str(tmp_path))
+    with pytest.raises(jdp.UsageError, match="feature is named 'mask'"):
+        jdp.data.from_arrays({"image": np.zeros((4, 2)), "mask": np.zeros(4)})
+
+
+def test_a_per_example_function_draws_the_same_on_any_mesh(mesh8, mesh1):
+    """``map(example, rng)``: the rng follows the example's place in the global batch."""
+    x = np.arange(64, dtype=np.float32)[:, None]
+
+    def jitter(example, rng):
+        noise = 0.0 if rng is None else rng.normal()
+        return {"x": example["x"] + np.float32(noise), "label": example["label"]}
+
+    split = jdp.data.from_arrays({"x": x, "label": np.zeros(64, np.int64)}, map=jitter)
+    batches = []
+    for mesh in (mesh8, mesh1):
+        with jdp.train_batches(split, mesh, batch_size=16, seed=3) as loader:
+            batches.append([np.asarray(next(loader)["x"]) for _ in range(3)])
+    np.testing.assert_array_equal(batches[0], batches[1])
+    assert not np.allclose(np.round(batches[0][0]), batches[0][0])  # noise was drawn
+    evaluated = next(iter(jdp.eval_batches(split, mesh8, batch_size=16)))
+    np.testing.assert_array_equal(np.asarray(evaluated["x"])[:, 0], np.arange(16))  # none here
+
+
+def test_a_validation_split_chooses_the_best_checkpoint_and_the_test_is_reported(tmp_path):
+    images, labels, train_rows, test_rows = _digits()
+    train = jdp.data.from_arrays(images[train_rows], labels[train_rows],
+                                 transform=jdp.data.Transform(scale=16.0))  # fmt: skip
+    test = jdp.data.from_arrays(images[test_rows], labels[test_rows],
+                                transform=jdp.data.Transform(scale=16.0))  # fmt: skip
+    config = _config(validation_fraction=0.2, eval_every=10, ckpt_every=10, ckpt_dir=str(tmp_path),
+                     keep=1)  # fmt: skip
+    result = _fit(config, train=train, test=test)
+    kinds = [record["kind"] for record in result.history if record["kind"] != "train"]
+    assert kinds == ["val", "val", "val", "val", "eval"]  # the test split once, at the end
+    validations = [r for r in result.history if r["kind"] == "val"]
+    assert validations[-1]["count"] == round(0.2 * len(train_rows))
+    best = max(validations, key=lambda record: (record["accuracy"], record["step"]))
+    loaded = jdp.load_model(tmp_path, "best")
+    assert loaded.step == best["step"] and loaded.metrics["accuracy"] == best["accuracy"]
+    assert result.validation["accuracy"] == validations[-1]["accuracy"]
+    with pytest.raises(jdp.UsageError, match="no checkpoint of step 7"):
+        jdp.load_model(tmp_path, 7)
+
+
+def test_an_optax_optimizer_of_ones_own_logs_its_lr_and_resumes_bitwise(tmp_path):
+    sgd = optax.sgd(0.1, momentum=0.9)
+    config = _config(steps=40, log_every=10)
+    straight = _fit(config, optimizer=sgd, lr_schedule=0.1)
+    logged = [record["lr"] for record in straight.history if record["kind"] == "train"]
+    assert logged == pytest.approx([0.1] * 4)
+    ckpt = str(tmp_path / "run")
+    _fit(_config(steps=40, ckpt_dir=ckpt), optimizer=sgd, lr_schedule=0.1, callbacks=[_StopAt(20)])
+    resumed = _fit(_config(steps=40, ckpt_dir=ckpt), optimizer=sgd, lr_schedule=0.1)
+    jax.tree.map(np.testing.assert_array_equal, resumed.state.params, straight.state.params)
+    recorded = jdp.load_model(ckpt).config
+    assert recorded["optimizer"].startswith("yours") and "lr" not in recorded
+    assert "momentum" not in recorded and recorded["lr_schedule"] == 0.1
+    with pytest.raises(jdp.UsageError, match=r"pass an Optax one as\s+jdp.fit"):
+        jdp.TrainConfig(optimizer=sgd)
+
+
+def test_a_batchnorm_model_comes_back_and_predicts_its_reported_accuracy(tmp_path):
+    ckpt = str(tmp_path / "resnet")
+    config = _config(model="resnet20", steps=60, warmup_steps=6, ckpt_dir=ckpt, lr=3e-3)
+    result = _fit(config)
+    loaded = jdp.load_model(ckpt)
+    assert "batch_stats" in loaded.model_state and loaded.step == 60
+    test = jdp.load_split("digits", "test")
+    logits = jdp.predict(loaded.model, loaded.params, test, model_state=loaded.model_state,
+                         mesh=jdp.make_mesh("data=8"), batch_size=config.batch_size)  # fmt: skip
+    assert logits.shape == (len(test), 10)
+    accuracy = float(np.mean(np.argmax(logits, -1) == test.label))
+    assert accuracy == result.test_accuracy  # exactly: the same programs, the same figure
+    evaluated = run_cli("--eval-only", "--ckpt-dir", ckpt, "--mesh", "data=2", timeout=240)
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert float(_summary(evaluated)["test_accuracy"]) == pytest.approx(result.test_accuracy,
+                                                                         abs=5e-5)  # fmt: skip
+    # --init-from: a new run from these weights (fine-tuning), the optimizer fresh.
+    tuned = run_cli("--model", "resnet20", "--init-from", ckpt, "--steps", "2",
+                    "--warmup-steps", "0", "--lr", "1e-9", "--batch-size", "64",
+                    timeout=240)  # fmt: skip
+    assert tuned.returncode == 0, tuned.stderr
+    assert f"parameters and model state from {ckpt}" in tuned.stdout
+    assert abs(float(_summary(tuned)["test_accuracy"]) - result.test_accuracy) < 0.02
+    wrong = run_cli("--model", "cnn", "--init-from", ckpt, "--steps", "2", timeout=240)
+    assert wrong.returncode == 2 and "holds another model than this run's" in wrong.stderr
+
+
+def test_a_finished_run_is_evaluated_not_rerun_and_short_runs_just_work(tmp_path):
+    ckpt = str(tmp_path / "run")
+    first = run_cli("--steps", "10", "--ckpt-dir", ckpt, timeout=240)  # default warmup 40
+    assert first.returncode == 0, first.stderr
+    assert "--warmup-steps 40 is longer than the run's 10 steps; warming up over 1" in first.stdout
+    again = run_cli("--steps", "10", "--ckpt-dir", ckpt, timeout=240)
+    assert again.returncode == 0, again.stderr
+    assert "holds the finished run (step 10 of 10)" in again.stdout
+    assert "train_loss=nan" not in again.stdout and "examples/s" not in again.stdout
+    epochs = run_cli("--epochs", "2", "--batch-size", "256", timeout=240)
+    assert epochs.returncode == 0, epochs.stderr
+    assert "--epochs 2 of 1438 examples at batch 256 = 12 steps" in epochs.stdout
+    both = run_cli("--epochs", "2", "--steps", "10", timeout=60)
+    assert both.returncode == 2 and "give --epochs or --steps, not both" in both.stderr
+    with open(os.path.join(ckpt, "10", "meta", "metadata")) as file:
+        assert json.load(file)["config"]["data"]["num_classes"] == 10
+
+
+NNX_BEFORE_FIT = r"""
+import jax, numpy as np
+from flax import nnx
+import jdp
+
+model = nnx.Linear(64, 10, rngs=nnx.Rngs(0))  # JAX starts here, with one CPU device
+before = np.asarray(model.kernel[...])
+net = jdp.models.from_nnx(model, jdp.models.classification(),
+                          inputs=lambda batch: (batch["image"].reshape(-1, 64),))
+config = jdp.TrainConfig(mesh="data=8", steps=20, warmup_steps=2)
+result = jdp.fit(config, model=net, console=jdp.Console(enabled=False))
+after = np.asarray(model.kernel[...])
+print(len(jax.devices()), bool(np.abs(after - before).max() > 0),
+      bool(np.array_equal(after, np.asarray(result.state.params["kernel"]))))
+"""
+
+
+def test_an_nnx_model_built_before_fit_trains_on_8_devices_and_comes_back_trained(tmp_path):
+    result = run_python("-c", NNX_BEFORE_FIT, timeout=240)  # no XLA_FLAGS: one CPU device
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["8", "True", "True"]
