@@ -4,12 +4,16 @@ and the trained model back (`load_model`, `predict`, ``--eval-only``, ``--init-f
 import json
 import os
 import re
+from functools import partial
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from closeness import assert_drift_within
+from flax import nnx
 from helpers import run_cli, run_python
 
 import jdp
@@ -279,3 +283,134 @@ def test_an_nnx_model_built_before_fit_trains_on_8_devices_and_comes_back_traine
     result = run_python("-c", NNX_BEFORE_FIT, timeout=240)  # no XLA_FLAGS: one CPU device
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["8", "True", "True"]
+
+
+# Flax's MNIST CNN as its Linen example wrote it (examples/mnist before it moved to
+# NNX): no train keyword, no dropout, no BatchNorm.
+class LinenCNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(features=32, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = nn.Conv(features=64, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = x.reshape((x.shape[0], -1))
+        x = nn.Dense(features=256)(x)
+        x = nn.relu(x)
+        return nn.Dense(features=10)(x)
+
+
+# Flax's NNX MNIST tutorial model, unmodified but for the first Linear's input size
+# (8x8 digits pool to 2x2, not 28x28 to 7x7): Dropout gets ``rngs`` at call time,
+# BatchNorm has no axis name.
+class NNXCNN(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm1 = nnx.BatchNorm(32, rngs=rngs)
+        self.dropout1 = nnx.Dropout(rate=0.025)
+        self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm2 = nnx.BatchNorm(64, rngs=rngs)
+        self.avg_pool = partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+        self.linear1 = nnx.Linear(64 * 2 * 2, 256, rngs=rngs)
+        self.dropout2 = nnx.Dropout(rate=0.025)
+        self.linear2 = nnx.Linear(256, 10, rngs=rngs)
+
+    def __call__(self, x, rngs: nnx.Rngs | None = None):
+        x = self.avg_pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x), rngs=rngs))))
+        x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+        x = x.reshape(x.shape[0], -1)  # flatten
+        x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
+        x = self.linear2(x)
+        return x
+
+
+FLAX_STEPS, FLAX_BATCH = 300, 64
+
+
+def _digit_splits():
+    images, labels, train_rows, test_rows = _digits()
+    x = images.astype(np.float32) / 16.0
+    return (x[train_rows], labels[train_rows]), (x[test_rows], labels[test_rows])
+
+
+def _plain_batches(x, y, seed=0):
+    """A plain loop's batches: a fresh permutation per epoch, drawn by NumPy."""
+    rng, step = np.random.default_rng(seed), 0
+    while True:
+        for start in range(0, len(y) - FLAX_BATCH + 1, FLAX_BATCH):
+            if step == FLAX_STEPS:
+                return
+            if start == 0:
+                order = rng.permutation(len(y))
+            rows = order[start : start + FLAX_BATCH]
+            yield x[rows], y[rows]
+            step += 1
+
+
+def _accuracy(logits, labels) -> float:
+    return float(np.mean(np.argmax(np.asarray(logits), -1) == labels))
+
+
+def test_flax_official_linen_and_nnx_mnist_models_train_as_a_plain_loop_does():
+    """Both Flax APIs' MNIST models, as Flax writes them, reach on 8 devices through
+    `jdp.fit` the accuracy a plain single-device loop reaches (within 1 point)."""
+    (train_x, train_y), (test_x, test_y) = _digit_splits()
+    train, test = jdp.data.from_arrays(train_x, train_y), jdp.data.from_arrays(test_x, test_y)
+    config = _config(steps=FLAX_STEPS, batch_size=FLAX_BATCH)
+    reached = {}
+
+    # Linen, as the example trains it: optax.sgd with momentum on a TrainState.
+    sgd = optax.sgd(0.1, 0.9)
+    cnn = LinenCNN()
+    params = cnn.init(jax.random.key(0), jnp.ones([1, 8, 8, 1]))["params"]
+    opt_state = sgd.init(params)
+
+    @jax.jit
+    def linen_step(params, opt_state, x, y):
+        def loss_fn(params):
+            logits = cnn.apply({"params": params}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        grads = jax.grad(loss_fn)(params)
+        updates, opt_state = sgd.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for x, y in _plain_batches(train_x, train_y):
+        params, opt_state = linen_step(params, opt_state, x, y)
+    plain = _accuracy(cnn.apply({"params": params}, test_x), test_y)
+    model = jdp.models.from_linen(LinenCNN(), jdp.models.classification())
+    result = _fit(config, model=model, train=train, test=test, optimizer=sgd, lr_schedule=0.1)
+    reached["linen"] = (plain, result.test_accuracy)
+
+    # NNX, as the tutorial trains it: nnx.Optimizer, train/eval views, rngs at call time.
+    adamw = optax.adamw(0.005, 0.9)
+    net = NNXCNN(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(net, adamw, wrt=nnx.Param)
+    rngs = nnx.Rngs(0)
+    train_view = nnx.view(net, deterministic=False, use_running_average=False)
+    eval_view = nnx.view(net, deterministic=True, use_running_average=True)
+
+    @nnx.jit
+    def nnx_step(model, optimizer, rngs, x, y):
+        def loss_fn(model, rngs):
+            logits = model(x, rngs)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        grads = nnx.grad(loss_fn)(model, rngs)
+        optimizer.update(model, grads)
+
+    for x, y in _plain_batches(train_x, train_y):
+        nnx_step(train_view, optimizer, rngs, x, y)
+    plain = _accuracy(eval_view(test_x, None), test_y)
+    fresh = NNXCNN(rngs=nnx.Rngs(0))
+    model = jdp.models.from_nnx(fresh, jdp.models.classification())
+    result = _fit(config, model=model, train=train, test=test, optimizer=adamw, lr_schedule=0.005)
+    trained = nnx.view(fresh, deterministic=True, use_running_average=True)  # back, trained
+    assert _accuracy(trained(test_x, None), test_y) == result.test_accuracy
+    reached["nnx"] = (plain, result.test_accuracy)
+    print("reached (plain, jdp):", reached)
+    for name, (plain, jdp_accuracy) in reached.items():
+        assert plain > 0.9, (name, plain)
+        assert abs(jdp_accuracy - plain) <= 0.01, (name, reached)
