@@ -32,6 +32,7 @@ MIRRORS = {
     "cifar_resnet.py": "MirroredStrategy",
     "linen_model.py": "strategy.scope()",
     "nnx_model.py": "replicated by the strategy",
+    "your_data.py": "from_tensor_slices",
 }
 
 
