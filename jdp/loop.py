@@ -184,6 +184,8 @@ def fit(
             if progress.stop_reason:
                 break
         timer.stop()
+        if run.model.update is not None:  # an NNX module gets its trained values back
+            run.model.update(progress.state.params, progress.state.model_state)
         if not progress.finish:  # preempted, and saved if it could
             console.close_progress()
             return _stopped(progress, started)
@@ -191,8 +193,6 @@ def fit(
             console.line(f"jdp: {progress.stop_reason}; stopping at step {progress.step}")
         progress.final = True
         _call_each(actions, progress)
-    if run.model.update is not None:  # an NNX module gets its trained values back
-        run.model.update(progress.state.params, progress.state.model_state)
     return _finished(config, progress, timer, started, start, logger.history)
 
 
@@ -404,6 +404,8 @@ def _evaluated(run: Run, state: TrainState, step: int, console: Console, started
                ) -> FitResult:  # fmt: skip
     """The result of evaluating ``state`` (a checkpoint) without training."""
     config = run.config
+    if run.model.update is not None:  # an NNX module gets the checkpoint's values
+        run.model.update(state.params, state.model_state)
     progress = Progress(step=step, steps=step, state=state)
     progress.final = True
     with _metric_logger(config) as logger:

@@ -249,6 +249,10 @@ def train_step(
             metrics["lr"] = jnp.asarray(lr_schedule(count), jnp.float32)
         model_state = pmean_floats(model_state)
         updated = _apply(optimizer, precision, skip_nonfinite, state, grads, model_state, metrics)
+        if lr_schedule is None:  # an optimizer made with optax.inject_hyperparams says its own
+            injected = optax.tree_utils.tree_get(updated.opt_state, "learning_rate")
+            if injected is not None:
+                metrics["lr"] = jnp.asarray(injected, jnp.float32)
         return updated, metrics
 
     return step

@@ -370,7 +370,8 @@ def _say_what_was_built(config: TrainConfig, console: Console, mesh: Mesh, model
         lr = (
             "lr as your lr_schedule gives it"
             if yours.lr_schedule is not None
-            else "lr not logged (pass fit(lr_schedule=...) to log it)"
+            else "lr logged only if it was made with optax.inject_hyperparams (or pass "
+            "fit(lr_schedule=...))"
         )
         console.line(
             f"jdp: your optimizer {_describe(yours.optimizer)}, {lr}; the config's optimizer "

@@ -265,8 +265,9 @@ def make_train_step(
         ``loss`` and the ``aux`` entries averaged over the global batch,
         ``grad_norm`` (global norm of the averaged gradient, before clipping),
         ``lr`` (the schedule at the optimizer's update count) when ``lr_schedule``
-        is given, ``loss_scale`` under loss scaling, and ``skipped_steps`` under
-        loss scaling or ``skip_nonfinite``.
+        is given, else the learning rate an optimizer made with
+        ``optax.inject_hyperparams`` holds, ``loss_scale`` under loss scaling,
+        and ``skipped_steps`` under loss scaling or ``skip_nonfinite``.
 
     Raises:
         UsageError: unknown backend, a mesh without ``data``, ``pmap`` on a mesh

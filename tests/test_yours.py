@@ -213,6 +213,12 @@ def test_an_optax_optimizer_of_ones_own_logs_its_lr_and_resumes_bitwise(tmp_path
     recorded = jdp.load_model(ckpt).config
     assert recorded["optimizer"].startswith("yours") and "lr" not in recorded
     assert "momentum" not in recorded and recorded["lr_schedule"] == 0.1
+    # An optimizer made with optax.inject_hyperparams says its learning rate itself.
+    injected = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
+    said = _fit(_config(steps=20, log_every=10), optimizer=injected)
+    assert [r["lr"] for r in said.history if r["kind"] == "train"] == pytest.approx([0.1] * 2)
+    jax.tree.map(np.testing.assert_array_equal, said.state.params,
+                 _fit(_config(steps=20), optimizer=sgd).state.params)  # fmt: skip
     with pytest.raises(jdp.UsageError, match=r"pass an Optax one as\s+jdp.fit"):
         jdp.TrainConfig(optimizer=sgd)
 

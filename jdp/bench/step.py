@@ -31,7 +31,7 @@ from jdp.errors import UsageError
 from jdp.mesh import DATA_AXIS
 from jdp.models import MLP, Model, classification, from_linen
 from jdp.report.console import Console
-from jdp.run import Run, build, setup_devices
+from jdp.run import Run, Yours, build, setup_devices
 from jdp.state import create_train_state
 
 
@@ -78,7 +78,7 @@ def case_run(case: Case, mesh: str, batch_size: int, **overrides: Any) -> Run:
     from jdp.data.sources import load_split
 
     model = case.model_for(load_split(case.dataset, "train", config.data_dir))
-    return build(config, Console(enabled=False), model=model)
+    return build(config, Console(enabled=False), Yours(model=model))
 
 
 def first_batch(run: Run, batch_size: int):

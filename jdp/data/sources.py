@@ -264,6 +264,12 @@ def _download_and_prepare(spec: DatasetSpec, name: str, data_dir: str, builder) 
                 f"prepare it (only to prepare, not to train); `pip install tensorflow` and "
                 f"rerun, or {elsewhere}"
             )
+    _run_prepare(builder, name, data_dir, "choose another --data-dir")
+    return str(builder.data_dir)
+
+
+def _run_prepare(builder, name: str, data_dir: str, otherwise: str) -> None:
+    """``builder.download_and_prepare()``; a full or unwritable disk as one line."""
     try:
         builder.download_and_prepare()
     except (OSError, RuntimeError) as error:
@@ -272,9 +278,8 @@ def _download_and_prepare(spec: DatasetSpec, name: str, data_dir: str, builder) 
             raise
         raise UsageError(
             f"could not prepare dataset {name!r} in {data_dir} ({reason}); free space there, "
-            "or choose another --data-dir"
+            f"or {otherwise}"
         ) from None
-    return str(builder.data_dir)
 
 
 def load_split(
@@ -333,16 +338,9 @@ def _open_builder(name_or_builder, data_dir: str | None, spec: DatasetSpec | Non
     if not isinstance(name_or_builder, str):
         builder = name_or_builder
         if not builder.is_prepared():
-            try:
-                builder.download_and_prepare()
-            except (OSError, RuntimeError) as error:
-                reason = os_failure(error)
-                if reason is None:
-                    raise
-                raise UsageError(
-                    f"could not prepare dataset {builder.name!r} in {builder.data_dir} "
-                    f"({reason}); free space there, or give the builder another data_dir"
-                ) from None
+            _run_prepare(
+                builder, builder.name, str(builder.data_dir), "give the builder another data_dir"
+            )
         return builder
     name, data_dir = name_or_builder, _check_data_dir(data_dir)
     if spec is not None:
