@@ -226,11 +226,7 @@ def _actions(config, run, stack, console, logger, batches, checkpoints, callback
         profile = Profile(*config.profile_window, os.path.join(config.log_dir, "profile"))
         stack.callback(profile.stop)
         actions.append(profile)
-    actions.append(
-        Evaluate(run.eval_step, run.test, run.mesh, batch_size=config.batch_size,
-                 every=config.eval_every, console=console, logger=logger,
-                 validation=run.validation)
-    )  # fmt: skip
+    actions.extend(_evaluations(run, console, logger, every=config.eval_every))
     if config.early_stop_patience:
         actions.append(
             EarlyStopping(
@@ -265,6 +261,24 @@ def _actions(config, run, stack, console, logger, batches, checkpoints, callback
                          checkpoint=checkpoint, ckpt_dir=config.ckpt_dir)
     )  # fmt: skip
     return actions
+
+
+def _evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int) -> list:
+    """With a validation split, it every ``every`` steps and the test split at the end only;
+    without one, the test split every ``every`` steps. Both at the end."""
+    kwargs = dict(batch_size=run.config.batch_size, console=console, logger=logger)
+    evaluations = []
+    if run.validation is not None:
+        evaluations.append(
+            Evaluate(run.eval_step, run.validation, run.mesh, every=every, prefix="val", **kwargs)
+        )
+    if run.test is not None:
+        chooses = run.validation is None
+        evaluations.append(
+            Evaluate(run.eval_step, run.test, run.mesh, every=every if chooses else 0,
+                     chooses=chooses, **kwargs)
+        )  # fmt: skip
+    return evaluations
 
 
 class _SteadyTimer:
@@ -384,7 +398,8 @@ def _evaluate_only(config: TrainConfig, console: Console, yours: Yours, started:
                    ) -> FitResult:  # fmt: skip
     """``--eval-only``: the latest checkpoint of ``--ckpt-dir``, evaluated as its run would."""
     step_dir = step_directory(os.path.abspath(config.ckpt_dir))
-    saved = read_record(step_dir).get("config", {})
+    record = read_record(step_dir)
+    saved = record.get("config", {})
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
     made_with = {
         name: value
@@ -396,7 +411,7 @@ def _evaluate_only(config: TrainConfig, console: Console, yours: Yours, started:
     run = build(config, console, yours)
     params, model_state = read_params(step_dir, like=(run.state.params, run.state.model_state))
     state = run.state.replace(params=params, model_state=model_state)
-    step = int(read_record(step_dir).get("step", 0))
+    step = int(record.get("step", 0))
     return _evaluated(run, state, step, console, started)
 
 
@@ -409,11 +424,8 @@ def _evaluated(run: Run, state: TrainState, step: int, console: Console, started
     progress = Progress(step=step, steps=step, state=state)
     progress.final = True
     with _metric_logger(config) as logger:
-        evaluation = Evaluate(
-            run.eval_step, run.test, run.mesh, batch_size=config.batch_size, every=0,
-            console=console, logger=logger, validation=run.validation,
-        )  # fmt: skip
-        evaluation.run(progress)
+        for evaluation in _evaluations(run, console, logger, every=0):
+            evaluation(progress)
     tested, nan = progress.tested or {}, float("nan")
     validated = progress.evaluated if progress.evaluated is not progress.tested else None
     return FitResult(

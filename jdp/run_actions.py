@@ -108,45 +108,32 @@ def _eval_order(result: Mapping[str, float]) -> list[str]:
 
 
 class Evaluate(PeriodicAction):
-    """Exact metrics over whole splits; sets ``progress.evaluated`` and ``progress.tested``.
+    """Exact metrics over a whole split, logged as ``{prefix}_{name}``.
 
-    With a validation split, the periodic evaluations are of it (it chooses the
-    best checkpoint and stops early) and the test split is measured at the end
-    only; without one, the test split is evaluated throughout.
+    ``prefix="test"`` sets ``progress.tested``; ``chooses`` sets
+    ``progress.evaluated``, the metrics that choose the best checkpoint and stop
+    early (the validation split's when the run has one, else the test split's).
     """
 
-    def __init__(self, eval_step, split: Split | None, mesh, *, batch_size: int, every: int,
-                 console: Console, logger: MetricLogger, validation: Split | None = None
-                 ):  # fmt: skip
+    def __init__(self, eval_step, split: Split, mesh, *, batch_size: int, every: int,
+                 console: Console, logger: MetricLogger, prefix: str = "test",
+                 chooses: bool = True):  # fmt: skip
         super().__init__(every, at_end=True)
         self.eval_step, self.split, self.mesh, self.batch_size = eval_step, split, mesh, batch_size
-        self.console, self.logger, self.validation = console, logger, validation
-
-    def __call__(self, progress: Progress) -> bool:
-        validated_last = progress.final and self._ran_at == progress.step
-        untested = progress.tested is None and self.split is not None
-        if validated_last and untested and self.validation is not None:
-            progress.tested = self.measure("test", self.split, progress)  # still to measure
-            return True
-        return super().__call__(progress)
+        self.console, self.logger, self.prefix, self.chooses = console, logger, prefix, chooses
 
     def run(self, progress: Progress) -> None:
-        if self.validation is not None:
-            progress.evaluated = self.measure("val", self.validation, progress)
-            if progress.final and self.split is not None:
-                progress.tested = self.measure("test", self.split, progress)
-        elif self.split is not None:
-            progress.evaluated = progress.tested = self.measure("test", self.split, progress)
-
-    def measure(self, prefix: str, split: Split, progress: Progress) -> dict[str, float]:
-        batches = eval_batches(split, self.mesh, batch_size=self.batch_size)
+        batches = eval_batches(self.split, self.mesh, batch_size=self.batch_size)
         result = evaluate(self.eval_step, progress.state, batches)
         self.console.line(
             f"step {progress.step}: "
-            + " ".join(f"{prefix}_{name}={result[name]:.4f}" for name in _eval_order(result))
+            + " ".join(f"{self.prefix}_{name}={result[name]:.4f}" for name in _eval_order(result))
         )
-        self.logger.write("eval" if prefix == "test" else prefix, progress.step, result)
-        return result
+        self.logger.write("eval" if self.prefix == "test" else self.prefix, progress.step, result)
+        if self.chooses:
+            progress.evaluated = result
+        if self.prefix == "test":
+            progress.tested = result
 
 
 class Checkpoint(PeriodicAction):

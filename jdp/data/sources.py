@@ -408,7 +408,8 @@ def _read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], obj
                 "them to one shape when preparing the dataset"
             )
         dtype = getattr(info.features[key], "np_dtype", None)  # a scalar reads as a Python float
-        arrays[key] = np.stack(values).astype(dtype) if dtype is not None else np.stack(values)
+        stacked = np.stack(values)
+        arrays[key] = stacked.astype(dtype, copy=False) if dtype is not None else stacked
     return arrays, info
 
 

@@ -223,17 +223,13 @@ def _training_switch(module, train_arg: str | None, inputs: Inputs) -> tuple[str
             f"pass train_arg=None to from_linen, or the name of its training switch"
         )
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    required = [
-        p.name
-        for p in parameters
-        if p.kind in positional
-        and p.default is inspect.Parameter.empty
-        and (switch is None or p.name != switch[0])
+    takes = [  # what the batch's inputs fill, in order
+        p for p in parameters if p.kind in positional and (switch is None or p.name != switch[0])
     ]
+    required = [p for p in takes if p.default is inspect.Parameter.empty]
     given = _count_inputs(inputs)
     varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
-    takes = sum(p.kind in positional for p in parameters if switch is None or p.name != switch[0])
-    if given is not None and (len(required) > given or (given > takes and not varargs)):
+    if given is not None and (len(required) > given or (given > len(takes) and not varargs)):
         raise UsageError(
             f"{name}.__call__ takes ({', '.join(names)}) and jdp would pass {given} "
             f"argument(s) from the batch (inputs={inputs!r}); pass inputs= naming one batch key "
