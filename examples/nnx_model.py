@@ -5,6 +5,7 @@ model defined once and replicated by the strategy: an ``nnx.Module`` built with 
 ``nnx.Rngs`` goes through ``jdp.models.from_nnx``. Its ``nnx.Param`` variables
 are trained, BatchNorm's statistics travel as model state, and its rng streams
 are reseeded on every replica and step, so dropout masks differ across replicas.
+After ``fit`` the module holds the trained values.
 Training sets ``deterministic=False`` and ``use_running_average=False`` on the
 sub-modules that have them; evaluation sets both True.
 
@@ -48,9 +49,8 @@ def main() -> None:
             return self.head(self.dropout(x.mean(axis=(1, 2))))
 
     channels = 3 if args.dataset == "cifar10" else 1
-    model = jdp.models.from_nnx(
-        Net(channels, 10, rngs=nnx.Rngs(0)), jdp.models.classification(), inputs="image"
-    )
+    net = Net(channels, 10, rngs=nnx.Rngs(0))
+    model = jdp.models.from_nnx(net, jdp.models.classification(), inputs="image")
     config = jdp.TrainConfig(
         mesh="data=-1",  # every device: 8 simulated CPUs, or the accelerators
         dataset=args.dataset,
@@ -61,6 +61,15 @@ def main() -> None:
     )
     result = jdp.fit(config, model=model)
     print(result.summary_line())
+
+    # fit put the trained values back into the module: use it as it is.
+    import numpy as np
+
+    test = jdp.load_split(args.dataset, "test")
+    evaluating = nnx.view(net, deterministic=True, use_running_average=True)
+    images = test.transform(test.image)
+    accuracy = np.mean(np.argmax(evaluating(images), -1) == test.label)
+    print(f"the trained module itself: test accuracy {accuracy:.4f}")
 
 
 if __name__ == "__main__":

@@ -111,7 +111,9 @@ def from_tfds(
     ``name_or_builder`` is a catalog name (``"mnist"``), the name of a dataset
     already prepared in ``data_dir`` (its code need not be importable), or a
     builder instance of your own (``MyDataset(data_dir=..., file_format="array_record")``),
-    prepared here when it is not yet. Feature names are kept. ``input_key`` and
+    prepared here when it is not yet; a builder class defined in a script, not
+    a package, sets ``pkg_dir_path = pathlib.Path(__file__).parent``, or TFDS
+    fails looking for its files. Feature names are kept. ``input_key`` and
     ``label_key`` default to the dataset's supervised keys, else its only image
     feature (or its largest other feature) and its only class label. Image (and
     other uint8) inputs are divided by 255 unless ``transform`` says otherwise;
