@@ -40,17 +40,6 @@ from jdp.report.console import quiet_absl
 from jdp.state import TrainState
 
 
-def _saveable(state: TrainState) -> TrainState:
-    # Typed PRNG keys are stored as their raw uint32 data.
-    return state.replace(rng=jax.random.key_data(state.rng))
-
-
-def _from_saveable(saved: TrainState, like: TrainState) -> TrainState:
-    return saved.replace(
-        rng=jax.random.wrap_key_data(saved.rng, impl=jax.random.key_impl(like.rng))
-    )
-
-
 def _abstract(tree: Any) -> Any:
     """Shapes, dtypes and shardings of ``tree``: where restored arrays must land."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -380,10 +369,9 @@ class Checkpointer:
         step = int(state.step)
         if step in self._manager.all_steps():
             return False
-        saveable = _saveable(state)
         arrays = {
             name: {"shape": list(shape), "dtype": dtype}
-            for name, (shape, dtype) in _leaf_names(saveable).items()
+            for name, (shape, dtype) in _leaf_names(state).items()
         }
         meta = {
             "step": step,
@@ -394,13 +382,11 @@ class Checkpointer:
         }
         record = _PendingRecord(meta)
         if not self._async:  # the commit happens inside the save: the digests go first
-            record.start(saveable)
+            record.start(state)
         try:
             return self._manager.save(
                 step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeSave(saveable), meta=_RecordSave(record)
-                ),
+                args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=_RecordSave(record)),
                 metrics=dict(metrics) if metrics else None,
                 force=True,
             )
@@ -410,7 +396,7 @@ class Checkpointer:
             # The digests: dispatched before the next step can donate the arrays, and
             # fetched in the background commit.
             if self._async:
-                record.start(saveable)
+                record.start(state)
 
     def _write_failed(self, error: Exception) -> UsageError:
         """One line for a save that failed: why, and the last checkpoint that is whole."""
@@ -454,7 +440,7 @@ class Checkpointer:
         Raises:
             UsageError: the checkpoint holds a different model or optimizer.
         """
-        target = _abstract(_saveable(like))
+        target = _abstract(like)
         expected = _leaf_names(target)
         for step in reversed(self.steps()):
             try:
@@ -488,7 +474,7 @@ class Checkpointer:
             if problem is not None:
                 self._set_aside(step, problem or "another process could not read it")
                 continue
-            return _from_saveable(restored, like), meta
+            return restored, meta
         return None
 
     def _read_record(self, step: int) -> tuple[dict, dict]:

@@ -109,7 +109,7 @@ def check_accumulate(rows: int, accumulate: int, replicas: int = 1) -> None:
 
 def _replica_rng(state: TrainState) -> jax.Array:
     """A key for this step and this replica: fresh every step, different per replica."""
-    return jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(DATA_AXIS))
+    return jax.random.fold_in(jax.random.fold_in(state.key, state.step), lax.axis_index(DATA_AXIS))
 
 
 def _is_varying(x: jax.Array) -> bool:

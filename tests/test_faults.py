@@ -58,10 +58,8 @@ def test_changed_array_bytes_name_the_leaf(tmp_path, mesh8, capfd):
     # Same-size damage that still decodes: the step-1 "w" leaf rewritten with other values.
     import orbax.checkpoint as ocp
 
-    from jdp.checkpoint import _saveable
-
     state_dir = tmp_path / "1" / "state"
-    other = _saveable(second).replace(params={"w": second.params["w"] * 2, "b": second.params["b"]})
+    other = second.replace(params={"w": second.params["w"] * 2, "b": second.params["b"]})
     shutil.rmtree(state_dir)
     with ocp.StandardCheckpointer() as writer:
         writer.save(state_dir, other)
@@ -537,9 +535,7 @@ def test_load_params_skips_incomplete_entries_and_checks_digests(tmp_path, mesh8
     # Same-size damage that still decodes, in the params: named, never returned.
     import orbax.checkpoint as ocp
 
-    from jdp.checkpoint import _saveable
-
-    other = _saveable(second).replace(params={"w": second.params["w"] * 3, "b": second.params["b"]})
+    other = second.replace(params={"w": second.params["w"] * 3, "b": second.params["b"]})
     shutil.rmtree(tmp_path / "1" / "state")
     with ocp.StandardCheckpointer() as writer:
         writer.save(tmp_path / "1" / "state", other)

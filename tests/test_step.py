@@ -243,6 +243,32 @@ def test_rng_differs_per_replica_and_per_step(mesh8, backend):
     assert float(first["noise"]) != float(second["noise"])
 
 
+@pytest.mark.parametrize(
+    "key", [jax.random.key(3), jax.random.key(3, impl="rbg"), jax.random.PRNGKey(3)]
+)
+def test_the_state_holds_its_key_as_plain_data(mesh8, key):
+    # A typed key among a step's arguments sends every call through Python to
+    # rebuild it; the state keeps raw key data and its implementation's name.
+    state = jdp.create_train_state(init_params(), _optimizer(), mesh8, rng=key)
+    assert not any(
+        jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) for leaf in jax.tree.leaves(state)
+    )
+    typed = key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+    assert jax.random.key_impl(state.key) == jax.random.key_impl(typed)
+    np.testing.assert_array_equal(jax.random.key_data(state.key), jax.random.key_data(typed))
+
+    # The step draws from that key: the replicas' first draws are the key's own.
+    def loss_fn(params, batch, rng):
+        return regression_loss(params, batch, rng), {"u": jax.random.uniform(rng, ())}
+
+    step = jdp.make_train_step(loss_fn, _optimizer(), mesh8, has_aux=True)
+    _, metrics = step(state, jdp.shard_batch(regression_data(), mesh8))
+    step0 = jax.random.fold_in(typed, 0)
+    draws = [jax.random.uniform(jax.random.fold_in(step0, i), ()) for i in range(8)]
+    # A mean of 8 float32 draws in [0, 1): a few float32 eps of rounding.
+    np.testing.assert_allclose(metrics["u"], np.mean(draws), rtol=1e-6)
+
+
 def test_pmap_refuses_a_two_axis_mesh(devices):
     mesh = jdp.make_mesh("data=4,model=2")
     with pytest.raises(jdp.UsageError, match="use backend 'jit'"):

@@ -64,12 +64,6 @@ def _flip_state():
     return jdp.create_train_state(params, optax.adam(1e-3), mesh, rng=keys[2])
 
 
-def _saved_bytes(state) -> dict[str, np.ndarray]:
-    from jdp.checkpoint import _saveable
-
-    return _tree_bytes(_saveable(state))
-
-
 def bit_flips(trials: int, seed: int, *, data_only: bool = False) -> Counter:
     """Flips one random bit per trial in the latest of two checkpoints; counts the outcomes.
 
@@ -82,7 +76,7 @@ def bit_flips(trials: int, seed: int, *, data_only: bool = False) -> Counter:
     second = first.replace(
         step=first.step + 1, params=jax.tree.map(lambda x: x * 1.5 + 1, first.params)
     )
-    expected = _saved_bytes(second)
+    expected = _tree_bytes(second)
     rng = random.Random(seed)
     outcomes: Counter = Counter()
     with tempfile.TemporaryDirectory(prefix="jdp-flips-") as root:
@@ -118,7 +112,7 @@ def bit_flips(trials: int, seed: int, *, data_only: bool = False) -> Counter:
                 restored = checkpoints.restore(first)
             if restored is None or int(restored[1]["step"]) != int(second.step):
                 outcomes["detected"] += 1
-            elif _bitwise_equal(_saved_bytes(restored[0]), expected):
+            elif _bitwise_equal(_tree_bytes(restored[0]), expected):
                 outcomes["unaffected"] += 1
             else:
                 outcomes["silent"] += 1
