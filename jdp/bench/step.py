@@ -159,27 +159,33 @@ def jdp_loop(step, run: Run, batch, optimizer, *, per_call: int = 1) -> Callable
     return loop
 
 
-# Arms run whole multiples of this many steps: any steps per call up to 8 divides it.
-_STEP_MULTIPLE = 8
+# By default arms run whole multiples of this many steps: any steps per call up to
+# 8 divides it.
+STEP_MULTIPLE = 8
 
 
 def interleaved_rates(
-    arms: dict[str, Callable[[int], None]], *, rounds: int, round_seconds: float, rows: int
+    arms: dict[str, Callable[[int], None]],
+    *,
+    rounds: int,
+    round_seconds: float,
+    rows: int,
+    multiple: int = STEP_MULTIPLE,
 ) -> dict[str, list[float]]:
     """Examples/s of each arm in each of ``rounds`` rounds, the arms' order alternating.
 
-    Every arm runs the same number of steps a round, about ``round_seconds`` of the
-    slowest arm (timed on a warm call), so small and large models get comparable
-    statistics.
+    Every arm runs the same number of steps a round (a multiple of ``multiple``),
+    about ``round_seconds`` of the slowest arm (timed on a warm call), so small and
+    large models get comparable statistics.
     """
     slowest = 0.0
     for arm in arms.values():
-        arm(_STEP_MULTIPLE)  # compile and settle
+        arm(multiple)  # compile and settle
         started = time.perf_counter()
-        arm(_STEP_MULTIPLE)
-        slowest = max(slowest, (time.perf_counter() - started) / _STEP_MULTIPLE)
-    calls = max(1, min(50, round(round_seconds / slowest / _STEP_MULTIPLE)))
-    steps = calls * _STEP_MULTIPLE
+        arm(multiple)
+        slowest = max(slowest, (time.perf_counter() - started) / multiple)
+    calls = max(1, min(400 // multiple, round(round_seconds / slowest / multiple)))
+    steps = calls * multiple
     rates: dict[str, list[float]] = {name: [] for name in arms}
     for round_ in range(rounds):
         order = list(arms) if round_ % 2 == 0 else list(reversed(arms))
@@ -212,7 +218,7 @@ def ratios_to(rates: dict[str, list[float]], baseline: str) -> dict[str, float]:
 # medians from the rounds that also give the ratios would bias the baseline up (the
 # larger of two noisy estimates of nearly equal rates is high by part of the noise),
 # so the ratios come from rounds run after the choice.
-PILOT_ROUNDS = 2
+PILOT_ROUNDS = 6
 
 
 def _params(run: Run) -> str:
@@ -233,7 +239,11 @@ def bench_step(
     jdp's ``jit`` and ``pmap`` steps as ratios of it. Prints rows as they come.
 
     The faster hand-written step is chosen in `PILOT_ROUNDS` rounds of its own;
-    ``rounds`` more rounds interleave it with jdp's two steps.
+    ``rounds`` more rounds interleave it with jdp's two steps and with a second,
+    separately compiled copy of itself. That copy's ratio ("itself") is what two
+    identical programs read apart in that cell: the measurement's own noise.
+    Many short rounds, each of whole steps, keep it small: the machine's load
+    changes over seconds, and arms run next to each other share it.
     """
     check_cases(cases)
     largest = max(meshes, key=lambda spec: int(spec.partition("=")[2] or 0))
@@ -248,7 +258,7 @@ def bench_step(
     )
     emit(
         f"  {'model':<10}{'params':>8}  {'mesh':<8}{'hand-written ex/s':>19}  {'best of':<9}"
-        f"{'jdp jit':>9}{'jdp pmap':>10}"
+        f"{'itself':>10}{'jdp jit':>9}{'jdp pmap':>10}"
     )
     for name in cases:
         case = CASES[name]
@@ -264,21 +274,24 @@ def bench_step(
                 for name, packed in (("per-leaf", False), ("raveled", True))
             }
             pilot = interleaved_rates(
-                hand, rounds=PILOT_ROUNDS, round_seconds=round_seconds, rows=batch_size
-            )
+                hand, rounds=PILOT_ROUNDS, round_seconds=round_seconds, rows=batch_size,
+                multiple=1,
+            )  # fmt: skip
             best = max(hand, key=lambda name: statistics.median(pilot[name]))
+            again = hand_written_step(run.model, optimizer, run.mesh, packed=best == "raveled")
             arms = {
                 best: hand[best],
+                "again": hand_loop(again, run, batch),
                 "jit": jdp_loop(run.train_step, run, batch, optimizer),
                 "pmap": jdp_loop(pmap.train_step, pmap, batch, optimizer),
             }
             rates = interleaved_rates(
-                arms, rounds=rounds, round_seconds=round_seconds, rows=batch_size
+                arms, rounds=rounds, round_seconds=round_seconds, rows=batch_size, multiple=1
             )
             ratios = ratios_to(rates, best)
             emit(
                 f"  {name:<10}{_params(run):>8}  {mesh:<8}"
-                f"{statistics.median(rates[best]):>19,.0f}  {best:<9}"
+                f"{statistics.median(rates[best]):>19,.0f}  {best:<9}{ratios['again']:>9.3f}x"
                 f"{ratios['jit']:>8.3f}x{ratios['pmap']:>9.3f}x"
             )
     return lines
@@ -289,9 +302,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cases", default=cases, help=f"comma-separated, from: {cases}")
     parser.add_argument("--meshes", default="data=1,data=2,data=8", help="comma-separated")
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument(
-        "--round-seconds", type=float, default=0.5, help="time of one arm's round, about"
+        "--round-seconds", type=float, default=0.1, help="time of one arm's round, about"
     )
 
 
