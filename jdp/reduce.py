@@ -101,11 +101,7 @@ def global_norm(grads: Any, *, replicas: int) -> jax.Array:
     leaves = jax.tree.leaves(grads)
     nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
     if replicas == 1 or nbytes < SHARED_NORM_BYTES:
-        # Behind a barrier the norm's squares are its own: otherwise XLA merges them
-        # with the optimizer's (Adam squares the same gradient), and XLA:CPU then
-        # writes them out and reads them back instead of squaring inside its
-        # reduction, three passes over the gradients instead of one.
-        return optax.tree.norm(lax.optimization_barrier(grads))
+        return optax.tree.norm(grads)
     index = lax.axis_index(DATA_AXIS)
     total = jnp.zeros((), jnp.float32)
     for leaf in leaves:
