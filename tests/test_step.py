@@ -48,6 +48,13 @@ def test_data8_matches_one_device_on_the_same_global_batch(mesh8, backend):
     assert_trees_close(jax.device_get(state.params), expected)
 
 
+def test_batches_of_changing_size_match_one_device(mesh8, backend):
+    # The pmap backend keeps one program per batch layout and must pick the right one.
+    batches = [regression_data(seed, rows=64 if seed % 2 else 32) for seed in range(STEPS)]
+    state, _ = _train(mesh8, backend, batches, _optimizer())
+    assert_trees_close(jax.device_get(state.params), _reference(batches, _optimizer()))
+
+
 def test_data1_mesh_matches_reference(mesh1, backend):
     batches = [regression_data(seed) for seed in range(STEPS)]
     state, _ = _train(mesh1, backend, batches, _optimizer())
@@ -309,3 +316,40 @@ def test_the_step_makes_no_implicit_dtype_promotion(mesh8, backend, options):
             batch = jax.tree.map(lambda x: np.stack([x] * calls), batch)
         state, metrics = step(state, jdp.shard_batch(batch, mesh8, stacked=calls > 1))
     assert int(state.step) == calls and np.all(np.isfinite(jax.device_get(metrics["loss"])))
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_a_batch_the_replicas_cannot_split_is_one_line(mesh8, backend, steps):
+    # Checked while the step is traced (once per batch shape), not on every call.
+    optimizer = optax.sgd(0.1)
+    state = jdp.create_train_state(init_params(), optimizer, mesh8)
+    step = jdp.make_train_step(
+        regression_loss, optimizer, mesh8, backend=backend, steps_per_call=steps
+    )
+    batch = regression_data(rows=12)
+    if steps > 1:
+        batch = jax.tree.map(lambda x: np.stack([x] * steps), batch)
+    with pytest.raises(jdp.UsageError, match="does not split over 8 replicas"):
+        step(state, batch)
+    good = regression_data()
+    if steps > 1:
+        good = jax.tree.map(lambda x: np.stack([x] * steps), good)
+    step(state, jdp.shard_batch(good, mesh8, stacked=steps > 1))
+
+
+def test_a_state_already_given_to_a_step_is_refused(mesh8, backend):
+    # Passed again, donated arrays crash the process under XLA:CPU with several
+    # devices; the step refuses them first, and so does evaluation.
+    optimizer = optax.sgd(0.1)
+    state = jdp.create_train_state(init_params(), optimizer, mesh8)
+    step = jdp.make_train_step(regression_loss, optimizer, mesh8, backend=backend)
+    batch = jdp.shard_batch(regression_data(), mesh8)
+    after, _ = step(state, batch)
+    with pytest.raises(jdp.UsageError, match="pass on the state that step returned"):
+        step(state, batch)
+    evaluate = jdp.make_eval_step(
+        lambda params, batch: {"y": batch["y"].sum(axis=1)}, mesh8, backend=backend
+    )
+    with pytest.raises(jdp.UsageError, match="donated its arrays"):
+        evaluate(state, batch)
+    jax.block_until_ready(step(after, batch))
