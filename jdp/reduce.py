@@ -100,7 +100,15 @@ def global_norm(grads: Any, *, replicas: int) -> jax.Array:
     """The global L2 norm of ``grads``, identical on every replica."""
     leaves = jax.tree.leaves(grads)
     nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
-    if replicas == 1 or nbytes < SHARED_NORM_BYTES:
+    if replicas == 1:
+        # Behind a barrier the norm's squares are its own: otherwise XLA merges them
+        # with the optimizer's (Adam squares the same gradient), and XLA:CPU writes
+        # them out and reads them back, three passes over the gradients instead of
+        # one. Only on one device: on several, the barrier changed how the
+        # 1-process program rounds Adam's update against the 2-process one (on
+        # one device it rounds as it did without).
+        return optax.tree.norm(lax.optimization_barrier(grads))
+    if nbytes < SHARED_NORM_BYTES:
         return optax.tree.norm(grads)
     index = lax.axis_index(DATA_AXIS)
     total = jnp.zeros((), jnp.float32)

@@ -124,3 +124,48 @@ def test_the_shared_gradient_norm_is_the_global_norm(mesh8):
     # 1.1M squares (no cancellation) summed in float32 by XLA's tree reductions:
     # about log2(1.1M) = 20 roundings of 6e-8 each, far within 1e-4.
     np.testing.assert_allclose(float(shared), expected, rtol=1e-4)
+
+
+def _big_leaf_ops(compiled_text: str) -> list[str]:
+    """The ops of the compiled program's entry that make an array of the big leaf's shape."""
+    entry = compiled_text[compiled_text.index("ENTRY") :]
+    shape = rf"f32\[{_BIG[0]},{_BIG[1]}\]"
+    ops = re.findall(rf"^\s*(?:ROOT )?%\S+ = {shape}\S* ([\w-]+)\(", entry, re.M)
+    return sorted(op for op in ops if op not in ("parameter", "get-tuple-element", "bitcast"))
+
+
+def test_the_gradient_norm_adds_no_pass_that_writes_the_gradients_out(mesh1):
+    # Adam squares the gradient too; were the norm's squares merged with Adam's,
+    # XLA:CPU would write them out as an array of the leaf's shape and read them
+    # back. jdp's step must make no more arrays of a leaf's shape than a plain step
+    # with the same loss and optimizer that reports no norm.
+    optimizer = optax.adam(1e-3)
+    state = jdp.create_train_state(_params(), optimizer, mesh1)
+    rng = np.random.default_rng(1)
+    batch = jdp.shard_batch(
+        {
+            "x": rng.normal(size=(64, 6)).astype(np.float32),
+            "y": rng.normal(size=(64, 3)).astype(np.float32),
+        },
+        mesh1,
+    )
+    step = jdp.make_train_step(_loss, optimizer, mesh1)
+
+    def plain(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(_loss)(
+            lax.pcast(params, DATA_AXIS, to="varying"), batch, None
+        )
+        grads, loss = lax.pmean((grads, loss), DATA_AXIS)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    specs = (PartitionSpec(), PartitionSpec(), PartitionSpec(DATA_AXIS))
+    plain_step = jax.jit(
+        jax.shard_map(plain, mesh=mesh1, in_specs=specs, out_specs=PartitionSpec()),
+        donate_argnums=(0, 1),
+    )
+    ours = _big_leaf_ops(step.lower(state, batch).compile().as_text())
+    theirs = _big_leaf_ops(
+        plain_step.lower(state.params, state.opt_state, batch).compile().as_text()
+    )
+    assert ours == theirs, (ours, theirs)
