@@ -46,7 +46,8 @@ class CompiledStep(NamedTuple):
     The contract, for both backends: the state is replicated on every device of
     the mesh (``state_sharding``), the batch's rows are split over ``data``
     (``batch_sharding``; with several steps per call the steps stack on axis 0
-    and the rows are axis 1), a train step donates its input state, and every
+    and the rows are axis 1), a train step donates its input state (passed
+    again, to any step, it is refused with a `UsageError`), and every
     output is replicated. At most two calls are in flight: on the CPU backend,
     steps with collectives dispatched without bound can leave the replicas'
     threads waiting on each other's rendezvous until XLA aborts the process;
@@ -302,7 +303,9 @@ def make_train_step(
 
     Raises:
         UsageError: unknown backend, a mesh without ``data``, ``pmap`` on a mesh
-            with more than one axis, or ``accumulate`` < 1.
+            with more than one axis, or ``accumulate`` < 1; when called, a batch
+            whose rows do not split over the replicas, or a state that an earlier
+            call donated.
 
     Examples:
         >>> def loss_fn(params, batch, rng):
