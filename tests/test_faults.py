@@ -413,6 +413,14 @@ def test_sigint_to_one_process_saves_in_every_process_at_one_step(tmp_path):
     assert len(steps) == 1 and f"at step {steps.pop()};" in line[0]
 
 
+def _text(path) -> str:
+    """What ``path`` holds so far; empty while it does not exist."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
 @pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_at_start_up_or_without_a_ckpt_dir_is_one_line(tmp_path, signal_number):
     command = [sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps", "100000"]
@@ -435,7 +443,8 @@ def test_a_signal_at_start_up_or_without_a_ckpt_dir_is_one_line(tmp_path, signal
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=subprocess_env())  # fmt: skip
     deadline = time.monotonic() + 120
-    while not (tmp_path / "metrics.jsonl").exists():
+    # A step's record, not the file: the file is opened before the loop takes signals over.
+    while '"kind": "train"' not in _text(tmp_path / "metrics.jsonl"):
         assert late.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
     late.send_signal(signal_number)
