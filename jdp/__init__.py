@@ -24,14 +24,22 @@ from jdp.config import TrainConfig
 from jdp.data.pipeline import Loader, eval_batches, train_batches
 from jdp.data.sources import Split, load_split
 from jdp.errors import NonFiniteError, UsageError
+from jdp.groups import Outer, diloco
 from jdp.inference import LoadedModel, load_model, predict
 from jdp.loop import FitResult, fit
 from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices
 from jdp.optim import make_optimizer, make_schedule
 from jdp.precision import LossScale, Precision, make_precision
 from jdp.report.console import Console
-from jdp.state import TrainState, create_train_state
-from jdp.step import CompiledStep, evaluate, make_eval_step, make_train_step
+from jdp.state import GroupState, TrainState, create_train_state
+from jdp.step import (
+    CompiledStep,
+    SyncStep,
+    evaluate,
+    make_eval_step,
+    make_sync_step,
+    make_train_step,
+)
 from jdp.version import __version__ as __version__
 
 __all__ = [
@@ -42,20 +50,24 @@ __all__ = [
     "Console",
     "EarlyStopping",
     "FitResult",
+    "GroupState",
     "LoadedModel",
     "Loader",
     "LossScale",
     "NonFiniteError",
+    "Outer",
     "PeriodicAction",
     "Precision",
     "Progress",
     "Split",
+    "SyncStep",
     "TrainConfig",
     "TrainState",
     "UsageError",
     "actions",
     "create_train_state",
     "data",
+    "diloco",
     "distributed",
     "eval_batches",
     "evaluate",
@@ -68,6 +80,7 @@ __all__ = [
     "make_optimizer",
     "make_precision",
     "make_schedule",
+    "make_sync_step",
     "make_train_step",
     "models",
     "predict",

@@ -8,7 +8,7 @@ import typing
 from typing import Literal
 
 from jdp.errors import UsageError
-from jdp.mesh import parse_mesh_spec
+from jdp.mesh import GROUP_AXIS, parse_mesh_spec
 
 # The choices of the fields that name things. Each registry it names agrees
 # (tests/test_api.py): the step's backends, the built-in models and sizes, the
@@ -27,6 +27,9 @@ PrecisionName = Literal["fp32", "bf16", "fp16"]
 ReduceDtype = Literal["fp32", "bf16"]
 EarlyStopMetric = Literal["loss", "accuracy"]
 NanPolicy = Literal["stop", "skip", "ignore"]
+OuterOptimizerName = Literal["nesterov", "sgd"]
+# DiLoCo's synchronisation interval when a mesh has a group axis and --sync-every is 0.
+DEFAULT_SYNC_EVERY = 50
 
 
 def _flag(default, help_text: str):
@@ -37,7 +40,11 @@ def _flag(default, help_text: str):
 class TrainConfig:
     """Everything that defines a training run. Invalid values raise `UsageError`."""
 
-    mesh: str = _flag("data=-1", "device mesh, e.g. data=8, data=-1 (all devices), data=4,model=2")
+    mesh: str = _flag(
+        "data=-1",
+        "device mesh, e.g. data=8, data=-1 (all devices), data=4,model=2, or group=2,data=4 "
+        "(DiLoCo: 2 groups of 4 replicas that synchronise every --sync-every steps)",
+    )
     backend: Backend = _flag("jit", "step backend: jit (jit over shard_map) or pmap")
     model: ModelName = _flag(
         "mlp", "built-in model: mlp, cnn, resnet20, resnet18 (images), seq2seq or gpt (sequences)"
@@ -93,6 +100,17 @@ class TrainConfig:
         "fp32", "compute dtype: fp32, bf16 or fp16 (fp16 scales the loss)"
     )
     reduce_dtype: ReduceDtype = _flag("fp32", "gradient all-reduce dtype: fp32 or bf16")
+    sync_every: int = _flag(
+        0,
+        f"DiLoCo (a mesh with a group axis): steps between the groups' synchronisations "
+        f"(0: {DEFAULT_SYNC_EVERY})",
+    )
+    outer_optimizer: OuterOptimizerName = _flag(
+        "nesterov",
+        "DiLoCo's outer optimizer: nesterov (momentum) or sgd (local SGD with lr 1, momentum 0)",
+    )
+    outer_lr: float = _flag(0.7, "DiLoCo's outer learning rate")
+    outer_momentum: float = _flag(0.9, "DiLoCo's outer momentum (sgd: 0 for none)")
     nan_policy: NanPolicy = _flag(
         "stop",
         "a non-finite loss or gradient: stop (the run, exit 1), skip (that update, as fp16 "
@@ -181,6 +199,7 @@ class TrainConfig:
             raise UsageError("--log-every must be at least 1")
         _ = self.profile_window  # checks --profile-steps
         self._check_steps_per_call()
+        self._check_groups()
         if self.check_replicas_every < 0:
             raise UsageError("--check-replicas-every must be >= 0 (0: off)")
         if self.early_stop_patience < 0:
@@ -221,6 +240,8 @@ class TrainConfig:
         """Real-valued flags: finite (NaN and inf pass ``x > 0``) and in their range."""
         ranges = {  # flag: (lowest, lowest allowed?, highest, highest allowed?)
             "lr": (0.0, False, math.inf, False),
+            "outer_lr": (0.0, False, math.inf, False),
+            "outer_momentum": (0.0, True, 1.0, False),
             "momentum": (0.0, True, 1.0, False),
             "weight_decay": (0.0, True, math.inf, False),
             "clip_norm": (0.0, True, math.inf, False),
@@ -265,6 +286,38 @@ class TrainConfig:
                     f"--profile-steps {self.profile_steps} must cover whole calls of "
                     f"--steps-per-call {calls}, e.g. {calls + 1}:{2 * calls}"
                 )
+
+    def _check_groups(self) -> None:
+        """DiLoCo's flags need a group axis; its interval whole calls of the step."""
+        if self.sync_every < 0:
+            raise UsageError(f"--sync-every must be >= 0, got {self.sync_every}")
+        if GROUP_AXIS not in dict(parse_mesh_spec(self.mesh)):
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            given = [
+                f"--{name.replace('_', '-')}"
+                for name in ("sync_every", "outer_optimizer", "outer_lr", "outer_momentum")
+                if getattr(self, name) != defaults[name]
+            ]
+            if given:
+                raise UsageError(
+                    f"{', '.join(given)} set DiLoCo's groups, and --mesh {self.mesh} has none; "
+                    "add a group axis, e.g. --mesh group=2,data=4"
+                )
+            return
+        if self.backend == "pmap":
+            raise UsageError(
+                "DiLoCo groups (a group axis) run with --backend jit; pmap maps over one axis"
+            )
+        if self.resolved_sync_every % self.steps_per_call:
+            raise UsageError(
+                f"--sync-every {self.resolved_sync_every} is not a multiple of --steps-per-call "
+                f"{self.steps_per_call}: the groups synchronise between calls"
+            )
+
+    @property
+    def resolved_sync_every(self) -> int:
+        """The steps between DiLoCo's synchronisations: ``--sync-every``, or its default."""
+        return self.sync_every or DEFAULT_SYNC_EVERY
 
     @property
     def profile_window(self) -> tuple[int, int] | None:

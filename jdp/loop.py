@@ -17,6 +17,7 @@ from jdp.config import TOPOLOGY_FIELDS, TrainConfig
 from jdp.data.pipeline import train_batches
 from jdp.data.sources import Split
 from jdp.errors import UsageError
+from jdp.mesh import GROUP_AXIS, parse_mesh_spec
 from jdp.models import Model
 from jdp.preemption import Preemption
 from jdp.report.console import Console
@@ -33,6 +34,7 @@ from jdp.run_actions import (
     LogMetrics,
     Profile,
     StopOnPreemption,
+    Synchronize,
 )
 from jdp.state import TrainState
 
@@ -218,7 +220,8 @@ def _train_loader(config: TrainConfig, run: Run, start: int):
 
 def _actions(config, run, stack, console, logger, batches, checkpoints, callbacks) -> list:
     """The run's actions in the order they are called after each call of the step."""
-    actions: list[Action] = [
+    actions: list[Action] = [Synchronize(run.sync_step)] if run.sync_step else []
+    actions += [
         Display(console, logger, every=_DISPLAY_EVERY),
         LogMetrics(logger, every=config.log_every),
     ]
@@ -333,6 +336,7 @@ def _resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, c
         )
 
     def same_run(meta: dict) -> None:
+        _same_groups(config.mesh, meta.get("config", {}).get("mesh"), checkpoints.directory)
         conflicts = config.resume_conflicts(meta.get("config", {}), recorded)
         if conflicts:
             raise UsageError(
@@ -353,6 +357,20 @@ def _resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, c
         )
     console.line(f"jdp: resuming from step {meta['step']} in {checkpoints.directory}")
     return state, start
+
+
+def _same_groups(mesh: str, saved_mesh: str | None, directory: str) -> None:
+    """A checkpoint holds one state per DiLoCo group: it resumes only with as many."""
+    if saved_mesh is None:
+        return
+    groups, saved = (dict(parse_mesh_spec(spec)).get(GROUP_AXIS, 0) for spec in (mesh, saved_mesh))
+    if groups != saved:
+        held = f"{saved} DiLoCo groups (--mesh {saved_mesh})" if saved else "no DiLoCo groups"
+        wanted = f"{GROUP_AXIS}={saved}, any data size" if saved else f"no {GROUP_AXIS} axis"
+        raise UsageError(
+            f"{directory} holds a run of {held}, and --mesh {mesh} has "
+            f"{groups or 'none'}; resume it on a mesh with {wanted}, or choose another --ckpt-dir"
+        )
 
 
 def _stopped(progress: Progress, started: float) -> FitResult:

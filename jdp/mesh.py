@@ -15,12 +15,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jdp.errors import UsageError
 
 DATA_AXIS = "data"
+# The outer axis of local SGD / DiLoCo: each index a group of data replicas that
+# trains on its own between synchronisations (`jdp.groups`).
+GROUP_AXIS = "group"
 # Batch key that marks real rows (1) and padding (0) in eval batches.
 MASK_KEY = "mask"
-# Axes jdp knows how to use. Parameters are replicated over every axis for now;
-# `model` is accepted so meshes for later tensor-parallel layouts can be written
-# today, and an unknown name is far more often a typo than a wish.
-KNOWN_AXES = (DATA_AXIS, "model")
+# Axes jdp knows how to use. Parameters are replicated over `data` and `model`
+# (`model` is accepted so meshes for later tensor-parallel layouts can be written
+# today), and each `group` holds its own; an unknown name is far more often a typo
+# than a wish.
+KNOWN_AXES = (GROUP_AXIS, DATA_AXIS, "model")
 
 _SPEC_ITEM = re.compile(r"^([A-Za-z_]\w*)=(-?\d+)$")
 _CPU_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -36,7 +40,7 @@ def parse_mesh_spec(spec: str) -> tuple[tuple[str, int], ...]:
         UsageError: the spec is malformed, repeats an axis, names an unknown
             axis, or has a size that is not a positive integer or -1.
     """
-    example = "e.g. data=8, data=-1 or data=4,model=2"
+    example = "e.g. data=8, data=-1, data=4,model=2 or group=2,data=4"
     items = [item.strip() for item in spec.split(",")] if spec.strip() else []
     if not items:
         raise UsageError(f"empty mesh spec; write NAME=SIZE[,NAME=SIZE...], {example}")
@@ -58,6 +62,14 @@ def parse_mesh_spec(spec: str) -> tuple[tuple[str, int], ...]:
                 "integers, or -1 for all remaining devices"
             )
         axes.append((name, size))
+    if any(name == GROUP_AXIS for name, _ in axes[1:]):
+        order = ",".join(
+            f"{name}={size}" for name, size in sorted(axes, key=lambda a: a[0] != GROUP_AXIS)
+        )
+        raise UsageError(
+            f"mesh {spec!r}: {GROUP_AXIS!r} must be the first axis, so that each group's "
+            f"devices are neighbours (one process or host each); write {order}"
+        )
     if sum(size == -1 for _, size in axes) > 1:
         raise UsageError(
             f"more than one axis is -1 in {spec!r}; at most one axis can take the rest"
@@ -76,9 +88,10 @@ def requested_device_count(spec: str) -> int | None:
 def check_spec_fits_batch(spec: str, global_batch: int) -> None:
     """`check_batch_size` from the spec alone, before any device exists (when ``data`` is
     not -1): a mesh too large for the batch is refused before it is made."""
-    data = dict(parse_mesh_spec(spec)).get(DATA_AXIS, 1)
-    if data > 0:
-        _check_batch_split(global_batch, data)
+    axes = dict(parse_mesh_spec(spec))
+    split = math.prod(axes.get(name, 1) for name in (GROUP_AXIS, DATA_AXIS))
+    if split > 0:
+        _check_batch_split(global_batch, split, axes.get(GROUP_AXIS, 1))
 
 
 def simulate_cpu_devices(count: int) -> bool:
@@ -203,37 +216,55 @@ def data_size(mesh: Mesh) -> int:
     return mesh.shape[DATA_AXIS]
 
 
+def group_size(mesh: Mesh) -> int:
+    """Number of DiLoCo groups: the size of the mesh's ``group`` axis, 1 without one."""
+    return mesh.shape.get(GROUP_AXIS, 1)
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes a global batch's rows split over: ``group`` (when the mesh has it), then
+    ``data``. Group ``g`` takes the ``g``-th of ``group_size`` equal blocks of rows."""
+    data_size(mesh)
+    return (GROUP_AXIS, DATA_AXIS) if GROUP_AXIS in mesh.shape else (DATA_AXIS,)
+
+
+def batch_split(mesh: Mesh) -> int:
+    """Into how many slices a global batch splits: groups times data replicas."""
+    return group_size(mesh) * data_size(mesh)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """The sharding of a value every device holds whole (parameters, optimizer state)."""
     return NamedSharding(mesh, PartitionSpec())
 
 
 def batch_sharded(mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
-    """The sharding of a global batch: the rows split over ``data``.
+    """The sharding of a global batch: the rows split over ``data`` (and ``group``).
 
     ``stacked``: several steps' batches stacked on a leading axis, rows second.
     """
-    return NamedSharding(
-        mesh, PartitionSpec(None, DATA_AXIS) if stacked else PartitionSpec(DATA_AXIS)
-    )
+    axes = batch_axes(mesh)
+    rows = axes[0] if len(axes) == 1 else axes
+    return NamedSharding(mesh, PartitionSpec(None, rows) if stacked else PartitionSpec(rows))
 
 
 def check_batch_size(global_batch: int, mesh: Mesh) -> None:
-    """Checks that a global batch splits evenly over the data axis and the processes.
+    """Checks that a global batch splits evenly over the data axis (and the groups).
 
     Raises:
         UsageError: naming the nearest sizes that would work.
     """
-    _check_batch_split(global_batch, data_size(mesh))
+    _check_batch_split(global_batch, batch_split(mesh), group_size(mesh))
 
 
-def _check_batch_split(global_batch: int, replicas: int) -> None:
+def _check_batch_split(global_batch: int, replicas: int, groups: int = 1) -> None:
     if global_batch < 1 or global_batch % replicas:
         lower = max(replicas, global_batch // replicas * replicas)
+        over = f" over {groups} groups" if groups > 1 else ""
         raise UsageError(
             f"global batch {global_batch} is not divisible by the data axis ({replicas} "
-            f"replicas); use a multiple of {replicas}, e.g. --batch-size {lower} "
-            f"or {lower + replicas}"
+            f"replicas{over}); use a multiple of {replicas}, e.g. --batch-size "
+            f"{lower} or {lower + replicas}"
         )
 
 
@@ -263,7 +294,7 @@ def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh, *, stacked: bool = F
         ((64, 3), True)
     """
     sharding = batch_sharded(mesh, stacked=stacked)
-    local_replicas = max(1, data_size(mesh) // jax.process_count())
+    local_replicas = max(1, batch_split(mesh) // jax.process_count())
     leaves = jax.tree.leaves(batch)
     axis = 1 if stacked else 0
     rows = {np.shape(leaf)[axis] if np.ndim(leaf) > axis else None for leaf in leaves}

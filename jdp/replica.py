@@ -258,8 +258,10 @@ def train_step(
     return step
 
 
-def eval_step(metrics_fn: LossFn) -> Callable[[TrainState, Any], Metrics]:
-    """Masked sums of per-example metrics over one replica's slice, summed over replicas.
+def eval_step(metrics_fn: LossFn, axes: tuple[str, ...] = (DATA_AXIS,)
+              ) -> Callable[[TrainState, Any], Metrics]:  # fmt: skip
+    """Masked sums of per-example metrics over one replica's slice, summed over replicas
+    (over ``axes``, the axes the batch is split over).
 
     ``metrics_fn`` has the form `metrics_with_state` gives.
     """
@@ -280,6 +282,6 @@ def eval_step(metrics_fn: LossFn) -> Callable[[TrainState, Any], Metrics]:
                 )
             sums[name] = jnp.sum(values.astype(jnp.float32) * mask)
         sums["count"] = jnp.sum(mask)
-        return lax.psum(sums, DATA_AXIS)
+        return lax.psum(sums, axes)
 
     return step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -28,12 +29,17 @@ def replica_digests(tree: Any) -> dict[int, int]:
     return digests
 
 
-def check_replicas(tree: Any, *, step: int | None = None) -> None:
+def check_replicas(
+    tree: Any, *, step: int | None = None, groups: Mapping[int, int] | None = None
+) -> None:
     """Checks that every device of every process holds the same bytes of ``tree``.
+
+    ``groups`` (device id -> group) compares devices only within their group, for
+    DiLoCo's groups' state, where each group holds its own (`jdp.groups`).
 
     Raises:
         ReplicaMismatchError: naming the devices whose copy differs from the one
-            most devices hold (process 0's, on a tie).
+            most devices (of their group) hold (the first's, on a tie).
     """
     digests = replica_digests(tree)
     local = np.array(sorted(digests.items()), dtype=np.uint32)  # (devices, 2): id, crc
@@ -43,21 +49,26 @@ def check_replicas(tree: Any, *, step: int | None = None) -> None:
         table = np.asarray(multihost_utils.process_allgather(local))  # (processes, devices, 2)
     else:
         table = local[None]
-    counts = collections.Counter(int(digest) for digest in table[..., 1].ravel())
-    most = max(counts.values())
-    first = int(table[0, 0, 1])
-    reference = first if counts[first] == most else counts.most_common(1)[0][0]
-    differ = [
-        (process, int(device))
-        for process in range(table.shape[0])
-        for device, digest in table[process]
-        if digest != reference
-    ]
+    members: dict[int, list[tuple[int, int, int]]] = {}  # group -> (process, device, digest)
+    for process in range(table.shape[0]):
+        for device, digest in table[process]:
+            group = groups.get(int(device), 0) if groups else 0
+            members.setdefault(group, []).append((process, int(device), int(digest)))
+    differ, agree = [], 0
+    for entries in members.values():
+        counts = collections.Counter(digest for _, _, digest in entries)
+        first = entries[0][2]
+        reference = first if counts[first] == max(counts.values()) else counts.most_common(1)[0][0]
+        odd = [(process, device) for process, device, digest in entries if digest != reference]
+        if odd and not differ:
+            agree = counts[reference]
+        differ += odd
     if differ:
         where = ", ".join(f"process {process} device {device}" for process, device in differ)
         at = f" at step {step}" if step is not None else ""
+        of = " of their group" if groups else ""
         raise ReplicaMismatchError(
             f"replicas differ{at}: parameters on {where} are not those the other "
-            f"{counts[reference]} devices hold; stopping, since the run is no longer "
+            f"{agree} devices{of} hold; stopping, since the run is no longer "
             "data-parallel (a non-deterministic op or a faulty device)"
         )

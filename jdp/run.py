@@ -21,11 +21,15 @@ from jdp.data.custom import holdout, load_named
 from jdp.data.pipeline import EvalReader, check_train_batch
 from jdp.data.sources import Split
 from jdp.errors import UsageError
+from jdp.groups import Outer, outer_from_flags
 from jdp.inference import data_facts
 from jdp.mesh import (
+    GROUP_AXIS,
+    batch_split,
     check_batch_size,
     check_spec_fits_batch,
     data_size,
+    group_size,
     make_mesh,
     replicated,
     requested_device_count,
@@ -41,7 +45,7 @@ from jdp.report.run_info import write_run_info
 from jdp.report.throughput import Throughput, peak_flops, step_flops
 from jdp.report.writers import check_writable
 from jdp.state import TrainState, create_train_state
-from jdp.step import CompiledStep, make_eval_step, make_train_step
+from jdp.step import CompiledStep, SyncStep, make_eval_step, make_sync_step, make_train_step
 
 
 def peak_lr(config: TrainConfig) -> float:
@@ -140,6 +144,7 @@ class Run:
     optimizer: optax.GradientTransformation
     validation: Split | None = None
     recorded: dict | None = None
+    sync_step: SyncStep | None = None  # DiLoCo's synchronisation, on a mesh with groups
 
 
 def load_data(config: TrainConfig, given: Data | None = None) -> Data:
@@ -266,9 +271,11 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     if config.init_from:  # before the optimizer's state is made from the parameters
         params, model_state = read_params(config.init_from, like=(params, model_state))
         console.line(f"jdp: parameters and model state from {config.init_from}")
+    outer = _outer(config, mesh)
     state = create_train_state(
-        params, optimizer, mesh, rng=train_rng, model_state=model_state, precision=precision
-    )
+        params, optimizer, mesh, rng=train_rng, model_state=model_state, precision=precision,
+        outer=outer,
+    )  # fmt: skip
     train_step = make_train_step(
         model.loss_fn,
         optimizer,
@@ -282,13 +289,27 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
         skip_nonfinite=config.nan_policy == "skip",
     )
     eval_step = make_eval_step(model.metrics_fn, mesh, backend=config.backend, has_model_state=True)
+    sync_step = make_sync_step(outer, mesh) if outer is not None else None
     num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
     dataset = "your data" if yours.data is not None else config.dataset
     _say_what_was_built(
         config, console, mesh, f"{name} ({num_params:,} params)", dataset, data, yours
     )
     return Run(config, mesh, train, test, model, state, train_step, eval_step, schedule,
-               optimizer, validation, recorded_config(config, yours, train))  # fmt: skip
+               optimizer, validation, recorded_config(config, yours, train),
+               sync_step)  # fmt: skip
+
+
+def _outer(config: TrainConfig, mesh: Mesh) -> Outer | None:
+    """DiLoCo's outer loop from the flags, when the mesh has groups."""
+    if GROUP_AXIS not in mesh.shape:
+        return None
+    return outer_from_flags(
+        config.outer_optimizer,
+        sync_every=config.resolved_sync_every,
+        lr=config.outer_lr,
+        momentum=config.outer_momentum,
+    )
 
 
 def _mesh(config: TrainConfig, console: Console, error: str | None = None) -> Mesh:
@@ -307,7 +328,7 @@ def _mesh(config: TrainConfig, console: Console, error: str | None = None) -> Me
     setup_devices(config.mesh, processes=cluster.num_processes)
     mesh = make_mesh(config.mesh)
     check_batch_size(config.batch_size, mesh)
-    replicas = data_size(mesh)
+    replicas = batch_split(mesh)
     check_accumulate(config.batch_size // replicas, config.accumulate, replicas)
     devices = mesh.devices.size
     if cluster.num_processes > 1:
@@ -346,9 +367,18 @@ def config_optimizer(config: TrainConfig) -> tuple[optax.Schedule, optax.Gradien
     return schedule, optimizer
 
 
+def _groups_by_process(mesh: Mesh) -> str:
+    """``group 0: process 0; group 1: process 1``: where each group's devices are."""
+    per_group = [sorted({d.process_index for d in row.flat}) for row in mesh.devices]
+    return "; ".join(
+        f"group {g}: process {', '.join(map(str, processes))}"
+        for g, processes in enumerate(per_group)
+    )
+
+
 def _say_what_was_built(config: TrainConfig, console: Console, mesh: Mesh, model: str,
                         dataset: str, data: Data, yours: Yours) -> None:  # fmt: skip
-    per_replica = config.batch_size // data_size(mesh)
+    per_replica = config.batch_size // batch_split(mesh)
     sizes = " / ".join(
         f"{len(split)} {name}"
         for name, split in (
@@ -366,6 +396,17 @@ def _say_what_was_built(config: TrainConfig, console: Console, mesh: Mesh, model
         + (f", {config.accumulate} micro-batches" if config.accumulate > 1 else "")
         + f"), {config.steps} steps"
     )
+    if GROUP_AXIS in mesh.shape:
+        groups = group_size(mesh)
+        console.line(
+            f"jdp: DiLoCo: {groups} groups of {data_size(mesh)} replicas, each on 1/{groups} of "
+            f"every global batch; every {config.resolved_sync_every} steps the groups average "
+            f"their parameters and {config.outer_optimizer} (lr {config.outer_lr:g}, momentum "
+            f"{config.outer_momentum:g}) applies the change; evaluation and checkpoints' "
+            "params are the synchronised parameters"
+        )
+        if jax.process_count() > 1:
+            console.line(f"jdp: DiLoCo groups by process: {_groups_by_process(mesh)}")
     if yours.optimizer is not None:
         lr = (
             "lr as your lr_schedule gives it"

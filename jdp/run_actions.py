@@ -237,12 +237,31 @@ class GuardFinite(PeriodicAction):
         self._finite_at = step
 
 
+class Synchronize(PeriodicAction):
+    """DiLoCo's synchronisation of the groups, every ``sync_every`` steps and at the end
+    (before evaluation and checkpointing, which then see the synchronised state)."""
+
+    def __init__(self, sync_step):
+        super().__init__(sync_step.every, at_end=True)
+        self.sync_step = sync_step
+
+    def run(self, progress: Progress) -> None:
+        progress.state = self.sync_step(progress.state)
+
+
 class CheckReplicas(PeriodicAction):
-    """Raises `jdp.distributed.ReplicaMismatchError` when devices hold different parameters."""
+    """Raises `jdp.distributed.ReplicaMismatchError` when devices hold different parameters
+    (with DiLoCo groups: the synchronised ones, and each group's among its devices)."""
 
     def run(self, progress: Progress) -> None:
         state = progress.state
         check_replicas((state.params, state.model_state), step=progress.step)
+        if state.groups is not None:  # each group's replicas, among themselves
+            leaf = jax.tree.leaves(state.groups.params)[0]
+            mesh = leaf.sharding.mesh
+            group_of = {device.id: g for g, row in enumerate(mesh.devices) for device in row.flat}
+            trained = (state.groups.params, state.groups.model_state)
+            check_replicas(trained, step=progress.step, groups=group_of)
 
 
 class StopOnPreemption:

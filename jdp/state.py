@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jdp.mesh import replicated
+from jdp.errors import UsageError
+from jdp.mesh import GROUP_AXIS, group_size, replicated
 from jdp.precision import LossScale, Precision
+
+if TYPE_CHECKING:
+    from jdp.groups import Outer
+
+
+@flax.struct.dataclass
+class GroupState:
+    """What each DiLoCo group trains between synchronisations (`jdp.groups`); every
+    leaf ``(groups, ...)``, sharded over the mesh's ``group`` axis.
+
+    Attributes:
+        params: each group's parameters.
+        opt_state: each group's inner optimizer state (kept across synchronisations).
+        model_state: each group's model state (BatchNorm statistics), averaged at
+            synchronisation.
+        loss_scale: each group's loss scale (fp16) and skipped-step count.
+    """
+
+    params: Any
+    opt_state: Any
+    model_state: Any
+    loss_scale: LossScale
 
 
 @flax.struct.dataclass
@@ -29,6 +52,10 @@ class TrainState:
         rng: the base PRNG key as raw key data (``jax.random.key_data``); the step
             derives a fresh key per step and replica from it. `key` is the typed key.
         loss_scale: dynamic loss-scale state (scale 1 unless fp16 loss scaling is on).
+        groups: with DiLoCo groups (a mesh with a ``group`` axis), what each group
+            trains between synchronisations (`GroupState`); ``params``,
+            ``opt_state`` and ``model_state`` are then the synchronised parameters,
+            the outer optimizer's state and the averaged model state. None otherwise.
         rng_impl: the name of ``rng``'s PRNG implementation (static, not an array).
 
     The key is held as raw data because a typed key array costs the host a
@@ -44,6 +71,7 @@ class TrainState:
     model_state: Any
     rng: jax.Array
     loss_scale: LossScale
+    groups: GroupState | None = None
     rng_impl: str = flax.struct.field(pytree_node=False, default="threefry2x32")
 
     @property
@@ -60,6 +88,7 @@ def create_train_state(
     rng: jax.Array | None = None,
     model_state: Any = None,
     precision: Precision | None = None,
+    outer: Outer | None = None,
 ) -> TrainState:
     """Creates a `TrainState` replicated on every device of ``mesh``.
 
@@ -76,9 +105,17 @@ def create_train_state(
         model_state: non-trained variables such as BatchNorm statistics.
         precision: the step's `Precision`; with fp16 loss scaling the state starts
             at its initial scale.
+        outer: DiLoCo's outer loop (`jdp.diloco`), needed and only allowed on a
+            mesh with a ``group`` axis: ``optimizer`` is then the inner one, each
+            group's state starts from ``params``, and ``opt_state`` is the outer
+            optimizer's.
 
     Returns:
-        A `TrainState` at step 0, every leaf replicated on ``mesh``.
+        A `TrainState` at step 0, every leaf replicated on ``mesh`` (but the groups'
+        state, split over ``group``).
+
+    Raises:
+        UsageError: a ``group`` axis without ``outer``, or ``outer`` without one.
 
     Examples:
         >>> mesh = jdp.make_mesh("data=8")
@@ -106,4 +143,33 @@ def create_train_state(
             rng_impl=rng_impl,
         )
 
-    return jax.jit(build, out_shardings=sharding)(params, model_state, rng)
+    has_groups = GROUP_AXIS in mesh.shape
+    if has_groups != (outer is not None):
+        raise UsageError(
+            "a mesh with a 'group' axis trains DiLoCo groups: pass outer=jdp.diloco(...)"
+            if has_groups
+            else "outer= (DiLoCo) needs a mesh with a 'group' axis, e.g. group=2,data=4"
+        )
+    if outer is None:
+        return jax.jit(build, out_shardings=sharding)(params, model_state, rng)
+    groups = group_size(mesh)
+
+    def build_groups(params, model_state, rng):
+        state = build(params, model_state, rng)
+        each = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (groups, *x.shape)), tree)  # noqa: E731
+        return state.replace(
+            opt_state=outer.optimizer.init(state.params),
+            groups=GroupState(
+                params=each(state.params),
+                opt_state=each(state.opt_state),
+                model_state=each(state.model_state),
+                loss_scale=each(state.loss_scale),
+            ),
+        )
+
+    shardings = TrainState(
+        step=sharding, params=sharding, opt_state=sharding, model_state=sharding, rng=sharding,
+        loss_scale=sharding, groups=NamedSharding(mesh, PartitionSpec(GROUP_AXIS)),
+        rng_impl=rng_impl,
+    )  # fmt: skip
+    return jax.jit(build_groups, out_shardings=shardings)(params, model_state, rng)

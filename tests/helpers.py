@@ -63,3 +63,22 @@ def regression_loss(params, batch, rng):
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
     """Element-wise: for a few steps of optimizers linear in the gradient (closeness.py)."""
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def saved_arrays(ckpt_dir, step) -> dict:
+    """The arrays of one checkpoint, read back as numpy, by leaf path."""
+    import orbax.checkpoint as ocp
+
+    restored = ocp.StandardCheckpointer().restore(os.path.join(ckpt_dir, str(step), "state"))
+    return {
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]
+    }
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    """Two `saved_arrays` results hold the same leaves with the same bytes."""
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)

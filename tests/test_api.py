@@ -10,20 +10,24 @@ def test_public_names_are_pinned():
         "Console",
         "EarlyStopping",
         "FitResult",
+        "GroupState",
         "LoadedModel",
         "Loader",
         "LossScale",
         "NonFiniteError",
+        "Outer",
         "PeriodicAction",
         "Precision",
         "Progress",
         "Split",
+        "SyncStep",
         "TrainConfig",
         "TrainState",
         "UsageError",
         "actions",
         "create_train_state",
         "data",
+        "diloco",
         "distributed",
         "eval_batches",
         "evaluate",
@@ -36,6 +40,7 @@ def test_public_names_are_pinned():
         "make_optimizer",
         "make_precision",
         "make_schedule",
+        "make_sync_step",
         "make_train_step",
         "models",
         "predict",
@@ -78,7 +83,7 @@ def test_the_config_choices_are_the_registries():
     must be what the module that owns the name accepts."""
     import typing
 
-    from jdp import config, optim, precision, step
+    from jdp import config, groups, optim, precision, step
     from jdp.data import custom, sources
     from jdp.models.registry import MODELS, SIZES
 
@@ -95,6 +100,7 @@ def test_the_config_choices_are_the_registries():
     assert choices(config.LrScaling) == set(optim.LR_SCALING)
     assert choices(config.PrecisionName) == set(precision.PRECISIONS)
     assert choices(config.ReduceDtype) <= set(precision.PRECISIONS)
+    assert choices(config.OuterOptimizerName) == set(groups.OUTER_OPTIMIZERS)
 
 
 def test_the_config_imports_nothing_above_it():

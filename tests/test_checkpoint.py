@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from closeness import assert_drift_within
-from helpers import subprocess_env
+from helpers import assert_bitwise_equal, saved_arrays, subprocess_env
 
 import jdp
 from jdp.checkpoint import Checkpointer, load_params
@@ -45,22 +44,6 @@ def _start(ckpt_dir):
     )
 
 
-def _saved(ckpt_dir, step):
-    """The arrays of one checkpoint, read back as numpy, by leaf path."""
-    restored = ocp.StandardCheckpointer().restore(os.path.join(ckpt_dir, str(step), "state"))
-    return {
-        jax.tree_util.keystr(path): np.asarray(leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]
-    }
-
-
-def _assert_bitwise_equal(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        assert a[name].dtype == b[name].dtype, name
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-
-
 def _wait_for(condition, process, timeout=120.0):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -79,7 +62,7 @@ def reference(tmp_path_factory):
     directory = tmp_path_factory.mktemp("uninterrupted")
     result = _run(directory)
     assert result.returncode == 0, result.stderr
-    return directory, _saved(directory, 60)
+    return directory, saved_arrays(directory, 60)
 
 
 @pytest.mark.parametrize("when", ["during an async save", "at a random step"])
@@ -98,7 +81,7 @@ def test_sigkill_then_resume_is_bitwise_identical(reference, tmp_path, when):
     resumed = _run(tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert re.search(r"^jdp: resuming from step \d+ in ", resumed.stdout, re.M)
-    _assert_bitwise_equal(_saved(tmp_path, 60), reference[1])
+    assert_bitwise_equal(saved_arrays(tmp_path, 60), reference[1])
 
 
 def test_sigterm_saves_exits_0_and_resumes_to_the_same_params(reference, tmp_path):
@@ -118,7 +101,7 @@ def test_sigterm_saves_exits_0_and_resumes_to_the_same_params(reference, tmp_pat
     resumed = _run(tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert f"jdp: resuming from step {step} in " in resumed.stdout
-    _assert_bitwise_equal(_saved(tmp_path, 60), reference[1])
+    assert_bitwise_equal(saved_arrays(tmp_path, 60), reference[1])
 
 
 def test_damaged_and_partial_saves_are_skipped(reference, tmp_path):
@@ -140,7 +123,7 @@ def test_damaged_and_partial_saves_are_skipped(reference, tmp_path):
     assert "jdp: warning: checkpoint step 60 is damaged" in result.stderr
     assert "jdp: resuming from step 50 in " in result.stdout
     assert any(name.startswith("damaged-60-") for name in os.listdir(directory))
-    _assert_bitwise_equal(_saved(directory, 60), reference[1])
+    assert_bitwise_equal(saved_arrays(directory, 60), reference[1])
 
 
 @pytest.mark.parametrize(

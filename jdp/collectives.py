@@ -1,0 +1,93 @@
+"""What a compiled program communicates, read from its HLO: each collective's bytes and
+which mesh axes its device groups cross.
+
+Read after XLA's SPMD partitioning (``lowered.compile().as_text()``), where every
+collective names its device groups explicitly. A device id there is the
+device's position in the mesh (``mesh.devices.flat``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+from jax.sharding import Mesh
+
+_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_LINE = re.compile(
+    r"=\s*(?P<shape>\(.*?\)|[\w]+\[[\d,]*\](?:\{[\d,]*\})?)\s+"
+    r"(?P<op>" + "|".join(_OPS) + r")(?:-start)?\("
+)
+_ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective op: its kind, the bytes of its result on one device, and its
+    device groups (positions in the mesh)."""
+
+    op: str
+    nbytes: int
+    groups: tuple[tuple[int, ...], ...]
+
+    def crosses(self, mesh: Mesh, axis: str) -> bool:
+        """Whether some device group holds devices at different indices of ``axis``."""
+        position = list(mesh.axis_names).index(axis)
+        for group in self.groups:
+            coords = {np.unravel_index(device, mesh.devices.shape)[position] for device in group}
+            if len(coords) > 1:
+                return True
+        return False
+
+
+def _bytes(shape: str) -> int:
+    total = 0
+    for array in _ARRAY.finditer(shape):
+        dims = [int(d) for d in array.group("dims").split(",") if d]
+        bits = int(re.search(r"\d+", array.group("dtype")).group())
+        total += math.prod(dims) * max(1, bits // 8)
+    return total
+
+
+def _groups(line: str, devices: int) -> tuple[tuple[int, ...], ...]:
+    """The device groups of one op: ``{{0,1},{2,3}}``, the iota form ``[2,4]<=[8]`` (with
+    an optional transpose ``[4,2]<=[2,4]T(1,0)``), or a permute's pairs."""
+    explicit = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
+    if explicit:
+        return tuple(
+            tuple(int(d) for d in group.split(",") if d)
+            for group in re.findall(r"\{([\d,]*)\}", explicit.group(1))
+        )
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if iota:
+        shape = [int(d) for d in iota.group(1).split(",")]
+        ids = np.arange(math.prod(int(d) for d in iota.group(2).split(",")))
+        ids = ids.reshape([int(d) for d in iota.group(2).split(",")])
+        if iota.group(3):
+            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+        return tuple(tuple(int(d) for d in row) for row in ids.reshape(shape))
+    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    if pairs:
+        return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
+    return (tuple(range(devices)),)  # no groups given: all devices
+
+
+def collectives(hlo_text: str, devices: int) -> list[Collective]:
+    """Every collective of a compiled program's HLO text, over ``devices`` devices."""
+    found = []
+    for line in hlo_text.splitlines():
+        match = _LINE.search(line)
+        if match:
+            found.append(
+                Collective(match.group("op"), _bytes(match.group("shape")), _groups(line, devices))
+            )
+    return found
+
+
+def bytes_across(hlo_text: str, mesh: Mesh, axis: str) -> int:
+    """Bytes per device of the collectives whose device groups cross ``axis``."""
+    return sum(
+        op.nbytes for op in collectives(hlo_text, mesh.devices.size) if op.crosses(mesh, axis)
+    )
