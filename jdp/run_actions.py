@@ -16,6 +16,7 @@ from jdp.checkpoint import Checkpointer
 from jdp.data.pipeline import eval_batches
 from jdp.data.sources import Split
 from jdp.errors import NonFiniteError
+from jdp.precision import all_finite
 from jdp.preemption import Preemption
 from jdp.replica_check import check_replicas
 from jdp.report.console import Console
@@ -151,10 +152,15 @@ class Checkpoint(PeriodicAction):
         self.skipping = skipping  # updates with a non-finite gradient are skipped: all finite
 
     def run(self, progress: Progress) -> None:
-        if not self.skipping and not _finite(progress.call_metrics):
+        if not _groups_finite(progress.state):
+            why = "a DiLoCo group's parameters are not finite"
+        elif not self.skipping and not _finite(progress.call_metrics):
+            why = "its loss or gradient is not finite, so its parameters may not be"
+        else:
+            why = None
+        if why:
             checkpoint.warn(
-                f"not saving step {progress.step}: its loss or gradient is not finite, so "
-                "its parameters may not be; the checkpoints already saved are kept"
+                f"not saving step {progress.step}: {why}; the checkpoints already saved are kept"
             )
             return
         self.checkpointer.save(
@@ -170,6 +176,19 @@ class Checkpoint(PeriodicAction):
             self._ran_at = progress.step
             self.run(progress)
         self.checkpointer.wait()
+
+
+_all_finite = jax.jit(all_finite)
+
+
+def _groups_finite(state: Any) -> bool:
+    """Whether every DiLoCo group's parameters are finite (true without groups). The
+    train metrics are one group's: another's NaN shows in them only after the next
+    synchronisation, so a save looks at the parameters (a scalar across groups, at
+    saves only). Every process calls it at the same steps."""
+    if getattr(state, "groups", None) is None:
+        return True
+    return bool(_all_finite(state.groups.params))
 
 
 def _finite(call_metrics: Mapping[str, Any] | None) -> bool:

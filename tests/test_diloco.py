@@ -374,3 +374,33 @@ def test_the_replica_check_compares_each_groups_devices_among_themselves(devices
     with pytest.raises(ReplicaMismatchError, match="on process 0 device 5 are not those the "
                        "other 3 devices of their group hold"):  # fmt: skip
         check.run(Progress(step=3, steps=3, state=broken))
+
+
+def test_a_group_gone_non_finite_is_never_saved(devices, tmp_path, capfd):
+    """The metrics are group 0's; a save checks every group's parameters."""
+    from types import SimpleNamespace
+
+    from jdp.actions import Progress
+    from jdp.checkpoint import Checkpointer
+    from jdp.run_actions import Checkpoint
+
+    state = _train("group=2,data=4", jdp.diloco(sync_every=4), _batches(2), optax.adam(1e-2))
+    leaf = state.groups.params["b1"]
+    poisoned = jax.device_put(np.asarray(leaf) * np.array([1.0, np.nan], np.float32)[:, None],
+                              leaf.sharding)  # fmt: skip
+    broken = state.replace(groups=state.groups.replace(params={**state.groups.params,
+                                                               "b1": poisoned}))  # fmt: skip
+    metrics = {"loss": jnp.float32(0.5), "grad_norm": jnp.float32(1.0)}  # group 0: finite
+    with Checkpointer(str(tmp_path)) as checkpointer:
+        save = Checkpoint(checkpointer, SimpleNamespace(position=2), every=1, config={},
+                          skipping=False)  # fmt: skip
+        progress = Progress(step=2, steps=2, state=broken)
+        progress.after_call(2, 1, broken, metrics)
+        save.run(progress)
+        checkpointer.wait()
+        assert checkpointer.steps() == []
+        progress.after_call(2, 1, state, metrics)
+        save.run(progress)
+        checkpointer.wait()
+        assert checkpointer.steps() == [2]
+    assert "not saving step 2: a DiLoCo group's parameters are not finite" in capfd.readouterr().err
