@@ -295,7 +295,7 @@ class TrainConfig:
             defaults = {f.name: f.default for f in dataclasses.fields(self)}
             given = [
                 f"--{name.replace('_', '-')}"
-                for name in ("sync_every", "outer_optimizer", "outer_lr", "outer_momentum")
+                for name in DILOCO_FIELDS
                 if getattr(self, name) != defaults[name]
             ]
             if given:
@@ -373,6 +373,10 @@ TOPOLOGY_FIELDS = frozenset(
     | {"early_stop_patience", "early_stop_metric", "max_skipped_fraction"}
     | {"steps", "epochs", "init_from", "eval_only"}  # steps: see jdp.loop's resume
 )
+
+
+# DiLoCo's flags, which only a mesh with a group axis takes.
+DILOCO_FIELDS = ("sync_every", "outer_optimizer", "outer_lr", "outer_momentum")
 
 
 # What may differ between the processes of one run: who each is, where it finds

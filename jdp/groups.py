@@ -11,11 +11,13 @@ optimizer applies it (Douillard et al. 2023, "DiLoCo": Nesterov momentum, lr 0.7
 momentum 0.9). Outer SGD with lr 1 and no momentum is local SGD: the groups'
 plain average.
 
-In the `TrainState`, ``params``, ``opt_state`` and ``model_state`` are the
-synchronised ones (the outer optimizer's state, the parameters as of the last
-synchronisation): evaluation, inference and ``read_params`` use them. ``groups``
-holds what each group trains between synchronisations (`GroupState`), every leaf
-with a leading axis of one entry per group, sharded over ``group``.
+In the `TrainState`, ``params`` are the parameters as of the last
+synchronisation, ``opt_state`` the outer optimizer's state and ``model_state``
+the groups' averaged model state: evaluation, inference and ``load_params`` use
+them. ``groups`` holds what each group trains between synchronisations
+(`GroupState`), every leaf with a leading axis of one entry per group, sharded
+over ``group``. Group ``g`` trains on the ``g``-th block of rows of every global
+batch, so the data order stays a function of ``(seed, step)``.
 
 This module holds the per-device maths; `jdp.step` compiles it.
 """

@@ -13,7 +13,7 @@ import optax
 
 from jdp.actions import Action, EarlyStopping, Progress
 from jdp.checkpoint import Checkpointer, read_params, read_record, step_directory
-from jdp.config import TOPOLOGY_FIELDS, TrainConfig
+from jdp.config import DILOCO_FIELDS, TOPOLOGY_FIELDS, TrainConfig
 from jdp.data.pipeline import train_batches
 from jdp.data.sources import Split
 from jdp.errors import UsageError
@@ -419,6 +419,8 @@ def _evaluate_only(config: TrainConfig, console: Console, yours: Yours, started:
     record = read_record(step_dir)
     saved = record.get("config", {})
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
+    if GROUP_AXIS not in dict(parse_mesh_spec(config.mesh)):
+        fields -= set(DILOCO_FIELDS)  # a DiLoCo run's parameters evaluate on any mesh
     made_with = {
         name: value
         for name, value in saved.items()
