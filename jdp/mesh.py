@@ -209,9 +209,14 @@ def _cpu_hint(devices: Sequence[jax.Device], needed: int) -> str:
 def data_size(mesh: Mesh) -> int:
     """Size of the mesh's ``data`` axis (the number of data-parallel replicas)."""
     if DATA_AXIS not in mesh.shape:
+        example = (
+            f"{GROUP_AXIS}={mesh.shape[GROUP_AXIS]},data=1"
+            if GROUP_AXIS in mesh.shape
+            else "data=8"
+        )
         raise UsageError(
             f"mesh {dict(mesh.shape)} has no {DATA_AXIS!r} axis; data parallelism "
-            f"shards the batch over it, e.g. jdp.make_mesh('data=8')"
+            f"shards the batch over it, e.g. jdp.make_mesh('{example}')"
         )
     return mesh.shape[DATA_AXIS]
 

@@ -129,3 +129,27 @@ def test_dispatch_benchmark_reports_steps_per_call_and_collectives():
     )
     assert abs(float(volume["fp32"]) - 1.0) <= 0.01, result.stdout
     assert abs(float(volume["bf16"]) - 0.5) <= 0.01, result.stdout
+
+
+def test_diloco_benchmark_reports_metric_bytes_and_speed_per_arm():
+    result = _bench("diloco", "--workloads mlp --steps 20 --sync-every 1,10")
+    assert result.returncode == 0, result.stderr
+    rows = re.findall(
+        r"^  mlp on digits +(sync|DiLoCo H=\d+) +([\d.]+) +([\d,]+) +([\d.]+) +([\d,]+) +"
+        r"([\d.]+)$",
+        result.stdout,
+        re.M,
+    )
+    assert [row[0] for row in rows] == ["sync", "DiLoCo H=1", "DiLoCo H=10"], result.stdout
+    crossing = {arm: int(nbytes.replace(",", "")) for arm, _, nbytes, *_ in rows}
+    # H=1 all-reduces the parameters across the groups every step, as sync does its
+    # gradients (plus its few metric scalars); H=10 a tenth of that.
+    assert 0.99 < crossing["DiLoCo H=1"] / crossing["sync"] <= 1.0
+    assert abs(crossing["DiLoCo H=10"] * 10 - crossing["DiLoCo H=1"]) < 10  # whole bytes shown
+    assert all(0.0 <= float(row[1]) <= 1.0 and int(row[4].replace(",", "")) > 0 for row in rows)
+
+
+def test_diloco_benchmark_refuses_an_unknown_workload():
+    result = _bench("diloco", "--workloads resnet", timeout=120)
+    assert result.returncode == 2
+    assert "unknown workload resnet; choose from: mlp, gpt" in result.stderr

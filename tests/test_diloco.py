@@ -260,6 +260,11 @@ def test_api_refusals_are_one_line(devices):
     [
         (["--sync-every", "10"], "--sync-every set DiLoCo's groups, and --mesh data=8 has none"),
         (["--mesh", "data=4,group=2"], "'group' must be the first axis"),
+        (
+            ["--mesh", "group=2"],
+            "no 'data' axis; data parallelism shards the batch over it, "
+            "e.g. jdp.make_mesh('group=2,data=1')",
+        ),
         (["--mesh", "group=2,data=4", "--backend", "pmap"], "run with --backend jit"),
         (
             [

@@ -52,8 +52,8 @@ def test_every_block_runs_or_says_why_not():
     left_out = {(doc, index): why for doc, index, script, why in BLOCKS if script is None}
     assert left_out == {
         ("README.md", 1): "nothing runnable here",  # pip install '.[test]' && python -m pytest
-        ("docs/multihost.md", 1): "a recipe for a cluster",  # Slurm
-        ("docs/multihost.md", 2): "a recipe for a cluster",  # Cloud TPU
+        ("docs/multihost.md", 2): "a recipe for a cluster",  # Slurm
+        ("docs/multihost.md", 3): "a recipe for a cluster",  # Cloud TPU
     }
 
 

@@ -33,6 +33,7 @@ MIRRORS = {
     "linen_model.py": "strategy.scope()",
     "nnx_model.py": "replicated by the strategy",
     "your_data.py": "from_tensor_slices",
+    "diloco.py": "ParameterServerStrategy",
 }
 
 

@@ -45,4 +45,4 @@ def test_the_table_is_read_rewritten_and_checked():
 def test_the_readme_figures_are_what_their_commands_print():
     result = run_python("-m", "jdp.bench", "readme", "--check", timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
-    assert "18 of 18 rows hold" in result.stdout, result.stdout
+    assert "20 of 20 rows hold" in result.stdout, result.stdout

@@ -23,6 +23,10 @@ TensorBoard) against no logging, in interleaved rounds.
 global batch in 1 process x 1 device and in 2 processes x 1 device (started by
 ``jdp.launch``), with the gradient all-reduce alone timed three ways.
 
+``diloco``: synchronous data parallelism against DiLoCo (H = 1, 10, 50) on the
+same workloads: final test metric, bytes crossing between the groups per step
+(from the compiled programs), examples/s; in 1 process or 2 (gloo).
+
 ``faults``: random kill -9 trials (each resumed and compared bitwise with an
 uninterrupted run) and random bit flips in a checkpoint (each detected,
 unaffected, or restored silently).
@@ -36,6 +40,7 @@ from collections.abc import Sequence
 
 from jdp.bench import (
     checkpoint,
+    diloco,
     dispatch,
     faults,
     inputs,
@@ -57,6 +62,7 @@ BENCHMARKS = {
     "scaling": (scaling, "examples/s against 1, 2, 4, 8 devices, PNG"),
     "logging": (logs, "step loop with metrics every step vs none"),
     "multihost": (multihost, "each model in 1 process x 1 device vs 2 processes x 1 device"),
+    "diloco": (diloco, "sync data parallelism vs DiLoCo: metric, bytes across groups, speed"),
     "faults": (faults, "random kill -9 trials and checkpoint bit flips: resumes, detections"),
     "readme": (readme, "run README.md's figures table's commands; rewrite or check its rows"),
 }
