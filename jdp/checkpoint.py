@@ -45,6 +45,22 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def _on_disk(state: Any) -> Any:
+    """A state as it is saved: its array fields by name, and ``groups`` only when it has
+    DiLoCo groups; so a checkpoint of a run without groups is what jdp wrote before
+    ``TrainState`` had the field, and those restore as they always did."""
+    if not dataclasses.is_dataclass(state):
+        return state
+    fields = {
+        field.name: getattr(state, field.name)
+        for field in dataclasses.fields(state)
+        if field.metadata.get("pytree_node", True)
+    }
+    if fields.get("groups", ...) is None:
+        del fields["groups"]
+    return fields
+
+
 def _leaf_names(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """``"params/Dense_0/kernel" -> (shape, dtype)`` for every array leaf."""
     return {
@@ -386,7 +402,9 @@ class Checkpointer:
         try:
             return self._manager.save(
                 step,
-                args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=_RecordSave(record)),
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeSave(_on_disk(state)), meta=_RecordSave(record)
+                ),
                 metrics=dict(metrics) if metrics else None,
                 force=True,
             )
@@ -440,7 +458,7 @@ class Checkpointer:
         Raises:
             UsageError: the checkpoint holds a different model or optimizer.
         """
-        target = _abstract(like)
+        target = _on_disk(_abstract(like))
         expected = _leaf_names(target)
         for step in reversed(self.steps()):
             try:
@@ -474,7 +492,7 @@ class Checkpointer:
             if problem is not None:
                 self._set_aside(step, problem or "another process could not read it")
                 continue
-            return restored, meta
+            return (like.replace(**restored) if dataclasses.is_dataclass(like) else restored), meta
         return None
 
     def _read_record(self, step: int) -> tuple[dict, dict]:

@@ -250,3 +250,37 @@ def test_async_save_keeps_the_state_it_was_given(tmp_path, mesh8):
         restored, _ = checkpoints.restore(like)
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_checkpoint_from_before_diloco_groups_resumes(tmp_path, mesh8, monkeypatch):
+    """Before DiLoCo, jdp saved `TrainState` without its ``groups`` field, as the
+    dataclass itself; such a checkpoint resumes, never set aside as damaged."""
+    import flax.struct
+
+    from jdp import checkpoint
+
+    @flax.struct.dataclass
+    class Before:  # TrainState's fields then
+        step: jax.Array
+        params: object
+        opt_state: object
+        model_state: object
+        rng: jax.Array
+        loss_scale: jdp.LossScale
+        rng_impl: str = flax.struct.field(pytree_node=False, default="threefry2x32")
+
+    state = jdp.create_train_state({"w": jnp.arange(3.0)}, optax.adam(0.1), mesh8)
+    fields = ("step", "params", "opt_state", "model_state", "rng", "loss_scale")
+    before = Before(**{name: getattr(state, name) for name in fields})
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "_on_disk", lambda state: state)  # how it was written
+        with Checkpointer(str(tmp_path)) as checkpointer:
+            checkpointer.save(before, loader_step=0)
+            checkpointer.wait()
+    with Checkpointer(str(tmp_path)) as checkpointer:
+        restored = checkpointer.restore(state)
+    assert restored is not None and not any(
+        p.name.startswith("damaged") for p in tmp_path.iterdir()
+    )
+    assert restored[0].groups is None
+    np.testing.assert_array_equal(np.asarray(restored[0].params["w"]), np.arange(3.0))
