@@ -78,6 +78,9 @@ def main() -> None:
         if step % 100 == 0:
             print(f"step {step}: loss={float(metrics['loss']):.4f} (group 0's share)")
 
+    if steps % sync.every:  # the steps since the last synchronisation count too
+        state = sync(state)
+
     # Exact eval: pad the last batch and mark real rows with mask=1.
     def test_batches():
         for start in range(0, len(x_test), batch_size):

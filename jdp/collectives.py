@@ -3,7 +3,11 @@ which mesh axes its device groups cross.
 
 Read after XLA's SPMD partitioning (``lowered.compile().as_text()``), where every
 collective names its device groups explicitly. A device id there is the
-device's position in the mesh (``mesh.devices.flat``).
+device's position in the mesh (``mesh.devices.flat``). What is counted is each
+op's result shape as written, once: a collective inside a loop body (a scanned
+step) counts once per program, not once per iteration, and an asynchronous
+``*-start`` op whose result is an (operand, result) tuple counts both (XLA:CPU,
+which jdp's figures come from, emits synchronous collectives).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ def _bytes(shape: str) -> int:
     total = 0
     for array in _ARRAY.finditer(shape):
         dims = [int(d) for d in array.group("dims").split(",") if d]
-        bits = int(re.search(r"\d+", array.group("dtype")).group())
+        digits = re.search(r"\d+", array.group("dtype"))  # pred (a byte each) has none
+        bits = int(digits.group()) if digits else 8
         total += math.prod(dims) * max(1, bits // 8)
     return total
 

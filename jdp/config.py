@@ -107,10 +107,11 @@ class TrainConfig:
     )
     outer_optimizer: OuterOptimizerName = _flag(
         "nesterov",
-        "DiLoCo's outer optimizer: nesterov (momentum) or sgd (local SGD with lr 1, momentum 0)",
+        "DiLoCo's outer optimizer: nesterov (Nesterov momentum) or sgd (heavy-ball momentum; "
+        "local SGD is sgd with --outer-lr 1 --outer-momentum 0)",
     )
     outer_lr: float = _flag(0.7, "DiLoCo's outer learning rate")
-    outer_momentum: float = _flag(0.9, "DiLoCo's outer momentum (sgd: 0 for none)")
+    outer_momentum: float = _flag(0.9, "DiLoCo's outer momentum (0: none)")
     nan_policy: NanPolicy = _flag(
         "stop",
         "a non-finite loss or gradient: stop (the run, exit 1), skip (that update, as fp16 "
@@ -307,6 +308,12 @@ class TrainConfig:
         if self.backend == "pmap":
             raise UsageError(
                 "DiLoCo groups (a group axis) run with --backend jit; pmap maps over one axis"
+            )
+        if self.eval_every % self.resolved_sync_every:
+            raise UsageError(
+                f"--eval-every {self.eval_every} is not a multiple of --sync-every "
+                f"{self.resolved_sync_every}: evaluation uses the synchronised parameters, which "
+                "change only when the groups synchronise"
             )
         if self.resolved_sync_every % self.steps_per_call:
             raise UsageError(

@@ -25,7 +25,7 @@ from jdp.checkpoint import read_params, read_record, step_directory
 from jdp.data.custom import from_arrays
 from jdp.data.pipeline import eval_batches
 from jdp.errors import UsageError
-from jdp.mesh import DATA_AXIS, MASK_KEY, data_size, make_mesh, replicated
+from jdp.mesh import MASK_KEY, batch_sharded, batch_split, make_mesh, replicated
 from jdp.models import Model, get_model
 
 
@@ -147,10 +147,11 @@ def predict(
     if isinstance(data, Mapping):
         data = from_arrays(dict(data), label_key=None)
     mesh = mesh or make_mesh("data=-1")
-    if batch_size % data_size(mesh):
+    split = batch_split(mesh)  # data replicas, times DiLoCo groups
+    if batch_size % split:
         raise UsageError(
-            f"predict's batch_size {batch_size} does not split over {data_size(mesh)} devices; "
-            f"use a multiple of {data_size(mesh)}"
+            f"predict's batch_size {batch_size} does not split over {split} devices; "
+            f"use a multiple of {split}"
         )
     if isinstance(model, Model):
         apply = model.apply
@@ -170,8 +171,8 @@ def predict(
         jax.shard_map(
             per_replica,
             mesh=mesh,
-            in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(DATA_AXIS)),
-            out_specs=PartitionSpec(DATA_AXIS),
+            in_specs=(PartitionSpec(), PartitionSpec(), batch_sharded(mesh).spec),
+            out_specs=batch_sharded(mesh).spec,
         )
     )
     params, model_state = jax.device_put((params, model_state or {}), replicated(mesh))

@@ -195,6 +195,8 @@ def fit(
             console.line(f"jdp: {progress.stop_reason}; stopping at step {progress.step}")
         progress.final = True
         _call_each(actions, progress)
+        if run.sync_step is not None and run.model.update is not None:
+            run.model.update(progress.state.params, progress.state.model_state)  # synced at end
     return _finished(config, progress, timer, started, start, logger.history)
 
 
@@ -336,7 +338,7 @@ def _resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, c
         )
 
     def same_run(meta: dict) -> None:
-        _same_groups(config.mesh, meta.get("config", {}).get("mesh"), checkpoints.directory)
+        _same_groups(state, meta, config.mesh, checkpoints.directory)
         conflicts = config.resume_conflicts(meta.get("config", {}), recorded)
         if conflicts:
             raise UsageError(
@@ -359,12 +361,17 @@ def _resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, c
     return state, start
 
 
-def _same_groups(mesh: str, saved_mesh: str | None, directory: str) -> None:
-    """A checkpoint holds one state per DiLoCo group: it resumes only with as many."""
-    if saved_mesh is None:
-        return
-    groups, saved = (dict(parse_mesh_spec(spec)).get(GROUP_AXIS, 0) for spec in (mesh, saved_mesh))
+def _same_groups(state: TrainState, meta: dict, mesh: str, directory: str) -> None:
+    """A checkpoint holds one state per DiLoCo group: it resumes only with as many
+    (counted from the arrays, whatever the specs wrote, -1 included)."""
+    saved = next(
+        (array["shape"][0] for name, array in meta.get("arrays", {}).items()
+         if name.startswith("groups/")),
+        0,
+    )  # fmt: skip
+    groups = jax.tree.leaves(state.groups)[0].shape[0] if state.groups is not None else 0
     if groups != saved:
+        saved_mesh = meta.get("config", {}).get("mesh", "?")
         held = f"{saved} DiLoCo groups (--mesh {saved_mesh})" if saved else "no DiLoCo groups"
         wanted = f"{GROUP_AXIS}={saved}, any data size" if saved else f"no {GROUP_AXIS} axis"
         raise UsageError(

@@ -10,6 +10,7 @@ device computes on B. `jdp.step` compiles these over a mesh.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -112,23 +113,27 @@ def _replica_rng(state: TrainState) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(state.key, state.step), lax.axis_index(DATA_AXIS))
 
 
-def _is_varying(x: jax.Array) -> bool:
-    """Whether ``x`` may differ across ``data`` replicas, as shard_map's type checking sees it."""
+def _varying_axes(x: jax.Array) -> frozenset[str]:
+    """The mesh axes over which ``x`` may differ, as shard_map's type checking sees it."""
     aval = jax.typeof(x)
     varying = getattr(aval, "vma", None)  # the attribute's name before JAX 0.10
     if varying is None:
         varying = aval.manual_axis_type.varying
-    return DATA_AXIS in varying
+    return frozenset(varying)
 
 
-def _varying(tree: Any) -> Any:
-    """Marks leaves varying over ``data``: under shard_map a scan carry keeps one type."""
-    return jax.tree.map(
-        lambda x: x if _is_varying(x) else lax.pcast(x, DATA_AXIS, to="varying"), tree
-    )
+def _varying(tree: Any, axes: tuple[str, ...] = (DATA_AXIS,)) -> Any:
+    """Marks leaves varying over ``axes`` (``data``, and ``group`` with DiLoCo groups,
+    whose parameters differ by group): under shard_map a scan carry keeps one type."""
+
+    def cast(x):
+        missing = tuple(axis for axis in axes if axis not in _varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
 
 
-def _gradients(grad_fn, vary, accumulate: int, replicas: int):
+def _gradients(grad_fn, vary, accumulate: int, axes: tuple[str, ...]):
     """``(params, model_state, batch, rng, scale) -> (grads, (loss, aux, model_state))``:
     this replica's mean gradient over its slice, in ``accumulate`` micro-batches."""
     if accumulate == 1:
@@ -146,7 +151,7 @@ def _gradients(grad_fn, vary, accumulate: int, replicas: int):
             return vary(carry), None
 
         rows = jax.tree.leaves(batch)[0].shape[0]
-        check_accumulate(rows, accumulate, replicas)
+        check_accumulate(rows, accumulate, math.prod(lax.axis_size(axis) for axis in axes))
         split = lambda x: x.reshape(accumulate, x.shape[0] // accumulate, *x.shape[1:])  # noqa: E731
         micro_batches = jax.tree.map(split, batch)
         first = jax.tree.map(lambda leaf: leaf[0], micro_batches)
@@ -204,6 +209,7 @@ def train_step(
     accumulate: int,
     lr_schedule: optax.Schedule | None,
     skip_nonfinite: bool = False,
+    axes: tuple[str, ...] = (DATA_AXIS,),
 ) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
     """The step one replica runs on its slice of the batch.
 
@@ -212,6 +218,8 @@ def train_step(
     gradient to stay this replica's until the explicit all-reduce.
     ``skip_nonfinite``: leave the state as it was (but the step count) when the
     loss or the averaged gradient is not finite, as fp16 loss scaling does.
+    ``axes``: the mesh axes the batch is split over (``group`` and ``data`` with
+    DiLoCo groups); the all-reduce is over ``data`` alone.
     """
 
     def objective(params, model_state, batch, rng, scale):
@@ -222,8 +230,8 @@ def train_step(
         loss = loss.astype(jnp.float32)
         return loss * scale, (loss, cast_floats(aux, jnp.float32), model_state)
 
-    vary = _varying if local_grads else (lambda tree: tree)
-    gradients = _gradients(jax.grad(objective, has_aux=True), vary, accumulate, replicas)
+    vary = (lambda tree: _varying(tree, axes)) if local_grads else (lambda tree: tree)
+    gradients = _gradients(jax.grad(objective, has_aux=True), vary, accumulate, axes)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         # Under shard_map, replicated params are "invariant" and their gradient would

@@ -19,7 +19,8 @@ def replica_digests(tree: Any) -> dict[int, int]:
     """A checksum of ``tree``'s bytes on each of this process's devices: device id -> crc32.
 
     Every leaf must be replicated (each device holds all of it), as parameters are
-    in data parallelism.
+    in data parallelism, or split over DiLoCo's ``group`` axis only (each device
+    holds its group's part; compare within groups, `check_replicas`' ``groups``).
     """
     digests: dict[int, int] = {}
     for leaf in jax.tree.leaves(tree):

@@ -31,6 +31,7 @@ from jdp.mesh import (
     data_size,
     group_size,
     make_mesh,
+    parse_mesh_spec,
     replicated,
     requested_device_count,
     simulate_cpu_devices,
@@ -181,6 +182,9 @@ def resolve(config: TrainConfig, train_examples: int, console: Console, *,
             f"{config.batch_size} = {steps} steps"
         )
         config = dataclasses.replace(config, steps=steps)
+    if GROUP_AXIS in dict(parse_mesh_spec(config.mesh)) and not config.sync_every:
+        # Recorded as it runs: a resume that names the default agrees with it.
+        config = dataclasses.replace(config, sync_every=config.resolved_sync_every)
     default = TrainConfig.__dataclass_fields__["warmup_steps"].default
     if not own_optimizer and config.warmup_steps == default and default > config.steps:
         warmup = config.steps // 10

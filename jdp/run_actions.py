@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jdp import checkpoint
@@ -152,9 +153,10 @@ class Checkpoint(PeriodicAction):
         self.skipping = skipping  # updates with a non-finite gradient are skipped: all finite
 
     def run(self, progress: Progress) -> None:
-        if not _groups_finite(progress.state):
+        grouped = getattr(progress.state, "groups", None) is not None
+        if grouped and not _groups_finite(progress.state):  # every process alike
             why = "a DiLoCo group's parameters are not finite"
-        elif not self.skipping and not _finite(progress.call_metrics):
+        elif not grouped and not self.skipping and not _finite(progress.call_metrics):
             why = "its loss or gradient is not finite, so its parameters may not be"
         else:
             why = None
@@ -179,15 +181,15 @@ class Checkpoint(PeriodicAction):
 
 
 _all_finite = jax.jit(all_finite)
+_most = jax.jit(jnp.max)
 
 
 def _groups_finite(state: Any) -> bool:
-    """Whether every DiLoCo group's parameters are finite (true without groups). The
-    train metrics are one group's: another's NaN shows in them only after the next
-    synchronisation, so a save looks at the parameters (a scalar across groups, at
-    saves only). Every process calls it at the same steps."""
-    if getattr(state, "groups", None) is None:
-        return True
+    """Whether every DiLoCo group's parameters are finite. The train metrics are each
+    process's own group's (another's NaN shows in them only after the next
+    synchronisation), and processes must decide alike: this reads the global state
+    (a scalar across groups, at saves and checks only). Every process calls it at
+    the same steps."""
     return bool(_all_finite(state.groups.params))
 
 
@@ -229,6 +231,9 @@ class GuardFinite(PeriodicAction):
     def run(self, progress: Progress) -> None:
         if progress.call_metrics is None:
             return
+        if getattr(progress.state, "groups", None) is not None:
+            self._check_groups(progress)
+            return
         values = jax.device_get(progress.call_metrics)
         step = progress.step
         kept = (
@@ -253,6 +258,32 @@ class GuardFinite(PeriodicAction):
                     f"(finite at step {self._finite_at}; --nan-policy stop); {kept}; lower "
                     "--lr, add --clip-norm, or --nan-policy skip"
                 )
+        self._finite_at = step
+
+    def _check_groups(self, progress: Progress) -> None:
+        """With DiLoCo groups each process's metrics are its own group's, and processes
+        that decided on them apart would leave the others waiting in a collective:
+        the decision is made on the groups' state, which every process reads alike."""
+        state, step = progress.state, progress.step
+        kept = (
+            f"the checkpoints in {self.ckpt_dir} are finite"
+            if self.ckpt_dir
+            else "nothing was saved (no --ckpt-dir)"
+        )
+        if self.skipping:
+            skipped = int(_most(state.groups.loss_scale.skipped))
+            if skipped > _MIN_SKIPS and skipped > self.max_skipped_fraction * step:
+                raise NonFiniteError(
+                    f"{skipped} of {step} updates of a DiLoCo group were skipped for a "
+                    f"non-finite loss or gradient (over --max-skipped-fraction "
+                    f"{self.max_skipped_fraction:g}); {kept}; lower --lr or use fp32/bf16"
+                )
+        elif not _groups_finite(state):
+            raise NonFiniteError(
+                f"a DiLoCo group's parameters are not finite at step {step} (finite at step "
+                f"{self._finite_at}; --nan-policy stop); {kept}; lower --lr, add --clip-norm, "
+                "or --nan-policy skip"
+            )
         self._finite_at = step
 
 

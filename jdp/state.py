@@ -55,7 +55,8 @@ class TrainState:
         groups: with DiLoCo groups (a mesh with a ``group`` axis), what each group
             trains between synchronisations (`GroupState`); ``params``,
             ``opt_state`` and ``model_state`` are then the synchronised parameters,
-            the outer optimizer's state and the averaged model state. None otherwise.
+            the outer optimizer's state and the averaged model state, and the
+            groups' loss scales stand for ``loss_scale``. None otherwise.
         rng_impl: the name of ``rng``'s PRNG implementation (static, not an array).
 
     The key is held as raw data because a typed key array costs the host a

@@ -53,15 +53,16 @@ class CompiledStep(NamedTuple):
     """A step compiled over a mesh; call it as ``step(state, batch)``.
 
     The contract, for both backends: the state is replicated on every device of
-    the mesh (``state_sharding``), the batch's rows are split over ``data``
-    (``batch_sharding``; with several steps per call the steps stack on axis 0
-    and the rows are axis 1), a train step donates its input state (passed
-    again, to any step, it is refused with a `UsageError`), and every
-    output is replicated. At most two calls are in flight: on the CPU backend,
-    steps with collectives dispatched without bound can leave the replicas'
-    threads waiting on each other's rendezvous until XLA aborts the process;
-    waiting on the call before last keeps the device busy (one call runs while
-    the next is queued) and bounds what is in flight.
+    the mesh (``state_sharding``; with DiLoCo groups all but ``state.groups``,
+    which is split over ``group``), the batch's rows are split over ``data`` (and
+    ``group``) (``batch_sharding``; with several steps per call the steps stack
+    on axis 0 and the rows are axis 1), a train step donates its input state
+    (passed again, to any step, it is refused with a `UsageError`), and every
+    output is replicated (but the groups' state). At most two calls are in
+    flight: on the CPU backend, steps with collectives dispatched without bound
+    can leave the replicas' threads waiting on each other's rendezvous until XLA
+    aborts the process; waiting on the call before last keeps the device busy
+    (one call runs while the next is queued) and bounds what is in flight.
 
     Attributes:
         call: ``call(state, batch)``, the compiled program under that bound.
@@ -225,6 +226,7 @@ def _compile_groups(group_fn: Callable[..., Any], mesh: Mesh, *, steps: int) -> 
         donate_argnums=(0, 1),
     )
     first = jax.jit(lambda tree: jax.tree.map(lambda x: x[0], tree))
+    every_group = [None]  # the last call's metrics as the program wrote them
 
     def program(state, batch):
         _groups_given(state)
@@ -237,13 +239,18 @@ def _compile_groups(group_fn: Callable[..., Any], mesh: Mesh, *, steps: int) -> 
             params=state.params, opt_state=state.opt_state, model_state=state.model_state,
             groups=trained,
         )  # fmt: skip
+        every_group[0] = metrics
         return updated, first(jax.tree.map(lambda x: x.addressable_data(0), metrics))
 
     def lower(state, batch):
         _groups_given(state)
         return jitted.lower(_step_count(state), state.groups, batch)
 
-    return CompiledStep(_bounded(program, lambda out: out[1]), program, lower, state_in, batch_in)
+    # The witness of a call: its metrics on every device (the ones it returns are one
+    # group's, and the other groups' calls must be bounded too). Not the state: the
+    # next call donates it.
+    witness = lambda out: every_group[0]  # noqa: E731
+    return CompiledStep(_bounded(program, witness), program, lower, state_in, batch_in)
 
 
 class SyncStep(NamedTuple):
@@ -508,6 +515,7 @@ def make_train_step(
         accumulate=accumulate,
         lr_schedule=lr_schedule,
         skip_nonfinite=skip_nonfinite,
+        axes=batch_axes(mesh),
     )
     if has_groups:
         return _compile_groups(groups.inner_step(one_step, steps=steps_per_call), mesh,

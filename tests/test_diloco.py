@@ -280,6 +280,10 @@ def test_api_refusals_are_one_line(devices):
             "--sync-every 7 is not a multiple of --steps-per-call 2",
         ),
         (["--mesh", "group=2,data=4", "--outer-momentum", "1"], "--outer-momentum must be in"),
+        (
+            ["--mesh", "group=2,data=4", "--sync-every", "4", "--eval-every", "6"],
+            "--eval-every 6 is not a multiple of --sync-every 4",
+        ),
         (["--mesh", "group=2,data=4", "--batch-size", "60"], "(8 replicas over 2 groups)"),
     ],
 )
@@ -331,7 +335,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
 
 def test_a_checkpoint_of_groups_resumes_only_with_as_many_groups(tmp_path):
     result = run_cli("--mesh", "group=2,data=4", "--sync-every", "4", "--steps", "8",
-                     "--ckpt-dir", tmp_path)  # fmt: skip
+                     "--warmup-steps", "0", "--ckpt-dir", tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     for mesh in (["data=8"], ["group=4,data=2", "--sync-every", "4"]):
         refused = run_cli("--mesh", *mesh, "--steps", "16", "--ckpt-dir", tmp_path)
@@ -343,6 +347,11 @@ def test_a_checkpoint_of_groups_resumes_only_with_as_many_groups(tmp_path):
         evaluated = run_cli("--mesh", mesh, "--eval-only", "--ckpt-dir", tmp_path)
         assert evaluated.returncode == 0, evaluated.stderr
         assert tested in evaluated.stdout, (tested, evaluated.stdout)
+    # The same number of groups resumes, however the mesh is written.
+    resumed = run_cli("--mesh", "group=-1,data=4", "--sync-every", "4", "--steps", "12",
+                      "--warmup-steps", "0", "--ckpt-dir", tmp_path, devices=8)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert "jdp: resuming from step 8" in resumed.stdout
 
 
 def test_two_processes_hold_one_group_each_and_match_one_process(tmp_path):
@@ -382,13 +391,13 @@ def test_the_replica_check_compares_each_groups_devices_among_themselves(devices
         check.run(Progress(step=3, steps=3, state=broken))
 
 
-def test_a_group_gone_non_finite_is_never_saved(devices, tmp_path, capfd):
-    """The metrics are group 0's; a save checks every group's parameters."""
+def test_a_group_gone_non_finite_is_never_saved_and_stops_the_run(devices, tmp_path, capfd):
+    """The metrics are one group's; a save and the guard check every group's parameters."""
     from types import SimpleNamespace
 
     from jdp.actions import Progress
     from jdp.checkpoint import Checkpointer
-    from jdp.run_actions import Checkpoint
+    from jdp.run_actions import Checkpoint, GuardFinite
 
     state = _train("group=2,data=4", jdp.diloco(sync_every=4), _batches(2), optax.adam(1e-2))
     leaf = state.groups.params["b1"]
@@ -410,3 +419,26 @@ def test_a_group_gone_non_finite_is_never_saved(devices, tmp_path, capfd):
         checkpointer.wait()
         assert checkpointer.steps() == [2]
     assert "not saving step 2: a DiLoCo group's parameters are not finite" in capfd.readouterr().err
+    # The guard decides on the groups' state too, as every process reads it alike.
+    guard = GuardFinite(every=1, skipping=False, max_skipped_fraction=0.25, ckpt_dir=None)
+    guard.run(progress)  # the finite state
+    progress.after_call(2, 1, broken, metrics)
+    with pytest.raises(jdp.NonFiniteError, match="a DiLoCo group's parameters are not finite"):
+        guard.run(progress)
+
+
+def test_accumulation_in_groups_equals_whole_batches(devices):
+    """Micro-batches scanned inside each group's step (their carry varies by group)."""
+    mesh = jdp.make_mesh("group=2,data=4")
+    outer = jdp.diloco(sync_every=2)
+    results = []
+    for accumulate in (1, 2):
+        state = jdp.create_train_state(init_params(), optax.sgd(0.05), mesh, outer=outer)
+        step = jdp.make_train_step(regression_loss, optax.sgd(0.05), mesh, accumulate=accumulate)
+        sync = jdp.make_sync_step(outer, mesh)
+        for index, batch in enumerate(_batches(4), start=1):
+            state, _ = step(state, jdp.shard_batch(batch, mesh))
+            if index % 2 == 0:
+                state = sync(state)
+        results.append(jax.device_get(state.params))
+    assert_trees_close(results[1], results[0])
