@@ -19,7 +19,7 @@ from helpers import run_cli, subprocess_env
 
 import jdp
 from jdp.bench.faults import bit_flips
-from jdp.checkpoint import Checkpointer
+from jdp.checkpoint import Checkpointer, _on_disk
 from jdp.launch import free_port
 from jdp.lock import LOCK_NAME
 
@@ -62,7 +62,7 @@ def test_changed_array_bytes_name_the_leaf(tmp_path, mesh8, capfd):
     other = second.replace(params={"w": second.params["w"] * 2, "b": second.params["b"]})
     shutil.rmtree(state_dir)
     with ocp.StandardCheckpointer() as writer:
-        writer.save(state_dir, other)
+        writer.save(state_dir, _on_disk(other))  # as jdp writes a state
     _, meta = _restore(tmp_path, first)
     assert meta["step"] == 0
     err = capfd.readouterr().err
@@ -547,7 +547,7 @@ def test_load_params_skips_incomplete_entries_and_checks_digests(tmp_path, mesh8
     other = second.replace(params={"w": second.params["w"] * 3, "b": second.params["b"]})
     shutil.rmtree(tmp_path / "1" / "state")
     with ocp.StandardCheckpointer() as writer:
-        writer.save(tmp_path / "1" / "state", other)
+        writer.save(tmp_path / "1" / "state", _on_disk(other))
     with pytest.raises(jdp.UsageError, match=r"is damaged \(params/w does not match its digest\)"):
         jdp.load_params(tmp_path)
 
