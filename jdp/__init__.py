@@ -17,7 +17,7 @@ Examples:
     (1, 1.0)
 """
 
-from jdp import actions, data, distributed, models
+from jdp import actions, data, distributed, layout, models
 from jdp.actions import Action, Callback, EarlyStopping, PeriodicAction, Progress
 from jdp.checkpoint import Checkpointer, load_params
 from jdp.config import TrainConfig
@@ -26,6 +26,7 @@ from jdp.data.sources import Split, load_split
 from jdp.errors import NonFiniteError, UsageError
 from jdp.groups import Outer, diloco
 from jdp.inference import LoadedModel, load_model, predict
+from jdp.layout import RULES, param_specs
 from jdp.loop import FitResult, fit
 from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices
 from jdp.optim import make_optimizer, make_schedule
@@ -59,6 +60,7 @@ __all__ = [
     "PeriodicAction",
     "Precision",
     "Progress",
+    "RULES",
     "Split",
     "SyncStep",
     "TrainConfig",
@@ -82,7 +84,9 @@ __all__ = [
     "make_schedule",
     "make_sync_step",
     "make_train_step",
+    "layout",
     "models",
+    "param_specs",
     "predict",
     "shard_batch",
     "simulate_cpu_devices",

@@ -8,7 +8,8 @@ import typing
 from typing import Literal
 
 from jdp.errors import UsageError
-from jdp.mesh import GROUP_AXIS, parse_mesh_spec
+from jdp.layout import parse_rules
+from jdp.mesh import GROUP_AXIS, SHARDING_AXES, parse_mesh_spec
 
 # The choices of the fields that name things. Each registry it names agrees
 # (tests/test_api.py): the step's backends, the built-in models and sizes, the
@@ -42,8 +43,11 @@ class TrainConfig:
 
     mesh: str = _flag(
         "data=-1",
-        "device mesh, e.g. data=8, data=-1 (all devices), data=4,model=2, or group=2,data=4 "
-        "(DiLoCo: 2 groups of 4 replicas that synchronise every --sync-every steps)",
+        "device mesh, axes in this order: group, data (replicas), fsdp (parameters, gradients "
+        "and optimizer state split, and the batch), model (tensor parallel: heads and MLP "
+        "units split); e.g. data=8, data=-1 (all devices), fsdp=8, data=2,fsdp=4, "
+        "data=4,model=2, or group=2,data=4 (DiLoCo: 2 groups of 4 replicas that synchronise "
+        "every --sync-every steps)",
     )
     backend: Backend = _flag("jit", "step backend: jit (jit over shard_map) or pmap")
     model: ModelName = _flag(
@@ -100,6 +104,16 @@ class TrainConfig:
         "fp32", "compute dtype: fp32, bf16 or fp16 (fp16 scales the loss)"
     )
     reduce_dtype: ReduceDtype = _flag("fp32", "gradient all-reduce dtype: fp32 or bf16")
+    shard_optimizer: bool = _flag(
+        False,
+        "ZeRO-1: split the optimizer's state over the data axis (parameters stay as the mesh "
+        "lays them out)",
+    )
+    axis_rules: str = _flag(
+        "",
+        "logical axis name -> mesh axis, over jdp's rules, e.g. mlp=model,embed=none "
+        "(none: never split that dimension)",
+    )
     sync_every: int = _flag(
         0,
         f"DiLoCo (a mesh with a group axis): steps between the groups' synchronisations "
@@ -201,6 +215,7 @@ class TrainConfig:
         _ = self.profile_window  # checks --profile-steps
         self._check_steps_per_call()
         self._check_groups()
+        self._check_layout()
         if self.check_replicas_every < 0:
             raise UsageError("--check-replicas-every must be >= 0 (0: off)")
         if self.early_stop_patience < 0:
@@ -288,6 +303,26 @@ class TrainConfig:
                     f"--steps-per-call {calls}, e.g. {calls + 1}:{2 * calls}"
                 )
 
+    def _check_layout(self) -> None:
+        """Sharded layouts run under jit, without DiLoCo groups."""
+        parse_rules(self.axis_rules)
+        axes = dict(parse_mesh_spec(self.mesh))
+        sharded = [f"{a}={axes[a]}" for a in SHARDING_AXES if axes.get(a, 1) != 1]
+        if self.shard_optimizer:
+            sharded.append("--shard-optimizer")
+        if not sharded:
+            return
+        if self.backend == "pmap":
+            raise UsageError(
+                f"{', '.join(sharded)} lay the state out over the mesh, which backend pmap "
+                "cannot (it replicates the state); run with --backend jit"
+            )
+        if GROUP_AXIS in axes:
+            raise UsageError(
+                f"DiLoCo groups train replicated parameters; drop {', '.join(sharded)} or the "
+                "group axis"
+            )
+
     def _check_groups(self) -> None:
         """DiLoCo's flags need a group axis; its interval whole calls of the step."""
         if self.sync_every < 0:
@@ -373,7 +408,16 @@ class TrainConfig:
 
 # What a resumed run may change: where and how it runs, not what it computes.
 TOPOLOGY_FIELDS = frozenset(
-    {"mesh", "backend", "data_dir", "loader_workers", "prefetch", "eval_every"}
+    {
+        "mesh",
+        "backend",
+        "data_dir",
+        "loader_workers",
+        "prefetch",
+        "eval_every",
+        "shard_optimizer",
+        "axis_rules",
+    }
     | {"ckpt_dir", "ckpt_every", "keep", "no_resume"}
     | {"coordinator", "num_processes", "process_id", "startup_timeout", "heartbeat_timeout"}
     | {"check_replicas_every", "log_dir", "log_every", "profile_steps", "steps_per_call"}

@@ -18,13 +18,21 @@ DATA_AXIS = "data"
 # The outer axis of local SGD / DiLoCo: each index a group of data replicas that
 # trains on its own between synchronisations (`jdp.groups`).
 GROUP_AXIS = "group"
+# Parameters, gradients and optimizer state split over it, and the batch too (FSDP,
+# ZeRO-3); XLA gathers each parameter where it is used (`jdp.layout`).
+FSDP_AXIS = "fsdp"
+# Tensor parallelism: attention heads and MLP hidden units split over it, as the
+# parameters' logical axis names and the rules table say (`jdp.layout`).
+MODEL_AXIS = "model"
 # Batch key that marks real rows (1) and padding (0) in eval batches.
 MASK_KEY = "mask"
-# Axes jdp knows how to use. Parameters are replicated over `data` and `model`
-# (`model` is accepted so meshes for later tensor-parallel layouts can be written
-# today), and each `group` holds its own; an unknown name is far more often a typo
-# than a wish.
-KNOWN_AXES = (GROUP_AXIS, DATA_AXIS, "model")
+# Axes jdp knows how to use, in the order a mesh lists them: the slowest link
+# first (groups), the fastest last (tensor parallelism exchanges activations in
+# every layer). An unknown name is far more often a typo than a wish.
+KNOWN_AXES = (GROUP_AXIS, DATA_AXIS, FSDP_AXIS, MODEL_AXIS)
+# Axes whose shards of the parameters differ: a mesh with either (of size > 1)
+# trains a sharded layout.
+SHARDING_AXES = (FSDP_AXIS, MODEL_AXIS)
 
 _SPEC_ITEM = re.compile(r"^([A-Za-z_]\w*)=(-?\d+)$")
 _CPU_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -40,7 +48,7 @@ def parse_mesh_spec(spec: str) -> tuple[tuple[str, int], ...]:
         UsageError: the spec is malformed, repeats an axis, names an unknown
             axis, or has a size that is not a positive integer or -1.
     """
-    example = "e.g. data=8, data=-1, data=4,model=2 or group=2,data=4"
+    example = "e.g. data=8, data=-1, fsdp=8, data=2,fsdp=2,model=2 or group=2,data=4"
     items = [item.strip() for item in spec.split(",")] if spec.strip() else []
     if not items:
         raise UsageError(f"empty mesh spec; write NAME=SIZE[,NAME=SIZE...], {example}")
@@ -62,14 +70,19 @@ def parse_mesh_spec(spec: str) -> tuple[tuple[str, int], ...]:
                 "integers, or -1 for all remaining devices"
             )
         axes.append((name, size))
-    if any(name == GROUP_AXIS for name, _ in axes[1:]):
+    ranks = [KNOWN_AXES.index(name) for name, _ in axes]
+    if ranks != sorted(ranks):
         order = ",".join(
-            f"{name}={size}" for name, size in sorted(axes, key=lambda a: a[0] != GROUP_AXIS)
+            f"{name}={size}" for name, size in sorted(axes, key=lambda a: KNOWN_AXES.index(a[0]))
         )
-        raise UsageError(
-            f"mesh {spec!r}: {GROUP_AXIS!r} must be the first axis, so that each group's "
-            f"devices are neighbours (one process or host each); write {order}"
-        )
+        if GROUP_AXIS in [name for name, _ in axes[1:]]:
+            why = (
+                f"{GROUP_AXIS!r} must be the first axis, so that each group's devices are "
+                "neighbours (one process or host each)"
+            )
+        else:
+            why = f"axes go in the order {', '.join(KNOWN_AXES)} (the fastest link last)"
+        raise UsageError(f"mesh {spec!r}: {why}; write {order}")
     if sum(size == -1 for _, size in axes) > 1:
         raise UsageError(
             f"more than one axis is -1 in {spec!r}; at most one axis can take the rest"
@@ -89,7 +102,7 @@ def check_spec_fits_batch(spec: str, global_batch: int) -> None:
     """`check_batch_size` from the spec alone, before any device exists (when ``data`` is
     not -1): a mesh too large for the batch is refused before it is made."""
     axes = dict(parse_mesh_spec(spec))
-    split = math.prod(axes.get(name, 1) for name in (GROUP_AXIS, DATA_AXIS))
+    split = math.prod(axes.get(name, 1) for name in (GROUP_AXIS, DATA_AXIS, FSDP_AXIS))
     if split > 0:
         _check_batch_split(global_batch, split, axes.get(GROUP_AXIS, 1))
 
@@ -149,11 +162,12 @@ def simulate_cpu_devices(count: int) -> bool:
 
 
 def make_mesh(spec: str, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds a mesh from a spec such as ``"data=8"``, ``"data=-1"`` or ``"data=4,model=2"``.
+    """Builds a mesh from a spec such as ``"data=8"``, ``"fsdp=8"`` or ``"data=4,model=2"``.
 
-    All axes are ``AxisType.Auto``: inside the train step the ``data`` axis is
-    manual (``shard_map``), and outside it shardings are annotations that XLA
-    propagates, which is what sharded parameter layouts need.
+    All axes are ``AxisType.Auto``: inside the train step the ``data`` (and
+    ``group``) axes are manual (``shard_map``), and ``fsdp`` and ``model`` are
+    shardings that XLA propagates, inserting their collectives. A spec with
+    ``fsdp`` or ``model`` but no ``data`` gets ``data=1`` (one replica).
 
     Args:
         spec: comma-separated ``NAME=SIZE``; ``-1`` takes the remaining devices.
@@ -171,6 +185,11 @@ def make_mesh(spec: str, *, devices: Sequence[jax.Device] | None = None) -> Mesh
         {'data': 8}
     """
     axes = parse_mesh_spec(spec)
+    names = [name for name, _ in axes]
+    if DATA_AXIS not in names and any(name in SHARDING_AXES for name in names):
+        # One replica: the step's all-reduce over ``data`` is then over one device.
+        at = int(GROUP_AXIS in names)
+        axes = (*axes[:at], (DATA_AXIS, 1), *axes[at:])
     devices = list(jax.devices() if devices is None else devices)
     fixed = math.prod(size for _, size in axes if size != -1)
     if any(size == -1 for _, size in axes):
@@ -226,16 +245,29 @@ def group_size(mesh: Mesh) -> int:
     return mesh.shape.get(GROUP_AXIS, 1)
 
 
-def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The axes a global batch's rows split over: ``group`` (when the mesh has it), then
-    ``data``. Group ``g`` takes the ``g``-th of ``group_size`` equal blocks of rows."""
+def manual_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes the step's ``shard_map`` maps by hand: ``group`` (when the mesh has it),
+    then ``data``. Its gradient all-reduce is over ``data``; ``fsdp`` and ``model`` stay
+    shardings XLA partitions."""
     data_size(mesh)
     return (GROUP_AXIS, DATA_AXIS) if GROUP_AXIS in mesh.shape else (DATA_AXIS,)
 
 
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes a global batch's rows split over: `manual_axes`, then ``fsdp`` (when the
+    mesh has it). Group ``g`` takes the ``g``-th of ``group_size`` equal blocks of rows;
+    each data replica's rows split again over ``fsdp``."""
+    return manual_axes(mesh) + ((FSDP_AXIS,) if FSDP_AXIS in mesh.shape else ())
+
+
 def batch_split(mesh: Mesh) -> int:
-    """Into how many slices a global batch splits: groups times data replicas."""
-    return group_size(mesh) * data_size(mesh)
+    """Into how many slices a global batch splits: groups x data replicas x fsdp shards."""
+    return math.prod(mesh.shape[axis] for axis in batch_axes(mesh))
+
+
+def is_sharded(mesh: Mesh) -> bool:
+    """Whether ``mesh`` splits parameters: an ``fsdp`` or ``model`` axis of size > 1."""
+    return any(mesh.shape.get(axis, 1) > 1 for axis in SHARDING_AXES)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -244,7 +276,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharded(mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
-    """The sharding of a global batch: the rows split over ``data`` (and ``group``).
+    """The sharding of a global batch: the rows split over `batch_axes` (``data``, with
+    ``group`` and ``fsdp`` when the mesh has them).
 
     ``stacked``: several steps' batches stacked on a leading axis, rows second.
     """
@@ -254,7 +287,8 @@ def batch_sharded(mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
 
 
 def check_batch_size(global_batch: int, mesh: Mesh) -> None:
-    """Checks that a global batch splits evenly over the data axis (and the groups).
+    """Checks that a global batch splits evenly over the data axis (and the groups, and
+    the fsdp shards).
 
     Raises:
         UsageError: naming the nearest sizes that would work.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -198,29 +198,32 @@ def _apply(optimizer, precision: Precision, skip_nonfinite: bool, state: TrainSt
     )
 
 
-def train_step(
+class StepParts(NamedTuple):
+    """A replica's train step in its two halves: ``gradients(state, batch) -> (grads,
+    metrics, model_state)``, all averaged over ``data`` (it runs where ``data`` is
+    mapped by hand), and ``update(state, grads, model_state, metrics) -> (state,
+    metrics)``, the optimizer's (it runs anywhere: on a sharded layout, where XLA
+    partitions the state)."""
+
+    gradients: Callable[[TrainState, Any], tuple[Any, Metrics, Any]]
+    update: Callable[..., tuple[TrainState, Metrics]]
+
+
+def train_step_parts(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     *,
     local_grads: bool,
-    replicas: int,
+    replicas: int | None,
     pack_leaf_bytes: int,
     precision: Precision,
     accumulate: int,
     lr_schedule: optax.Schedule | None,
     skip_nonfinite: bool = False,
     axes: tuple[str, ...] = (DATA_AXIS,),
-) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
-    """The step one replica runs on its slice of the batch.
-
-    ``loss_fn`` has the form `loss_with_state` gives. ``local_grads``: under
-    ``shard_map``, where replicated parameters must be marked varying for their
-    gradient to stay this replica's until the explicit all-reduce.
-    ``skip_nonfinite``: leave the state as it was (but the step count) when the
-    loss or the averaged gradient is not finite, as fp16 loss scaling does.
-    ``axes``: the mesh axes the batch is split over (``group`` and ``data`` with
-    DiLoCo groups); the all-reduce is over ``data`` alone.
-    """
+) -> StepParts:
+    """The halves of `train_step`; ``replicas`` None: ``update`` runs outside the
+    replicas' mapping (the gradient norm is then XLA's to partition)."""
 
     def objective(params, model_state, batch, rng, scale):
         params = cast_floats(params, precision.compute_dtype)
@@ -231,9 +234,9 @@ def train_step(
         return loss * scale, (loss, cast_floats(aux, jnp.float32), model_state)
 
     vary = (lambda tree: _varying(tree, axes)) if local_grads else (lambda tree: tree)
-    gradients = _gradients(jax.grad(objective, has_aux=True), vary, accumulate, axes)
+    gradients_of = _gradients(jax.grad(objective, has_aux=True), vary, accumulate, axes)
 
-    def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+    def gradients(state: TrainState, batch: Any) -> tuple[Any, Metrics, Any]:
         # Under shard_map, replicated params are "invariant" and their gradient would
         # come back already summed over replicas; marked varying, each replica's
         # gradient stays local and the one reduction is the explicit pmean below.
@@ -241,7 +244,7 @@ def train_step(
         params = lax.pcast(state.params, DATA_AXIS, to="varying") if local_grads else state.params
         # A constant 1 folds away; only fp16 pays for scaling.
         scale = state.loss_scale.scale if precision.loss_scaling else 1.0
-        grads, (loss, aux, model_state) = gradients(
+        grads, (loss, aux, model_state) = gradients_of(
             params, state.model_state, batch, _replica_rng(state), scale
         )
         # The one gradient all-reduce of the step (after all micro-batches).
@@ -250,18 +253,46 @@ def train_step(
             (grads, {"loss": loss, **aux}), vary=vary, pack_leaf_bytes=pack_leaf_bytes
         )
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / scale, grads, state.params)
-        metrics["grad_norm"] = global_norm(grads, replicas=replicas)
+        return grads, metrics, pmean_floats(model_state)
+
+    def update(state: TrainState, grads: Any, model_state: Any, metrics: Metrics
+               ) -> tuple[TrainState, Metrics]:  # fmt: skip
+        metrics = dict(metrics)
+        if replicas is None:
+            metrics["grad_norm"] = optax.tree.norm(grads)
+        else:
+            metrics["grad_norm"] = global_norm(grads, replicas=replicas)
         if lr_schedule is not None:
             # The optimizer's count advances only on applied updates (not fp16 skips).
             count = state.step - state.loss_scale.skipped
             metrics["lr"] = jnp.asarray(lr_schedule(count), jnp.float32)
-        model_state = pmean_floats(model_state)
         updated = _apply(optimizer, precision, skip_nonfinite, state, grads, model_state, metrics)
         if lr_schedule is None:  # an optimizer made with optax.inject_hyperparams says its own
             injected = optax.tree_utils.tree_get(updated.opt_state, "learning_rate")
             if injected is not None:
                 metrics["lr"] = jnp.asarray(injected, jnp.float32)
         return updated, metrics
+
+    return StepParts(gradients, update)
+
+
+def train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, **options: Any
+               ) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:  # fmt: skip
+    """The step one replica runs on its slice of the batch.
+
+    ``loss_fn`` has the form `loss_with_state` gives. Options (`train_step_parts`):
+    ``local_grads``: under ``shard_map``, where replicated parameters must be
+    marked varying for their gradient to stay this replica's until the explicit
+    all-reduce. ``skip_nonfinite``: leave the state as it was (but the step
+    count) when the loss or the averaged gradient is not finite, as fp16 loss
+    scaling does. ``axes``: the mesh axes the batch is split over (``group`` and
+    ``data`` with DiLoCo groups); the all-reduce is over ``data`` alone.
+    """
+    parts = train_step_parts(loss_fn, optimizer, **options)
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        grads, metrics, model_state = parts.gradients(state, batch)
+        return parts.update(state, grads, model_state, metrics)
 
     return step
 

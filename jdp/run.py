@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jdp import distributed
+from jdp import distributed, layout
 from jdp.checkpoint import read_params
 from jdp.config import TrainConfig
 from jdp.data.custom import holdout, load_named
@@ -23,16 +24,18 @@ from jdp.data.sources import Split
 from jdp.errors import UsageError
 from jdp.groups import Outer, outer_from_flags
 from jdp.inference import data_facts
+from jdp.layout import parse_rules
 from jdp.mesh import (
     GROUP_AXIS,
+    MODEL_AXIS,
     batch_split,
     check_batch_size,
     check_spec_fits_batch,
     data_size,
     group_size,
+    is_sharded,
     make_mesh,
     parse_mesh_spec,
-    replicated,
     requested_device_count,
     simulate_cpu_devices,
 )
@@ -262,9 +265,8 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
 
     init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
     sample = EvalReader(train, batch_size=1, rows=slice(None))(0)
-    params, model_state = jax.jit(
-        lambda rng: model.init(rng, sample), out_shardings=replicated(mesh)
-    )(init_rng)
+    rules = parse_rules(config.axis_rules)
+    params, model_state, specs = model.init_on_mesh(init_rng, sample, mesh, rules=rules)
     if yours.optimizer is not None:
         optimizer, schedule = yours.optimizer, yours.lr_schedule
         if isinstance(schedule, int | float):
@@ -278,7 +280,8 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     outer = _outer(config, mesh)
     state = create_train_state(
         params, optimizer, mesh, rng=train_rng, model_state=model_state, precision=precision,
-        outer=outer,
+        outer=outer, param_specs=None if outer else specs,
+        shard_optimizer=config.shard_optimizer,
     )  # fmt: skip
     train_step = make_train_step(
         model.loss_fn,
@@ -299,6 +302,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     _say_what_was_built(
         config, console, mesh, f"{name} ({num_params:,} params)", dataset, data, yours
     )
+    _say_layout(config, console, mesh, specs, named=model.names is not None)
     return Run(config, mesh, train, test, model, state, train_step, eval_step, schedule,
                optimizer, validation, recorded_config(config, yours, train),
                sync_step)  # fmt: skip
@@ -344,10 +348,6 @@ def _mesh(config: TrainConfig, console: Console, error: str | None = None) -> Me
         console.line(
             f"jdp: no accelerator; mesh {config.mesh} runs on {devices} simulated CPU devices"
         )
-    if "model" in mesh.shape:
-        console.line(
-            "jdp: parameters are replicated over the 'model' axis (no tensor sharding yet)"
-        )
     return mesh
 
 
@@ -369,6 +369,26 @@ def config_optimizer(config: TrainConfig) -> tuple[optax.Schedule, optax.Gradien
         clip_norm=config.clip_norm or None,
     )
     return schedule, optimizer
+
+
+def _say_layout(config: TrainConfig, console: Console, mesh: Mesh, specs: Any, *,
+                named: bool) -> None:  # fmt: skip
+    """Where the parameters went, when the mesh or --shard-optimizer splits anything."""
+    if not (is_sharded(mesh) or config.shard_optimizer):
+        return
+    line = f"jdp: layout: {layout.describe(specs)}"
+    if config.shard_optimizer:
+        line += f"; optimizer state split over data ({data_size(mesh)})"
+    console.line(line)
+    if mesh.shape.get(MODEL_AXIS, 1) > 1 and MODEL_AXIS not in layout.split_counts(specs):
+        why = (
+            "its parameters carry no logical axis names (nn.with_logical_partitioning)"
+            if not named
+            else "no named dimension maps to it (see --axis-rules)"
+        )
+        console.line(
+            f"jdp: nothing is split over the 'model' axis: {why}; its devices repeat the work"
+        )
 
 
 def _groups_by_process(mesh: Mesh) -> str:

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jdp import layout
 from jdp.errors import UsageError
-from jdp.mesh import GROUP_AXIS, group_size, replicated
+from jdp.mesh import GROUP_AXIS, group_size, is_sharded, replicated
 from jdp.precision import LossScale, Precision
 
 if TYPE_CHECKING:
@@ -90,11 +91,17 @@ def create_train_state(
     model_state: Any = None,
     precision: Precision | None = None,
     outer: Outer | None = None,
+    param_specs: Any = None,
+    shard_optimizer: bool = False,
 ) -> TrainState:
-    """Creates a `TrainState` replicated on every device of ``mesh``.
+    """Creates a `TrainState` on ``mesh``, laid out as `jdp.layout` says.
 
-    The optimizer state is created on the mesh by a compiled ``optimizer.init``,
-    so it never passes through one device first.
+    On a mesh of ``data`` alone every leaf is replicated. With ``fsdp`` or
+    ``model`` the parameters are split by ``param_specs`` (default: the
+    default rule, `jdp.param_specs` without names) and the optimizer's state
+    follows them. The optimizer state is created on the mesh by a compiled
+    ``optimizer.init``, so it never passes through one device first; parameters
+    already on the mesh in their layout (`jdp.models.Model.init_on_mesh`) stay there.
 
     Args:
         params: the model parameters (a pytree of arrays).
@@ -110,13 +117,19 @@ def create_train_state(
             mesh with a ``group`` axis: ``optimizer`` is then the inner one, each
             group's state starts from ``params``, and ``opt_state`` is the outer
             optimizer's.
+        param_specs: each parameter's ``PartitionSpec`` (`jdp.param_specs`, which
+            reads logical axis names); default: the default rule.
+        shard_optimizer: ZeRO-1: split the optimizer's state over ``data`` too
+            (the default rule), the parameters as they are.
 
     Returns:
-        A `TrainState` at step 0, every leaf replicated on ``mesh`` (but the groups'
-        state, split over ``group``).
+        A `TrainState` at step 0: step count, key, loss scale and model state
+        replicated; parameters and optimizer state in their layout (the groups'
+        state split over ``group``).
 
     Raises:
-        UsageError: a ``group`` axis without ``outer``, or ``outer`` without one.
+        UsageError: a ``group`` axis without ``outer``, or ``outer`` without one;
+            groups with a sharded layout.
 
     Examples:
         >>> mesh = jdp.make_mesh("data=8")
@@ -152,7 +165,21 @@ def create_train_state(
             else "outer= (DiLoCo) needs a mesh with a 'group' axis, e.g. group=2,data=4"
         )
     if outer is None:
-        return jax.jit(build, out_shardings=sharding)(params, model_state, rng)
+        specs = layout.param_specs(params, mesh) if param_specs is None else param_specs
+        opt_specs = layout.optimizer_specs(
+            optimizer, params, specs, mesh, shard_optimizer=shard_optimizer
+        )
+        shardings = TrainState(
+            step=sharding, params=layout.shardings(specs, mesh),
+            opt_state=layout.shardings(opt_specs, mesh), model_state=sharding, rng=sharding,
+            loss_scale=sharding, rng_impl=rng_impl,
+        )  # fmt: skip
+        return jax.jit(build, out_shardings=shardings)(params, model_state, rng)
+    if param_specs is not None or shard_optimizer or is_sharded(mesh):
+        raise UsageError(
+            "DiLoCo groups train replicated parameters: drop param_specs, shard_optimizer "
+            "and the mesh's 'fsdp' and 'model' axes"
+        )
     groups = group_size(mesh)
 
     def build_groups(params, model_state, rng):

@@ -22,11 +22,14 @@ from jdp.errors import UsageError
 from jdp.groups import Outer
 from jdp.mesh import (
     DATA_AXIS,
+    FSDP_AXIS,
     GROUP_AXIS,
     batch_axes,
     batch_sharded,
     batch_split,
     data_size,
+    is_sharded,
+    manual_axes,
     replicated,
 )
 from jdp.precision import Precision
@@ -130,12 +133,15 @@ def _compile(
     outputs: int,
     donate_state: bool,
     steps: int = 1,
+    sharded: Callable[..., Any] | None = None,
 ) -> CompiledStep:
     """Compiles ``replica_fn(state, batch)`` for a backend, under `CompiledStep`'s contract.
 
     ``replica_fn`` returns ``outputs`` values (a tuple when more than one), each
     identical on every replica after its reductions. ``steps`` > 1: batch leaves
-    are ``(steps, rows, ...)``, the rows split over ``data``.
+    are ``(steps, rows, ...)``, the rows split over ``data``. ``sharded``: the
+    same step for a state that is not replicated (`_compile_sharded`'s
+    ``make_fn``), which the ``jit`` backend switches to when it is given one.
     """
     stacked = steps > 1
     batch_axis, replicas = int(stacked), batch_split(mesh)
@@ -166,17 +172,162 @@ def _compile(
             donate_argnums=donate,
         )
         lower = jitted.lower
+        layouts = None
+        if sharded is not None:
+            layouts = _compile_sharded(
+                sharded, mesh, outputs=outputs, donate_state=donate_state, steps=steps
+            )
+        switched = [False]  # given a sharded state (ZeRO-1's optimizer state, say)
 
         def program(state, batch):
+            if switched[0]:
+                return layouts.unbounded(state, batch)
             try:
                 return jitted(state, batch)
             except ValueError:  # jit places a host batch before tracing: say why it can't
+                if layouts is not None and not _replicated(state):
+                    switched[0] = True
+                    return layouts.unbounded(state, batch)
                 _check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)
                 raise
     else:
         program, lower = _pmapped(replica_fn, mesh, batch_axis, steps, per_output, donate)
     witness = (lambda out: out[1]) if outputs > 1 else (lambda out: out)
     return CompiledStep(_bounded(program, witness), program, lower, state_in, batch_in)
+
+
+def _replicated(tree: Any) -> bool:
+    """Whether every array of ``tree`` is whole on every device."""
+    return all(
+        getattr(leaf, "sharding", None) is None or leaf.sharding.is_fully_replicated
+        for leaf in jax.tree.leaves(tree)
+    )
+
+
+def _layout(tree: Any) -> tuple:
+    """``tree``'s structure and each leaf's sharding: what a sharded program is compiled for."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(getattr(leaf, "sharding", None) for leaf in leaves)
+
+
+def _compile_sharded(
+    make_fn: Callable[[Any], Callable[..., Any]],
+    mesh: Mesh,
+    *,
+    outputs: int,
+    donate_state: bool,
+    steps: int = 1,
+) -> CompiledStep:
+    """Compiles a step for the layout of the state it is given (`jdp.layout`), under
+    `CompiledStep`'s contract but for the state's place: it stays where it is.
+
+    ``make_fn(param_shardings)`` returns ``fn(state, batch)``, which runs where
+    XLA partitions the arrays (``fsdp``, ``model``, ZeRO-1's ``data``) and maps
+    the replicas by hand itself (``shard_map`` over `manual_axes`). One program
+    is compiled per layout of the state; the metrics are replicated.
+    """
+    stacked = steps > 1
+    batch_axis, slices = int(stacked), batch_split(mesh)
+    batch_in = batch_sharded(mesh, stacked=stacked)
+    donate = (0,) if donate_state else ()
+    programs: dict[tuple, Any] = {}
+    current: list[Any] = [None]
+
+    def for_state(state):
+        key = _layout(state)
+        if key not in programs:
+            shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
+            fn = make_fn(shardings.params)
+
+            def checked(state, batch):
+                _check_rows(batch, slices, batch_axis=batch_axis, steps=steps)  # while tracing
+                return fn(state, batch)
+
+            metrics_out = replicated(mesh)
+            programs[key] = jax.jit(
+                checked,
+                in_shardings=(shardings, batch_in),
+                out_shardings=(shardings, metrics_out) if outputs == 2 else metrics_out,
+                donate_argnums=donate,
+            )
+        return programs[key]
+
+    def program(state, batch):
+        if current[0] is not None:
+            try:
+                return current[0](state, batch)
+            except ValueError:  # a state of another layout, or a host batch jit can't place
+                pass
+        current[0] = for_state(state)
+        try:
+            return current[0](state, batch)
+        except ValueError:
+            _check_rows(batch, slices, batch_axis=batch_axis, steps=steps)
+            raise
+
+    def lower(state, batch):
+        return for_state(state).lower(state, batch)
+
+    witness = (lambda out: out[1]) if outputs > 1 else (lambda out: out)
+    return CompiledStep(_bounded(program, witness), program, lower, None, batch_in)
+
+
+def _over_replicas(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+    """``fn(state, batch)`` mapped over the ``data`` replicas for a state XLA partitions:
+    a ``vmap`` that names the ``data`` axis, over the batch's rows in ``data`` blocks
+    (the leading axis split over ``data``, each block's rows over ``fsdp``). Its
+    collectives over ``data`` become XLA's, over the mesh axis.
+
+    Not ``shard_map`` by hand over ``data`` with ``fsdp`` and ``model`` left to XLA:
+    in JAX 0.10 XLA aborts the process partitioning that program on a mesh with
+    both (``data=2,fsdp=2,model=2``), and cannot partition an all-reduce over a
+    manual axis of size 1. ``fn``'s outputs are the same on every replica.
+    """
+    replicas = data_size(mesh)
+    blocks = NamedSharding(
+        mesh, PartitionSpec(DATA_AXIS, FSDP_AXIS if FSDP_AXIS in mesh.shape else None)
+    )
+    mapped = jax.vmap(fn, axis_name=DATA_AXIS, in_axes=(None, 0), out_axes=None)
+
+    def per_replica(x):
+        x = x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
+        return lax.with_sharding_constraint(x, blocks)
+
+    return lambda state, batch: mapped(state, jax.tree.map(per_replica, batch))
+
+
+def _sharded_train(loss: LossFn, optimizer: optax.GradientTransformation, mesh: Mesh,
+                   steps: int, **options: Any):  # fmt: skip
+    """``make_fn`` for `_compile_sharded`: the gradient half mapped over the replicas
+    (`_over_replicas`: each replica's rows, one all-reduce over ``data``), the
+    optimizer's half where XLA partitions the state, the gradients laid out as the
+    parameters."""
+    parts = replica.train_step_parts(
+        loss, optimizer, local_grads=False, replicas=None, pack_leaf_bytes=0,
+        axes=(DATA_AXIS,), **options,
+    )  # fmt: skip
+    gradients = _over_replicas(parts.gradients, mesh)
+
+    def make_fn(param_shardings):
+        def one_step(state, batch):
+            # The optimizer's state stays out of the replicas' mapping: under ZeRO-1
+            # it is split over ``data``, which the mapping would gather.
+            grads, metrics, model_state = gradients(state.replace(opt_state=None), batch)
+            grads = lax.with_sharding_constraint(grads, param_shardings)
+            return parts.update(state, grads, model_state, metrics)
+
+        if steps == 1:
+            return one_step
+        return lambda state, batches: lax.scan(one_step, state, batches)
+
+    return make_fn
+
+
+def _sharded_eval(replica_fn: Callable[..., Any], mesh: Mesh):
+    """``make_fn`` for `_compile_sharded`: the eval step mapped over the replicas, the
+    state where it is, the optimizer's state left out (ZeRO-1 splits it over ``data``)."""
+    mapped = _over_replicas(replica_fn, mesh)
+    return lambda param_shardings: lambda state, batch: mapped(state.replace(opt_state=None), batch)
 
 
 def _groups_given(state: TrainState) -> None:
@@ -382,6 +533,11 @@ def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, per_output, do
             except TypeError:  # compiled for another layout
                 continue
             return _on_mesh(out, mesh)
+        if not _replicated(state):
+            raise UsageError(
+                "backend 'pmap' takes a state replicated on every device, and this one is "
+                "sharded (--shard-optimizer, say); use backend 'jit'"
+            )
         programs.append(pmapped.lower(state, per_device_batch).compile())
         return _on_mesh(programs[-1](state, per_device_batch), mesh)
 
@@ -505,17 +661,31 @@ def make_train_step(
             f"{steps_per_call}"
         )
     has_groups = GROUP_AXIS in mesh.shape
-    one_step = replica.train_step(
-        replica.loss_with_state(loss_fn, has_aux=has_aux, has_model_state=has_model_state),
-        optimizer,
-        local_grads=backend == "jit",
-        replicas=data_size(mesh),
-        pack_leaf_bytes=pack_leaf_bytes(mesh),
+    if has_groups and is_sharded(mesh):
+        raise UsageError(
+            f"mesh {dict(mesh.shape)}: DiLoCo groups train replicated parameters; drop the "
+            "'fsdp' and 'model' axes, or the 'group' axis"
+        )
+    options = dict(
         precision=precision or Precision(),
         accumulate=accumulate,
         lr_schedule=lr_schedule,
         skip_nonfinite=skip_nonfinite,
+    )
+    loss = replica.loss_with_state(loss_fn, has_aux=has_aux, has_model_state=has_model_state)
+    # For a state that is not replicated: the gradients' half maps ``data`` by hand,
+    # the optimizer's runs where XLA partitions the state.
+    sharded = _sharded_train(loss, optimizer, mesh, steps_per_call, **options)
+    if is_sharded(mesh):
+        return _compile_sharded(sharded, mesh, outputs=2, donate_state=True, steps=steps_per_call)
+    one_step = replica.train_step(
+        loss,
+        optimizer,
+        local_grads=backend == "jit",
+        replicas=data_size(mesh),
+        pack_leaf_bytes=pack_leaf_bytes(mesh),
         axes=batch_axes(mesh),
+        **options,
     )
     if has_groups:
         return _compile_groups(groups.inner_step(one_step, steps=steps_per_call), mesh,
@@ -524,7 +694,10 @@ def make_train_step(
         replica_fn = lambda state, batches: lax.scan(one_step, state, batches)  # noqa: E731
     else:
         replica_fn = one_step
-    return _compile(replica_fn, mesh, backend, outputs=2, donate_state=True, steps=steps_per_call)
+    return _compile(
+        replica_fn, mesh, backend, outputs=2, donate_state=True, steps=steps_per_call,
+        sharded=sharded if backend == "jit" else None,
+    )  # fmt: skip
 
 
 def make_eval_step(
@@ -564,11 +737,14 @@ def make_eval_step(
         {'positive': 0.5, 'count': 64}
     """
     _check_backend(backend, mesh)
-    replica_fn = replica.eval_step(
-        replica.metrics_with_state(metrics_fn, has_model_state=has_model_state),
-        batch_axes(mesh),
-    )
-    compiled = _compile(replica_fn, mesh, backend, outputs=1, donate_state=False)
+    metrics = replica.metrics_with_state(metrics_fn, has_model_state=has_model_state)
+    sharded = _sharded_eval(replica.eval_step(metrics, manual_axes(mesh)), mesh)
+    if is_sharded(mesh):
+        return _compile_sharded(sharded, mesh, outputs=1, donate_state=False)
+    compiled = _compile(
+        replica.eval_step(metrics, batch_axes(mesh)), mesh, backend, outputs=1,
+        donate_state=False, sharded=sharded if backend == "jit" else None,
+    )  # fmt: skip
     if GROUP_AXIS not in mesh.shape:
         return compiled
     # The synchronised parameters are evaluated; the groups' own stay where they are.

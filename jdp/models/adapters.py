@@ -26,8 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.errors import UsageError
+from jdp.layout import Rules, logical_names, param_specs
+from jdp.layout import shardings as layout_shardings
 
 Batch = dict[str, jax.Array]
 Inputs = str | Sequence[str] | Callable[[Batch], tuple]
@@ -159,6 +162,35 @@ class Model:
     # ``(params, model_state) -> None``: puts trained values back into the object
     # the model was made from (an NNX module); `jdp.fit` calls it at the end.
     update: Callable[[Any, Any], None] | None = None
+    # ``(rng, batch) -> names``: the parameters' logical axis names (a tree like the
+    # parameters, a tuple or None at each leaf), read without computing them; None
+    # when the model gives none.
+    names: Callable[[jax.Array, Batch], Any] | None = None
+
+    def init_on_mesh(self, rng: jax.Array, batch: Batch, mesh: Mesh, *,
+                     rules: Rules | None = None) -> tuple[Any, Any, Any]:  # fmt: skip
+        """``(params, model_state, param_specs)``: the parameters made on ``mesh`` in their
+        layout (`jdp.param_specs` from the model's logical axis names and ``rules``),
+        each device computing only its shards; the model state replicated. Pass
+        ``param_specs`` to `jdp.create_train_state`.
+
+        Examples:
+            >>> model = jdp.models.get_model("mlp", jdp.data.load_split("digits", "train"))
+            >>> batch = {"image": np.zeros((1, 8, 8, 1), np.float32),
+            ...          "label": np.zeros(1, np.int32)}
+            >>> mesh = jdp.make_mesh("data=2,fsdp=2,model=2")
+            >>> params, _, specs = model.init_on_mesh(jax.random.key(0), batch, mesh)
+            >>> specs["Dense_0"]["kernel"], params["Dense_0"]["kernel"].sharding.spec
+            (PartitionSpec('fsdp', 'model'), PartitionSpec('fsdp', 'model'))
+        """
+        abstract, _ = jax.eval_shape(self.init, rng, batch)
+        names = None if self.names is None else self.names(rng, batch)
+        specs = param_specs(abstract, mesh, names=names, rules=rules)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        params, model_state = jax.jit(
+            self.init, out_shardings=(layout_shardings(specs, mesh), replicated)
+        )(rng, batch)
+        return params, model_state, specs
 
     def loss_fn(self, params, model_state, batch, rng):
         """Mean loss, mean metrics and the new model state, for `jdp.make_train_step`."""
@@ -279,11 +311,17 @@ def from_linen(
         keyword, inverted = switch
         return {keyword: train != inverted}
 
-    def init(rng, batch):
+    def boxed(rng, batch):
         streams = {name: jax.random.fold_in(rng, i + 1) for i, name in enumerate(rng_streams)}
-        variables = dict(module.init({"params": rng, **streams}, *arguments(batch), **mode(False)))
+        return dict(module.init({"params": rng, **streams}, *arguments(batch), **mode(False)))
+
+    def init(rng, batch):
+        variables, _ = logical_names(boxed(rng, batch))  # the arrays, unboxed
         params = variables.pop("params")
         return params, variables
+
+    def names(rng, batch):
+        return logical_names(jax.eval_shape(boxed, rng, batch)["params"])[1]
 
     def apply(params, model_state, batch, *, train, rng=None):
         variables = {"params": params, **model_state}
@@ -297,7 +335,7 @@ def from_linen(
         )
         return outputs, dict(updated)
 
-    return Model(init, apply, objective)
+    return Model(init, apply, objective, names=names)
 
 
 def from_nnx(module, objective: Objective, *, inputs: Inputs = "image") -> Model:

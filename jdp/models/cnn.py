@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 
 from jdp.mesh import DATA_AXIS
+from jdp.models.names import conv, dense, norm_inits
 
 
 class CNN(nn.Module):
@@ -26,12 +27,13 @@ class CNN(nn.Module):
         for index, width in enumerate(self.features):
             if index:
                 x = nn.max_pool(x, (2, 2), strides=(2, 2))
-            x = nn.Conv(width, (3, 3), use_bias=False)(x)
+            x = conv(width, (3, 3), use_bias=False)(x)
             x = nn.BatchNorm(
                 use_running_average=not train,
                 momentum=0.9,
                 axis_name=DATA_AXIS if train else None,
+                **norm_inits("conv_out"),
             )(x)
             x = nn.relu(x)
         x = x.mean(axis=(1, 2))
-        return nn.Dense(self.num_classes)(x)
+        return dense(self.num_classes, ("conv_out", "classes"))(x)

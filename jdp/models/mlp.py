@@ -5,9 +5,15 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from jdp.models.names import dense
+
 
 class MLP(nn.Module):
-    """Flattens the image, hidden ReLU layers, logits out."""
+    """Flattens the image, hidden ReLU layers, logits out.
+
+    Logical names: the layers alternate ``(embed, mlp)`` and ``(mlp, embed)``, so
+    under tensor parallelism a column-parallel layer feeds a row-parallel one.
+    """
 
     num_classes: int
     hidden: tuple[int, ...] = (512,)
@@ -15,6 +21,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         x = x.reshape(x.shape[0], -1)
+        width_name = "embed"
         for width in self.hidden:
-            x = nn.relu(nn.Dense(width)(x))
-        return nn.Dense(self.num_classes)(x)
+            out = "mlp" if width_name == "embed" else "embed"
+            x = nn.relu(dense(width, (width_name, out))(x))
+            width_name = out
+        return dense(self.num_classes, (width_name, "classes"))(x)

@@ -19,6 +19,8 @@ import flax.linen as nn
 import jax
 
 from jdp.mesh import DATA_AXIS
+from jdp.models.names import conv as named_conv
+from jdp.models.names import dense, norm_inits
 
 
 class BasicBlock(nn.Module):
@@ -35,12 +37,14 @@ class BasicBlock(nn.Module):
             momentum=0.9,
             axis_name=DATA_AXIS if train else None,
         )
-        conv = partial(nn.Conv, use_bias=False)
-        y = nn.relu(norm()(conv(self.features, (3, 3), strides=self.stride)(x)))
+        conv = partial(named_conv, use_bias=False)
+        y = nn.relu(
+            norm(**norm_inits("conv_out"))(conv(self.features, (3, 3), strides=self.stride)(x))
+        )
         # Zero-initialised last scale: each block starts as the identity (Goyal et al.).
-        y = norm(scale_init=nn.initializers.zeros)(conv(self.features, (3, 3))(y))
+        y = norm(**norm_inits("conv_out", nn.initializers.zeros))(conv(self.features, (3, 3))(y))
         if x.shape[-1] != self.features or self.stride != 1:
-            x = norm()(conv(self.features, (1, 1), strides=self.stride)(x))
+            x = norm(**norm_inits("conv_out"))(conv(self.features, (1, 1), strides=self.stride)(x))
         return nn.relu(x + y)
 
 
@@ -53,13 +57,14 @@ class ResNet(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
-        x = nn.Conv(self.widths[0], (3, 3), use_bias=False)(x)
+        x = named_conv(self.widths[0], (3, 3), use_bias=False)(x)
         x = nn.BatchNorm(
-            use_running_average=not train, momentum=0.9, axis_name=DATA_AXIS if train else None
-        )(x)
+            use_running_average=not train, momentum=0.9, axis_name=DATA_AXIS if train else None,
+            **norm_inits("conv_out"),
+        )(x)  # fmt: skip
         x = nn.relu(x)
         for stage, (blocks, width) in enumerate(zip(self.stages, self.widths, strict=True)):
             for block in range(blocks):
                 stride = 2 if stage > 0 and block == 0 else 1
                 x = BasicBlock(width, stride)(x, train=train)
-        return nn.Dense(self.num_classes)(x.mean(axis=(1, 2)))
+        return dense(self.num_classes, ("conv_out", "classes"))(x.mean(axis=(1, 2)))

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdp.models.names import attention_inits, dense, embed, norm_inits
+
 
 def sinusoids(length: int, width: int) -> np.ndarray:
     """The fixed positional encodings of Vaswani et al. (2017), ``(length, width)``."""
@@ -25,6 +27,11 @@ def sinusoids(length: int, width: int) -> np.ndarray:
     return table
 
 
+def layer_norm() -> nn.LayerNorm:
+    """``nn.LayerNorm`` over the model width (``embed``)."""
+    return nn.LayerNorm(**norm_inits("embed"))
+
+
 class FeedForward(nn.Module):
     hidden: int
     dropout: float
@@ -32,8 +39,8 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
         width = x.shape[-1]
-        x = nn.gelu(nn.Dense(self.hidden)(x))
-        return nn.Dropout(self.dropout, deterministic=not train)(nn.Dense(width)(x))
+        x = nn.gelu(dense(self.hidden, ("embed", "mlp"))(x))
+        return nn.Dropout(self.dropout, deterministic=not train)(dense(width, ("mlp", "embed"))(x))
 
 
 class Block(nn.Module):
@@ -47,15 +54,16 @@ class Block(nn.Module):
     def __call__(self, x, mask, *, train: bool, memory=None, memory_mask=None):
         def attend(queries, keys, attention_mask):
             attended = nn.MultiHeadDotProductAttention(
-                self.heads, dropout_rate=self.dropout, deterministic=not train
-            )(queries, keys, mask=attention_mask)
+                self.heads, dropout_rate=self.dropout, deterministic=not train,
+                **attention_inits(),
+            )(queries, keys, mask=attention_mask)  # fmt: skip
             return nn.Dropout(self.dropout, deterministic=not train)(attended)
 
-        normed = nn.LayerNorm()(x)
+        normed = layer_norm()(x)
         x = x + attend(normed, normed, mask)
         if memory is not None:
-            x = x + attend(nn.LayerNorm()(x), memory, memory_mask)
-        return x + FeedForward(self.hidden, self.dropout)(nn.LayerNorm()(x), train=train)
+            x = x + attend(layer_norm()(x), memory, memory_mask)
+        return x + FeedForward(self.hidden, self.dropout)(layer_norm()(x), train=train)
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -75,13 +83,13 @@ class Seq2SeqTransformer(nn.Module):
     pad: int = 0
 
     def setup(self):
-        self.embed = nn.Embed(self.vocab_size, self.width)
+        self.embed = embed(self.vocab_size, self.width, "vocab")
         block = lambda: Block(self.heads, self.hidden, self.dropout)  # noqa: E731
         self.encoder = [block() for _ in range(self.layers)]
         self.decoder = [block() for _ in range(self.layers)]
-        self.encoder_norm, self.decoder_norm = nn.LayerNorm(), nn.LayerNorm()
+        self.encoder_norm, self.decoder_norm = layer_norm(), layer_norm()
         self.embed_dropout = nn.Dropout(self.dropout)
-        self.head = nn.Dense(self.vocab_size)
+        self.head = dense(self.vocab_size, ("embed", "vocab"))
 
     def _embed(self, tokens: jax.Array, train: bool) -> jax.Array:
         x = self.embed(tokens)  # in the parameters' dtype: keep it (NumPy constants are fp64)
@@ -128,13 +136,15 @@ class GPT(nn.Module):
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
         if tokens.shape[1] > self.max_len:
             raise ValueError(f"{tokens.shape[1]} tokens, more than max_len={self.max_len}")
-        embed = nn.Embed(self.vocab_size, self.width)
-        positions = nn.Embed(self.max_len, self.width)(jnp.arange(tokens.shape[1]))
-        x = nn.Dropout(self.dropout, deterministic=not train)(embed(tokens) + positions[None])
+        tokens_embed = embed(self.vocab_size, self.width, "vocab")
+        positions = embed(self.max_len, self.width, "length")(jnp.arange(tokens.shape[1]))
+        x = nn.Dropout(self.dropout, deterministic=not train)(
+            tokens_embed(tokens) + positions[None]
+        )
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.layers):
             x = Block(self.heads, self.hidden, self.dropout)(x, mask, train=train)
-        return embed.attend(nn.LayerNorm()(x))
+        return tokens_embed.attend(layer_norm()(x))
 
 
 def greedy_decode(
