@@ -174,9 +174,9 @@ def param_specs(params: Any, mesh: Mesh | Mapping[str, int], *, names: Any = Non
         >>> params = {"kernel": jnp.zeros((784, 512)), "bias": jnp.zeros(512)}
         >>> names = {"kernel": ("embed", "mlp"), "bias": ("mlp",)}
         >>> jdp.param_specs(params, {"data": 2, "fsdp": 2, "model": 2}, names=names)
-        {'bias': PartitionSpec('model',), 'kernel': PartitionSpec('fsdp', 'model')}
+        {'bias': P('model',), 'kernel': P('fsdp', 'model')}
         >>> jdp.param_specs(params, {"fsdp": 8})  # no names: the default rule
-        {'bias': PartitionSpec(), 'kernel': PartitionSpec('fsdp',)}
+        {'bias': P(), 'kernel': P('fsdp',)}
     """
     leaves, treedef = jax.tree.flatten(params)
     named = [None] * len(leaves) if names is None else treedef.flatten_up_to(names)

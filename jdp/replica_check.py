@@ -15,25 +15,30 @@ class ReplicaMismatchError(RuntimeError):
     """Replicas that should hold identical parameters do not."""
 
 
-def replica_digests(tree: Any) -> dict[int, int]:
-    """A checksum of ``tree``'s bytes on each of this process's devices: device id -> crc32.
+def replica_digests(tree: Any) -> dict[int, tuple[int, int]]:
+    """Per device of this process: ``device id -> (crc32 of its bytes of tree, crc32 of
+    which parts of each leaf it holds)``.
 
-    Every leaf must be replicated (each device holds all of it), as parameters are
-    in data parallelism, or split over DiLoCo's ``group`` axis only (each device
-    holds its group's part; compare within groups, `check_replicas`' ``groups``).
+    Devices that hold the same parts (every device, for replicated leaves; those of
+    one shard, for leaves split over ``fsdp`` or ``model``) must hold the same bytes.
     """
-    digests: dict[int, int] = {}
+    digests: dict[int, tuple[int, int]] = {}
     for leaf in jax.tree.leaves(tree):
         for shard in leaf.addressable_shards:
             device = shard.device.id
-            digests[device] = zlib.crc32(np.asarray(shard.data).tobytes(), digests.get(device, 0))
+            data, parts = digests.get(device, (0, 0))
+            data = zlib.crc32(np.asarray(shard.data).tobytes(), data)
+            parts = zlib.crc32(repr(shard.index).encode(), parts)
+            digests[device] = (data, parts)
     return digests
 
 
 def check_replicas(
     tree: Any, *, step: int | None = None, groups: Mapping[int, int] | None = None
 ) -> None:
-    """Checks that every device of every process holds the same bytes of ``tree``.
+    """Checks that every device of every process that holds the same parts of ``tree``
+    holds the same bytes: every device for a replicated tree, each shard's replicas for
+    a sharded one.
 
     ``groups`` (device id -> group) compares devices only within their group, for
     DiLoCo's groups' state, where each group holds its own (`jdp.groups`).
@@ -43,17 +48,20 @@ def check_replicas(
             most devices (of their group) hold (the first's, on a tie).
     """
     digests = replica_digests(tree)
-    local = np.array(sorted(digests.items()), dtype=np.uint32)  # (devices, 2): id, crc
+    local = np.array(
+        [(device, data, parts) for device, (data, parts) in sorted(digests.items())],
+        dtype=np.uint32,
+    )  # (devices, 3): id, crc of the bytes, crc of the parts held
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        table = np.asarray(multihost_utils.process_allgather(local))  # (processes, devices, 2)
+        table = np.asarray(multihost_utils.process_allgather(local))  # (processes, devices, 3)
     else:
         table = local[None]
-    members: dict[int, list[tuple[int, int, int]]] = {}  # group -> (process, device, digest)
+    members: dict[tuple, list[tuple[int, int, int]]] = {}  # -> (process, device, digest)
     for process in range(table.shape[0]):
-        for device, digest in table[process]:
-            group = groups.get(int(device), 0) if groups else 0
+        for device, digest, parts in table[process]:
+            group = (groups.get(int(device), 0) if groups else 0, int(parts))
             members.setdefault(group, []).append((process, int(device), int(digest)))
     differ, agree = [], 0
     for entries in members.values():

@@ -50,7 +50,7 @@ def test_bad_mesh_specs_name_the_fix(devices, spec, needle):
 
 
 def test_parse_keeps_order():
-    assert parse_mesh_spec("model=2,data=4") == (("model", 2), ("data", 4))
+    assert parse_mesh_spec("data=4,fsdp=2,model=1") == (("data", 4), ("fsdp", 2), ("model", 1))
 
 
 def test_batch_must_divide_the_data_axis(mesh8):

@@ -175,13 +175,13 @@ class Model:
         ``param_specs`` to `jdp.create_train_state`.
 
         Examples:
-            >>> model = jdp.models.get_model("mlp", jdp.data.load_split("digits", "train"))
+            >>> model = jdp.models.get_model("mlp", jdp.load_split("digits", "train"))
             >>> batch = {"image": np.zeros((1, 8, 8, 1), np.float32),
             ...          "label": np.zeros(1, np.int32)}
             >>> mesh = jdp.make_mesh("data=2,fsdp=2,model=2")
             >>> params, _, specs = model.init_on_mesh(jax.random.key(0), batch, mesh)
             >>> specs["Dense_0"]["kernel"], params["Dense_0"]["kernel"].sharding.spec
-            (PartitionSpec('fsdp', 'model'), PartitionSpec('fsdp', 'model'))
+            (P('fsdp', 'model'), P('fsdp', 'model'))
         """
         abstract, _ = jax.eval_shape(self.init, rng, batch)
         names = None if self.names is None else self.names(rng, batch)
