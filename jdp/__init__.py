@@ -26,7 +26,7 @@ from jdp.data.sources import Split, load_split
 from jdp.errors import NonFiniteError, UsageError
 from jdp.groups import Outer, diloco
 from jdp.inference import LoadedModel, load_model, predict
-from jdp.layout import RULES, param_specs
+from jdp.layout import param_specs
 from jdp.loop import FitResult, fit
 from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices
 from jdp.optim import make_optimizer, make_schedule
@@ -60,7 +60,6 @@ __all__ = [
     "PeriodicAction",
     "Precision",
     "Progress",
-    "RULES",
     "Split",
     "SyncStep",
     "TrainConfig",

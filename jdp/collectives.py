@@ -58,7 +58,8 @@ def _bytes(shape: str) -> int:
 
 def _groups(line: str, devices: int) -> tuple[tuple[int, ...], ...]:
     """The device groups of one op: ``{{0,1},{2,3}}``, the iota form ``[2,4]<=[8]`` (with
-    an optional transpose ``[4,2]<=[2,4]T(1,0)``), or a permute's pairs."""
+    an optional transpose ``[4,2]<=[2,4]T(1,0)``), the mesh form (`_mesh_groups`), or a
+    permute's pairs."""
     explicit = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
     if explicit:
         return tuple(
@@ -73,10 +74,45 @@ def _groups(line: str, devices: int) -> tuple[tuple[int, ...], ...]:
         if iota.group(3):
             ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
         return tuple(tuple(int(d) for d in row) for row in ids.reshape(shape))
+    named = re.search(
+        r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+        r"(?:,\s*device_ids=\((?P<ids>\[[\d,]*\](?:T\([\d,]*\))?|\{[\d,]*\})\))?"
+        r"\s*\{(?P<over>[^}]*)\}",
+        line,
+    )
+    if named:
+        return _mesh_groups(named.group("axes"), named.group("ids"), named.group("over"))
     pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
     if pairs:
         return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
     return (tuple(range(devices)),)  # no groups given: all devices
+
+
+def _mesh_groups(axes: str, ids: str | None, over: str) -> tuple[tuple[int, ...], ...]:
+    """The groups of XLA's mesh form: ``replica_groups=mesh['axis_0'=4,'axis_1'=2],
+    device_ids=([2,4]T(1,0)) {'axis_0'}``: the device ids (an iota, reshaped and
+    transposed, or listed) laid out over the named axes, one group per index of the
+    axes not in braces."""
+    sizes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", axes)]
+    total = math.prod(size for _, size in sizes)
+    if ids is None:
+        order = np.arange(total)
+    elif ids.strip().startswith("["):
+        iota = re.match(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?", ids)
+        dims = [int(d) for d in iota.group(1).split(",")]
+        order = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(2):
+            order = order.transpose([int(d) for d in iota.group(2).split(",")])
+        order = order.ravel()
+    else:
+        order = np.array([int(d) for d in re.findall(r"\d+", ids)])
+    grid = order.reshape([size for _, size in sizes])
+    reduced = {name for name in re.findall(r"'([^']+)'", over)}
+    inside = [i for i, (name, _) in enumerate(sizes) if name in reduced]
+    outside = [i for i in range(len(sizes)) if i not in inside]
+    grid = grid.transpose(outside + inside)
+    width = math.prod(sizes[i][1] for i in inside)
+    return tuple(tuple(int(d) for d in row) for row in grid.reshape(-1, width))
 
 
 def collectives(hlo_text: str, devices: int) -> list[Collective]:

@@ -8,8 +8,7 @@ import typing
 from typing import Literal
 
 from jdp.errors import UsageError
-from jdp.layout import parse_rules
-from jdp.mesh import GROUP_AXIS, SHARDING_AXES, parse_mesh_spec
+from jdp.mesh import GROUP_AXIS, SHARDING_AXES, parse_axis_rules, parse_mesh_spec
 
 # The choices of the fields that name things. Each registry it names agrees
 # (tests/test_api.py): the step's backends, the built-in models and sizes, the
@@ -305,7 +304,7 @@ class TrainConfig:
 
     def _check_layout(self) -> None:
         """Sharded layouts run under jit, without DiLoCo groups."""
-        parse_rules(self.axis_rules)
+        parse_axis_rules(self.axis_rules)
         axes = dict(parse_mesh_spec(self.mesh))
         sharded = [f"{a}={axes[a]}" for a in SHARDING_AXES if axes.get(a, 1) != 1]
         if self.shard_optimizer:

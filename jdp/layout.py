@@ -70,22 +70,6 @@ def rules_table(rules: Rules | None = None) -> dict[str, str | None]:
     return table
 
 
-def parse_rules(text: str) -> dict[str, str | None]:
-    """``"mlp=model,embed=none"`` -> ``{"mlp": "model", "embed": None}`` (for the CLI)."""
-    rules: dict[str, str | None] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, axis = item.partition("=")
-        if not sep or not name.strip() or not axis.strip():
-            raise UsageError(
-                f"bad axis rule {item!r}; write NAME=AXIS[,NAME=AXIS...], e.g. "
-                "mlp=model,embed=fsdp or vocab=none"
-            )
-        axis = axis.strip()
-        rules[name.strip()] = None if axis.lower() == "none" else axis
-    rules_table(rules)
-    return rules
-
-
 def _axis_sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
     return dict(mesh.shape if isinstance(mesh, Mesh) else mesh)
 

@@ -90,6 +90,30 @@ def parse_mesh_spec(spec: str) -> tuple[tuple[str, int], ...]:
     return tuple(axes)
 
 
+def parse_axis_rules(text: str) -> dict[str, str | None]:
+    """``"mlp=model,embed=none"`` -> ``{"mlp": "model", "embed": None}``: logical axis
+    names mapped to mesh axes (`jdp.layout`), as ``--axis-rules`` writes them.
+
+    Raises:
+        UsageError: an item that is not NAME=AXIS, or an axis jdp does not know.
+    """
+    rules: dict[str, str | None] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, axis = (part.strip() for part in item.partition("="))
+        if not sep or not name or not axis:
+            raise UsageError(
+                f"bad axis rule {item!r}; write NAME=AXIS[,NAME=AXIS...], e.g. "
+                "mlp=model,embed=fsdp or vocab=none"
+            )
+        if axis.lower() != "none" and axis not in KNOWN_AXES:
+            raise UsageError(
+                f"axis rule {item}: {axis!r} is not a mesh axis; use one of "
+                f"{', '.join(KNOWN_AXES)}, or none to keep {name!r} whole"
+            )
+        rules[name] = None if axis.lower() == "none" else axis
+    return rules
+
+
 def requested_device_count(spec: str) -> int | None:
     """Number of devices a spec needs, or None when an axis is -1 (then: all of them)."""
     axes = parse_mesh_spec(spec)

@@ -221,12 +221,16 @@ def train_step_parts(
     lr_schedule: optax.Schedule | None,
     skip_nonfinite: bool = False,
     axes: tuple[str, ...] = (DATA_AXIS,),
+    gather: Callable[[Any], Any] | None = None,
 ) -> StepParts:
     """The halves of `train_step`; ``replicas`` None: ``update`` runs outside the
-    replicas' mapping (the gradient norm is then XLA's to partition)."""
+    replicas' mapping (the gradient norm is then XLA's to partition). ``gather``:
+    applied to the parameters in the compute dtype, before the loss uses them."""
 
     def objective(params, model_state, batch, rng, scale):
         params = cast_floats(params, precision.compute_dtype)
+        if gather is not None:
+            params = gather(params)
         batch = cast_floats(batch, precision.compute_dtype)
         loss, aux, model_state = loss_fn(params, model_state, batch, rng)
         _check_objective(loss, aux)

@@ -24,7 +24,6 @@ from jdp.data.sources import Split
 from jdp.errors import UsageError
 from jdp.groups import Outer, outer_from_flags
 from jdp.inference import data_facts
-from jdp.layout import parse_rules
 from jdp.mesh import (
     GROUP_AXIS,
     MODEL_AXIS,
@@ -39,6 +38,7 @@ from jdp.mesh import (
     requested_device_count,
     simulate_cpu_devices,
 )
+from jdp.mesh import parse_axis_rules as parse_rules
 from jdp.models import Model, get_model
 from jdp.optim import make_optimizer, make_schedule, scale_lr
 from jdp.precision import make_precision

@@ -165,14 +165,9 @@ def create_train_state(
             else "outer= (DiLoCo) needs a mesh with a 'group' axis, e.g. group=2,data=4"
         )
     if outer is None:
-        specs = layout.param_specs(params, mesh) if param_specs is None else param_specs
-        opt_specs = layout.optimizer_specs(
-            optimizer, params, specs, mesh, shard_optimizer=shard_optimizer
-        )
-        shardings = TrainState(
-            step=sharding, params=layout.shardings(specs, mesh),
-            opt_state=layout.shardings(opt_specs, mesh), model_state=sharding, rng=sharding,
-            loss_scale=sharding, rng_impl=rng_impl,
+        shardings = state_shardings(
+            params, optimizer, mesh, param_specs=param_specs, shard_optimizer=shard_optimizer,
+            rng_impl=rng_impl,
         )  # fmt: skip
         return jax.jit(build, out_shardings=shardings)(params, model_state, rng)
     if param_specs is not None or shard_optimizer or is_sharded(mesh):
@@ -201,3 +196,42 @@ def create_train_state(
         rng_impl=rng_impl,
     )  # fmt: skip
     return jax.jit(build_groups, out_shardings=shardings)(params, model_state, rng)
+
+
+def state_shardings(
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    param_specs: Any = None,
+    shard_optimizer: bool = False,
+    rng_impl: str = "threefry2x32",
+) -> TrainState:
+    """Where `create_train_state` puts each field (a tree of ``NamedSharding``, a prefix
+    of the state's: one for the model state, the step count, the key and the loss
+    scale, all replicated). ``params`` may be shapes."""
+    sharding = replicated(mesh)
+    specs = layout.param_specs(params, mesh) if param_specs is None else param_specs
+    opt_specs = layout.optimizer_specs(
+        optimizer, params, specs, mesh, shard_optimizer=shard_optimizer
+    )
+    return TrainState(
+        step=sharding, params=layout.shardings(specs, mesh),
+        opt_state=layout.shardings(opt_specs, mesh), model_state=sharding, rng=sharding,
+        loss_scale=sharding, rng_impl=rng_impl,
+    )  # fmt: skip
+
+
+def placed(abstract: Any, shardings: Any) -> Any:
+    """``abstract`` (shapes, as ``jax.eval_shape`` gives them) with the shardings of
+    ``shardings``, a prefix tree of it: what ``lower`` takes to compile for a layout
+    without any array."""
+    is_sharding = lambda x: isinstance(x, NamedSharding)  # noqa: E731
+    return jax.tree.map(
+        lambda sharding, sub: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), sub
+        ),
+        shardings,
+        abstract,
+        is_leaf=is_sharding,
+    )

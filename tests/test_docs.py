@@ -19,7 +19,10 @@ import pytest
 from helpers import subprocess_env
 
 ROOT = pathlib.Path(__file__).parent.parent
-DOCS = ["README.md", "docs/multihost.md", "docs/performance.md", "colab/README.md"]
+DOCS = [
+    "README.md", "docs/multihost.md", "docs/performance.md", "docs/sharding.md",
+    "colab/README.md",
+]  # fmt: skip
 CLUSTER_TOOLS = ("srun", "sbatch", "gcloud", "kubectl")
 BLOCK = re.compile(r"(?:<!-- smoke: (?P<smoke>[^>]*?) -->\n)?```bash\n(?P<body>.*?)```", re.S)
 

@@ -298,3 +298,14 @@ def test_the_replica_check_compares_each_shards_replicas(devices):
     damaged = jax.make_array_from_single_device_arrays(kernel.shape, kernel.sharding, shards)
     with pytest.raises(ReplicaMismatchError, match=f"device {odd.id} "):
         check_replicas({"kernel": damaged})
+
+
+def test_cli_resumes_an_fsdp_run_on_data_parallelism(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    flags = ("--warmup-steps", "2", "--eval-every", "20", "--ckpt-dir", ckpt)
+    first = run_cli("--mesh", "fsdp=8", "--steps", "20", *flags, devices=8)
+    assert first.returncode == 0, first.stderr
+    resumed = run_cli("--mesh", "data=8", "--steps", "40", *flags, devices=8)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resum" in resumed.stdout and "step 20" in resumed.stdout
+    assert "jdp.train: steps=40" in resumed.stdout

@@ -27,6 +27,10 @@ global batch in 1 process x 1 device and in 2 processes x 1 device (started by
 same workloads: final test metric, bytes crossing between the groups per step
 (from the compiled programs), examples/s; in 1 process or 2 (gloo).
 
+``memory``: for one model on several layouts (``data=8``, ``fsdp=8``, ZeRO-1,
+``model``), the bytes per device of parameters and optimizer state, the compiled
+step's arguments and temporaries, and its collectives by mesh axis.
+
 ``faults``: random kill -9 trials (each resumed and compared bitwise with an
 uninterrupted run) and random bit flips in a checkpoint (each detected,
 unaffected, or restored silently).
@@ -45,6 +49,7 @@ from jdp.bench import (
     faults,
     inputs,
     logs,
+    memory,
     multihost,
     readme,
     scaling,
@@ -64,6 +69,7 @@ BENCHMARKS = {
     "multihost": (multihost, "each model in 1 process x 1 device vs 2 processes x 1 device"),
     "diloco": (diloco, "sync data parallelism vs DiLoCo: metric, bytes across groups, speed"),
     "faults": (faults, "random kill -9 trials and checkpoint bit flips: resumes, detections"),
+    "memory": (memory, "bytes per device of a model on each layout (data, fsdp, model, ZeRO-1)"),
     "readme": (readme, "run README.md's figures table's commands; rewrite or check its rows"),
 }
 

@@ -1,0 +1,409 @@
+"""``python -m jdp.plan``: what a model costs each device on a mesh, without that cluster.
+
+Per device, exactly, from shapes and the layout (`jdp.layout`), for any mesh
+size and no devices: the bytes of parameters, gradients and optimizer state.
+From the train step compiled for that mesh on simulated CPU devices (meshes of
+at most `MAX_COMPILED` devices): the temporaries (activations and what XLA keeps
+between ops) and the collectives' bytes per step by mesh axis, and the FLOPs
+per step. For a named accelerator (`DEVICES`): whether it fits, a roofline step
+time and MFU. ``--suggest`` compares the layouts of the same device count.
+
+Example: ``python -m jdp.plan --mesh data=8,fsdp=8 --model gpt --model-size
+standard --batch-size 512 --precision bf16 --device h100``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from jdp.errors import UsageError
+
+# Meshes up to this many devices are compiled on simulated CPU devices.
+MAX_COMPILED = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """An accelerator's datasheet figures (one chip / GPU)."""
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    memory: float  # bytes of HBM
+    memory_bandwidth: float  # HBM bytes/s
+    link_bandwidth: float  # interconnect bytes/s per direction (NVLink, ICI)
+    source: str
+
+
+# Link bandwidths are per direction: half the bidirectional figure vendors quote.
+DEVICES = {
+    "h100": Device("NVIDIA H100 SXM5 80GB", 989e12, 80e9, 3.35e12, 450e9,
+                   "NVIDIA H100 Tensor Core GPU datasheet (dense BF16; NVLink 900 GB/s)"),
+    "h200": Device("NVIDIA H200 SXM 141GB", 989e12, 141e9, 4.8e12, 450e9,
+                   "NVIDIA H200 Tensor Core GPU datasheet (dense BF16; NVLink 900 GB/s)"),
+    "a100": Device("NVIDIA A100 SXM4 80GB", 312e12, 80e9, 2.039e12, 300e9,
+                   "NVIDIA A100 Tensor Core GPU datasheet (dense BF16; NVLink 600 GB/s)"),
+    "v5e": Device("Google TPU v5e", 197e12, 16e9, 819e9, 200e9,
+                  "cloud.google.com/tpu/docs/v5e (ICI 400 GB/s bidirectional)"),
+    "v5p": Device("Google TPU v5p", 459e12, 95e9, 2.765e12, 300e9,
+                  "cloud.google.com/tpu/docs/v5p (ICI 4800 Gbps)"),
+}  # fmt: skip
+
+# Planner-only sizes of the language model, beyond the registry's small and standard.
+GPT_SIZES = {
+    # GPT-3 XL (Brown et al., 2020): 1.3B parameters.
+    "1.3b": {"width": 2048, "heads": 16, "layers": 24, "hidden": 8192, "max_len": 2048},
+}
+DEFAULT_VOCAB = 50257  # GPT-2's
+
+
+@dataclasses.dataclass
+class Plan:
+    """One model on one mesh: bytes per device, and what the compiled step says."""
+
+    mesh: dict[str, int]
+    params: int  # bytes per device
+    grads: int
+    optimizer: int
+    parameters: int  # the model's parameter count
+    temporaries: int | None = None  # bytes per device, compiled
+    arguments: int | None = None  # the compiled step's arguments per device (state, batch)
+    collectives: dict[str, int] | None = None  # "op over axes" -> bytes per device per step
+    wire: float | None = None  # bytes each device sends per step (ring algorithms)
+    flops: float | None = None  # per step, all devices
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def _mesh_sizes(spec: str) -> dict[str, int]:
+    from jdp.mesh import DATA_AXIS, KNOWN_AXES, SHARDING_AXES, parse_mesh_spec
+
+    axes = dict(parse_mesh_spec(spec))
+    if any(size == -1 for size in axes.values()):
+        raise UsageError(f"--mesh {spec}: give every axis a size (the plan has no devices)")
+    if DATA_AXIS not in axes and any(axis in axes for axis in SHARDING_AXES):
+        axes[DATA_AXIS] = 1
+    return {axis: axes[axis] for axis in KNOWN_AXES if axis in axes}
+
+
+def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequence[int]):
+    """The built-in model and one example's batch (numpy) to shape it."""
+    import numpy as np
+
+    from jdp.models import registry
+    from jdp.models.adapters import classification, from_linen, sequence
+
+    if name == "gpt" and size in GPT_SIZES:
+        options = GPT_SIZES[size]
+    else:
+        options = registry.check_model(name, size).sizes[size]
+    builtin = registry.MODELS[name]
+    if builtin.data == "image":
+        model = from_linen(builtin.module(num_classes=10, **options), classification())
+        batch = {"image": np.zeros((1, *image), np.float32), "label": np.zeros(1, np.int32)}
+        return model, batch
+    module = builtin.module(vocab_size=vocab, **options)
+    if name == "gpt":
+        model = from_linen(module, sequence(), inputs=registry._lm_inputs)
+        half = seq_len // 2  # source and target: the model reads seq_len tokens
+        shape = {"source": (1, half), "target": (1, seq_len - half + 1)}
+    else:
+        model = from_linen(module, sequence(), inputs=lambda b: (b["source"], b["target"][:, :-1]))
+        shape = {"source": (1, seq_len), "target": (1, seq_len + 1)}
+    return model, {key: np.zeros(value, np.int32) for key, value in shape.items()}
+
+
+def state_bytes(model, batch, mesh: Mapping[str, int], *, shard_optimizer: bool = False,
+                rules=None, optimizer=None) -> Plan:  # fmt: skip
+    """The exact per-device bytes of parameters, gradients (laid out as the parameters,
+    in their dtype) and optimizer state (AdamW's unless ``optimizer``): shapes only."""
+    import jax
+    import optax
+
+    from jdp.layout import optimizer_specs, param_specs
+
+    optimizer = optimizer or optax.adamw(1e-3)
+    params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
+    names = model.names(jax.random.key(0), batch) if model.names else None
+    specs = param_specs(params, mesh, names=names, rules=rules)
+    opt_specs = optimizer_specs(optimizer, params, specs, mesh, shard_optimizer=shard_optimizer)
+    opt_state = jax.eval_shape(optimizer.init, params)
+
+    def per_device(tree, specs) -> int:
+        total = 0
+        leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        for leaf, spec in zip(jax.tree.leaves(tree), leaves, strict=True):
+            split = 1
+            for entry in spec:
+                for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+                    split *= mesh[axis]
+            total += math.prod(leaf.shape) * leaf.dtype.itemsize // split
+        return total
+
+    param_bytes = per_device(params, specs)
+    return Plan(
+        mesh=dict(mesh),
+        params=param_bytes,
+        grads=param_bytes,
+        optimizer=per_device(opt_state, opt_specs),
+        parameters=sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params)),
+    )
+
+
+_WIRE = {  # bytes a device sends, per byte of the op's result, in a ring of n devices
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: n - 1,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
+
+
+def compiled_figures(plan: Plan, model, batch, batch_size: int, *, precision: str,
+                     shard_optimizer: bool, rules=None) -> Plan:  # fmt: skip
+    """Fills the compiled figures, on this process's (simulated) devices, which must be
+    at least the mesh's; the step is lowered from shapes, nothing is allocated."""
+    import jax
+    import numpy as np
+    import optax
+
+    from jdp.collectives import collectives
+    from jdp.layout import param_specs
+    from jdp.mesh import make_mesh
+    from jdp.precision import make_precision
+    from jdp.state import create_train_state, placed, state_shardings
+    from jdp.step import make_train_step
+
+    spec = ",".join(f"{axis}={size}" for axis, size in plan.mesh.items())
+    mesh = make_mesh(spec)
+    optimizer, precision_ = optax.adamw(1e-3), make_precision(precision)
+    rows = {k: np.zeros((batch_size, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+
+    def state():
+        params, model_state, specs = model.init_on_mesh(jax.random.key(0), batch, mesh,
+                                                        rules=rules)  # fmt: skip
+        return create_train_state(
+            params, optimizer, mesh, model_state=model_state, precision=precision_,
+            param_specs=specs, shard_optimizer=shard_optimizer,
+        )  # fmt: skip
+
+    abstract = jax.eval_shape(state)
+    params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
+    names = model.names(jax.random.key(0), batch) if model.names else None
+    specs = param_specs(params, mesh, names=names, rules=rules)
+    abstract = placed(abstract, state_shardings(
+        params, optimizer, mesh, param_specs=specs, shard_optimizer=shard_optimizer,
+        rng_impl=abstract.rng_impl,
+    ))  # fmt: skip
+    step = make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True,
+                           precision=precision_)  # fmt: skip
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=step.batch_sharding), rows
+    )
+    compiled = step.lower(abstract, shapes).compile()
+    memory = compiled.memory_analysis()
+    plan.temporaries = int(memory.temp_size_in_bytes)
+    plan.arguments = int(memory.argument_size_in_bytes)
+    by_kind: dict[str, int] = {}
+    wire = 0.0
+    for op in collectives(compiled.as_text(), mesh.devices.size):
+        axes = [axis for axis in mesh.axis_names if op.crosses(mesh, axis)] or ["none"]
+        key = f"{op.op} over {'+'.join(axes)}"
+        by_kind[key] = by_kind.get(key, 0) + op.nbytes
+        size = max(len(group) for group in op.groups)
+        wire += op.nbytes * _WIRE[op.op](size)
+    plan.collectives, plan.wire = by_kind, wire
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, Sequence):
+        analysis = analysis[0] if analysis else {}
+    flops = float((analysis or {}).get("flops", 0.0))
+    plan.flops = flops * mesh.devices.size if flops > 0 else None
+    return plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    compute: float  # seconds
+    memory: float
+    communication: float
+
+    @property
+    def step(self) -> float:
+        return max(self.compute, self.memory, self.communication)
+
+
+def roofline(plan: Plan, device: Device) -> Roofline | None:
+    """The step's time bound by compute, by HBM (reading and writing the state once, the
+    temporaries twice) and by the interconnect (the collectives' ring traffic), each
+    alone: the step takes at least the largest. None without compiled figures."""
+    if plan.flops is None or plan.temporaries is None or plan.wire is None:
+        return None
+    hbm = 2 * plan.state + 2 * plan.temporaries
+    return Roofline(
+        compute=plan.flops / plan.devices / device.peak_flops,
+        memory=hbm / device.memory_bandwidth,
+        communication=plan.wire / device.link_bandwidth,
+    )
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.3f} GiB"
+
+
+def _bytes(nbytes: int) -> str:
+    return f"{nbytes:,} bytes ({_gib(nbytes)})"
+
+
+def report(plan: Plan, device: Device | None, *, batch_size: int) -> list[str]:
+    mesh = ",".join(f"{axis}={size}" for axis, size in plan.mesh.items())
+    lines = [
+        f"mesh {mesh} ({plan.devices} devices), {plan.parameters:,} parameters, "
+        f"global batch {batch_size}",
+        f"  per device, exact: parameters {_bytes(plan.params)}, gradients "
+        f"{_bytes(plan.grads)}, optimizer state {_bytes(plan.optimizer)}",
+    ]
+    if plan.temporaries is None:
+        lines.append(
+            f"  activations and temporaries, collectives, FLOPs: not compiled (meshes of at "
+            f"most {MAX_COMPILED} devices are)"
+        )
+    else:
+        lines.append(f"  activations and temporaries: {_bytes(plan.temporaries)} per device "
+                     "(the compiled step's memory analysis)")  # fmt: skip
+        for key, nbytes in sorted(plan.collectives.items()):
+            lines.append(f"  collective {key}: {nbytes:,} bytes per device per step")
+        if plan.flops is not None:
+            lines.append(f"  FLOPs per step: {plan.flops:.4g} (all devices)")
+    if device is not None:
+        need = plan.state + (plan.temporaries or 0)
+        fits = "fits" if need <= device.memory else "does NOT fit"
+        known = "" if plan.temporaries is not None else " (state alone)"
+        lines.append(f"  {device.name}: needs {_gib(need)}{known} of {_gib(device.memory)}: {fits}")
+        bound = roofline(plan, device)
+        if bound is not None:
+            mfu = plan.flops / plan.devices / device.peak_flops / bound.step
+            lines.append(
+                f"  roofline step {bound.step * 1e3:.2f} ms (compute {bound.compute * 1e3:.2f}, "
+                f"HBM {bound.memory * 1e3:.2f}, interconnect {bound.communication * 1e3:.2f}), "
+                f"MFU at most {mfu:.0%}"
+            )
+    return lines
+
+
+def _candidates(devices: int) -> list[str]:
+    """The layouts of ``devices`` devices ``--suggest`` compares."""
+    out = []
+    for model in (1, 2, 4, 8):
+        for fsdp in (1, 2, 4, 8, 16, 32, 64):
+            if devices % (model * fsdp):
+                continue
+            data = devices // (model * fsdp)
+            parts = [f"data={data}", f"fsdp={fsdp}", f"model={model}"]
+            out.append(",".join(p for p in parts if not p.endswith("=1") or p == parts[0]))
+    return out
+
+
+def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan:
+    model, batch = build_model(args.model, args.model_size, vocab=args.vocab_size,
+                               seq_len=args.seq_len, image=args.image_shape)  # fmt: skip
+    sizes = _mesh_sizes(spec)
+    from jdp.mesh import parse_axis_rules as parse_rules
+
+    rules = parse_rules(args.axis_rules)
+    split = math.prod(sizes.get(axis, 1) for axis in ("data", "fsdp"))
+    if args.batch_size % split:
+        raise UsageError(
+            f"global batch {args.batch_size} does not split over {split} replicas and fsdp "
+            f"shards of --mesh {spec}; use a multiple of {split}"
+        )
+    plan = state_bytes(model, batch, sizes, shard_optimizer=args.shard_optimizer, rules=rules)
+    if compile_step:
+        compiled_figures(plan, model, batch, args.batch_size, precision=args.precision,
+                         shard_optimizer=args.shard_optimizer, rules=rules)  # fmt: skip
+    return plan
+
+
+def _compile_in_child(argv: Sequence[str], devices: int) -> int:
+    """Runs this command again in a process with ``devices`` simulated CPU devices."""
+    env = dict(os.environ)
+    flags = [flag for flag in env.get("XLA_FLAGS", "").split() if "device_count" not in flag]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JDP_PLAN_CHILD"] = "1"
+    return subprocess.call([sys.executable, "-m", "jdp.plan", *argv], env=env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="jdp.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--mesh", default="data=8", help="e.g. data=64,fsdp=8")
+    parser.add_argument("--model", default="gpt")
+    parser.add_argument(
+        "--model-size", default="standard", help="small, standard (or 1.3b for gpt)"
+    )
+    parser.add_argument("--batch-size", type=int, default=512, help="global batch")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--shard-optimizer", action="store_true", help="ZeRO-1")
+    parser.add_argument("--axis-rules", default="", help="as jdp.train's --axis-rules")
+    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB, help="sequence models")
+    parser.add_argument("--seq-len", type=int, default=1024, help="sequence models' tokens")
+    parser.add_argument("--image-shape", type=lambda s: tuple(int(d) for d in s.split("x")),
+                        default=(32, 32, 3), help="image models' HxWxC")  # fmt: skip
+    parser.add_argument("--device", choices=sorted(DEVICES), help="an accelerator to fit")
+    parser.add_argument("--no-compile", action="store_true", help="shapes only")
+    parser.add_argument(
+        "--suggest", action="store_true", help="compare the layouts of the mesh's device count"
+    )
+    args = parser.parse_args(argv)
+    try:
+        sizes = _mesh_sizes(args.mesh)
+        devices = math.prod(sizes.values())
+        compile_step = not args.no_compile and devices <= MAX_COMPILED
+        if compile_step and not os.environ.get("JDP_PLAN_CHILD"):
+            return _compile_in_child(argv, devices)
+        device = DEVICES.get(args.device) if args.device else None
+        specs = _candidates(devices) if args.suggest else [args.mesh]
+        best = None
+        for spec in specs:
+            try:
+                plan = plan_for(spec, args, compile_step=compile_step)
+            except UsageError as error:
+                if not args.suggest:
+                    raise
+                print(f"mesh {spec}: {error}")
+                continue
+            print("\n".join(report(plan, device, batch_size=args.batch_size)))
+            if args.suggest and device is not None:
+                need = plan.state + (plan.temporaries or 0)
+                bound = roofline(plan, device)
+                score = bound.step if bound is not None else plan.state
+                if need <= device.memory and (best is None or score < best[0]):
+                    best = (score, spec)
+        if args.suggest:
+            if device is None:
+                print("jdp.plan: --suggest picks for a --device; name one")
+            elif best is None:
+                print(f"jdp.plan: no layout of {devices} devices fits a {device.name}")
+            else:
+                print(f"jdp.plan: suggest --mesh {best[1]}")
+        if device is not None:
+            print(f"({device.name}: {device.source})")
+    except UsageError as error:
+        print(f"jdp.plan: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

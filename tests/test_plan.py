@@ -1,0 +1,126 @@
+"""`python -m jdp.plan`: its bytes per device against hand arithmetic, its compiled
+figures against the program jdp's step compiles."""
+
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import run_python
+
+import jdp
+from jdp import plan
+
+FLOAT = 4  # bytes of a float32
+VOCAB = 50257
+
+
+def _gpt_leaves(width, layers, hidden, max_len, heads):
+    """GPT's parameters as (elements, split over fsdp by jdp's rules) pairs, by hand.
+
+    The rules put every dimension named ``embed`` on fsdp (the width divides by
+    8 in both configurations); the vocabulary, ``mlp`` and ``heads`` go to
+    ``model``, absent here. A leaf the rules leave whole is split by the default
+    rule when it holds at least 16 KiB: of these, only the MLP's bias of the
+    1.3B model (8,192 floats). The query/key/value biases (heads x head width)
+    stay whole.
+    """
+    head = width // heads
+    leaves = [(VOCAB * width, True), (max_len * width, True), (2 * width, True)]  # final LN
+    for _ in range(layers):
+        leaves += [(2 * width, True)] * 2  # two LayerNorms
+        leaves += [(width * heads * head, True)] * 4  # query, key, value, out kernels
+        leaves += [(heads * head, False)] * 3  # query, key, value biases
+        leaves += [(width, True)]  # out bias
+        leaves += [(width * hidden, True)] * 2  # MLP kernels
+        leaves += [(hidden, hidden * FLOAT >= 16 * 1024), (width, True)]  # MLP biases
+    return leaves
+
+
+CONFIGS = {
+    "standard": dict(width=768, layers=12, hidden=3072, max_len=1024, heads=12),  # GPT-2 small
+    "1.3b": dict(width=2048, layers=24, hidden=8192, max_len=2048, heads=16),  # GPT-3 XL
+}
+
+
+@pytest.mark.parametrize("size", sorted(CONFIGS))
+@pytest.mark.parametrize("mesh", ["fsdp=8", "data=8,fsdp=8", "data=32,fsdp=8"])
+def test_bytes_per_device_match_hand_arithmetic(size, mesh):
+    leaves = _gpt_leaves(**CONFIGS[size])
+    fsdp = 8
+    params = FLOAT * sum(n // fsdp if split else n for n, split in leaves)
+    result = run_python(
+        "-m", "jdp.plan", "--mesh", mesh, "--model", "gpt", "--model-size", size,
+        "--no-compile", timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    total = sum(n for n, _ in leaves)
+    if size == "standard":
+        assert total == 124_439_808  # GPT-2 small, as published
+    assert f"{total:,} parameters" in result.stdout
+    found = re.search(
+        r"parameters ([\d,]+) bytes .*gradients ([\d,]+) bytes .*optimizer state ([\d,]+) bytes",
+        result.stdout,
+    )
+    got = [int(part.replace(",", "")) for part in found.groups()]
+    # AdamW: two moments laid out as the parameters, and one int32 step count.
+    assert got == [params, params, 2 * params + 4]
+
+
+def test_zero1_splits_the_optimizer_state_over_data():
+    model, batch = plan.build_model("gpt", "standard", vocab=VOCAB, seq_len=1024, image=())
+    replicated = plan.state_bytes(model, batch, {"data": 8})
+    zero1 = plan.state_bytes(model, batch, {"data": 8}, shard_optimizer=True)
+    assert zero1.params == replicated.params
+    # Leaves of at least 16 KiB split 8 ways; the small ones (biases, the count) stay.
+    assert replicated.optimizer / 8 <= zero1.optimizer <= 1.05 * replicated.optimizer / 8
+
+
+def test_the_compiled_figures_are_the_steps(devices):
+    """The planner's temporaries and collectives are those of the program `make_train_step`
+    compiles for real arrays on the same mesh."""
+    model, batch = plan.build_model("gpt", "small", vocab=1000, seq_len=64, image=())
+    figures = plan.state_bytes(model, batch, {"data": 2, "fsdp": 4})
+    plan.compiled_figures(figures, model, batch, 16, precision="fp32", shard_optimizer=False)
+    mesh = jdp.make_mesh("data=2,fsdp=4")
+    optimizer = optax.adamw(1e-3)
+    params, model_state, specs = model.init_on_mesh(jax.random.key(0), batch, mesh)
+    state = jdp.create_train_state(
+        params, optimizer, mesh, model_state=model_state, param_specs=specs
+    )
+    step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True)
+    rows = {k: np.zeros((16, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+    compiled = step.lower(state, jdp.shard_batch(rows, mesh)).compile()
+    assert figures.temporaries == compiled.memory_analysis().temp_size_in_bytes
+    assert figures.params == sum(
+        leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state.params)
+    )
+    # FSDP's collectives: the parameters gathered over fsdp (their bytes whole), the
+    # gradients reduced over fsdp and over data; nothing else crosses an axis.
+    whole = sum(leaf.nbytes for leaf in jax.tree.leaves(state.params))
+    assert figures.collectives["all-gather over fsdp"] <= whole
+    assert set(figures.collectives) == {
+        "all-gather over fsdp", "all-reduce over fsdp", "all-reduce over data",
+    }  # fmt: skip
+
+
+def test_the_planner_fits_and_suggests_for_a_device():
+    result = run_python(
+        "-m", "jdp.plan", "--mesh", "data=8", "--model", "gpt", "--model-size", "small",
+        "--batch-size", "16", "--seq-len", "64", "--vocab-size", "1000", "--device", "v5e",
+        "--suggest", timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("mesh ") >= 4  # data=8, fsdp=8, data=4,model=2, ...
+    assert "Google TPU v5e: needs" in result.stdout and "roofline step" in result.stdout
+    assert re.search(r"jdp.plan: suggest --mesh \S+", result.stdout)
+
+
+def test_a_mesh_the_batch_cannot_split_is_one_line():
+    result = run_python(
+        "-m", "jdp.plan", "--mesh", "data=4,fsdp=4", "--batch-size", "8", "--no-compile",
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "use a multiple of 16" in result.stderr and len(result.stderr.splitlines()) == 1
