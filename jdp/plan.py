@@ -275,9 +275,14 @@ def report(plan: Plan, device: Device | None, *, batch_size: int) -> list[str]:
     ]
     if plan.temporaries is None:
         lines.append(
-            f"  activations and temporaries, collectives, FLOPs: not compiled (meshes of at "
-            f"most {MAX_COMPILED} devices are)"
+            f"  activations and temporaries, collectives: not compiled (meshes of at most "
+            f"{MAX_COMPILED} devices are)"
         )
+        if plan.flops is not None:
+            lines.append(
+                f"  FLOPs per step: {plan.flops:.4g} (all devices; one replica's rows compiled "
+                "on one device, times the replicas)"
+            )
     else:
         lines.append(f"  activations and temporaries: {_bytes(plan.temporaries)} per device "
                      "(the compiled step's memory analysis)")  # fmt: skip
@@ -291,6 +296,12 @@ def report(plan: Plan, device: Device | None, *, batch_size: int) -> list[str]:
         known = "" if plan.temporaries is not None else " (state alone)"
         lines.append(f"  {device.name}: needs {_gib(need)}{known} of {_gib(device.memory)}: {fits}")
         bound = roofline(plan, device)
+        if bound is None and plan.flops is not None:
+            compute = plan.flops / plan.devices / device.peak_flops
+            lines.append(
+                f"  compute at peak: {compute * 1e3:.2f} ms per step (HBM and interconnect "
+                "not compiled: no roofline)"
+            )
         if bound is not None:
             mfu = plan.flops / plan.devices / device.peak_flops / bound.step
             lines.append(
@@ -331,6 +342,13 @@ def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan
     if compile_step:
         compiled_figures(plan, model, batch, args.batch_size, precision=args.precision,
                          shard_optimizer=args.shard_optimizer, rules=rules)  # fmt: skip
+    elif not args.no_compile:
+        # Too many devices to simulate: the FLOPs of one replica's rows, compiled on
+        # one device, times the replicas (the model axis splits a replica's work).
+        one = Plan(mesh={"data": 1}, params=0, grads=0, optimizer=0, parameters=0)
+        compiled_figures(one, model, batch, args.batch_size // split, precision=args.precision,
+                         shard_optimizer=False)  # fmt: skip
+        plan.flops = None if one.flops is None else one.flops * split
     return plan
 
 

@@ -57,11 +57,14 @@ class CompiledStep(NamedTuple):
 
     The contract, for both backends: the state is replicated on every device of
     the mesh (``state_sharding``; with DiLoCo groups all but ``state.groups``,
-    which is split over ``group``), the batch's rows are split over ``data`` (and
-    ``group``) (``batch_sharding``; with several steps per call the steps stack
+    which is split over ``group``), or, with the ``jit`` backend, laid out as
+    `jdp.layout` says (``fsdp``, ``model``, ZeRO-1; ``state_sharding`` None: the
+    step compiles for the layout of the state it is given, and the state stays
+    in it); the batch's rows are split over ``data`` (and ``group``, and
+    ``fsdp``) (``batch_sharding``; with several steps per call the steps stack
     on axis 0 and the rows are axis 1), a train step donates its input state
     (passed again, to any step, it is refused with a `UsageError`), and every
-    output is replicated (but the groups' state). At most two calls are in
+    other output is replicated (but the groups' state). At most two calls are in
     flight: on the CPU backend, steps with collectives dispatched without bound
     can leave the replicas' threads waiting on each other's rendezvous until XLA
     aborts the process; waiting on the call before last keeps the device busy
@@ -227,8 +230,8 @@ def _compile_sharded(
 
     ``make_fn(param_shardings)`` returns ``fn(state, batch)``, which runs where
     XLA partitions the arrays (``fsdp``, ``model``, ZeRO-1's ``data``) and maps
-    the replicas by hand itself (``shard_map`` over `manual_axes`). One program
-    is compiled per layout of the state; the metrics are replicated.
+    the replicas itself (`_over_replicas`). One program is compiled per layout of
+    the state; the metrics are replicated.
     """
     stacked = steps > 1
     batch_axis, slices = int(stacked), batch_split(mesh)
@@ -635,7 +638,12 @@ def make_train_step(
 
             ``rng`` differs per step and per replica (for dropout).
         optimizer: any ``optax.GradientTransformation``.
-        mesh: a mesh with a ``data`` axis. With a ``group`` axis first (DiLoCo,
+        mesh: a mesh with a ``data`` axis. With ``fsdp`` or ``model`` axes the
+            parameters and optimizer state are split as the state's layout says
+            (`create_train_state`'s ``param_specs``; ``jit`` only): each replica's
+            rows are one block of the batch, split again over ``fsdp``, and the
+            step computes what the ``data`` mesh of as many replicas computes.
+            With a ``group`` axis first (DiLoCo,
             ``group=2,data=4``), each group takes its block of the batch's rows
             and trains its own parameters (``state.groups``, from
             ``create_train_state(..., outer=...)``) with ``optimizer``,

@@ -1,9 +1,10 @@
 """Sharded layouts: fsdp, model (tensor parallel) and ZeRO-1 on the same mesh as data.
 
 Every layout must compute what the unsharded step computes on the same global
-batch: dropout draws one key per ``data`` replica whatever the other axes, so a
-model with dropout is compared with the ``data`` mesh of the same replica count,
-and models without it with one device.
+batch, for jdp's models and for Linen and NNX modules as users write them (no
+logical axis names: the default rule). Dropout draws one key per ``data``
+replica whatever the other axes, so a model with dropout is compared with the
+``data`` mesh of the same replica count, and models without it with one device.
 """
 
 import flax.linen as nn
@@ -12,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from helpers import assert_trees_close, run_cli
 from jax.sharding import PartitionSpec as P
 
 import jdp
 from jdp.data import numbers2words
 from jdp.layout import MIN_SHARDED_BYTES, leaf_spec, param_specs
-from jdp.models import classification, from_linen, get_model
+from jdp.models import classification, from_linen, from_nnx, get_model
 
 STEPS = 5
 MESHES = ["fsdp=8", "data=2,fsdp=4", "data=4,model=2", "model=2"]
@@ -32,6 +34,16 @@ class UserNet(nn.Module):
         x = nn.relu(nn.Dense(256)(x.reshape(x.shape[0], -1)))
         x = nn.relu(nn.Dense(64)(x))
         return nn.Dense(10)(x)
+
+
+class UserNnx(nnx.Module):
+    """An NNX module as a user writes it."""
+
+    def __init__(self, rngs):
+        self.hidden, self.out = nnx.Linear(64, 256, rngs=rngs), nnx.Linear(256, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))))
 
 
 def _image_batches(steps=STEPS, rows=64):
@@ -85,13 +97,13 @@ def _expect_laid_out(state, specs, mesh):
 
 
 @pytest.mark.parametrize("spec", MESHES)
-@pytest.mark.parametrize("which", ["mlp", "user"])
+@pytest.mark.parametrize("which", ["mlp", "linen", "nnx"])
 def test_a_sharded_step_computes_what_one_device_does(devices, which, spec):
-    model = (
-        get_model("mlp", jdp.load_split("digits", "train"))
-        if which == "mlp"
-        else from_linen(UserNet(), classification())
-    )
+    model = {
+        "mlp": lambda: get_model("mlp", jdp.load_split("digits", "train")),
+        "linen": lambda: from_linen(UserNet(), classification()),
+        "nnx": lambda: from_nnx(UserNnx(nnx.Rngs(0)), classification()),
+    }[which]()
     batches = _image_batches()
     reference, _, _ = _train(model, batches, "data=1")
     state, specs, mesh = _train(model, batches, spec)
