@@ -96,6 +96,8 @@ def _quiet_orbax_failures() -> None:
             return
         if isinstance(error, ImportError) and "shutting down" in str(error):
             return  # a failed save's writes, abandoned at exit
+        if isinstance(error, RuntimeWarning) and "was never awaited" in str(error):
+            return  # the unawaited reads above, where warnings are errors
         previous(unraisable)
 
     hook.jdp_filter = True
