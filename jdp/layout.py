@@ -29,7 +29,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.errors import UsageError
-from jdp.mesh import DATA_AXIS, FSDP_AXIS, KNOWN_AXES, MODEL_AXIS
+from jdp.mesh import DATA_AXIS, FSDP_AXIS, KNOWN_AXES, MODEL_AXIS, check_axis_rule
 
 # Logical axis name -> mesh axis (None: never split). The names the built-in models
 # use; pass ``rules=`` to override some of them or to add your model's.
@@ -53,21 +53,22 @@ Rules = Sequence[tuple[str, str | None]] | Mapping[str, str | None]
 
 
 def rules_table(rules: Rules | None = None) -> dict[str, str | None]:
-    """`RULES` with ``rules`` (pairs or a mapping) taking precedence.
+    """`RULES` with ``rules`` (pairs or a mapping) taking precedence. A mesh axis's own
+    name (``fsdp``, ``model``, as ``nn.with_partitioning`` writes them) maps to itself.
 
     Raises:
-        UsageError: a rule names a mesh axis jdp does not know.
+        UsageError: a rule maps a name to an axis that does not split parameters.
     """
-    table = dict(RULES)
+    table: dict[str, str | None] = {FSDP_AXIS: FSDP_AXIS, MODEL_AXIS: MODEL_AXIS, **dict(RULES)}
     given = dict(rules.items() if isinstance(rules, Mapping) else rules or ())
     for name, axis in given.items():
-        if axis is not None and axis not in KNOWN_AXES:
-            raise UsageError(
-                f"axis rule {name}={axis}: {axis!r} is not a mesh axis; use one of "
-                f"{', '.join(KNOWN_AXES)}, or none to keep {name!r} whole"
-            )
+        check_axis_rule(name, axis)
     table.update(given)
     return table
+
+
+class _Table(dict):
+    """A rules table `rules_table` already made (and checked)."""
 
 
 def _axis_sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
@@ -115,7 +116,8 @@ def leaf_spec(shape: Sequence[int], names: Sequence[str | None] | None,
     ``nbytes``: the leaf's size, for the default rule's threshold (default: 4-byte
     elements). ``mesh`` may be a mapping of axis sizes (no devices needed).
     """
-    sizes, table = _axis_sizes(mesh), rules_table(rules)
+    sizes = _axis_sizes(mesh)
+    table = rules if isinstance(rules, _Table) else rules_table(rules)
     entries: list[tuple[str, ...]] = [()] * len(shape)
     if names is not None:
         if len(names) != len(shape):
@@ -164,8 +166,9 @@ def param_specs(params: Any, mesh: Mesh | Mapping[str, int], *, names: Any = Non
     """
     leaves, treedef = jax.tree.flatten(params)
     named = [None] * len(leaves) if names is None else treedef.flatten_up_to(names)
+    table = _Table(rules_table(rules))  # validated once, not per leaf
     specs = [
-        leaf_spec(leaf.shape, leaf_names, mesh, rules, nbytes=_nbytes(leaf))
+        leaf_spec(leaf.shape, leaf_names, mesh, table, nbytes=_nbytes(leaf))
         for leaf, leaf_names in zip(leaves, named, strict=True)
     ]
     return jax.tree.unflatten(treedef, specs)

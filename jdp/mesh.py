@@ -90,12 +90,23 @@ def parse_mesh_spec(spec: str) -> tuple[tuple[str, int], ...]:
     return tuple(axes)
 
 
+def check_axis_rule(name: str, axis: str | None) -> None:
+    """UsageError unless ``axis`` is None or an axis that splits parameters (``fsdp``,
+    ``model``): ``data`` and ``group`` hold replicas, whole copies."""
+    if axis is not None and axis not in SHARDING_AXES:
+        raise UsageError(
+            f"axis rule {name}={axis}: parameters split over {' or '.join(SHARDING_AXES)}; "
+            f"use one of them, or none to keep {name!r} whole"
+        )
+
+
 def parse_axis_rules(text: str) -> dict[str, str | None]:
     """``"mlp=model,embed=none"`` -> ``{"mlp": "model", "embed": None}``: logical axis
     names mapped to mesh axes (`jdp.layout`), as ``--axis-rules`` writes them.
 
     Raises:
-        UsageError: an item that is not NAME=AXIS, or an axis jdp does not know.
+        UsageError: an item that is not NAME=AXIS, or an axis that does not split
+            parameters (`check_axis_rule`).
     """
     rules: dict[str, str | None] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -105,12 +116,8 @@ def parse_axis_rules(text: str) -> dict[str, str | None]:
                 f"bad axis rule {item!r}; write NAME=AXIS[,NAME=AXIS...], e.g. "
                 "mlp=model,embed=fsdp or vocab=none"
             )
-        if axis.lower() != "none" and axis not in KNOWN_AXES:
-            raise UsageError(
-                f"axis rule {item}: {axis!r} is not a mesh axis; use one of "
-                f"{', '.join(KNOWN_AXES)}, or none to keep {name!r} whole"
-            )
         rules[name] = None if axis.lower() == "none" else axis
+        check_axis_rule(name, rules[name])
     return rules
 
 
@@ -279,9 +286,9 @@ def manual_axes(mesh: Mesh) -> tuple[str, ...]:
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     """The axes a global batch's rows split over: `manual_axes`, then ``fsdp`` (when the
-    mesh has it). Group ``g`` takes the ``g``-th of ``group_size`` equal blocks of rows;
-    each data replica's rows split again over ``fsdp``."""
-    return manual_axes(mesh) + ((FSDP_AXIS,) if FSDP_AXIS in mesh.shape else ())
+    mesh has it, of size > 1). Group ``g`` takes the ``g``-th of ``group_size`` equal
+    blocks of rows; each data replica's rows split again over ``fsdp``."""
+    return manual_axes(mesh) + ((FSDP_AXIS,) if mesh.shape.get(FSDP_AXIS, 1) > 1 else ())
 
 
 def batch_split(mesh: Mesh) -> int:

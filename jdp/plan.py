@@ -51,7 +51,7 @@ DEVICES = {
     "v5e": Device("Google TPU v5e", 197e12, 16e9, 819e9, 200e9,
                   "cloud.google.com/tpu/docs/v5e (ICI 400 GB/s bidirectional)"),
     "v5p": Device("Google TPU v5p", 459e12, 95e9, 2.765e12, 300e9,
-                  "cloud.google.com/tpu/docs/v5p (ICI 4800 Gbps)"),
+                  "cloud.google.com/tpu/docs/v5p (ICI 4800 Gbps, taken as both directions)"),
 }  # fmt: skip
 
 # Planner-only sizes of the language model, beyond the registry's small and standard.
@@ -84,6 +84,15 @@ class Plan:
     @property
     def state(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def need(self) -> int:
+        """Bytes a device needs: the compiled step's arguments (the state at rest, the
+        batch) and temporaries (activations, gradients, gathered parameters), or, not
+        compiled, parameters, gradients and optimizer state."""
+        if self.arguments is not None and self.temporaries is not None:
+            return self.arguments + self.temporaries
+        return self.state
 
 
 def _mesh_sizes(spec: str) -> dict[str, int]:
@@ -244,12 +253,14 @@ class Roofline:
 
 
 def roofline(plan: Plan, device: Device) -> Roofline | None:
-    """The step's time bound by compute, by HBM (reading and writing the state once, the
-    temporaries twice) and by the interconnect (the collectives' ring traffic), each
-    alone: the step takes at least the largest. None without compiled figures."""
+    """The step's time by compute, by HBM (reading and writing the parameters and
+    optimizer state once, the temporaries twice) and by the interconnect (the
+    collectives' ring traffic over one link bandwidth for every axis), each alone;
+    with perfect overlap the step takes the largest. An estimate: the collectives
+    are the CPU program's (see docs/sharding.md). None without compiled figures."""
     if plan.flops is None or plan.temporaries is None or plan.wire is None:
         return None
-    hbm = 2 * plan.state + 2 * plan.temporaries
+    hbm = 2 * (plan.params + plan.optimizer) + 2 * plan.temporaries
     return Roofline(
         compute=plan.flops / plan.devices / device.peak_flops,
         memory=hbm / device.memory_bandwidth,
@@ -291,7 +302,7 @@ def report(plan: Plan, device: Device | None, *, batch_size: int) -> list[str]:
         if plan.flops is not None:
             lines.append(f"  FLOPs per step: {plan.flops:.4g} (all devices)")
     if device is not None:
-        need = plan.state + (plan.temporaries or 0)
+        need = plan.need
         fits = "fits" if need <= device.memory else "does NOT fit"
         known = "" if plan.temporaries is not None else " (state alone)"
         lines.append(f"  {device.name}: needs {_gib(need)}{known} of {_gib(device.memory)}: {fits}")
@@ -403,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             print("\n".join(report(plan, device, batch_size=args.batch_size)))
             if args.suggest and device is not None:
-                need = plan.state + (plan.temporaries or 0)
+                need = plan.need
                 bound = roofline(plan, device)
                 score = bound.step if bound is not None else plan.state
                 if need <= device.memory and (best is None or score < best[0]):

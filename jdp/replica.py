@@ -203,10 +203,12 @@ class StepParts(NamedTuple):
     metrics, model_state)``, all averaged over ``data`` (it runs where ``data`` is
     mapped by hand), and ``update(state, grads, model_state, metrics) -> (state,
     metrics)``, the optimizer's (it runs anywhere: on a sharded layout, where XLA
-    partitions the state)."""
+    partitions the state); ``finish(state, grads)``: averaged gradients in the reduce
+    dtype to the parameters' dtype, the loss scale divided out."""
 
     gradients: Callable[[TrainState, Any], tuple[Any, Metrics, Any]]
     update: Callable[..., tuple[TrainState, Metrics]]
+    finish: Callable[[TrainState, Any], Any]
 
 
 def train_step_parts(
@@ -222,10 +224,13 @@ def train_step_parts(
     skip_nonfinite: bool = False,
     axes: tuple[str, ...] = (DATA_AXIS,),
     gather: Callable[[Any], Any] | None = None,
+    reduce_grads: bool = True,
 ) -> StepParts:
     """The halves of `train_step`; ``replicas`` None: ``update`` runs outside the
     replicas' mapping (the gradient norm is then XLA's to partition). ``gather``:
-    applied to the parameters in the compute dtype, before the loss uses them."""
+    applied to the parameters in the compute dtype, before the loss uses them.
+    ``reduce_grads`` False: ``gradients`` returns this replica's gradients in the
+    reduce dtype, for the caller to average and pass through ``finish``."""
 
     def objective(params, model_state, batch, rng, scale):
         params = cast_floats(params, precision.compute_dtype)
@@ -253,11 +258,18 @@ def train_step_parts(
         )
         # The one gradient all-reduce of the step (after all micro-batches).
         grads = cast_floats(grads, precision.reduce_dtype)
+        metrics = {"loss": loss, **aux}
+        if not reduce_grads:  # the caller averages this replica's gradients (`finish`)
+            return grads, lax.pmean(metrics, DATA_AXIS), pmean_floats(model_state)
         grads, metrics = pmean_bucketed(
-            (grads, {"loss": loss, **aux}), vary=vary, pack_leaf_bytes=pack_leaf_bytes
+            (grads, metrics), vary=vary, pack_leaf_bytes=pack_leaf_bytes
         )
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / scale, grads, state.params)
-        return grads, metrics, pmean_floats(model_state)
+        return finish(state, grads), metrics, pmean_floats(model_state)
+
+    def finish(state: TrainState, grads: Any) -> Any:
+        """Averaged gradients in the reduce dtype -> in the parameters' dtype, unscaled."""
+        scale = state.loss_scale.scale if precision.loss_scaling else 1.0
+        return jax.tree.map(lambda g, p: g.astype(p.dtype) / scale, grads, state.params)
 
     def update(state: TrainState, grads: Any, model_state: Any, metrics: Metrics
                ) -> tuple[TrainState, Metrics]:  # fmt: skip
@@ -277,7 +289,7 @@ def train_step_parts(
                 metrics["lr"] = jnp.asarray(injected, jnp.float32)
         return updated, metrics
 
-    return StepParts(gradients, update)
+    return StepParts(gradients, update, finish)
 
 
 def train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, **options: Any

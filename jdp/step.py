@@ -58,9 +58,10 @@ class CompiledStep(NamedTuple):
     The contract, for both backends: the state is replicated on every device of
     the mesh (``state_sharding``; with DiLoCo groups all but ``state.groups``,
     which is split over ``group``), or, with the ``jit`` backend, laid out as
-    `jdp.layout` says (``fsdp``, ``model``, ZeRO-1; ``state_sharding`` None: the
-    step compiles for the layout of the state it is given, and the state stays
-    in it); the batch's rows are split over ``data`` (and ``group``, and
+    `jdp.layout` says (``fsdp``, ``model``, ZeRO-1: the step compiles for the
+    layout of the state it is given, on its own mesh, and the state stays in it;
+    ``state_sharding`` is None for a step made on a mesh with ``fsdp`` or
+    ``model``); the batch's rows are split over ``data`` (and ``group``, and
     ``fsdp``) (``batch_sharding``; with several steps per call the steps stack
     on axis 0 and the rows are axis 1), a train step donates its input state
     (passed again, to any step, it is refused with a `UsageError`), and every
@@ -82,7 +83,7 @@ class CompiledStep(NamedTuple):
     call: Callable[..., Any]
     unbounded: Callable[..., Any]
     lower: Callable[..., jax.stages.Lowered]
-    state_sharding: NamedSharding
+    state_sharding: NamedSharding | None
     batch_sharding: NamedSharding
 
     def __call__(self, state: TrainState, batch: Any) -> Any:
@@ -244,6 +245,7 @@ def _compile_sharded(
         key = _layout(state)
         if key not in programs:
             shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
+            _check_mesh(jax.tree.leaves(shardings), mesh)
             fn = make_fn(shardings.params)
 
             def checked(state, batch):
@@ -279,28 +281,42 @@ def _compile_sharded(
     return CompiledStep(_bounded(program, witness), program, lower, None, batch_in)
 
 
-def _over_replicas(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+def _check_mesh(shardings: list, mesh: Mesh) -> None:
+    """UsageError unless every array lives on ``mesh``: a step compiles for the layout
+    of the state it is given, which must be on its own mesh."""
+    for sharding in shardings:
+        other = getattr(sharding, "mesh", None)
+        if other is not None and other != mesh:
+            raise UsageError(
+                f"this state lives on mesh {dict(other.shape)} and the step was made for "
+                f"mesh {dict(mesh.shape)}; create the state on the step's mesh, or restore "
+                "it onto that mesh (jdp.Checkpointer.restore with a state made there)"
+            )
+
+
+def _over_replicas(fn: Callable[..., Any], mesh: Mesh, *, out_axes: Any = None
+                   ) -> Callable[..., Any]:  # fmt: skip
     """``fn(state, batch)`` mapped over the ``data`` replicas for a state XLA partitions:
     a ``vmap`` that names the ``data`` axis, over the batch's rows in ``data`` blocks
     (the leading axis split over ``data``, each block's rows over ``fsdp``). Its
-    collectives over ``data`` become XLA's, over the mesh axis.
+    collectives over ``data`` become XLA's, over the mesh axis. ``out_axes`` as
+    ``vmap``'s: None for outputs that are the same on every replica, 0 for each
+    replica's own (with a leading ``data`` axis).
 
     Not ``shard_map`` by hand over ``data`` with ``fsdp`` and ``model`` left to XLA:
     in JAX 0.10 XLA aborts the process partitioning that program on a mesh with
     both (``data=2,fsdp=2,model=2``), and cannot partition an all-reduce over a
-    manual axis of size 1. ``fn``'s outputs are the same on every replica.
+    manual axis of size 1.
     """
     replicas = data_size(mesh)
-    blocks = NamedSharding(
-        mesh, PartitionSpec(DATA_AXIS, FSDP_AXIS if FSDP_AXIS in mesh.shape else None)
-    )
-    mapped = jax.vmap(fn, axis_name=DATA_AXIS, in_axes=(None, 0), out_axes=None)
+    blocks = NamedSharding(mesh, PartitionSpec(DATA_AXIS, *batch_axes(mesh)[1:]))
+    mapped = jax.vmap(fn, axis_name=DATA_AXIS, in_axes=(None, 0), out_axes=out_axes)
 
-    def per_replica(x):
+    def split(x):
         x = x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:])
         return lax.with_sharding_constraint(x, blocks)
 
-    return lambda state, batch: mapped(state, jax.tree.map(per_replica, batch))
+    return lambda state, batch: mapped(state, jax.tree.map(split, batch))
 
 
 def _gathered(param_shardings: Any) -> Any:
@@ -334,14 +350,26 @@ def _sharded_train(loss: LossFn, optimizer: optax.GradientTransformation, mesh: 
         parts = replica.train_step_parts(
             loss, optimizer, local_grads=False, replicas=None, pack_leaf_bytes=0,
             axes=(DATA_AXIS,), gather=lambda p: lax.with_sharding_constraint(p, gathered),
-            **options,
+            reduce_grads=False, **options,
         )  # fmt: skip
-        gradients = _over_replicas(parts.gradients, mesh)
+        gradients = _over_replicas(parts.gradients, mesh, out_axes=(0, None, None))
+        replicas = data_size(mesh)
+        # Each replica's gradient laid out as its parameter, the replicas over ``data``:
+        # the average over ``data`` then moves each device's share, not the whole.
+        stacked = jax.tree.map(
+            lambda s: NamedSharding(mesh, PartitionSpec(DATA_AXIS, *s.spec)), param_shardings
+        )
+
+        def average(grads):
+            grads = lax.with_sharding_constraint(grads, stacked)
+            mean = lambda g: jnp.sum(g, axis=0, dtype=g.dtype) / replicas  # noqa: E731
+            return lax.with_sharding_constraint(jax.tree.map(mean, grads), param_shardings)
 
         def one_step(state, batch):
             # The optimizer's state stays out of the replicas' mapping: under ZeRO-1
             # it is split over ``data``, which the mapping would gather.
             grads, metrics, model_state = gradients(state.replace(opt_state=None), batch)
+            grads = parts.finish(state, average(grads))
             grads = lax.with_sharding_constraint(grads, param_shardings)
             return parts.update(state, grads, model_state, metrics)
 

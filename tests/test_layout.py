@@ -241,7 +241,11 @@ def test_a_mesh_without_data_has_one_replica(devices):
         (["--mesh", "data=4,model=2", "--backend", "pmap"], "run with --backend jit"),
         (["--mesh", "data=8", "--shard-optimizer", "--backend", "pmap"], "--backend jit"),
         (["--mesh", "group=2,fsdp=4"], "DiLoCo groups train replicated parameters"),
-        (["--axis-rules", "mlp=tensor"], "'tensor' is not a mesh axis"),
+        (
+            ["--axis-rules", "mlp=tensor"],
+            "axis rule mlp=tensor: parameters split over fsdp or model",
+        ),
+        (["--axis-rules", "embed=data"], "axis rule embed=data: parameters split over fsdp"),
         (["--axis-rules", "mlp"], "write NAME=AXIS"),
     ],
 )
@@ -321,3 +325,41 @@ def test_cli_resumes_an_fsdp_run_on_data_parallelism(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert "resum" in resumed.stdout and "step 20" in resumed.stdout
     assert "jdp.train: steps=40" in resumed.stdout
+
+
+@pytest.mark.parametrize("spec", ["data=2,fsdp=2", "data=2,model=2"])
+def test_batchnorm_on_a_sharded_layout_is_its_replicas(devices, spec):
+    """The CNN normalises with the statistics of all its replicas' rows (BatchNorm's
+    axis_name is ``data``), on a layout as on the data mesh of as many replicas."""
+    model = get_model("cnn", jdp.load_split("digits", "train"))
+    batches = _image_batches()
+    reference, _, _ = _train(model, batches, "data=2")
+    state, specs, _ = _train(model, batches, spec)
+    assert jdp.layout.split_counts(specs)  # something is split
+    assert_trees_close(jax.device_get(state.params), jax.device_get(reference.params))
+    assert_trees_close(jax.device_get(state.model_state), jax.device_get(reference.model_state))
+
+
+def test_an_fsdp_axis_of_one_is_data_parallelism(devices):
+    model = from_linen(UserNet(), classification())
+    batches = _image_batches()
+    reference, _, _ = _train(model, batches, "data=4")
+    state, specs, _ = _train(model, batches, "data=4,fsdp=1,model=1")
+    assert jdp.layout.split_counts(specs) == {}
+    assert_trees_close(jax.device_get(state.params), jax.device_get(reference.params))
+
+
+def test_names_written_as_mesh_axes_map_to_themselves():
+    """``nn.with_partitioning(init, ("model", None))`` names the mesh axis itself."""
+    assert leaf_spec((64, 64), ("model", None), {"model": 2}) == P("model")
+    assert leaf_spec((64, 64), (None, "fsdp"), {"fsdp": 2}) == P(None, "fsdp")
+
+
+def test_a_state_on_another_mesh_is_refused(devices):
+    model = from_linen(UserNet(), classification())
+    batch = _image_batches(1)[0]
+    state, _ = _state_on(model, batch, "data=8", optax.sgd(0.1))
+    step = jdp.make_train_step(model.loss_fn, optax.sgd(0.1), jdp.make_mesh("fsdp=8"),
+                               has_model_state=True)  # fmt: skip
+    with pytest.raises(jdp.UsageError, match=r"this state lives on mesh \{'data': 8\}"):
+        step(state, jdp.shard_batch(batch, jdp.make_mesh("fsdp=8")))

@@ -112,9 +112,16 @@ def test_the_planner_fits_and_suggests_for_a_device():
         "--suggest", timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("mesh ") >= 4  # data=8, fsdp=8, data=4,model=2, ...
-    assert "Google TPU v5e: needs" in result.stdout and "roofline step" in result.stdout
-    assert re.search(r"jdp.plan: suggest --mesh \S+", result.stdout)
+    compared = re.findall(r"^mesh (\S+) \(8 devices\)", result.stdout, re.M)
+    assert {"data=8", "data=1,fsdp=8", "data=4,model=2", "data=2,fsdp=2,model=2"} <= set(compared)
+    assert result.stdout.count("Google TPU v5e: needs") == len(compared)
+    assert result.stdout.count("roofline step") == len(compared)
+    suggested = re.search(r"jdp.plan: suggest --mesh (\S+)", result.stdout).group(1)
+    # The suggestion is the compared layout with the shortest roofline step.
+    steps = dict(
+        re.findall(r"^mesh (\S+) .*?roofline step ([\d.]+) ms", result.stdout, re.M | re.S)
+    )
+    assert suggested == min(steps, key=lambda mesh: float(steps[mesh]))
 
 
 def test_a_mesh_the_batch_cannot_split_is_one_line():
@@ -124,3 +131,18 @@ def test_a_mesh_the_batch_cannot_split_is_one_line():
     )  # fmt: skip
     assert result.returncode == 2
     assert "use a multiple of 16" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_the_mesh_form_of_device_groups():
+    """XLA's ``replica_groups=mesh[...]`` form: ids laid out over the named axes (an
+    iota, transposed), one group per index of the axes not reduced over."""
+    from jdp.collectives import _groups
+
+    line = (
+        "%ag = f32[8]{0} all-gather(%p), replica_groups=mesh['axis_0'=4,'axis_1'=2], "
+        "device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}"
+    )
+    # ids [0,4,1,5,2,6,3,7] as a 4x2 grid; gathered over axis_0: the columns.
+    assert _groups(line, 8) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    plain = "%ar = f32[] all-reduce(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}"
+    assert _groups(plain, 8) == ((0, 4), (1, 5), (2, 6), (3, 7))
