@@ -309,7 +309,8 @@ def _over_replicas(fn: Callable[..., Any], mesh: Mesh, *, out_axes: Any = None
     manual axis of size 1.
     """
     replicas = data_size(mesh)
-    blocks = NamedSharding(mesh, PartitionSpec(DATA_AXIS, *batch_axes(mesh)[1:]))
+    rows = FSDP_AXIS if mesh.shape.get(FSDP_AXIS, 1) > 1 else None
+    blocks = NamedSharding(mesh, PartitionSpec(DATA_AXIS, rows))
     mapped = jax.vmap(fn, axis_name=DATA_AXIS, in_axes=(None, 0), out_axes=out_axes)
 
     def split(x):
@@ -811,7 +812,10 @@ def make_eval_step(
     """
     _check_backend(backend, mesh)
     metrics = replica.metrics_with_state(metrics_fn, has_model_state=has_model_state)
-    sharded = _sharded_eval(replica.eval_step(metrics, manual_axes(mesh)), mesh)
+    # DiLoCo's groups train replicated parameters: no layout to follow there.
+    sharded = None
+    if GROUP_AXIS not in mesh.shape:
+        sharded = _sharded_eval(replica.eval_step(metrics, manual_axes(mesh)), mesh)
     if is_sharded(mesh):
         return _compile_sharded(sharded, mesh, outputs=1, donate_state=False)
     compiled = _compile(
