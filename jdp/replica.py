@@ -211,6 +211,20 @@ class StepParts(NamedTuple):
     finish: Callable[[TrainState, Any], Any]
 
 
+def _after(value: jax.Array, finite_or_not: jax.Array) -> jax.Array:
+    """``value``, computed in one piece with ``finite_or_not`` (it adds an exact 0).
+
+    A scalar computed on a branch of its own (the learning rate, from the step
+    count alone) changed how XLA:CPU ran the 38k MLP's one-device step: its
+    calling thread waited 650 us a step for the thread pool instead of 240 us
+    (a profile), and the step took about 60 us longer, a tenth. Joined to a
+    value at the end of the step, the scalar is fused into that value's
+    computation, and the cost is gone.
+    """
+    zero = 0.0 * jnp.where(jnp.isfinite(finite_or_not), finite_or_not, 0.0)
+    return value + zero.astype(value.dtype)
+
+
 def train_step_parts(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -261,6 +275,10 @@ def train_step_parts(
         metrics = {"loss": loss, **aux}
         if not reduce_grads:  # the caller averages this replica's gradients (`finish`)
             return grads, lax.pmean(metrics, DATA_AXIS), pmean_floats(model_state)
+        if replicas == 1:
+            # Nothing to average, and an all-reduce over one device is not free on
+            # XLA:CPU: the 10.8M MLP's one-device step ran 1.2x longer with one.
+            return finish(state, grads), metrics, model_state
         grads, metrics = pmean_bucketed(
             (grads, metrics), vary=vary, pack_leaf_bytes=pack_leaf_bytes
         )
@@ -281,7 +299,8 @@ def train_step_parts(
         if lr_schedule is not None:
             # The optimizer's count advances only on applied updates (not fp16 skips).
             count = state.step - state.loss_scale.skipped
-            metrics["lr"] = jnp.asarray(lr_schedule(count), jnp.float32)
+            lr = jnp.asarray(lr_schedule(count), jnp.float32)
+            metrics["lr"] = _after(lr, metrics["grad_norm"])
         updated = _apply(optimizer, precision, skip_nonfinite, state, grads, model_state, metrics)
         if lr_schedule is None:  # an optimizer made with optax.inject_hyperparams says its own
             injected = optax.tree_utils.tree_get(updated.opt_state, "learning_rate")

@@ -161,6 +161,7 @@ def _compile(
             mesh=mesh,
             in_specs=(PartitionSpec(), batch_in.spec),
             out_specs=per_output(PartitionSpec()),
+            check_vma=_checks_replicas(mesh),
         )
 
         def checked(state, batch):
@@ -202,6 +203,17 @@ def _compile(
         program, lower = _pmapped(replica_fn, mesh, batch_axis, steps, per_output, donate)
     witness = (lambda out: out[1]) if outputs > 1 else (lambda out: out)
     return CompiledStep(_bounded(program, witness), program, lower, state_in, batch_in)
+
+
+def _checks_replicas(mesh: Mesh) -> bool:
+    """Whether ``shard_map`` checks that outputs said to be replicated are.
+
+    With one replica the step all-reduces nothing (`jdp.replica.train_step_parts`),
+    so its outputs are typed as varying over ``data``, and over one device they
+    are replicated: the check is off there, for the whole program (with DiLoCo
+    groups too, whose outputs said to be replicated are the step count and key).
+    """
+    return data_size(mesh) > 1
 
 
 def _replicated(tree: Any) -> bool:
@@ -433,6 +445,7 @@ def _compile_groups(group_fn: Callable[..., Any], mesh: Mesh, *, steps: int) -> 
         mesh=mesh,
         in_specs=(PartitionSpec(), groups_in.spec, batch_in.spec),
         out_specs=(PartitionSpec(), groups_in.spec, groups_in.spec),
+        check_vma=_checks_replicas(mesh),
     )
 
     def checked(state, groups, batch):
@@ -567,14 +580,16 @@ def make_sync_step(outer: Outer, mesh: Mesh) -> SyncStep:
 def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, per_output, donate):
     """The pmap backend's (call, lower): the global batch split per device first."""
     replicas = data_size(mesh)
-    pmapped = jax.pmap(
-        replica_fn,
-        axis_name=DATA_AXIS,
-        in_axes=(None, 0),
-        out_axes=per_output(None),
-        devices=list(mesh.devices.flat),
-        donate_argnums=donate,
-    )
+
+    def pmap(donate_argnums):
+        return jax.pmap(
+            replica_fn,
+            axis_name=DATA_AXIS,
+            in_axes=(None, 0),
+            out_axes=per_output(None),
+            devices=list(mesh.devices.flat),
+            donate_argnums=donate_argnums,
+        )
 
     def per_replica(x):
         """``(rows, ...)`` -> ``(replicas, rows / replicas, ...)``; stacked steps stay 2nd."""
@@ -585,6 +600,9 @@ def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, per_output, do
         _check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)  # once per shape
         return jax.tree.map(per_replica, batch)
 
+    if jax.process_count() == 1:  # the outer jit donates
+        return _pmapped_fused(pmap(()), per_device, mesh, batch_axis, steps, donate)
+    pmapped = pmap(donate)
     split = jax.jit(per_device, out_shardings=NamedSharding(mesh, PartitionSpec(DATA_AXIS)))
 
     # Called, jax.pmap re-derives its arguments' layout in Python each time (about
@@ -602,11 +620,7 @@ def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, per_output, do
             except TypeError:  # compiled for another layout
                 continue
             return _on_mesh(out, mesh)
-        if not _replicated(state):
-            raise UsageError(
-                "backend 'pmap' takes a state replicated on every device, and this one is "
-                "sharded (--shard-optimizer, say); use backend 'jit'"
-            )
+        _check_pmap_state(state)
         programs.append(pmapped.lower(state, per_device_batch).compile())
         return _on_mesh(programs[-1](state, per_device_batch), mesh)
 
@@ -614,6 +628,42 @@ def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, per_output, do
         return pmapped.lower(state, split(batch))
 
     return call, lower
+
+
+def _check_pmap_state(state: Any) -> None:
+    if not _replicated(state):
+        raise UsageError(
+            "backend 'pmap' takes a state replicated on every device, and this one is "
+            "sharded (--shard-optimizer, say); use backend 'jit'"
+        )
+
+
+def _pmapped_fused(pmapped, per_device, mesh: Mesh, batch_axis: int, steps: int, donate):
+    """pmap's (call, lower) in one process: the split and pmap's program in one ``jit``.
+
+    JAX's ``pmap`` is ``jit`` over ``shard_map``, so inside ``jit`` it is the same
+    program, and the global batch's split into its per-device layout (a reshape
+    of each device's rows) costs no dispatch of its own: one call a step, as the
+    ``jit`` backend. With several processes ``pmap`` traced inside ``jit`` maps
+    this process's devices only, so there the split is its own call.
+    """
+    state_in = replicated(mesh)
+    batch_in = batch_sharded(mesh, stacked=batch_axis == 1)
+    fused = jax.jit(
+        lambda state, batch: pmapped(state, per_device(batch)),
+        in_shardings=(state_in, batch_in),
+        donate_argnums=donate,
+    )
+
+    def call(state, batch):
+        try:
+            return fused(state, batch)
+        except ValueError:  # a state not on pmap's layout, or a host batch jit can't place
+            _check_pmap_state(state)
+            _check_rows(batch, data_size(mesh), batch_axis=batch_axis, steps=steps)
+            raise
+
+    return call, fused.lower
 
 
 def _on_mesh(tree: Any, mesh: Mesh) -> Any:
@@ -652,8 +702,9 @@ def make_train_step(
 
     Each replica computes the gradient of ``loss_fn`` on its slice of the global
     batch; ``lax.pmean`` over ``data`` averages gradients, metrics and model
-    state; every replica applies the same ``optimizer`` update. The input state is
-    donated: use the returned one.
+    state (with one replica there is nothing to average, and the step
+    all-reduces nothing); every replica applies the same ``optimizer`` update.
+    The input state is donated: use the returned one.
 
     Args:
         loss_fn: the loss, averaged over the examples it is given. Its form:

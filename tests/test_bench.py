@@ -90,7 +90,7 @@ def test_step_benchmark_sweeps_sizes_and_meshes_against_the_best_hand_written_st
     )
     assert result.returncode == 0, result.stderr
     rows = re.findall(
-        r"^  (\S+) +(\S+)  (data=\d) +([\d,]+)  (per-leaf|raveled)"
+        r"^  (\S+) +(\S+)  (data=\d) +([\d,]+)  (per-leaf|raveled|one-device)"
         r" +([\d.]+)x +([\d.]+)x +([\d.]+)x$",
         result.stdout,
         re.M,

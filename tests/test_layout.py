@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jdp
 from jdp.data import numbers2words
+from jdp.errors import UsageError
 from jdp.layout import MIN_SHARDED_BYTES, leaf_spec, param_specs
 from jdp.models import classification, from_linen, from_nnx, get_model
 
@@ -191,6 +192,22 @@ def test_zero1_splits_the_optimizer_state_over_data(devices):
     for leaf in split:  # each device holds 1/8 of it
         assert leaf.addressable_shards[0].data.size * 8 == leaf.size
     assert_trees_close(jax.device_get(state.params), jax.device_get(reference.params))
+
+
+def test_the_pmap_backend_refuses_a_zero1_state_in_one_line(devices):
+    model = from_linen(UserNet(), classification())
+    batches = _image_batches(steps=1)
+    mesh = jdp.make_mesh("data=8")
+    optimizer = optax.adam(1e-3)
+    params, model_state, specs = model.init_on_mesh(jax.random.key(0), batches[0], mesh)
+    state = jdp.create_train_state(
+        params, optimizer, mesh, model_state=model_state, param_specs=specs,
+        shard_optimizer=True,
+    )  # fmt: skip
+    step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True,
+                               backend="pmap")  # fmt: skip
+    with pytest.raises(UsageError, match=r"replicated on every device.*use backend 'jit'"):
+        step(state, jdp.shard_batch(batches[0], mesh))
 
 
 @pytest.mark.parametrize("options", [{"steps_per_call": 5}, {"accumulate": 2}])

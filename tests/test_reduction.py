@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax import lax
 from jax.sharding import PartitionSpec
 
@@ -75,11 +76,11 @@ def _loss(params, batch, rng):
     return jnp.mean((jnp.tanh(hidden @ params["w_big"]) @ params["w_out"] - batch["y"]) ** 2)
 
 
-def _all_reduce_operands(mesh):
+def _all_reduce_operands(mesh, backend="jit"):
     """The all-reduced operands' types, in the program jdp emits (before XLA's passes)."""
     optimizer = optax.sgd(0.1)
     state = jdp.create_train_state(_params(), optimizer, mesh)
-    step = jdp.make_train_step(_loss, optimizer, mesh)
+    step = jdp.make_train_step(_loss, optimizer, mesh, backend=backend)
     rng = np.random.default_rng(1)
     batch = {
         "x": rng.normal(size=(64, 6)).astype(np.float32),
@@ -97,9 +98,10 @@ def test_on_cpu_replicas_the_large_leaf_goes_alone_and_the_small_ones_in_one_buf
     )
 
 
-def test_on_one_device_nothing_is_packed(mesh1):
-    gradients = ["tensor<6x96xf32>", "tensor<96xf32>", "tensor<96x1024xf32>", "tensor<1024x3xf32>"]
-    assert _all_reduce_operands(mesh1) == sorted([*gradients, "tensor<f32>"])
+@pytest.mark.parametrize("backend", ["jit", "pmap"])
+def test_on_one_device_nothing_is_all_reduced(mesh1, backend):
+    # An all-reduce over one device is not free on XLA:CPU (docs/performance.md).
+    assert _all_reduce_operands(mesh1, backend) == []
 
 
 def test_the_shared_gradient_norm_is_the_global_norm(mesh8):
@@ -151,19 +153,12 @@ def test_the_gradient_norm_adds_no_pass_that_writes_the_gradients_out(mesh1):
     )
     step = jdp.make_train_step(_loss, optimizer, mesh1)
 
-    def plain(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(_loss)(
-            lax.pcast(params, DATA_AXIS, to="varying"), batch, None
-        )
-        grads, loss = lax.pmean((grads, loss), DATA_AXIS)
+    def plain(params, opt_state, batch):  # as one writes it for one device
+        loss, grads = jax.value_and_grad(_loss)(params, batch, None)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    specs = (PartitionSpec(), PartitionSpec(), PartitionSpec(DATA_AXIS))
-    plain_step = jax.jit(
-        jax.shard_map(plain, mesh=mesh1, in_specs=specs, out_specs=PartitionSpec()),
-        donate_argnums=(0, 1),
-    )
+    plain_step = jax.jit(plain, donate_argnums=(0, 1))
     ours = _big_leaf_ops(step.lower(state, batch).compile().as_text())
     theirs = _big_leaf_ops(
         plain_step.lower(state.params, state.opt_state, batch).compile().as_text()

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jdp.bench.common import add_run_flags, config_from, names
 from jdp.bench.step import (
     first_batch,
+    hand_kinds,
     hand_loop,
     hand_written_step,
     interleaved_rates,
@@ -96,10 +97,10 @@ def bench_dispatch(
                 batch_sharded(mesh, stacked=True),
             )
     hand = {
-        f"hand-written jit step, {name}": hand_loop(
-            hand_written_step(run.model, optimizer, mesh, packed=packed), run, batch
+        f"hand-written jit step, {kind.replace('-', ' ')}": hand_loop(
+            hand_written_step(run.model, optimizer, mesh, kind=kind), run, batch
         )
-        for name, packed in (("per leaf", False), ("raveled", True))
+        for kind in hand_kinds(mesh)
     }
     arms = hand | {
         name: jdp_loop(step, run, feeds[k], optimizer, per_call=k)

@@ -87,35 +87,59 @@ def first_batch(run: Run, batch_size: int):
         return next(loader)
 
 
-def hand_written_step(model: Model, optimizer: optax.GradientTransformation, mesh, *, packed):
+# The hand-written steps: each gradient leaf all-reduced, the gradients raveled into
+# one vector and all-reduced, and (on one device) plain ``jit`` with no collective.
+HAND_WRITTEN = ("per-leaf", "raveled", "one-device")
+
+
+def hand_kinds(mesh) -> tuple[str, ...]:
+    """The hand-written steps that apply on ``mesh``: one-device only where data is 1."""
+    return HAND_WRITTEN if mesh.shape[DATA_AXIS] == 1 else HAND_WRITTEN[:2]
+
+
+def hand_written_step(model: Model, optimizer: optax.GradientTransformation, mesh, *, kind: str):
     """The data-parallel step a careful engineer writes with plain JAX and Optax.
 
     ``jit`` over ``shard_map``: each replica's gradient of the model's loss (and
     its metrics, as jdp's step gets them from the same function) on its rows,
-    ``pmean`` of the gradients, loss and metrics over ``data`` (each leaf, or
-    ``packed``: the gradients raveled into one vector), the Optax update; donated
-    state. It returns the averaged loss and metrics, as a training loop that
-    reports them must (metrics it did not return, XLA would not compute). What it
-    leaves out, jdp's step adds: the gradient norm, the learning rate, the step
-    count and a key per step and replica.
+    ``pmean`` of the gradients, loss and metrics over ``data`` (``kind``
+    "per-leaf": each leaf; "raveled": the gradients raveled into one vector),
+    the Optax update; donated state. "one-device": ``jit`` of the gradient and
+    the update alone, what one writes for one device (an all-reduce over one
+    device still costs XLA:CPU a pass over the gradients). It returns the
+    averaged loss and metrics, as a training loop that reports them must
+    (metrics it did not return, XLA would not compute). What it leaves out,
+    jdp's step adds: the gradient norm, the learning rate, the step count and a
+    key per step and replica.
     """
 
-    def replica(params, opt_state, batch):
+    def update(params, opt_state, batch, average, vary=lambda params: params):
         def loss_fn(params):
             loss, metrics, _ = model.loss_fn(params, {}, batch, jax.random.key(0))
             return loss, metrics
 
-        # Marked varying so the gradient stays this replica's until the pmean.
-        varying = lax.pcast(params, DATA_AXIS, to="varying")
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(varying)
-        if packed:
-            vector, unravel = ravel_pytree(grads)
-            vector, loss, metrics = lax.pmean((vector, loss, metrics), DATA_AXIS)
-            grads = unravel(vector)
-        else:
-            grads, loss, metrics = lax.pmean((grads, loss, metrics), DATA_AXIS)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(vary(params))
+        grads, loss, metrics = average(grads, loss, metrics)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss, **metrics}
+
+    if kind == "one-device":
+        return jax.jit(
+            lambda params, opt_state, batch: update(params, opt_state, batch, lambda *t: t),
+            donate_argnums=(0, 1),
+        )
+
+    def average(grads, loss, metrics):
+        if kind == "raveled":
+            vector, unravel = ravel_pytree(grads)
+            vector, loss, metrics = lax.pmean((vector, loss, metrics), DATA_AXIS)
+            return unravel(vector), loss, metrics
+        return lax.pmean((grads, loss, metrics), DATA_AXIS)
+
+    def replica(params, opt_state, batch):
+        # Marked varying so the gradient stays this replica's until the pmean.
+        vary = lambda params: lax.pcast(params, DATA_AXIS, to="varying")  # noqa: E731
+        return update(params, opt_state, batch, average, vary)
 
     mapped = jax.shard_map(
         replica,
@@ -257,7 +281,7 @@ def bench_step(
         f"step; median examples/s, median per-round ratios; {kind}"
     )
     emit(
-        f"  {'model':<10}{'params':>8}  {'mesh':<8}{'hand-written ex/s':>19}  {'best of':<9}"
+        f"  {'model':<10}{'params':>8}  {'mesh':<8}{'hand-written ex/s':>19}  {'best of':<11}"
         f"{'itself':>10}{'jdp jit':>9}{'jdp pmap':>10}"
     )
     for name in cases:
@@ -268,17 +292,17 @@ def bench_step(
             batch = first_batch(run, batch_size)
             optimizer = run.optimizer
             hand = {
-                name: hand_loop(
-                    hand_written_step(run.model, optimizer, run.mesh, packed=packed), run, batch
+                kind: hand_loop(
+                    hand_written_step(run.model, optimizer, run.mesh, kind=kind), run, batch
                 )
-                for name, packed in (("per-leaf", False), ("raveled", True))
+                for kind in hand_kinds(run.mesh)
             }
             pilot = interleaved_rates(
                 hand, rounds=PILOT_ROUNDS, round_seconds=round_seconds, rows=batch_size,
                 multiple=1,
             )  # fmt: skip
             best = max(hand, key=lambda name: statistics.median(pilot[name]))
-            again = hand_written_step(run.model, optimizer, run.mesh, packed=best == "raveled")
+            again = hand_written_step(run.model, optimizer, run.mesh, kind=best)
             arms = {
                 best: hand[best],
                 "again": hand_loop(again, run, batch),
@@ -291,7 +315,7 @@ def bench_step(
             ratios = ratios_to(rates, best)
             emit(
                 f"  {name:<10}{_params(run):>8}  {mesh:<8}"
-                f"{statistics.median(rates[best]):>19,.0f}  {best:<9}{ratios['again']:>9.3f}x"
+                f"{statistics.median(rates[best]):>19,.0f}  {best:<11}{ratios['again']:>9.3f}x"
                 f"{ratios['jit']:>8.3f}x{ratios['pmap']:>9.3f}x"
             )
     return lines
