@@ -200,7 +200,9 @@ def _compile(
                 _check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)
                 raise
     else:
-        program, lower = _pmapped(replica_fn, mesh, batch_axis, steps, per_output, donate)
+        program, lower = _pmapped(
+            replica_fn, mesh, batch_axis, steps, per_output, donate, (state_in, batch_in)
+        )
     witness = (lambda out: out[1]) if outputs > 1 else (lambda out: out)
     return CompiledStep(_bounded(program, witness), program, lower, state_in, batch_in)
 
@@ -577,8 +579,10 @@ def make_sync_step(outer: Outer, mesh: Mesh) -> SyncStep:
     return SyncStep(call, lower, outer.sync_every)
 
 
-def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, per_output, donate):
-    """The pmap backend's (call, lower): the global batch split per device first."""
+def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, per_output, donate,
+             shardings: tuple[NamedSharding, NamedSharding]):  # fmt: skip
+    """The pmap backend's (call, lower): the global batch split per device first.
+    ``shardings``: the state's and the batch's, as `CompiledStep` holds them."""
     replicas = data_size(mesh)
 
     def pmap(donate_argnums):
@@ -596,12 +600,15 @@ def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, per_output, do
         shape = (*x.shape[:batch_axis], replicas, x.shape[batch_axis] // replicas)
         return jnp.moveaxis(x.reshape(*shape, *x.shape[batch_axis + 1 :]), batch_axis, 0)
 
+    def check_rows(batch):
+        _check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)
+
     def per_device(batch):
-        _check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)  # once per shape
+        check_rows(batch)  # while tracing: once per shape
         return jax.tree.map(per_replica, batch)
 
     if jax.process_count() == 1:  # the outer jit donates
-        return _pmapped_fused(pmap(()), per_device, mesh, batch_axis, steps, donate)
+        return _pmapped_fused(pmap(()), per_device, shardings, donate, check_rows=check_rows)
     pmapped = pmap(donate)
     split = jax.jit(per_device, out_shardings=NamedSharding(mesh, PartitionSpec(DATA_AXIS)))
 
@@ -638,7 +645,7 @@ def _check_pmap_state(state: Any) -> None:
         )
 
 
-def _pmapped_fused(pmapped, per_device, mesh: Mesh, batch_axis: int, steps: int, donate):
+def _pmapped_fused(pmapped, per_device, shardings, donate, *, check_rows):
     """pmap's (call, lower) in one process: the split and pmap's program in one ``jit``.
 
     JAX's ``pmap`` is ``jit`` over ``shard_map``, so inside ``jit`` it is the same
@@ -647,11 +654,9 @@ def _pmapped_fused(pmapped, per_device, mesh: Mesh, batch_axis: int, steps: int,
     ``jit`` backend. With several processes ``pmap`` traced inside ``jit`` maps
     this process's devices only, so there the split is its own call.
     """
-    state_in = replicated(mesh)
-    batch_in = batch_sharded(mesh, stacked=batch_axis == 1)
     fused = jax.jit(
         lambda state, batch: pmapped(state, per_device(batch)),
-        in_shardings=(state_in, batch_in),
+        in_shardings=shardings,
         donate_argnums=donate,
     )
 
@@ -660,7 +665,7 @@ def _pmapped_fused(pmapped, per_device, mesh: Mesh, batch_axis: int, steps: int,
             return fused(state, batch)
         except ValueError:  # a state not on pmap's layout, or a host batch jit can't place
             _check_pmap_state(state)
-            _check_rows(batch, data_size(mesh), batch_axis=batch_axis, steps=steps)
+            check_rows(batch)
             raise
 
     return call, fused.lower

@@ -106,11 +106,10 @@ def hand_written_step(model: Model, optimizer: optax.GradientTransformation, mes
     "per-leaf": each leaf; "raveled": the gradients raveled into one vector),
     the Optax update; donated state. "one-device": ``jit`` of the gradient and
     the update alone, what one writes for one device (on XLA:CPU faster than a
-    ``pmean`` over one device). It returns the
-    averaged loss and metrics, as a training loop that reports them must
-    (metrics it did not return, XLA would not compute). What it leaves out,
-    jdp's step adds: the gradient norm, the learning rate, the step count and a
-    key per step and replica.
+    ``pmean`` over one device). It returns the averaged loss and metrics, as a
+    training loop that reports them must (metrics it did not return, XLA would
+    not compute). What it leaves out, jdp's step adds: the gradient norm, the
+    learning rate, the step count and a key per step and replica.
     """
 
     def update(params, opt_state, batch, average, vary=lambda params: params):
