@@ -155,6 +155,11 @@ class TrainConfig:
         None, "run directory: TensorBoard events, metrics.jsonl, config.json, run.json, profiles"
     )
     log_every: int = _flag(20, "write train metrics (loss, lr, examples/s, MFU) every N steps")
+    grad_norm: bool = _flag(
+        False,
+        "report the gradients' global norm (grad_norm) each step: one more pass over the "
+        "gradients, about 7%% of a 10.8M-parameter MLP's step on the CPU",
+    )
     profile_steps: str = _flag(
         "", "profile steps A:B (inclusive) into LOG_DIR/profile, e.g. 10:15 (needs --log-dir)"
     )
@@ -419,7 +424,8 @@ TOPOLOGY_FIELDS = frozenset(
     }
     | {"ckpt_dir", "ckpt_every", "keep", "no_resume"}
     | {"coordinator", "num_processes", "process_id", "startup_timeout", "heartbeat_timeout"}
-    | {"check_replicas_every", "log_dir", "log_every", "profile_steps", "steps_per_call"}
+    | {"check_replicas_every", "log_dir", "log_every", "grad_norm", "profile_steps"}
+    | {"steps_per_call"}
     | {"early_stop_patience", "early_stop_metric", "max_skipped_fraction"}
     | {"steps", "epochs", "init_from", "eval_only"}  # steps: see jdp.loop's resume
 )

@@ -239,9 +239,11 @@ def train_step_parts(
     axes: tuple[str, ...] = (DATA_AXIS,),
     gather: Callable[[Any], Any] | None = None,
     reduce_grads: bool = True,
+    grad_norm: bool = False,
 ) -> StepParts:
     """The halves of `train_step`; ``replicas`` None: ``update`` runs outside the
-    replicas' mapping (the gradient norm is then XLA's to partition). ``gather``:
+    replicas' mapping (the gradient norm is then XLA's to partition). ``grad_norm``:
+    report the averaged gradient's global norm (one more pass over it). ``gather``:
     applied to the parameters in the compute dtype, before the loss uses them.
     ``reduce_grads`` False: ``gradients`` returns this replica's gradients in the
     reduce dtype, for the caller to average and pass through ``finish``."""
@@ -292,15 +294,15 @@ def train_step_parts(
     def update(state: TrainState, grads: Any, model_state: Any, metrics: Metrics
                ) -> tuple[TrainState, Metrics]:  # fmt: skip
         metrics = dict(metrics)
-        if replicas is None:
+        if grad_norm and replicas is None:
             metrics["grad_norm"] = optax.tree.norm(grads)
-        else:
+        elif grad_norm:
             metrics["grad_norm"] = global_norm(grads, replicas=replicas)
         if lr_schedule is not None:
             # The optimizer's count advances only on applied updates (not fp16 skips).
             count = state.step - state.loss_scale.skipped
             lr = jnp.asarray(lr_schedule(count), jnp.float32)
-            metrics["lr"] = _after(lr, metrics["grad_norm"])
+            metrics["lr"] = _after(lr, metrics.get("grad_norm", metrics["loss"]))
         updated = _apply(optimizer, precision, skip_nonfinite, state, grads, model_state, metrics)
         if lr_schedule is None:  # an optimizer made with optax.inject_hyperparams says its own
             injected = optax.tree_utils.tree_get(updated.opt_state, "learning_rate")

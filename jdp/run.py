@@ -294,6 +294,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
         lr_schedule=schedule,
         steps_per_call=config.steps_per_call,
         skip_nonfinite=config.nan_policy == "skip",
+        grad_norm=config.grad_norm,
     )
     eval_step = make_eval_step(model.metrics_fn, mesh, backend=config.backend, has_model_state=True)
     sync_step = make_sync_step(outer, mesh) if outer is not None else None

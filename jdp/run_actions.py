@@ -141,9 +141,10 @@ class Evaluate(PeriodicAction):
 class Checkpoint(PeriodicAction):
     """Saves the state, where the loader stands and this step's test metrics.
 
-    Never a state that may not be finite: without skipping, one whose call's
-    loss or gradient norm was not (a non-finite parameter makes every later loss
-    NaN, so this step's figures tell); the save waits for the step anyway.
+    Never a state that is not finite: without skipping, one whose call's loss
+    was not, or whose parameters are not (a last gradient that was not finite
+    leaves its loss finite and the parameters not); the save waits for the step
+    anyway, and the check reads the parameters once.
     """
 
     def __init__(self, checkpointer: Checkpointer, loader, *, every: int, config: Mapping,
@@ -157,7 +158,9 @@ class Checkpoint(PeriodicAction):
         if grouped and not _groups_finite(progress.state):  # every process alike
             why = "a DiLoCo group's parameters are not finite"
         elif not grouped and not self.skipping and not _finite(progress.call_metrics):
-            why = "its loss or gradient is not finite, so its parameters may not be"
+            why = "its loss is not finite, so its parameters may not be"
+        elif not grouped and not self.skipping and not _params_finite(progress.state):
+            why = "its parameters are not finite"
         else:
             why = None
         if why:
@@ -193,8 +196,14 @@ def _groups_finite(state: Any) -> bool:
     return bool(_all_finite(state.groups.params))
 
 
+def _params_finite(state: Any) -> bool:
+    """Whether the parameters are finite: read on every process alike (a replicated
+    scalar), at saves and checks only."""
+    return bool(_all_finite(state.params))
+
+
 def _finite(call_metrics: Mapping[str, Any] | None) -> bool:
-    """Whether a call's loss and gradient norm (every step of it) are finite."""
+    """Whether a call's loss and gradient norm, when reported (every step of it), are finite."""
     if call_metrics is None:
         return True  # no step ran yet: the initial state
     values = jax.device_get(
@@ -211,10 +220,12 @@ _MIN_SKIPS = 20
 class GuardFinite(PeriodicAction):
     """Stops the run (`jdp.errors.NonFiniteError`) when training stops being finite.
 
-    Without skipping, a NaN or infinite loss or gradient norm stops it; with
-    skipping (fp16 loss scaling, or ``--nan-policy skip``) skipped updates leave
-    the state finite, and more than ``max_skipped_fraction`` of the steps (from
-    20 skips on) stops it. It reads the metrics every ``every`` steps, with the
+    Without skipping, a NaN or infinite loss (or gradient norm, when reported)
+    stops it, and so do parameters that are not finite (a last gradient that
+    was not finite leaves its loss finite); with skipping (fp16 loss scaling,
+    or ``--nan-policy skip``) skipped updates leave the state finite, and more
+    than ``max_skipped_fraction`` of the steps (from 20 skips on) stops it. It
+    reads the metrics and the parameters every ``every`` steps, with the
     progress display (which waits for those steps anyway), and at the end: a
     read every call would make the host wait for each step. A non-finite
     parameter makes every later loss NaN, so nothing is missed between reads.
@@ -258,6 +269,12 @@ class GuardFinite(PeriodicAction):
                     f"(finite at step {self._finite_at}; --nan-policy stop); {kept}; lower "
                     "--lr, add --clip-norm, or --nan-policy skip"
                 )
+        if not _params_finite(progress.state):
+            raise NonFiniteError(
+                f"the parameters are not finite after step {step}: a gradient was not (finite "
+                f"at step {self._finite_at}; --nan-policy stop); {kept}; lower --lr, add "
+                "--clip-norm, or --nan-policy skip"
+            )
         self._finite_at = step
 
     def _check_groups(self, progress: Progress) -> None:

@@ -702,6 +702,7 @@ def make_train_step(
     lr_schedule: optax.Schedule | None = None,
     steps_per_call: int = 1,
     skip_nonfinite: bool = False,
+    grad_norm: bool = False,
 ) -> CompiledStep:
     """Builds a data-parallel train step: ``state, metrics = step(state, batch)``.
 
@@ -756,13 +757,16 @@ def make_train_step(
             keep the parameters, optimizer and model state as they were (every
             replica decides alike) and count the step in ``skipped_steps``, as
             fp16 loss scaling does for overflows.
+        grad_norm: also report ``grad_norm``, the global norm of the averaged
+            gradient before clipping. It costs one more pass over the gradients,
+            which a step bound by memory traffic pays in full (on the CPU, about 7%
+            of a 10.8M-parameter MLP's step on one and on two devices).
 
     Returns:
         A `CompiledStep`: ``step(state, batch) -> (state, metrics)``, where ``batch`` is a pytree of
         global arrays sharded on ``data`` (see `shard_batch`) and ``metrics`` holds
         ``loss`` and the ``aux`` entries averaged over the global batch,
-        ``grad_norm`` (global norm of the averaged gradient, before clipping),
-        ``lr`` (the schedule at the optimizer's update count) when ``lr_schedule``
+        ``grad_norm`` when asked for, ``lr`` (the schedule at the optimizer's update count) when ``lr_schedule``
         is given, else the learning rate an optimizer made with
         ``optax.inject_hyperparams`` holds, ``loss_scale`` under loss scaling,
         and ``skipped_steps`` under loss scaling or ``skip_nonfinite``.
@@ -782,7 +786,7 @@ def make_train_step(
         >>> batch = {"x": np.ones((64, 4), np.float32), "y": np.ones((64, 1), np.float32)}
         >>> state, metrics = step(state, jdp.shard_batch(batch, mesh))
         >>> sorted(metrics), float(metrics["loss"])
-        (['grad_norm', 'loss'], 1.0)
+        (['loss'], 1.0)
     """
     _check_backend(backend, mesh)
     if accumulate < 1 or steps_per_call < 1:
@@ -801,6 +805,7 @@ def make_train_step(
         accumulate=accumulate,
         lr_schedule=lr_schedule,
         skip_nonfinite=skip_nonfinite,
+        grad_norm=grad_norm,
     )
     loss = replica.loss_with_state(loss_fn, has_aux=has_aux, has_model_state=has_model_state)
     # For a state that is not replicated: the gradients' half maps ``data`` by hand,

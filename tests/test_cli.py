@@ -44,7 +44,7 @@ def test_large_batch_rules_print_the_effective_lr():
         *shlex.split(
             "--mesh data=4 --steps 12 --batch-size 64 --warmup-steps 2 --optimizer lars "
             "--lr 0.2 --lr-scaling linear --lr-reference-batch 256 --accumulate 2 "
-            "--clip-norm 1 --weight-decay 1e-4 --precision fp16"
+            "--clip-norm 1 --weight-decay 1e-4 --precision fp16 --grad-norm"
         )
     )
     assert result.returncode == 0, result.stderr

@@ -31,7 +31,8 @@ from jdp.launch import free_port
 from jdp.mesh import replicated
 
 # One run, computed in 1 process or in 2; only topology flags are added to it.
-_RUN = ["--mesh", "data=8", "--steps", "120", "--warmup-steps", "10", "--eval-every", "20"]
+_RUN = ["--mesh", "data=8", "--steps", "120", "--warmup-steps", "10", "--eval-every", "20",
+        "--grad-norm"]  # fmt: skip
 SUMMARY = re.compile(r"^(\[\d\] )?jdp\.train: steps=\d+ .*wall=[\d.]+s$", re.M)
 
 

@@ -207,6 +207,40 @@ def test_nan_policy_ignore_trains_on_but_never_saves_a_nonfinite_state(tmp_path)
     assert _all_finite_checkpoints(tmp_path) == [10, 20]  # --keep 2 rotated neither out
 
 
+def test_a_last_gradient_that_was_not_finite_is_neither_saved_nor_passed(tmp_path, capfd):
+    """The step reports no gradient norm by default: a call whose last gradient was not
+    finite shows a finite loss, and its parameters are what tell."""
+    from types import SimpleNamespace
+
+    from jdp.actions import Progress
+    from jdp.run_actions import Checkpoint, GuardFinite
+
+    mesh = jdp.make_mesh("data=8")
+    state = jdp.create_train_state({"w": jnp.ones((8, 4)), "b": jnp.zeros(4)}, optax.sgd(0.1), mesh)
+    poisoned = jax.device_put(jnp.array([0.0, np.inf, 0.0, 0.0]), state.params["b"].sharding)
+    broken = state.replace(params={**state.params, "b": poisoned})
+    metrics = {"loss": jnp.float32(0.5)}  # finite: computed before the update
+    progress = Progress(step=2, steps=2, state=broken)
+    with Checkpointer(str(tmp_path)) as checkpointer:
+        save = Checkpoint(checkpointer, SimpleNamespace(position=2), every=1, config={},
+                          skipping=False)  # fmt: skip
+        progress.after_call(2, 1, broken, metrics)
+        save.run(progress)
+        checkpointer.wait()
+        assert checkpointer.steps() == []
+        progress.after_call(2, 1, state, metrics)
+        save.run(progress)
+        checkpointer.wait()
+        assert checkpointer.steps() == [int(state.step)]  # saved under the state's own step
+    assert "not saving step 2: its parameters are not finite" in capfd.readouterr().err
+    guard = GuardFinite(every=1, skipping=False, max_skipped_fraction=0.25, ckpt_dir=None)
+    guard.run(progress)  # the finite state
+    progress.after_call(4, 2, broken, {"loss": jnp.array([0.5, 0.4])})
+    with pytest.raises(jdp.NonFiniteError, match="the parameters are not finite after step 4: "
+                       "a gradient was not .finite at step 2;"):  # fmt: skip
+        guard.run(progress)
+
+
 @pytest.mark.parametrize(
     "skipping", [["--nan-policy", "skip"], ["--precision", "fp16"]], ids=["skip", "fp16"]
 )

@@ -41,7 +41,8 @@ def _records(log_dir, kind):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("run") / "adam"
-    result = _train("--log-dir", str(log_dir), "--log-every", "10", "--profile-steps", "5:8")
+    result = _train("--log-dir", str(log_dir), "--log-every", "10", "--profile-steps", "5:8",
+                    "--grad-norm")  # fmt: skip
     assert result.returncode == 0, result.stderr
     return log_dir, result.stdout
 

@@ -219,7 +219,34 @@ def test_classification_trains_the_mlp(mesh8, backend):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0]
-    assert set(metrics) == {"loss", "accuracy", "grad_norm"}
+    assert set(metrics) == {"loss", "accuracy"}  # grad_norm only when asked for
+
+
+@pytest.mark.parametrize("hidden", [16, 1024], ids=["small", "shared-norm"])
+def test_the_gradient_norm_when_asked_changes_no_parameter(mesh8, mesh1, backend, hidden):
+    """``grad_norm=True`` adds the norm and leaves the update bitwise as it was, on one
+    device and on eight; 1024 hidden units make a 4.2 MB gradient, whose norm each
+    of the 8 replicas takes a share of (`jdp.reduce.SHARED_NORM_BYTES`)."""
+    module = MLP(num_classes=4, hidden=(hidden,))
+    rng = np.random.default_rng(5)
+    images = rng.normal(size=(32, 32, 32, 1)).astype(np.float32)
+    labels = rng.integers(0, 4, size=32).astype(np.int32)
+    model = from_linen(module, classification())
+    params, model_state = model.init(jax.random.key(0), {"image": images[:1]})
+    optimizer = optax.adam(1e-2)  # Adam squares the gradient, as the norm does
+    for mesh in (mesh1, mesh8):
+        batch = jdp.shard_batch({"image": images, "label": labels}, mesh)
+        results = []
+        for grad_norm in (False, True):
+            state = jdp.create_train_state(params, optimizer, mesh, model_state=model_state)
+            step = jdp.make_train_step(model.loss_fn, optimizer, mesh, backend=backend,
+                                       has_model_state=True, grad_norm=grad_norm)  # fmt: skip
+            for _ in range(3):
+                state, metrics = step(state, batch)
+            assert ("grad_norm" in metrics) == grad_norm
+            results.append(jax.device_get(state.params))
+        for without, with_norm in zip(*map(jax.tree.leaves, results), strict=True):
+            np.testing.assert_array_equal(without, with_norm)
 
 
 def test_has_aux_metrics_are_averaged(mesh8, backend):

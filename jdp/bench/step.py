@@ -256,10 +256,13 @@ def bench_step(
     batch_size: int,
     rounds: int,
     round_seconds: float,
+    grad_norm: bool = False,
     on_line: Callable[[str], None] = print,
 ) -> list[str]:
     """The sweep: for each case and mesh, the best hand-written step's examples/s and
     jdp's ``jit`` and ``pmap`` steps as ratios of it. Prints rows as they come.
+    ``grad_norm``: jdp's steps also report the gradient norm (``--grad-norm``), which
+    no hand-written step computes: what that option costs.
 
     The fastest hand-written step is chosen in `PILOT_ROUNDS` rounds of its own;
     ``rounds`` more rounds interleave it with jdp's two steps and with a second,
@@ -278,6 +281,7 @@ def bench_step(
         f"jdp.bench step: global batch {batch_size}, adam, {rounds} interleaved rounds of "
         f"~{round_seconds:g} s per arm after {PILOT_ROUNDS} that choose the hand-written "
         f"step; median examples/s, median per-round ratios; {kind}"
+        + ("; jdp with --grad-norm" if grad_norm else "")
     )
     emit(
         f"  {'model':<10}{'params':>8}  {'mesh':<8}{'hand-written ex/s':>19}  {'best of':<11}"
@@ -286,8 +290,8 @@ def bench_step(
     for name in cases:
         case = CASES[name]
         for mesh in meshes:
-            run = case_run(case, mesh, batch_size)
-            pmap = case_run(case, mesh, batch_size, backend="pmap")
+            run = case_run(case, mesh, batch_size, grad_norm=grad_norm)
+            pmap = case_run(case, mesh, batch_size, backend="pmap", grad_norm=grad_norm)
             batch = first_batch(run, batch_size)
             optimizer = run.optimizer
             hand = {
@@ -329,6 +333,9 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--round-seconds", type=float, default=0.1, help="time of one arm's round, about"
     )
+    parser.add_argument(
+        "--grad-norm", action="store_true", help="jdp's steps also report the gradient norm"
+    )
 
 
 def run(args) -> None:
@@ -338,5 +345,6 @@ def run(args) -> None:
         batch_size=args.batch_size,
         rounds=args.rounds,
         round_seconds=args.round_seconds,
+        grad_norm=args.grad_norm,
         on_line=lambda line: print(line, flush=True),
     )

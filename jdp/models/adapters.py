@@ -153,7 +153,7 @@ class Model:
         >>> eval_step = jdp.make_eval_step(model.metrics_fn, mesh, has_model_state=True)
         >>> state, metrics = step(state, jdp.shard_batch(batch, mesh))
         >>> sorted(metrics)
-        ['accuracy', 'grad_norm', 'loss']
+        ['accuracy', 'loss']
     """
 
     init: Callable[[jax.Array, Batch], tuple[Any, Any]]
