@@ -151,7 +151,7 @@ def test_the_gradient_norm_adds_no_pass_that_writes_the_gradients_out(mesh1):
         },
         mesh1,
     )
-    step = jdp.make_train_step(_loss, optimizer, mesh1)
+    step = jdp.make_train_step(_loss, optimizer, mesh1, grad_norm=True)
 
     def plain(params, opt_state, batch):  # as one writes it for one device
         loss, grads = jax.value_and_grad(_loss)(params, batch, None)
