@@ -763,11 +763,12 @@ def make_train_step(
             of a 10.8M-parameter MLP's step on one and on two devices).
 
     Returns:
-        A `CompiledStep`: ``step(state, batch) -> (state, metrics)``, where ``batch`` is a pytree of
-        global arrays sharded on ``data`` (see `shard_batch`) and ``metrics`` holds
-        ``loss`` and the ``aux`` entries averaged over the global batch,
-        ``grad_norm`` when asked for, ``lr`` (the schedule at the optimizer's update count) when ``lr_schedule``
-        is given, else the learning rate an optimizer made with
+        A `CompiledStep`: ``step(state, batch) -> (state, metrics)``, where
+        ``batch`` is a pytree of global arrays sharded on ``data`` (see
+        `shard_batch`) and ``metrics`` holds ``loss`` and the ``aux`` entries
+        averaged over the global batch, ``grad_norm`` when asked for, ``lr``
+        (the schedule at the optimizer's update count) when ``lr_schedule`` is
+        given, else the learning rate an optimizer made with
         ``optax.inject_hyperparams`` holds, ``loss_scale`` under loss scaling,
         and ``skipped_steps`` under loss scaling or ``skip_nonfinite``.
 

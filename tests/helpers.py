@@ -82,3 +82,25 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     for name in a:
         assert a[name].dtype == b[name].dtype, name
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def saves_after(directory, broken, good, metrics) -> tuple[list[int], list[int], object]:
+    """What `jdp.run_actions.Checkpoint` (no skipping) saves at step 2 in ``directory``:
+    the steps on disk after it is given ``broken``, and after ``good`` in turn; the
+    `jdp.actions.Progress` it was given, at ``good``."""
+    from types import SimpleNamespace
+
+    from jdp.actions import Progress
+    from jdp.checkpoint import Checkpointer
+    from jdp.run_actions import Checkpoint
+
+    progress, saved = Progress(step=2, steps=2, state=broken), []
+    with Checkpointer(str(directory)) as checkpointer:
+        save = Checkpoint(checkpointer, SimpleNamespace(position=2), every=1, config={},
+                          skipping=False)  # fmt: skip
+        for state in (broken, good):
+            progress.after_call(2, 1, state, metrics)
+            save.run(progress)
+            checkpointer.wait()
+            saved.append(checkpointer.steps())
+    return *saved, progress

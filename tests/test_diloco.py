@@ -27,6 +27,7 @@ from helpers import (
     regression_loss,
     run_cli,
     saved_arrays,
+    saves_after,
     subprocess_env,
 )
 
@@ -393,11 +394,7 @@ def test_the_replica_check_compares_each_groups_devices_among_themselves(devices
 
 def test_a_group_gone_non_finite_is_never_saved_and_stops_the_run(devices, tmp_path, capfd):
     """The metrics are one group's; a save and the guard check every group's parameters."""
-    from types import SimpleNamespace
-
-    from jdp.actions import Progress
-    from jdp.checkpoint import Checkpointer
-    from jdp.run_actions import Checkpoint, GuardFinite
+    from jdp.run_actions import GuardFinite
 
     state = _train("group=2,data=4", jdp.diloco(sync_every=4), _batches(2), optax.adam(1e-2))
     leaf = state.groups.params["b1"]
@@ -405,19 +402,9 @@ def test_a_group_gone_non_finite_is_never_saved_and_stops_the_run(devices, tmp_p
                               leaf.sharding)  # fmt: skip
     broken = state.replace(groups=state.groups.replace(params={**state.groups.params,
                                                                "b1": poisoned}))  # fmt: skip
-    metrics = {"loss": jnp.float32(0.5), "grad_norm": jnp.float32(1.0)}  # group 0: finite
-    with Checkpointer(str(tmp_path)) as checkpointer:
-        save = Checkpoint(checkpointer, SimpleNamespace(position=2), every=1, config={},
-                          skipping=False)  # fmt: skip
-        progress = Progress(step=2, steps=2, state=broken)
-        progress.after_call(2, 1, broken, metrics)
-        save.run(progress)
-        checkpointer.wait()
-        assert checkpointer.steps() == []
-        progress.after_call(2, 1, state, metrics)
-        save.run(progress)
-        checkpointer.wait()
-        assert checkpointer.steps() == [2]
+    metrics = {"loss": jnp.float32(0.5)}  # group 0's: finite
+    on_disk, then, progress = saves_after(tmp_path, broken, state, metrics)
+    assert (on_disk, then) == ([], [2])
     assert "not saving step 2: a DiLoCo group's parameters are not finite" in capfd.readouterr().err
     # The guard decides on the groups' state too, as every process reads it alike.
     guard = GuardFinite(every=1, skipping=False, max_skipped_fraction=0.25, ckpt_dir=None)
