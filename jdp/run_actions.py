@@ -142,9 +142,9 @@ class Checkpoint(PeriodicAction):
     """Saves the state, where the loader stands and this step's test metrics.
 
     Never a state that is not finite: without skipping, one whose call's loss
-    was not, or whose parameters are not (a last gradient that was not finite
-    leaves its loss finite and the parameters not); the save waits for the step
-    anyway, and the check reads the parameters once.
+    was not, or whose parameters, optimizer or model state are not (a last
+    gradient that was not finite leaves its loss finite and the state not); the
+    save waits for the step anyway, and the check reads the state once.
     """
 
     def __init__(self, checkpointer: Checkpointer, loader, *, every: int, config: Mapping,
@@ -159,8 +159,8 @@ class Checkpoint(PeriodicAction):
             why = "a DiLoCo group's parameters are not finite"
         elif not grouped and not self.skipping and not _finite(progress.call_metrics):
             why = "its loss is not finite, so its parameters may not be"
-        elif not grouped and not self.skipping and not _params_finite(progress.state):
-            why = "its parameters are not finite"
+        elif not grouped and not self.skipping and not _state_finite(progress.state):
+            why = "its parameters or optimizer state are not finite"
         else:
             why = None
         if why:
@@ -196,10 +196,12 @@ def _groups_finite(state: Any) -> bool:
     return bool(_all_finite(state.groups.params))
 
 
-def _params_finite(state: Any) -> bool:
-    """Whether the parameters are finite: read on every process alike (a replicated
-    scalar), at saves and checks only."""
-    return bool(_all_finite(state.params))
+def _state_finite(state: Any) -> bool:
+    """Whether the parameters, optimizer state and model state are finite: read on every
+    process alike (a replicated scalar), at saves and checks only. The optimizer's
+    state too: a gradient whose square overflows leaves Adam's second moment
+    infinite and its update, and so the parameters, finite."""
+    return bool(_all_finite((state.params, state.opt_state, state.model_state)))
 
 
 def _finite(call_metrics: Mapping[str, Any] | None) -> bool:
@@ -221,11 +223,11 @@ class GuardFinite(PeriodicAction):
     """Stops the run (`jdp.errors.NonFiniteError`) when training stops being finite.
 
     Without skipping, a NaN or infinite loss (or gradient norm, when reported)
-    stops it, and so do parameters that are not finite (a last gradient that
-    was not finite leaves its loss finite); with skipping (fp16 loss scaling,
+    stops it, and so does a state that is not finite (a gradient that was not
+    finite, or whose square overflows, can leave the loss finite); with skipping (fp16 loss scaling,
     or ``--nan-policy skip``) skipped updates leave the state finite, and more
     than ``max_skipped_fraction`` of the steps (from 20 skips on) stops it. It
-    reads the metrics and the parameters every ``every`` steps, with the
+    reads the metrics and the state every ``every`` steps, with the
     progress display (which waits for those steps anyway), and at the end: a
     read every call would make the host wait for each step. A non-finite
     parameter makes every later loss NaN, so nothing is missed between reads.
@@ -269,11 +271,11 @@ class GuardFinite(PeriodicAction):
                     f"(finite at step {self._finite_at}; --nan-policy stop); {kept}; lower "
                     "--lr, add --clip-norm, or --nan-policy skip"
                 )
-        if not _params_finite(progress.state):
+        if not _state_finite(progress.state):
             raise NonFiniteError(
-                f"the parameters are not finite after step {step}: a gradient was not (finite "
-                f"at step {self._finite_at}; --nan-policy stop); {kept}; lower --lr, add "
-                "--clip-norm, or --nan-policy skip"
+                f"the parameters or optimizer state are not finite after step {step}: a "
+                f"gradient was not (finite at step {self._finite_at}; --nan-policy stop); "
+                f"{kept}; lower --lr, add --clip-norm, or --nan-policy skip"
             )
         self._finite_at = step
 

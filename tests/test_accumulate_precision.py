@@ -184,5 +184,8 @@ def test_reported_lr_follows_the_optimizer_count_across_a_skip(mesh8, backend):
         mesh8, backend, batches, optimizer=optimizer, precision=precision, lr_schedule=schedule
     )
     assert int(history[1]["skipped_steps"]) == 1
+    # The skipped step's loss is not finite; the lr computed with it still is.
+    assert not np.isfinite(history[1]["loss"])
+    assert history[1]["lr"] == pytest.approx(float(schedule(1)))
     # Step 3 makes the optimizer's second applied update: count 1, not 2.
     assert history[2]["lr"] == pytest.approx(float(schedule(1)))

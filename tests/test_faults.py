@@ -220,12 +220,24 @@ def test_a_last_gradient_that_was_not_finite_is_neither_saved_nor_passed(tmp_pat
     metrics = {"loss": jnp.float32(0.5)}  # finite: computed before the update
     on_disk, then, progress = saves_after(tmp_path, broken, state, metrics)
     assert (on_disk, then) == ([], [int(state.step)])  # saved under the state's own step
-    assert "not saving step 2: its parameters are not finite" in capfd.readouterr().err
+    assert "not saving step 2: its parameters or optimizer state are not finite" in (
+        capfd.readouterr().err
+    )
     guard = GuardFinite(every=1, skipping=False, max_skipped_fraction=0.25, ckpt_dir=None)
     guard.run(progress)  # the finite state
     progress.after_call(4, 2, broken, {"loss": jnp.array([0.5, 0.4])})
-    expected = "the parameters are not finite after step 4: a gradient was not (finite at step 2;"
+    expected = "not finite after step 4: a gradient was not (finite at step 2;"
     with pytest.raises(jdp.NonFiniteError, match=re.escape(expected)):
+        guard.run(progress)
+    # A gradient whose square overflows float32: Adam's second moment is infinite, its
+    # update (mu / sqrt(nu)) zero, and the parameters and the loss stay finite.
+    adam = jdp.create_train_state({"w": jnp.ones(4)}, optax.adam(0.1), mesh)
+    huge = {"w": jnp.array([1e20, 0.0, 0.0, 0.0])}
+    updates, opt_state = optax.adam(0.1).update(huge, adam.opt_state, adam.params)
+    overflowed = adam.replace(params=optax.apply_updates(adam.params, updates), opt_state=opt_state)
+    assert np.all(np.isfinite(np.asarray(overflowed.params["w"])))
+    progress.after_call(6, 2, overflowed, {"loss": jnp.array([0.5, 0.4])})
+    with pytest.raises(jdp.NonFiniteError, match="optimizer state are not finite after step 6"):
         guard.run(progress)
 
 

@@ -249,6 +249,26 @@ def test_the_gradient_norm_when_asked_changes_no_parameter(mesh8, mesh1, backend
             np.testing.assert_array_equal(without, with_norm)
 
 
+@pytest.mark.parametrize("spec", ["data=2,fsdp=4", "group=2,data=4"])
+def test_the_gradient_norm_on_sharded_and_group_meshes(devices, spec):
+    """The norm where XLA partitions the update (``fsdp``) and in DiLoCo groups (each
+    group's own, from its block of the rows): there only when asked for, and the
+    norm of the gradient one device computes on those rows."""
+    mesh = jdp.make_mesh(spec)
+    grouped = spec.startswith("group")
+    outer = jdp.diloco(sync_every=4) if grouped else None
+    batch = regression_data(3)
+    rows = {k: v[: BATCH // 2] for k, v in batch.items()} if grouped else batch  # group 0's
+    expected = optax.tree.norm(jax.grad(regression_loss)(init_params(), rows, None))
+    for grad_norm in (False, True):
+        state = jdp.create_train_state(init_params(), optax.sgd(0.05), mesh, outer=outer)
+        step = jdp.make_train_step(regression_loss, optax.sgd(0.05), mesh, grad_norm=grad_norm)
+        _, metrics = step(state, jdp.shard_batch(batch, mesh))
+        assert ("grad_norm" in metrics) == grad_norm
+    # float32 sums of squares in another order: a few units in the last place (6e-8).
+    assert float(metrics["grad_norm"]) == pytest.approx(float(expected), rel=1e-5)
+
+
 def test_has_aux_metrics_are_averaged(mesh8, backend):
     def loss_fn(params, batch, rng):
         return regression_loss(params, batch, rng), {"mean_x": jnp.mean(batch["x"])}

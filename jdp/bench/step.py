@@ -108,8 +108,9 @@ def hand_written_step(model: Model, optimizer: optax.GradientTransformation, mes
     the update alone, what one writes for one device (on XLA:CPU faster than a
     ``pmean`` over one device). It returns the averaged loss and metrics, as a
     training loop that reports them must (metrics it did not return, XLA would
-    not compute). What it leaves out, jdp's step adds: the gradient norm, the
-    learning rate, the step count and a key per step and replica.
+    not compute). What it leaves out, jdp's step adds: the learning rate, the
+    step count and a key per step and replica (and the gradient norm, with
+    ``grad_norm``).
     """
 
     def update(params, opt_state, batch, average, vary=lambda params: params):
