@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -295,10 +296,9 @@ def train_step_parts(
     def update(state: TrainState, grads: Any, model_state: Any, metrics: Metrics
                ) -> tuple[TrainState, Metrics]:  # fmt: skip
         metrics = dict(metrics)
-        if grad_norm and replicas is None:
-            metrics["grad_norm"] = optax.tree.norm(grads)
-        elif grad_norm:
-            metrics["grad_norm"] = global_norm(grads, replicas=replicas)
+        if grad_norm:
+            norm = optax.tree.norm if replicas is None else partial(global_norm, replicas=replicas)
+            metrics["grad_norm"] = norm(grads)
         if lr_schedule is not None:
             # The optimizer's count advances only on applied updates (not fp16 skips).
             count = state.step - state.loss_scale.skipped
