@@ -158,7 +158,7 @@ class TrainConfig:
     grad_norm: bool = _flag(
         False,
         "report the gradients' global norm (grad_norm) each step: one more pass over the "
-        "gradients, about 7%% of a 10.8M-parameter MLP's step on the CPU",
+        "gradients, 4-7%% of a 10.8M-parameter MLP's step on the CPU",
     )
     profile_steps: str = _flag(
         "", "profile steps A:B (inclusive) into LOG_DIR/profile, e.g. 10:15 (needs --log-dir)"

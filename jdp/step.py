@@ -759,8 +759,8 @@ def make_train_step(
             fp16 loss scaling does for overflows.
         grad_norm: also report ``grad_norm``, the global norm of the averaged
             gradient before clipping. It costs one more pass over the gradients,
-            which a step bound by memory traffic pays in full (on the CPU, about 7%
-            of a 10.8M-parameter MLP's step on one and on two devices).
+            which a step bound by memory traffic pays in full (on the CPU, 4-7% of a
+            10.8M-parameter MLP's step on one and on two devices).
 
     Returns:
         A `CompiledStep`: ``step(state, batch) -> (state, metrics)``, where

@@ -1,17 +1,20 @@
 """``python -m jdp.bench``: each benchmark runs end to end and reports measured figures."""
 
+import json
+import os
 import re
 import shlex
 import subprocess
 import sys
 
 
-def _bench(command, flags, timeout=240):
+def _bench(command, flags, timeout=240, env=None):
     return subprocess.run(
         [sys.executable, "-m", "jdp.bench", command, *shlex.split(flags)],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
 
 
@@ -110,6 +113,26 @@ def test_step_benchmark_refuses_an_unknown_case():
     result = _bench("step", "--cases mlp-1t", timeout=120)
     assert result.returncode == 2
     assert "unknown case 'mlp-1t'" in result.stderr
+
+
+def test_a_step_cell_that_fails_is_one_line_naming_it():
+    result = _bench("step", "--cases mlp-38k --meshes data=3 --rounds 1", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "jdp.bench: error: the mlp-38k cell on --mesh data=3 failed: global batch 128 is not "
+        "divisible by the data axis (3 replicas); use a multiple of 3, e.g. --batch-size 126 "
+        "or 129"
+    ], result.stderr
+
+
+def test_a_step_cell_runs_with_the_devices_its_mesh_asks_for():
+    # As `jdp.train --mesh data=1` runs: one device, not the test session's 8.
+    environment = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    flags = "--cell --cases mlp-38k --meshes data=1 --rounds 1 --round-seconds 0.05"
+    result = _bench("step", flags, env=environment)
+    assert result.returncode == 0, result.stderr
+    cell = json.loads(result.stdout.splitlines()[-1])
+    assert cell["devices"] == 1 and cell["row"].split()[:3] == ["mlp-38k", "38k", "data=1"]
 
 
 def test_dispatch_benchmark_reports_steps_per_call_and_collectives():

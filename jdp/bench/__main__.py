@@ -7,8 +7,9 @@ a real training run's loop spent waiting for input.
 ``checkpoint``: how long the training loop is blocked by an async save and by a
 synchronous save of the same state, and how long a restore takes.
 
-``step``: jdp's train step (both backends) against the best of two hand-written
-``jit`` data-parallel steps, over four model sizes and three meshes (`jdp.bench.step`).
+``step``: jdp's train step (both backends) against the fastest hand-written ``jit``
+step, over four model sizes and three meshes, each cell in a process of its own
+with the devices its mesh asks for (`jdp.bench.step`).
 
 ``dispatch``: one model in detail: several steps per call, host dispatch time
 per step, and the collectives of the step as jdp emits it.

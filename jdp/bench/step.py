@@ -10,8 +10,13 @@ jdp is held to the best a careful engineer writes, not to a weak baseline.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import itertools
+import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +33,7 @@ from jdp.bench.common import names, report_lines
 from jdp.config import TrainConfig
 from jdp.data.pipeline import train_batches
 from jdp.errors import UsageError
-from jdp.mesh import DATA_AXIS
+from jdp.mesh import DATA_AXIS, parse_mesh_spec
 from jdp.models import MLP, Model, classification, from_linen
 from jdp.report.console import Console
 from jdp.run import Run, Yours, build, setup_devices
@@ -265,6 +270,74 @@ def bench_step(
     ``grad_norm``: jdp's steps also report the gradient norm (``--grad-norm``), which
     no hand-written step computes: what that option costs.
 
+    Each cell runs in a process of its own (`measure_cell`), started as
+    ``python -m jdp.train --mesh MESH`` starts: with the devices its mesh asks for
+    (one on ``data=1``), so a cell measures the process a run on that mesh has,
+    and no cell inherits another's heap. The process matters: with 8 simulated
+    CPU devices, the per-leaf step on a one-device mesh (its ``pmean`` over one
+    device) ran 2-4% faster than plain ``jit`` on the 38k MLP and 18-20% slower on
+    the 10.8M one; in a process of one device, as ``--mesh data=1`` runs, it ran
+    4-5% and 24% slower.
+    """
+    check_cases(cases)
+    for mesh in meshes:
+        parse_mesh_spec(mesh)
+    lines, emit = report_lines(on_line)
+    for index, (name, mesh) in enumerate(itertools.product(cases, meshes)):
+        kind, row = _cell_in_own_process(
+            name, mesh, batch_size=batch_size, rounds=rounds, round_seconds=round_seconds,
+            grad_norm=grad_norm,
+        )  # fmt: skip
+        if index == 0:
+            emit(
+                f"jdp.bench step: global batch {batch_size}, adam, {rounds} interleaved rounds "
+                f"of ~{round_seconds:g} s per arm after {PILOT_ROUNDS} that choose the "
+                "hand-written step; median examples/s, median per-round ratios; each cell in "
+                f"a process with its mesh's devices; {kind}"
+                + ("; jdp with --grad-norm" if grad_norm else "")
+            )
+            emit(
+                f"  {'model':<10}{'params':>8}  {'mesh':<8}{'hand-written ex/s':>19}  "
+                f"{'best of':<11}{'itself':>10}{'jdp jit':>9}{'jdp pmap':>10}"
+            )
+        emit(row)
+    return lines
+
+
+# Seconds one cell may take; the slowest default cell (the 10.8M MLP on data=8) takes
+# about a minute on the 2-core development machine.
+CELL_TIMEOUT = 1800
+
+
+def _cell_in_own_process(name: str, mesh: str, *, batch_size: int, rounds: int,
+                         round_seconds: float, grad_norm: bool) -> tuple[str, str]:  # fmt: skip
+    """``(device kind, row)`` of one cell, measured by ``python -m jdp.bench step --cell``."""
+    command = [
+        sys.executable, "-m", "jdp.bench", "step", "--cell", "--cases", name, "--meshes", mesh,
+        "--batch-size", str(batch_size), "--rounds", str(rounds),
+        "--round-seconds", str(round_seconds), *(["--grad-norm"] if grad_norm else []),
+    ]  # fmt: skip
+    try:  # a cell takes seconds to about a minute; a hung one must not hang the sweep
+        result = subprocess.run(command, capture_output=True, text=True, timeout=CELL_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise UsageError(
+            f"the {name} cell on --mesh {mesh} took over {CELL_TIMEOUT} s and was stopped"
+        ) from None
+    if result.returncode != 0:
+        said = [line for line in result.stderr.splitlines() if line.strip()] or [
+            f"exit code {result.returncode}"
+        ]
+        reason = said[-1].removeprefix("jdp.bench: error: ")
+        raise UsageError(f"the {name} cell on --mesh {mesh} failed: {reason}")
+    cell = json.loads(result.stdout.strip().splitlines()[-1])
+    return cell["kind"], cell["row"]
+
+
+def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_seconds: float,
+                 grad_norm: bool = False) -> tuple[str, str]:  # fmt: skip
+    """``(device kind, row)``: one case on one mesh, in this process, which must not have
+    started JAX (its devices are set up for ``mesh``).
+
     The fastest hand-written step is chosen in `PILOT_ROUNDS` rounds of its own;
     ``rounds`` more rounds interleave it with jdp's two steps and with a second,
     separately compiled copy of itself. That copy's ratio ("itself") is what two
@@ -272,57 +345,37 @@ def bench_step(
     Many short rounds, each of whole steps, keep it small: the machine's load
     changes over seconds, and arms run next to each other share it.
     """
-    check_cases(cases)
-    largest = max(meshes, key=lambda spec: int(spec.partition("=")[2] or 0))
-    setup_devices(largest)  # devices are simulated once per process: the largest mesh's
-    kind = jax.devices()[0].device_kind
-    lines, emit = report_lines(on_line)
-
-    emit(
-        f"jdp.bench step: global batch {batch_size}, adam, {rounds} interleaved rounds of "
-        f"~{round_seconds:g} s per arm after {PILOT_ROUNDS} that choose the hand-written "
-        f"step; median examples/s, median per-round ratios; {kind}"
-        + ("; jdp with --grad-norm" if grad_norm else "")
+    setup_devices(mesh)
+    case = CASES[name]
+    run = case_run(case, mesh, batch_size, grad_norm=grad_norm)
+    pmap = case_run(case, mesh, batch_size, backend="pmap", grad_norm=grad_norm)
+    batch = first_batch(run, batch_size)
+    optimizer = run.optimizer
+    hand = {
+        kind: hand_loop(hand_written_step(run.model, optimizer, run.mesh, kind=kind), run, batch)
+        for kind in hand_kinds(run.mesh)
+    }
+    pilot = interleaved_rates(
+        hand, rounds=PILOT_ROUNDS, round_seconds=round_seconds, rows=batch_size, multiple=1
     )
-    emit(
-        f"  {'model':<10}{'params':>8}  {'mesh':<8}{'hand-written ex/s':>19}  {'best of':<11}"
-        f"{'itself':>10}{'jdp jit':>9}{'jdp pmap':>10}"
+    best = max(hand, key=lambda name: statistics.median(pilot[name]))
+    again = hand_written_step(run.model, optimizer, run.mesh, kind=best)
+    arms = {
+        best: hand[best],
+        "again": hand_loop(again, run, batch),
+        "jit": jdp_loop(run.train_step, run, batch, optimizer),
+        "pmap": jdp_loop(pmap.train_step, pmap, batch, optimizer),
+    }
+    rates = interleaved_rates(
+        arms, rounds=rounds, round_seconds=round_seconds, rows=batch_size, multiple=1
     )
-    for name in cases:
-        case = CASES[name]
-        for mesh in meshes:
-            run = case_run(case, mesh, batch_size, grad_norm=grad_norm)
-            pmap = case_run(case, mesh, batch_size, backend="pmap", grad_norm=grad_norm)
-            batch = first_batch(run, batch_size)
-            optimizer = run.optimizer
-            hand = {
-                kind: hand_loop(
-                    hand_written_step(run.model, optimizer, run.mesh, kind=kind), run, batch
-                )
-                for kind in hand_kinds(run.mesh)
-            }
-            pilot = interleaved_rates(
-                hand, rounds=PILOT_ROUNDS, round_seconds=round_seconds, rows=batch_size,
-                multiple=1,
-            )  # fmt: skip
-            best = max(hand, key=lambda name: statistics.median(pilot[name]))
-            again = hand_written_step(run.model, optimizer, run.mesh, kind=best)
-            arms = {
-                best: hand[best],
-                "again": hand_loop(again, run, batch),
-                "jit": jdp_loop(run.train_step, run, batch, optimizer),
-                "pmap": jdp_loop(pmap.train_step, pmap, batch, optimizer),
-            }
-            rates = interleaved_rates(
-                arms, rounds=rounds, round_seconds=round_seconds, rows=batch_size, multiple=1
-            )
-            ratios = ratios_to(rates, best)
-            emit(
-                f"  {name:<10}{_params(run):>8}  {mesh:<8}"
-                f"{statistics.median(rates[best]):>19,.0f}  {best:<11}{ratios['again']:>9.3f}x"
-                f"{ratios['jit']:>8.3f}x{ratios['pmap']:>9.3f}x"
-            )
-    return lines
+    ratios = ratios_to(rates, best)
+    row = (
+        f"  {name:<10}{_params(run):>8}  {mesh:<8}"
+        f"{statistics.median(rates[best]):>19,.0f}  {best:<11}{ratios['again']:>9.3f}x"
+        f"{ratios['jit']:>8.3f}x{ratios['pmap']:>9.3f}x"
+    )
+    return jax.devices()[0].device_kind, row
 
 
 def add_arguments(parser) -> None:
@@ -337,9 +390,19 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--grad-norm", action="store_true", help="jdp's steps also report the gradient norm"
     )
+    # One cell in this process, printed as JSON: what the sweep starts for each cell.
+    parser.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args) -> None:
+    if args.cell:
+        (name,), (mesh,) = names(args.cases), names(args.meshes)
+        kind, row = measure_cell(
+            name, mesh, batch_size=args.batch_size, rounds=args.rounds,
+            round_seconds=args.round_seconds, grad_norm=args.grad_norm,
+        )  # fmt: skip
+        print(json.dumps({"kind": kind, "row": row, "devices": jax.device_count()}))
+        return
     bench_step(
         names(args.cases),
         names(args.meshes),
