@@ -43,6 +43,8 @@ def test_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
     assert "devices: no accelerator; 8 simulated CPU devices" in text
     assert "MNIST is not available here:" in text  # offline: the bundled digits instead
     final = re.search(r"final test accuracy: ([\d.]+) on 359 test images", text)
+    # An MLP on the digits, as in the default run, whose lowest figure over seeds 0-3
+    # and AVX-only code was 0.9666 (docs/figures.md): 6 test images above this floor.
     assert final and float(final.group(1)) >= 0.95, text
     assert re.search(r"restored from step 400: test accuracy ([\d.]+) \(before saving", text)
     assert len(re.findall(r"^\d device\(s\): [\d,]+ examples/s$", text, re.M)) == 4
