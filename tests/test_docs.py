@@ -20,8 +20,10 @@ from helpers import subprocess_env
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = [
-    "README.md", "docs/multihost.md", "docs/performance.md", "docs/sharding.md",
-    "colab/README.md",
+    "README.md", "docs/library.md", "docs/cli.md", "docs/data.md", "docs/models.md",
+    "docs/sharding.md", "docs/diloco.md", "docs/multihost.md", "docs/checkpoints.md",
+    "docs/observability.md", "docs/performance.md", "docs/examples.md", "docs/layout.md",
+    "docs/figures.md", "colab/README.md",
 ]  # fmt: skip
 CLUSTER_TOOLS = ("srun", "sbatch", "gcloud", "kubectl")
 BLOCK = re.compile(r"(?:<!-- smoke: (?P<smoke>[^>]*?) -->\n)?```bash\n(?P<body>.*?)```", re.S)
@@ -79,3 +81,32 @@ def test_a_documented_block_runs(script, tmp_path):
         cwd=repository, env=env, capture_output=True, text=True, timeout=850,
     )  # fmt: skip
     assert result.returncode == 0, f"{script}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+
+# A newcomer reads the README in five minutes; everything else is a docs page it links.
+README_LIMIT = 12_000
+LINK = re.compile(r"\]\((?P<target>[^)\s#]+\.md)(?:#(?P<anchor>[^)\s]+))?\)")
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+    """GitHub's anchors for a page's headings."""
+    headings = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_the_readme_is_short_and_links_every_docs_page():
+    text = (ROOT / "README.md").read_text()
+    assert len(text) < README_LIMIT, f"README.md is {len(text):,} characters; move text to docs/"
+    linked = {match.group("target") for match in LINK.finditer(text)}
+    pages = {f"docs/{page.name}" for page in (ROOT / "docs").glob("*.md")}
+    assert pages <= linked, f"not linked from README.md: {sorted(pages - linked)}"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_relative_link_resolves(doc):
+    page = ROOT / doc
+    for match in LINK.finditer(page.read_text()):
+        target = (page.parent / match.group("target")).resolve()
+        assert target.exists(), f"{doc} links to {match.group('target')}, which does not exist"
+        anchor = match.group("anchor")
+        assert anchor is None or anchor in _anchors(target), f"{doc}: no #{anchor} in {target}"
