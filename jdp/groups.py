@@ -24,7 +24,6 @@ This module holds the per-device maths; `jdp.step` compiles it.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -35,18 +34,9 @@ from jax import lax
 
 from jdp.errors import UsageError
 from jdp.mesh import GROUP_AXIS
-from jdp.state import GroupState, TrainState
+from jdp.state import GroupState, Outer, TrainState
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
-
-
-@dataclasses.dataclass(frozen=True)
-class Outer:
-    """The outer loop of DiLoCo: the optimizer that applies the groups' averaged change
-    every ``sync_every`` steps. Make one with `diloco`."""
-
-    optimizer: optax.GradientTransformation
-    sync_every: int
 
 
 def diloco(

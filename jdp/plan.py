@@ -95,7 +95,9 @@ class Plan:
         return self.state
 
 
-def _mesh_sizes(spec: str) -> dict[str, int]:
+def mesh_sizes(spec: str) -> dict[str, int]:
+    """The axis sizes a mesh spec asks for, with no devices (``data`` added as 1 where
+    only sharding axes are named), in the mesh's axis order."""
     from jdp.mesh import DATA_AXIS, KNOWN_AXES, SHARDING_AXES, parse_mesh_spec
 
     axes = dict(parse_mesh_spec(spec))
@@ -339,7 +341,7 @@ def _candidates(devices: int) -> list[str]:
 def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan:
     model, batch = build_model(args.model, args.model_size, vocab=args.vocab_size,
                                seq_len=args.seq_len, image=args.image_shape)  # fmt: skip
-    sizes = _mesh_sizes(spec)
+    sizes = mesh_sizes(spec)
     from jdp.mesh import parse_axis_rules as parse_rules
 
     rules = parse_rules(args.axis_rules)
@@ -396,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        sizes = _mesh_sizes(args.mesh)
+        sizes = mesh_sizes(args.mesh)
         devices = math.prod(sizes.values())
         compile_step = not args.no_compile and devices <= MAX_COMPILED
         if compile_step and not os.environ.get("JDP_PLAN_CHILD"):

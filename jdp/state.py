@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from typing import Any
 
 import flax.struct
 import jax
@@ -15,8 +16,14 @@ from jdp.errors import UsageError
 from jdp.mesh import GROUP_AXIS, group_size, is_sharded, replicated
 from jdp.precision import LossScale, Precision
 
-if TYPE_CHECKING:
-    from jdp.groups import Outer
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    """The outer loop of DiLoCo: the optimizer that applies the groups' averaged change
+    every ``sync_every`` steps. Make one with `jdp.diloco`."""
+
+    optimizer: optax.GradientTransformation
+    sync_every: int
 
 
 @flax.struct.dataclass

@@ -53,15 +53,16 @@ def _bitwise_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 
 def _flip_state():
     """The state the flip trials save: an MLP's worth of parameters under Adam, on 8 devices."""
-    import jdp
+    from jdp.mesh import make_mesh
+    from jdp.state import create_train_state
 
-    mesh = jdp.make_mesh(f"data={jax.device_count()}")
+    mesh = make_mesh(f"data={jax.device_count()}")
     keys = jax.random.split(jax.random.key(0), 3)
     params = {
         "dense_0": {"kernel": jax.random.normal(keys[0], (64, 256)), "bias": np.zeros(256)},
         "dense_1": {"kernel": jax.random.normal(keys[1], (256, 10)), "bias": np.zeros(10)},
     }
-    return jdp.create_train_state(params, optax.adam(1e-3), mesh, rng=keys[2])
+    return create_train_state(params, optax.adam(1e-3), mesh, rng=keys[2])
 
 
 def bit_flips(trials: int, seed: int, *, data_only: bool = False) -> Counter:

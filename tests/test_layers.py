@@ -1,0 +1,194 @@
+"""The package's layers, held by a test: what may import what, and how big a unit may grow.
+
+A module belongs to one layer and imports only from its own layer or lower ones:
+
+    ground < library < services < training < tools
+
+- ground: errors and the version, importing nothing of jdp;
+- library: the mesh, layouts, precision, optimizers, the state, actions and the step;
+- services: report, data, models, checkpoints, processes and inference;
+- training: the only readers of ``TrainConfig`` (config, flags, presets, the run, ``fit``);
+- tools: the command-line tools and the public face, ``jdp/__init__.py``.
+
+Every import counts, inside functions and under ``TYPE_CHECKING`` too. Beyond the
+layers: no import cycles, no ``import jdp`` (the public face) inside the package,
+and no private name (``_x``) taken from a module of another package.
+"""
+
+import ast
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).parent.parent / "jdp"
+ORDER = ("ground", "library", "services", "training", "tools")
+# A module's layer, by its name below jdp (the longest listed prefix decides).
+LAYERS = {
+    "errors": "ground", "version": "ground",
+    "mesh": "library", "layout": "library", "precision": "library", "optim": "library",
+    "state": "library", "actions": "library", "step": "library", "replica": "library",
+    "reduce": "library", "groups": "library",
+    "report": "services", "data": "services", "models": "services", "checkpoint": "services",
+    "digest": "services", "lock": "services", "distributed": "services", "cluster": "services",
+    "handshake": "services", "preemption": "services", "replica_check": "services",
+    "inference": "services", "collectives": "services",
+    "config": "training", "flags": "training", "presets": "training", "run": "training",
+    "loop": "training", "run_actions": "training",
+    "train": "tools", "plan": "tools", "launch": "tools", "plot": "tools", "bench": "tools",
+    "data.__main__": "tools", "": "tools",
+}  # fmt: skip
+# Units that read in one sitting: a module of at most 400 lines, a function of at most
+# 80 (docstring included). The units over them today may shrink, never grow; a new
+# one over them fails.
+MODULE_LINES, FUNCTION_LINES = 400, 80
+OVER_TODAY = {
+    "jdp/step.py": 926, "jdp/checkpoint.py": 729, "jdp/run.py": 456, "jdp/loop.py": 470,
+    "jdp/config.py": 453, "jdp/data/pipeline.py": 426, "jdp/data/sources.py": 424,
+    "jdp/mesh.py": 418, "jdp/bench/step.py": 414, "jdp/plan.py": 440,
+    "jdp/models/adapters.py": 429,
+    "jdp/step.py::make_train_step": 145, "jdp/state.py::create_train_state": 114,
+    "jdp/loop.py::fit": 104, "jdp/models/adapters.py::from_nnx": 89,
+    "jdp/replica.py::train_step_parts": 85, "jdp/optim.py::make_schedule": 83,
+}  # fmt: skip
+
+
+def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    """``jdp/data/sources.py`` -> ``data.sources``; ``jdp/__init__.py`` -> ``""``."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(name: str) -> str | None:
+    prefixes = [key for key in LAYERS if name == key or name.startswith(key + ".")]
+    return LAYERS[max(prefixes, key=len)] if prefixes else LAYERS.get(name)
+
+
+def imports(name: str, source: str, known: set[str]) -> Iterator[tuple[str, str, int]]:
+    """(imported module, imported name or "", line) for each jdp import in a module."""
+    package = name.rsplit(".", 1)[0] if "." in name else ""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "jdp" or alias.name.startswith("jdp."):
+                    yield alias.name.removeprefix("jdp").lstrip("."), "", node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            elif node.module == "jdp" or (node.module or "").startswith("jdp."):
+                target = node.module.removeprefix("jdp").lstrip(".")
+            else:
+                continue
+            for alias in node.names:
+                submodule = f"{target}.{alias.name}".lstrip(".")
+                if submodule in known:
+                    yield submodule, "", node.lineno
+                else:
+                    yield target, alias.name, node.lineno
+
+
+def violations(sources: dict[str, str]) -> list[str]:
+    """Every broken rule in ``sources`` (module name -> its source), one line each."""
+    known = set(sources)
+    found, edges = [], {name: set() for name in sources}
+    for name, source in sources.items():
+        layer = layer_of(name)
+        if layer is None:
+            found.append(f"jdp.{name} has no layer: add it to LAYERS")
+            continue
+        own_package = name.rsplit(".", 1)[0] if "." in name else None
+        for target, imported, line in imports(name, source, known):
+            where = f"jdp.{name}:{line}"
+            if target == "" and not imported.startswith("__"):
+                found.append(f"{where} imports jdp, the public face, from inside the package")
+                continue
+            if target in known:
+                edges[name].add(target)
+            target_layer = layer_of(target)
+            if target_layer and ORDER.index(target_layer) > ORDER.index(layer):
+                found.append(f"{where} ({layer}) imports jdp.{target} ({target_layer})")
+            target_package = target.rsplit(".", 1)[0] if "." in target else None
+            private = imported.startswith("_") and not imported.startswith("__")
+            if private and (own_package is None or own_package != target_package):
+                found.append(f"{where} takes jdp.{target}.{imported}, a private name")
+    found.extend(f"import cycle: {' -> '.join(cycle)}" for cycle in _cycles(edges))
+    return found
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected part of the import graph that has one."""
+    cycles, done = [], set()
+    for start in sorted(edges):
+        stack, path, on_path = [(start, iter(sorted(edges[start])))], [start], {start}
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                on_path.discard(path.pop())
+                done.add(node)
+            elif child in on_path:
+                cycle = [*path[path.index(child) :], child]
+                if not any(set(cycle) <= set(seen) for seen in cycles):
+                    cycles.append(cycle)
+            elif child not in done and child in edges:
+                stack.append((child, iter(sorted(edges[child]))))
+                path.append(child)
+                on_path.add(child)
+    return cycles
+
+
+def _sources(root: pathlib.Path = PACKAGE) -> dict[str, str]:
+    return {module_name(path, root): path.read_text() for path in sorted(root.rglob("*.py"))}
+
+
+def test_the_package_keeps_its_layers():
+    assert violations(_sources()) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "planted", "expected"),
+    [
+        ("mesh", "from jdp.run import fit", "jdp.mesh:1 (library) imports jdp.run (training)"),
+        ("errors", "import jdp.mesh", "jdp.errors:1 (ground) imports jdp.mesh (library)"),
+        ("step", "from jdp import checkpoint", "(library) imports jdp.checkpoint (services)"),
+        ("models.cnn", "def f():\n    from jdp.loop import fit", "imports jdp.loop (training)"),
+        ("checkpoint", "import jdp", "jdp.checkpoint:1 imports jdp, the public face"),
+        ("bench.memory", "from jdp.plan import _x", "takes jdp.plan._x, a private name"),
+        ("mesh", "from jdp.state import TrainState", "import cycle: "),
+        ("wheel", "", "jdp.wheel has no layer"),
+    ],
+)
+def test_a_planted_violation_fails(module, planted, expected):
+    sources = _sources()
+    sources[module] = planted + "\n" + sources.get(module, "")
+    assert any(expected in line for line in violations(sources)), violations(sources)
+
+
+def _long_units(root: pathlib.Path = PACKAGE) -> dict[str, int]:
+    """Modules over MODULE_LINES and functions over FUNCTION_LINES, with their lengths."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        name = f"jdp/{path.relative_to(root).as_posix()}"
+        if len(text.splitlines()) > MODULE_LINES:
+            found[name] = len(text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > FUNCTION_LINES:
+                    found[f"{name}::{node.name}"] = length
+    return found
+
+
+def test_no_unit_grows_past_its_limit():
+    grown = {
+        unit: (length, OVER_TODAY.get(unit))
+        for unit, length in _long_units().items()
+        if length > OVER_TODAY.get(unit, MODULE_LINES if "::" not in unit else FUNCTION_LINES)
+    }
+    assert grown == {}, f"(lines now, allowed) of each unit over its limit: split them: {grown}"
