@@ -50,17 +50,22 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="start from a named configuration; the other flags override it",
     )
     hints = typing.get_type_hints(TrainConfig)
+    sections: dict[str, argparse._ArgumentGroup] = {}  # --help lists the flags by section
     for field in dataclasses.fields(TrainConfig):
+        name = field.metadata["section"].name
+        group = sections.get(name) or sections.setdefault(
+            name, parser.add_argument_group(f"{name} flags")
+        )
         flag, hint = f"--{field.name.replace('_', '-')}", hints[field.name]
         if hint is bool:
             help_text = field.metadata["help"]
-            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+            group.add_argument(flag, action="store_true", default=None, help=help_text)
             continue
         read, metavar = _parser_of(hint)
         help_text = field.metadata["help"]
         if field.default is not None and "default" not in help_text:
             help_text += f" (default: {field.default})"
-        parser.add_argument(flag, type=read, metavar=metavar, help=help_text)
+        group.add_argument(flag, type=read, metavar=metavar, help=help_text)
     return parser
 
 

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from jdp import distributed, layout
 from jdp.checkpoint import read_params
-from jdp.config import TrainConfig
+from jdp.config import OPTIMIZER, TrainConfig, fields_of
 from jdp.data.custom import holdout, load_named
 from jdp.data.pipeline import EvalReader, check_train_batch
 from jdp.data.sources import Split
@@ -218,10 +218,7 @@ def recorded_config(config: TrainConfig, yours: Yours, train: Split) -> dict:
 
 
 # The config fields that make the built-in optimizer and schedule.
-_OPTIMIZER_FIELDS = (
-    "optimizer", "lr", "schedule", "warmup_steps", "lr_scaling", "lr_reference_batch",
-    "lr_boundaries", "lr_decay_factor", "momentum", "weight_decay", "clip_norm",
-)  # fmt: skip
+_OPTIMIZER_FIELDS = fields_of(section=OPTIMIZER)
 
 
 def _describe(optimizer) -> str:

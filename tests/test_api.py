@@ -85,7 +85,7 @@ def test_the_config_choices_are_the_registries():
     must be what the module that owns the name accepts."""
     import typing
 
-    from jdp import config, groups, optim, precision, step
+    from jdp import config, config_checks, groups, optim, precision, step
     from jdp.data import custom, sources
     from jdp.models.registry import MODELS, SIZES
 
@@ -95,8 +95,10 @@ def test_the_config_choices_are_the_registries():
     assert choices(config.Backend) == set(step.BACKENDS)
     assert choices(config.ModelName) == set(MODELS)
     assert choices(config.ModelSize) == set(SIZES)
-    assert choices(config.DatasetName) == set(sources.DATASETS) | set(sources.GENERATED)
-    assert config.DATASET_PREFIXES == custom.PREFIXES  # the config checks what the data reads
+    assert choices(config_checks.DatasetName) == set(sources.DATASETS) | set(sources.GENERATED)
+    assert (
+        config_checks.DATASET_PREFIXES == custom.PREFIXES
+    )  # the config checks what the data reads
     assert choices(config.OptimizerName) == set(optim.OPTIMIZERS)
     assert choices(config.ScheduleName) == set(optim.SCHEDULES)
     assert choices(config.LrScaling) == set(optim.LR_SCALING)
@@ -109,10 +111,16 @@ def test_the_config_imports_nothing_above_it():
     import ast
     import pathlib
 
-    source = pathlib.Path(jdp.config.__file__).read_text()
-    imported = {
-        node.module
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jdp")
+    from jdp import config_checks
+
+    imported = set()
+    for module in (jdp.config, config_checks):
+        tree = ast.parse(pathlib.Path(module.__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jdp"):
+                imported |= {f"{node.module}.{alias.name}" for alias in node.names}
+    # The config and its checks, and below them only errors and the mesh spec.
+    assert {name.rsplit(".", 1)[0] for name in imported} == {"jdp", "jdp.errors", "jdp.mesh"}
+    assert {name for name in imported if name.startswith("jdp.") and name.count(".") == 1} == {
+        "jdp.config_checks"
     }
-    assert imported == {"jdp.errors", "jdp.mesh"}

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 import jdp
+from jdp import config
 from jdp.flags import parse_flags
 from jdp.presets import PRESETS
 
@@ -74,3 +75,27 @@ def test_help_reads_as_plain_text(command):
     assert result.returncode == 0, result.stderr
     assert "``" not in result.stdout and "(default: None)" not in result.stdout
     assert "multihost-worker" not in result.stdout
+
+
+def _unsectioned(cls) -> list[str]:
+    return [
+        field.name
+        for field in dataclasses.fields(cls)
+        if not isinstance(field.metadata.get("section"), config.Section)
+    ]
+
+
+def test_every_config_field_declares_its_section():
+    assert _unsectioned(jdp.TrainConfig) == []
+    planted = dataclasses.make_dataclass(
+        "Planted", [("new_flag", int, 0)], bases=(jdp.TrainConfig,), frozen=True
+    )
+    assert _unsectioned(planted) == ["new_flag"]
+    # What the run reads by kind of field is derived from the sections.
+    assert set(config.fields_of(resumable=True)) == config.TOPOLOGY_FIELDS
+    assert "mesh" in config.TOPOLOGY_FIELDS and "lr" not in config.TOPOLOGY_FIELDS
+    assert config.DILOCO_FIELDS == ("sync_every", "outer_optimizer", "outer_lr", "outer_momentum")
+    assert set(config.fields_of(per_process=True)) == {
+        "coordinator", "num_processes", "process_id", "startup_timeout", "data_dir",
+        "loader_workers", "prefetch",
+    }  # fmt: skip

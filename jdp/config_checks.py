@@ -1,0 +1,212 @@
+"""`TrainConfig`'s checks: each invalid value raises `UsageError` with one line naming
+the flag and the fix. They read a config by its fields and properties only."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Literal
+
+from jdp.errors import UsageError
+from jdp.mesh import GROUP_AXIS, SHARDING_AXES, parse_axis_rules, parse_mesh_spec
+
+# The datasets known by name; --dataset also takes your own data by these prefixes
+# (jdp.data.custom reads them).
+DatasetName = Literal["cifar10", "digits", "fashion_mnist", "mnist", "numbers2words"]
+DATASET_PREFIXES = ("tfds:", "folder:", "npz:")
+
+
+def check(config) -> None:
+    """Raises `UsageError` naming the flag and the fix for the first invalid value."""
+    parse_mesh_spec(config.mesh)
+    if not isinstance(config.optimizer, str):
+        raise UsageError(
+            "TrainConfig(optimizer=...) names a built-in optimizer; pass an Optax one as "
+            "jdp.fit(config, optimizer=tx, lr_schedule=...)"
+        )
+    _check_dataset(config)
+    for name, choices in _choices(type(config)).items():
+        if getattr(config, name) not in choices:
+            raise UsageError(
+                f"unknown {name.replace('_', ' ')} {getattr(config, name)!r}; choose one "
+                f"of: {', '.join(choices)}"
+            )
+    for name in ("batch_size", "steps"):
+        if getattr(config, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    _check_numbers(config)
+    if config.accumulate < 1:
+        raise UsageError("--accumulate must be at least 1")
+    if config.eval_every < 0:
+        raise UsageError("--eval-every must be 0 (only at the end) or a positive step count")
+    if config.ckpt_every < 0 or config.keep < 1:
+        raise UsageError("--ckpt-every must be >= 0 and --keep at least 1")
+    if config.ckpt_dir is None and (config.ckpt_every or config.no_resume):
+        raise UsageError("--ckpt-every and --no-resume need --ckpt-dir DIR")
+    if config.loader_workers < 0 or config.prefetch < 1:
+        raise UsageError("--loader-workers must be >= 0 and --prefetch at least 1")
+    if config.log_every < 1:
+        raise UsageError("--log-every must be at least 1")
+    _ = config.profile_window  # checks --profile-steps
+    _check_steps_per_call(config)
+    _check_groups(config)
+    _check_layout(config)
+    if config.check_replicas_every < 0:
+        raise UsageError("--check-replicas-every must be >= 0 (0: off)")
+    if config.early_stop_patience < 0:
+        raise UsageError("--early-stop-patience must be >= 0 (0: off)")
+    if config.early_stop_patience and not config.eval_every:
+        raise UsageError(
+            "--early-stop-patience counts evaluations; add --eval-every N to evaluate "
+            "during the run"
+        )
+    if config.lr_reference_batch < 1:
+        raise UsageError("--lr-reference-batch must be at least 1")
+    if any(not part.strip().isdigit() for part in config.lr_boundaries.split(",") if part):
+        raise UsageError(f"--lr-boundaries {config.lr_boundaries!r}: write steps, e.g. 200,300")
+    if config.warmup_steps < 0:
+        raise UsageError("--warmup-steps must be >= 0")
+    if config.epochs < 0:
+        raise UsageError("--epochs must be >= 0 (0: train for --steps)")
+    if config.eval_only and config.ckpt_dir is None:
+        raise UsageError("--eval-only evaluates a checkpoint; give --ckpt-dir DIR")
+    if config.init_from is not None and config.eval_only:
+        raise UsageError("--init-from starts training; with --eval-only give --ckpt-dir only")
+
+
+def _check_dataset(config) -> None:
+    for prefix in DATASET_PREFIXES:
+        if config.dataset.startswith(prefix):
+            if not config.dataset[len(prefix) :]:
+                raise UsageError(f"--dataset {config.dataset}: give a name or path after it")
+            return
+    if config.dataset not in typing.get_args(DatasetName):
+        raise UsageError(
+            f"unknown dataset {config.dataset!r}; choose one of: "
+            f"{', '.join(typing.get_args(DatasetName))}, or tfds:NAME (any TFDS dataset), "
+            "folder:PATH (images in class folders) or npz:FILE (arrays named like x_train, "
+            "y_train)"
+        )
+
+
+def _check_numbers(config) -> None:
+    """Real-valued flags: finite (NaN and inf pass ``x > 0``) and in their range."""
+    ranges = {  # flag: (lowest, lowest allowed?, highest, highest allowed?)
+        "lr": (0.0, False, math.inf, False),
+        "outer_lr": (0.0, False, math.inf, False),
+        "outer_momentum": (0.0, True, 1.0, False),
+        "momentum": (0.0, True, 1.0, False),
+        "weight_decay": (0.0, True, math.inf, False),
+        "clip_norm": (0.0, True, math.inf, False),
+        "lr_decay_factor": (0.0, False, math.inf, False),
+        "max_skipped_fraction": (0.0, False, 1.0, True),
+        "validation_fraction": (0.0, True, 1.0, False),
+        "startup_timeout": (0.0, False, math.inf, False),
+        "heartbeat_timeout": (0.0, False, math.inf, False),
+    }
+    for name, (low, low_in, high, high_in) in ranges.items():
+        value = getattr(config, name)
+        above = value >= low if low_in else value > low
+        below = value <= high if high_in else value < high
+        if not (above and below):  # also false for NaN
+            span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+            raise UsageError(f"--{name.replace('_', '-')} must be in {span}, got {value}")
+    if not 0 <= config.seed < 2**32:
+        raise UsageError(f"--seed must be in [0, 2**32), got {config.seed}")
+
+
+def _check_steps_per_call(config) -> None:
+    calls = config.steps_per_call
+    if calls < 1:
+        raise UsageError("--steps-per-call must be at least 1")
+    if calls == 1:
+        return
+    periodic = {
+        "steps": config.steps,
+        "eval-every": config.eval_every,
+        "ckpt-every": config.ckpt_every,
+        "check-replicas-every": config.check_replicas_every,
+    }
+    for flag, value in periodic.items():
+        if value % calls:
+            raise UsageError(
+                f"--{flag} {value} is not a multiple of --steps-per-call {calls}: a run "
+                f"evaluates and saves between calls; use a multiple of {calls}"
+            )
+    if config.profile_window:
+        first, last = config.profile_window
+        if (first - 1) % calls or last % calls:
+            raise UsageError(
+                f"--profile-steps {config.profile_steps} must cover whole calls of "
+                f"--steps-per-call {calls}, e.g. {calls + 1}:{2 * calls}"
+            )
+
+
+def _check_layout(config) -> None:
+    """Sharded layouts run under jit, without DiLoCo groups."""
+    parse_axis_rules(config.axis_rules)
+    axes = dict(parse_mesh_spec(config.mesh))
+    sharded = [f"{a}={axes[a]}" for a in SHARDING_AXES if axes.get(a, 1) != 1]
+    if config.shard_optimizer:
+        sharded.append("--shard-optimizer")
+    if not sharded:
+        return
+    if config.backend == "pmap":
+        raise UsageError(
+            f"{', '.join(sharded)} lay the state out over the mesh, which backend pmap "
+            "cannot (it replicates the state); run with --backend jit"
+        )
+    if GROUP_AXIS in axes:
+        raise UsageError(
+            f"DiLoCo groups train replicated parameters; drop {', '.join(sharded)} or the "
+            "group axis"
+        )
+
+
+def _check_groups(config) -> None:
+    """DiLoCo's flags need a group axis; its interval whole calls of the step."""
+    if config.sync_every < 0:
+        raise UsageError(f"--sync-every must be >= 0, got {config.sync_every}")
+    if GROUP_AXIS not in dict(parse_mesh_spec(config.mesh)):
+        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        given = [
+            f"--{name.replace('_', '-')}"
+            for name in _diloco_fields(config)
+            if getattr(config, name) != defaults[name]
+        ]
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} set DiLoCo's groups, and --mesh {config.mesh} has none; "
+                "add a group axis, e.g. --mesh group=2,data=4"
+            )
+        return
+    if config.backend == "pmap":
+        raise UsageError(
+            "DiLoCo groups (a group axis) run with --backend jit; pmap maps over one axis"
+        )
+    if config.eval_every % config.resolved_sync_every:
+        raise UsageError(
+            f"--eval-every {config.eval_every} is not a multiple of --sync-every "
+            f"{config.resolved_sync_every}: evaluation uses the synchronised parameters, which "
+            "change only when the groups synchronise"
+        )
+    if config.resolved_sync_every % config.steps_per_call:
+        raise UsageError(
+            f"--sync-every {config.resolved_sync_every} is not a multiple of --steps-per-call "
+            f"{config.steps_per_call}: the groups synchronise between calls"
+        )
+
+
+def _diloco_fields(config) -> list[str]:
+    return [f.name for f in dataclasses.fields(config) if f.metadata["section"].name == "diloco"]
+
+
+def _choices(cls) -> dict[str, tuple[str, ...]]:
+    """The fields whose type is a ``Literal``, and their choices."""
+    hints = typing.get_type_hints(cls)
+    return {
+        name: typing.get_args(hint)
+        for name, hint in hints.items()
+        if typing.get_origin(hint) is Literal
+    }
