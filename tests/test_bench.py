@@ -7,6 +7,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 
 def _bench(command, flags, timeout=240, env=None):
     return subprocess.run(
@@ -18,6 +20,7 @@ def _bench(command, flags, timeout=240, env=None):
     )
 
 
+@pytest.mark.slow
 def test_input_benchmark_reports_loaders_step_and_waiting():
     result = _bench("input", "--mesh data=4 --workers 1 --batches 30 --step-repeats 10 --steps 30")
     assert result.returncode == 0, result.stderr
@@ -45,6 +48,7 @@ def test_bench_bad_input_is_one_line_and_exit_2():
     ]
 
 
+@pytest.mark.slow
 def test_checkpoint_benchmark_reports_blocked_and_restore_times():
     result = _bench("checkpoint", "--mesh data=2 --size-mb 4 --repeats 1")
     assert result.returncode == 0, result.stderr
@@ -55,6 +59,7 @@ def test_checkpoint_benchmark_reports_blocked_and_restore_times():
     assert re.search(r"restore \(latest, onto the mesh\): [\d.]+ s", result.stdout)
 
 
+@pytest.mark.slow
 def test_multihost_benchmark_compares_one_and_two_processes():
     result = _bench("multihost", "--cases mlp-38k --seconds 0.3")
     assert result.returncode == 0, result.stderr
@@ -71,6 +76,7 @@ def test_multihost_benchmark_compares_one_and_two_processes():
     assert int(ops) >= 1 and all(float(ms) > 0 for ms in reduce_ms)
 
 
+@pytest.mark.slow
 def test_scaling_benchmark_writes_a_table_and_a_png(tmp_path):
     out = tmp_path / "scaling.png"
     result = _bench("scaling", f"--steps 5 --out {out}")
@@ -80,6 +86,7 @@ def test_scaling_benchmark_writes_a_table_and_a_png(tmp_path):
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_logging_benchmark_reports_the_ratio():
     result = _bench("logging", "--steps 20 --rounds 2")
     assert result.returncode == 0, result.stderr
@@ -87,6 +94,7 @@ def test_logging_benchmark_reports_the_ratio():
     assert "40 records written" in result.stdout
 
 
+@pytest.mark.slow
 def test_step_benchmark_sweeps_sizes_and_meshes_against_the_best_hand_written_step():
     result = _bench(
         "step", "--cases mlp-38k,gpt-small --meshes data=1,data=2 --rounds 1 --round-seconds 0.05"
@@ -125,6 +133,7 @@ def test_a_step_cell_that_fails_is_one_line_naming_it():
     ], result.stderr
 
 
+@pytest.mark.slow
 def test_a_step_cell_runs_with_the_devices_its_mesh_asks_for():
     # As `jdp.train --mesh data=1` runs: one device, not the test session's 8.
     environment = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -135,6 +144,7 @@ def test_a_step_cell_runs_with_the_devices_its_mesh_asks_for():
     assert cell["devices"] == 1 and cell["row"].split()[:3] == ["mlp-38k", "38k", "data=1"]
 
 
+@pytest.mark.slow
 def test_dispatch_benchmark_reports_steps_per_call_and_collectives():
     result = _bench("dispatch", "--rounds 1 --round-seconds 0.05 --steps-per-call 1,4")
     assert result.returncode == 0, result.stderr
@@ -154,6 +164,7 @@ def test_dispatch_benchmark_reports_steps_per_call_and_collectives():
     assert abs(float(volume["bf16"]) - 0.5) <= 0.01, result.stdout
 
 
+@pytest.mark.slow
 def test_diloco_benchmark_reports_metric_bytes_and_speed_per_arm():
     result = _bench("diloco", "--workloads mlp --steps 20 --sync-every 1,10")
     assert result.returncode == 0, result.stderr

@@ -66,6 +66,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("when", ["during an async save", "at a random step"])
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise_identical(reference, tmp_path, when):
     process = _start(tmp_path)
     _wait_for(lambda: 10 in _steps_in(tmp_path), process)
@@ -84,6 +85,7 @@ def test_sigkill_then_resume_is_bitwise_identical(reference, tmp_path, when):
     assert_bitwise_equal(saved_arrays(tmp_path, 60), reference[1])
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_0_and_resumes_to_the_same_params(reference, tmp_path):
     process = _start(tmp_path)
     _wait_for(lambda: 10 in _steps_in(tmp_path), process)

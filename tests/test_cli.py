@@ -27,6 +27,7 @@ _run = run_cli
     ],
     ids=["jit-data8", "pmap-data8", "data1", "bf16", "fp16"],
 )
+@pytest.mark.slow
 def test_default_run_reaches_095_on_digits(flags):
     result = _run(*flags)
     assert result.returncode == 0, result.stderr
@@ -42,6 +43,7 @@ def test_default_run_reaches_095_on_digits(flags):
     assert simulated == ("data=8" in flags)
 
 
+@pytest.mark.slow
 def test_large_batch_rules_print_the_effective_lr():
     result = _run(
         *shlex.split(
@@ -56,6 +58,7 @@ def test_large_batch_rules_print_the_effective_lr():
     assert SUMMARY.search(result.stdout)
 
 
+@pytest.mark.slow
 def test_tiny_cnn_run_with_periodic_eval():
     result = _run(
         *shlex.split(
@@ -67,6 +70,7 @@ def test_tiny_cnn_run_with_periodic_eval():
     assert SUMMARY.search(result.stdout)
 
 
+@pytest.mark.slow
 def test_tiny_seq2seq_run_on_numbers2words():
     result = _run(
         *shlex.split(

@@ -307,6 +307,7 @@ def _steps_in(directory):
     return {int(path.name) for path in directory.iterdir() if path.name.isdigit()}
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     reference = tmp_path / "uninterrupted"
     result = run_cli(*_RUN, "--ckpt-dir", reference)
@@ -334,6 +335,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     assert_bitwise_equal(saved, saved_arrays(reference, 60))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_groups_resumes_only_with_as_many_groups(tmp_path):
     result = run_cli("--mesh", "group=2,data=4", "--sync-every", "4", "--steps", "8",
                      "--warmup-steps", "0", "--ckpt-dir", tmp_path)  # fmt: skip
@@ -355,6 +357,7 @@ def test_a_checkpoint_of_groups_resumes_only_with_as_many_groups(tmp_path):
     assert "jdp: resuming from step 8" in resumed.stdout
 
 
+@pytest.mark.slow
 def test_two_processes_hold_one_group_each_and_match_one_process(tmp_path):
     run = ["--mesh", "group=2,data=4", "--sync-every", "10", "--steps", "60",
            "--warmup-steps", "10"]  # fmt: skip

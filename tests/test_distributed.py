@@ -83,6 +83,7 @@ def single(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["jit", "pmap"])
+@pytest.mark.slow
 def test_two_processes_match_one(single, tmp_path, backend):
     result = _train(
         "--ckpt-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "log"),
@@ -141,6 +142,7 @@ def _interrupt_mid_run(launcher, interrupt, timeout=120):
     return code, "".join(out), "".join(err), took
 
 
+@pytest.mark.slow
 def test_a_lost_process_stops_the_others_within_the_heartbeat_timeout():
     launcher = _train(
         "--steps", "100000", "--heartbeat-timeout", "5", nproc=2,
@@ -178,6 +180,7 @@ def test_launcher_grace_kills_what_does_not_stop(tmp_path):
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_and_one_process_resumes(tmp_path):
     # Long enough that the signal lands mid-run.
     steps = ["--steps", "400"]
@@ -206,6 +209,7 @@ def test_sigterm_to_the_launcher_saves_and_one_process_resumes(tmp_path):
     assert_drift_within(load_params(str(stopped_dir)), load_params(str(whole_dir)))
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_one_and_two_processes(single, tmp_path):
     # Two processes continue a one-process run from step 60 ...
     two = tmp_path / "two"
@@ -243,6 +247,7 @@ _DIVERGED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_replica_check_across_processes_names_the_odd_one(tmp_path):
     script = tmp_path / "diverged.py"
     script.write_text(_DIVERGED)
@@ -271,6 +276,7 @@ def test_replica_check_in_one_process(mesh8):
         check_replicas({"w": same, "v": diverged}, step=3)
 
 
+@pytest.mark.slow
 def test_startup_names_the_missing_process():
     result = subprocess.run(
         [sys.executable, "-m", "jdp.train", "--coordinator", f"127.0.0.1:{free_port()}",
@@ -321,6 +327,7 @@ def test_handshake_meets_and_names_what_is_wrong():
     assert "process 1 was started with --num-processes 3, process 0 with 2" in errors[1]
 
 
+@pytest.mark.slow
 def test_a_process_that_left_the_handshake_is_missing_not_counted():
     port = free_port()
     (cluster,) = _clusters(3, [0], port)
@@ -347,6 +354,7 @@ def test_a_process_that_left_the_handshake_is_missing_not_counted():
     assert "processes 1, 2 of 3 did not reach" in errors[0]
 
 
+@pytest.mark.slow
 def test_sigint_to_the_launcher_stops_a_run_without_checkpoints():
     launcher = _train(
         "--steps", "100000", nproc=2, stdout=subprocess.PIPE, stderr=subprocess.PIPE

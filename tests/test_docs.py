@@ -68,6 +68,7 @@ def test_every_block_runs_or_says_why_not():
     [script for _, _, script, _ in BLOCKS if script],
     ids=[f"{doc}#{index}" for doc, index, script, _ in BLOCKS if script],
 )
+@pytest.mark.slow
 def test_a_documented_block_runs(script, tmp_path):
     repository = tmp_path / "repository"
     shutil.copytree(

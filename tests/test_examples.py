@@ -20,6 +20,7 @@ SMOKE_FLAGS = {"seq2seq_transformer.py": ["--precision", "fp16"]}
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda path: path.name)
+@pytest.mark.slow
 def test_example_runs_in_smoke_mode(script):
     _run(script, *SMOKE_FLAGS.get(script.name, []))
 
@@ -45,6 +46,7 @@ def test_example_docstrings_name_the_reference_and_the_full_run():
         assert f"python examples/{script.name} " in doc, f"{script.name}: its full-size command"
 
 
+@pytest.mark.slow
 def test_cifar_resnet_trains_on_augmented_cifar10(tmp_path):
     """The full example's data path: CIFAR-10 from TFDS with crop and flip augmentation."""
     prepare(tfds.image_classification.Cifar10, tmp_path, {"train": 160, "test": 40}, (32, 32, 3))

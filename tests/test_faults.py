@@ -42,6 +42,7 @@ def _restore(directory, like):
     return state, meta
 
 
+@pytest.mark.slow
 def test_single_bit_flips_are_detected_never_restored_silently():
     # Every flip either sets the checkpoint aside (detected) or fell in bytes that
     # nothing reads (the restored state equals the saved one bit for bit).
@@ -104,6 +105,7 @@ def test_one_owner_per_directory(tmp_path, mesh8, capfd):
     assert f"took over the lock on {tmp_path} from a run that is gone (pid 1 on gone" in err
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_live_directory_is_refused(tmp_path):
     flags = ["--mesh", "data=1", "--steps", "4000", "--ckpt-every", "50", "--ckpt-dir", tmp_path]
     first = subprocess.Popen(
@@ -188,6 +190,7 @@ def _all_finite_checkpoints(directory):
     return steps
 
 
+@pytest.mark.slow
 def test_divergence_stops_the_run_and_keeps_the_finite_checkpoints(tmp_path):
     result = run_cli(*_DIVERGES, "--ckpt-dir", tmp_path)
     assert result.returncode == 1, (result.stdout, result.stderr)
@@ -245,6 +248,7 @@ def test_a_last_gradient_that_was_not_finite_is_neither_saved_nor_passed(tmp_pat
 @pytest.mark.parametrize(
     "skipping", [["--nan-policy", "skip"], ["--precision", "fp16"]], ids=["skip", "fp16"]
 )
+@pytest.mark.slow
 def test_skipping_stops_when_most_updates_are_skipped(tmp_path, skipping):
     result = run_cli(*_DIVERGES, "--steps", "100", *skipping, "--ckpt-dir", tmp_path)
     assert result.returncode == 1, (result.stdout, result.stderr)
@@ -296,6 +300,7 @@ def _launch_two(*flags, timeout=300):
                           env=subprocess_env())  # fmt: skip
 
 
+@pytest.mark.slow
 def test_two_processes_agree_on_a_damaged_latest_checkpoint(tmp_path):
     flags = ["--steps", "40", "--warmup-steps", "5", "--ckpt-every", "20", "--ckpt-dir", tmp_path]
     first = _launch_two(*flags)
@@ -399,6 +404,7 @@ def _alive(pid):
         return False
 
 
+@pytest.mark.slow
 def test_loader_workers_die_with_a_killed_trainer(tmp_path):
     trainer = subprocess.Popen(
         [sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps", "100000",
@@ -423,6 +429,7 @@ def test_loader_workers_die_with_a_killed_trainer(tmp_path):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_sigint_to_one_process_saves_in_every_process_at_one_step(tmp_path):
     processes = _start_two(["--mesh", "data=2", "--steps", "100000", "--ckpt-dir", tmp_path])
     try:
@@ -457,6 +464,7 @@ def _text(path) -> str:
 
 
 @pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.slow
 def test_a_signal_at_start_up_or_without_a_ckpt_dir_is_one_line(tmp_path, signal_number):
     command = [sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps", "100000"]
     # At start-up: as soon as the run says what it built, before its first step.
@@ -517,6 +525,7 @@ def _train_with_file_limit(kib, *flags):
                           timeout=240, env=subprocess_env())  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_line(tmp_path):
     prepared = run_cli("--mesh", "data=1", "--steps", "1", "--warmup-steps", "0")  # the data
     assert prepared.returncode == 0, prepared.stderr
@@ -587,6 +596,7 @@ def test_load_params_skips_incomplete_entries_and_checks_digests(tmp_path, mesh8
         jdp.load_params(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_damaged_dataset_file_is_one_line(tmp_path):
     flags = ["--mesh", "data=1", "--steps", "1", "--warmup-steps", "0", "--data-dir", tmp_path]
     prepared = run_cli(*flags)
@@ -617,6 +627,7 @@ def test_an_error_in_one_process_stops_every_process_at_start_up(tmp_path):
         assert f"error: process 1: --data-dir {missing} does not exist" in lines[0]
 
 
+@pytest.mark.slow
 def test_a_full_log_dir_warns_once_and_training_goes_on(tmp_path):
     prepared = run_cli("--mesh", "data=1", "--steps", "1", "--warmup-steps", "0")  # the data
     assert prepared.returncode == 0, prepared.stderr

@@ -58,6 +58,7 @@ def test_every_preset_is_a_valid_config(name):
     assert dataclasses.replace(config) == config  # validates again
 
 
+@pytest.mark.slow
 def test_a_preset_trains(capsys):
     from jdp.train import main
 

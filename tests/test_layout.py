@@ -114,6 +114,7 @@ def test_a_sharded_step_computes_what_one_device_does(devices, which, spec):
 
 
 @pytest.mark.parametrize("spec", MESHES)
+@pytest.mark.slow
 def test_gpt_on_every_layout_computes_what_its_replicas_do(devices, spec):
     """GPT has dropout: one key per data replica, so each layout is compared with the
     data mesh of as many replicas (fsdp=8 and model=2 with one device)."""
@@ -272,6 +273,7 @@ def test_cli_refuses_layouts_it_cannot_run(flags, needle):
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_cli_trains_a_sharded_layout(tmp_path):
     result = run_cli(
         "--mesh", "data=2,fsdp=2,model=2", "--steps", "40", "--eval-every", "40",
@@ -333,6 +335,7 @@ def test_the_replica_check_compares_each_shards_replicas(devices):
         check_replicas({"kernel": damaged})
 
 
+@pytest.mark.slow
 def test_cli_resumes_an_fsdp_run_on_data_parallelism(tmp_path):
     ckpt = tmp_path / "ckpt"
     flags = ("--warmup-steps", "2", "--eval-every", "20", "--ckpt-dir", ckpt)
@@ -345,6 +348,7 @@ def test_cli_resumes_an_fsdp_run_on_data_parallelism(tmp_path):
 
 
 @pytest.mark.parametrize("spec", ["data=2,fsdp=2", "data=2,model=2"])
+@pytest.mark.slow
 def test_batchnorm_on_a_sharded_layout_is_its_replicas(devices, spec):
     """The CNN normalises with the statistics of all its replicas' rows (BatchNorm's
     axis_name is ``data``), on a layout as on the data mesh of as many replicas."""

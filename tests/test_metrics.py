@@ -113,6 +113,7 @@ def test_plot_writes_a_png_of_runs(run_dir, tmp_path, capsys):
     assert "has no metrics.jsonl; train with --log-dir" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_only_process_0_writes(tmp_path):
     log_dir = tmp_path / "two"
     result = _train(

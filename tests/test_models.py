@@ -202,7 +202,14 @@ def _sequence_split(rows=16):
     )
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# The sequence models and ResNets compile for 8-11 s each: the fast lane keeps mlp and cnn.
+_SLOW_TO_COMPILE = {"gpt", "resnet18", "resnet20", "seq2seq"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[pytest.mark.slow] * (n in _SLOW_TO_COMPILE)) for n in sorted(MODELS)],
+)
 def test_every_builtin_model_takes_a_step(name, mesh8):
     split = _sequence_split() if MODELS[name].data == "sequence" else None
     if split is None:
@@ -252,6 +259,7 @@ def test_numbers2words_is_generated_by_seed():
 
 
 @pytest.mark.parametrize("name, steps", [("seq2seq", 60), ("gpt", 30)])
+@pytest.mark.slow
 def test_exact_match_is_greedy_decoding(name, steps):
     """The eval's exact-match accuracy counts the sequences a greedy decoder gets right."""
     config = jdp.TrainConfig(
@@ -278,6 +286,7 @@ def test_exact_match_is_greedy_decoding(name, steps):
     assert 0.0 < np.mean(right) < 1.0, np.mean(right)
 
 
+@pytest.mark.slow
 def test_fit_trains_and_resumes_an_nnx_model(tmp_path):
     """Your model through the whole loop: nnx.List's integer keys survive an Orbax round trip."""
 

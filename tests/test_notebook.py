@@ -29,6 +29,7 @@ def test_committed_notebook_has_no_outputs():
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # the notebook sets up its own devices
     notebook = nbformat.read(NOTEBOOK, as_version=4)

@@ -77,6 +77,7 @@ def test_zero1_splits_the_optimizer_state_over_data():
     assert replicated.optimizer / 8 <= zero1.optimizer <= 1.05 * replicated.optimizer / 8
 
 
+@pytest.mark.slow
 def test_the_compiled_figures_are_the_steps(devices):
     """The planner's temporaries and collectives are those of the program `make_train_step`
     compiles for real arrays on the same mesh."""
@@ -105,6 +106,7 @@ def test_the_compiled_figures_are_the_steps(devices):
     }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_planner_fits_and_suggests_for_a_device():
     result = run_python(
         "-m", "jdp.plan", "--mesh", "data=8", "--model", "gpt", "--model-size", "small",

@@ -80,6 +80,7 @@ def test_a_tolerance_is_the_spread_of_the_reruns_and_at_least_one_example():
     assert readme.tolerance(["1.0000"] * 5, 2000) == "0.0005"
 
 
+@pytest.mark.slow
 def test_the_fingerprint_changes_with_the_vector_code_xla_emits():
     """Another CPU, simulated: the same machine told to compile for AVX only gives
     other float32 bits, so a table recorded there is not compared exactly here."""
@@ -92,6 +93,7 @@ def test_the_fingerprint_changes_with_the_vector_code_xla_emits():
 
 
 @pytest.mark.timeout(1500)
+@pytest.mark.slow
 def test_the_readme_figures_are_what_their_commands_print():
     result = run_python("-m", "jdp.bench", "readme", "--check", timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]

@@ -92,6 +92,7 @@ def test_cli_unprepared_dataset_offline_is_one_line_and_exit_2(tmp_path):
     assert f"'mnist' is not prepared in {tmp_path}" in line and "jdp.data prepare mnist" in line
 
 
+@pytest.mark.slow
 def test_cli_trains_on_a_prepared_catalog_dataset(prepared_mnist):
     from helpers import run_cli as _run
 

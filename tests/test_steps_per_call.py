@@ -75,6 +75,7 @@ def _cli(*flags):
     return run_cli("--mesh", "data=8", "--steps", "80", *flags)
 
 
+@pytest.mark.slow
 def test_cli_steps_per_call_prints_the_same_run():
     import re
 

@@ -85,6 +85,7 @@ def _check_source(tmp_path, train, test, cli_dataset, *cli_flags):
     assert _summary(evaluated)["step"] == "40"
 
 
+@pytest.mark.slow
 def test_numpy_arrays_with_their_own_names_train_through_fit_and_the_cli(tmp_path):
     images, labels, train_rows, test_rows = _digits()
 
@@ -103,6 +104,7 @@ def test_numpy_arrays_with_their_own_names_train_through_fit_and_the_cli(tmp_pat
     _check_source(tmp_path, split(train_rows), split(test_rows), f"npz:{file}")
 
 
+@pytest.mark.slow
 def test_a_tfds_builder_of_ones_own_trains_through_fit_and_the_cli(tmp_path):
     from user_dataset import MyDigits
 
@@ -118,6 +120,7 @@ def test_a_tfds_builder_of_ones_own_trains_through_fit_and_the_cli(tmp_path):
     _check_source(tmp_path, train, test, "tfds:my_digits", "--data-dir", str(data_dir))
 
 
+@pytest.mark.slow
 def test_an_image_folder_trains_through_fit_and_the_cli(tmp_path):
     from PIL import Image
 
@@ -200,6 +203,7 @@ def test_a_validation_split_chooses_the_best_checkpoint_and_the_test_is_reported
         jdp.load_model(tmp_path, 7)
 
 
+@pytest.mark.slow
 def test_an_optax_optimizer_of_ones_own_logs_its_lr_and_resumes_bitwise(tmp_path):
     sgd = optax.sgd(0.1, momentum=0.9)
     config = _config(steps=40, log_every=10)
@@ -223,6 +227,7 @@ def test_an_optax_optimizer_of_ones_own_logs_its_lr_and_resumes_bitwise(tmp_path
         jdp.TrainConfig(optimizer=sgd)
 
 
+@pytest.mark.slow
 def test_a_batchnorm_model_comes_back_and_predicts_its_reported_accuracy(tmp_path):
     ckpt = str(tmp_path / "resnet")
     config = _config(model="resnet20", steps=60, warmup_steps=6, ckpt_dir=ckpt, lr=3e-3)
@@ -250,6 +255,7 @@ def test_a_batchnorm_model_comes_back_and_predicts_its_reported_accuracy(tmp_pat
     assert wrong.returncode == 2 and "holds another model than this run's" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_evaluated_not_rerun_and_short_runs_just_work(tmp_path):
     ckpt = str(tmp_path / "run")
     first = run_cli("--steps", "10", "--ckpt-dir", ckpt, timeout=240)  # default warmup 40
@@ -359,6 +365,7 @@ def _accuracy(logits, labels) -> float:
     return float(np.mean(np.argmax(np.asarray(logits), -1) == labels))
 
 
+@pytest.mark.slow
 def test_flax_official_linen_and_nnx_mnist_models_train_as_a_plain_loop_does():
     """Both Flax APIs' MNIST models, as Flax writes them, reach on 8 devices through
     `jdp.fit` the accuracy a plain single-device loop reaches (within 1 point)."""
