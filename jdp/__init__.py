@@ -20,14 +20,12 @@ Examples:
 from jdp import actions, data, distributed, layout, models
 from jdp.actions import Action, Callback, EarlyStopping, PeriodicAction, Progress
 from jdp.checkpoint import Checkpointer, load_params
-from jdp.config import TrainConfig
 from jdp.data.pipeline import Loader, eval_batches, train_batches
 from jdp.data.sources import Split, load_split
 from jdp.errors import NonFiniteError, UsageError
 from jdp.groups import Outer, diloco
 from jdp.inference import LoadedModel, load_model, predict
 from jdp.layout import param_specs
-from jdp.loop import FitResult, fit
 from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices
 from jdp.optim import make_optimizer, make_schedule
 from jdp.precision import LossScale, Precision, make_precision
@@ -41,6 +39,8 @@ from jdp.step import (
     make_sync_step,
     make_train_step,
 )
+from jdp.training.config import TrainConfig
+from jdp.training.loop import FitResult, fit
 from jdp.version import __version__ as __version__
 
 __all__ = [

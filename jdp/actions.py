@@ -1,7 +1,7 @@
 """Periodic actions: what a run does between steps, each with one rule for when.
 
 `jdp.fit` runs the train step and, after each call, every action in order
-(`jdp.run_actions` holds the run's own):
+(`jdp.training.run_actions` holds the run's own):
 display, metric logging, profiling, evaluation, your own actions (``callbacks=``),
 checkpointing, the replica check, then the preemption check. After the last
 step (or a stop) it calls them once more with ``progress.final`` set, for the

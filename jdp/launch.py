@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from jdp import cluster
+from jdp.distributed import cluster
 
 _CPU_COUNT = re.compile(r"--xla_force_host_platform_device_count=\d+")
 

@@ -1,4 +1,4 @@
-"""``python -m jdp.train``: parse the flags, call `jdp.loop.fit`, print one summary line."""
+"""``python -m jdp.train``: parse the flags, call `jdp.fit`, print one summary line."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 from jdp.distributed import ReplicaMismatchError
 from jdp.errors import NonFiniteError, UsageError
-from jdp.flags import parse_flags
-from jdp.loop import fit
 from jdp.report.console import Console
+from jdp.training.flags import parse_flags
+from jdp.training.loop import fit
 
 
 class _Interrupted(Exception):

@@ -85,14 +85,14 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 
 def saves_after(directory, broken, good, metrics) -> tuple[list[int], list[int], object]:
-    """What `jdp.run_actions.Checkpoint` (no skipping) saves at step 2 in ``directory``:
+    """What `jdp.training.run_actions.Checkpoint` (no skipping) saves at step 2 in ``directory``:
     the steps on disk after it is given ``broken``, and after ``good`` in turn; the
     `jdp.actions.Progress` it was given, at ``good``."""
     from types import SimpleNamespace
 
     from jdp.actions import Progress
     from jdp.checkpoint import Checkpointer
-    from jdp.run_actions import Checkpoint
+    from jdp.training.run_actions import Checkpoint
 
     progress, saved = Progress(step=2, steps=2, state=broken), []
     with Checkpointer(str(directory)) as checkpointer:

@@ -259,7 +259,7 @@ def test_a_checkpoint_from_before_diloco_groups_resumes(tmp_path, mesh8, monkeyp
     dataclass itself; such a checkpoint resumes, never set aside as damaged."""
     import flax.struct
 
-    from jdp import checkpoint
+    from jdp.checkpoint import checkpointer
 
     @flax.struct.dataclass
     class Before:  # TrainState's fields then
@@ -275,7 +275,7 @@ def test_a_checkpoint_from_before_diloco_groups_resumes(tmp_path, mesh8, monkeyp
     fields = ("step", "params", "opt_state", "model_state", "rng", "loss_scale")
     before = Before(**{name: getattr(state, name) for name in fields})
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "_on_disk", lambda state: state)  # how it was written
+        patch.setattr(checkpointer, "_on_disk", lambda state: state)  # how it was written
         with Checkpointer(str(tmp_path)) as checkpointer:
             checkpointer.save(before, loader_step=0)
             checkpointer.wait()

@@ -25,8 +25,8 @@ from helpers import subprocess_env
 from jdp import distributed
 from jdp.checkpoint import load_params
 from jdp.distributed import Cluster, ReplicaMismatchError, check_replicas
+from jdp.distributed.handshake import handshake
 from jdp.errors import UsageError
-from jdp.handshake import handshake
 from jdp.launch import free_port
 from jdp.mesh import replicated
 

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 
 import jdp
-from jdp import config
-from jdp.flags import parse_flags
-from jdp.presets import PRESETS
+from jdp.training import config
+from jdp.training.flags import parse_flags
+from jdp.training.presets import PRESETS
 
 
 def test_each_field_is_a_flag_read_by_its_type():

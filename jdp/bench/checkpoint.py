@@ -16,8 +16,8 @@ import optax
 from jdp.checkpoint import Checkpointer
 from jdp.mesh import make_mesh
 from jdp.report.console import quiet_absl
-from jdp.run import setup_devices
 from jdp.state import create_train_state
+from jdp.training.run import setup_devices
 
 
 def bench_checkpoint(mesh_spec: str, *, size_mb: int, repeats: int) -> list[str]:

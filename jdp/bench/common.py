@@ -1,6 +1,6 @@
 """What the benchmarks share: the flags that make a run, the run's config, timing helpers.
 
-Every benchmark builds its runs the library's way (`jdp.run.build` on a
+Every benchmark builds its runs the library's way (`jdp.training.run.build` on a
 `TrainConfig`), from the same flags.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from jdp.config import TrainConfig
+from jdp.training.config import TrainConfig
 
 
 class HelpWithDefaults(argparse.HelpFormatter):

@@ -20,12 +20,12 @@ from collections.abc import Callable
 from jdp.bench.common import names, report_lines
 from jdp.bench.step import first_batch
 from jdp.collectives import bytes_across
-from jdp.config import TrainConfig
 from jdp.errors import UsageError
-from jdp.loop import fit
 from jdp.mesh import GROUP_AXIS, make_mesh
 from jdp.report.console import Console
-from jdp.run import build
+from jdp.training.config import TrainConfig
+from jdp.training.loop import fit
+from jdp.training.run import build
 
 # Workload -> the run both arms make (steps, batch and schedule as `jdp.train` has them).
 WORKLOADS = {

@@ -25,13 +25,13 @@ from jdp.bench.step import (
     jdp_loop,
     ratios_to_best,
 )
-from jdp.config import TrainConfig
 from jdp.errors import UsageError
 from jdp.mesh import batch_sharded
 from jdp.models.registry import check_model
 from jdp.report.console import Console
-from jdp.run import build
 from jdp.state import create_train_state
+from jdp.training.config import TrainConfig
+from jdp.training.run import build
 
 
 def _collectives(lowered: jax.stages.Lowered) -> dict[str, Any]:

@@ -37,7 +37,7 @@ KILL_RUN = "--mesh data=2 --steps 60 --warmup-steps 5 --batch-size 64 --ckpt-eve
 
 
 def _tree_bytes(tree) -> dict[str, np.ndarray]:
-    from jdp.digest import leaf_name
+    from jdp.checkpoint.digest import leaf_name
 
     return {
         leaf_name(path): np.asarray(leaf)

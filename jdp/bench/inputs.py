@@ -9,12 +9,12 @@ import argparse
 import jax
 
 from jdp.bench.common import add_run_flags, batches_per_sec, config_from, steps_per_sec
-from jdp.config import TrainConfig
 from jdp.data.pipeline import TrainReader, host_batches, train_batches
-from jdp.loop import fit
 from jdp.mesh import process_rows
 from jdp.report.console import Console
-from jdp.run import build
+from jdp.training.config import TrainConfig
+from jdp.training.loop import fit
+from jdp.training.run import build
 
 
 def bench_input(config: TrainConfig, *, workers: int, batches: int, steps: int) -> list[str]:

@@ -15,12 +15,12 @@ from jdp.bench.common import add_run_flags, config_from
 from jdp.bench.step import (
     first_batch,
 )
-from jdp.config import TrainConfig
 from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
 from jdp.report.throughput import Throughput
 from jdp.report.writers import open_writers
-from jdp.run import build
+from jdp.training.config import TrainConfig
+from jdp.training.run import build
 
 
 def bench_logging(config: TrainConfig, *, steps: int, rounds: int) -> list[str]:

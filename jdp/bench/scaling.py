@@ -12,9 +12,9 @@ from jdp.bench.common import add_run_flags, config_from, steps_per_sec
 from jdp.bench.step import (
     first_batch,
 )
-from jdp.config import TrainConfig
 from jdp.report.console import Console
-from jdp.run import build, setup_devices
+from jdp.training.config import TrainConfig
+from jdp.training.run import build, setup_devices
 
 
 def bench_scaling(config: TrainConfig, *, steps: int, out: str) -> list[str]:

@@ -30,14 +30,14 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec
 
 from jdp.bench.common import names, report_lines
-from jdp.config import TrainConfig
 from jdp.data.pipeline import train_batches
 from jdp.errors import UsageError
 from jdp.mesh import DATA_AXIS, parse_mesh_spec
 from jdp.models import MLP, Model, classification, from_linen
 from jdp.report.console import Console
-from jdp.run import Run, Yours, build, setup_devices
 from jdp.state import create_train_state
+from jdp.training.config import TrainConfig
+from jdp.training.run import Run, Yours, build, setup_devices
 
 
 @dataclasses.dataclass(frozen=True)

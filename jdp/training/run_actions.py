@@ -16,10 +16,10 @@ from jdp.actions import PeriodicAction, Progress
 from jdp.checkpoint import Checkpointer
 from jdp.data.pipeline import eval_batches
 from jdp.data.sources import Split
+from jdp.distributed.preemption import Preemption
+from jdp.distributed.replica_check import check_replicas
 from jdp.errors import NonFiniteError
 from jdp.precision import all_finite
-from jdp.preemption import Preemption
-from jdp.replica_check import check_replicas
 from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
 from jdp.step import evaluate

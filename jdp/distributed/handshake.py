@@ -15,7 +15,7 @@ import json
 import socket
 import time
 
-from jdp.cluster import ENV_COORDINATOR_BIND, Cluster, split_address
+from jdp.distributed.cluster import ENV_COORDINATOR_BIND, Cluster, split_address
 from jdp.errors import UsageError
 
 _HELLO = "jdp-hello/2"

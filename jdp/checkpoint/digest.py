@@ -104,7 +104,7 @@ def tree_digests(tree: Any) -> dict[str, str]:
     (one compiled computation over the global arrays).
 
     Examples:
-        >>> digests = jdp.digest.tree_digests({"w": jnp.ones(3), "b": jnp.zeros(2)})
+        >>> digests = jdp.checkpoint.digest.tree_digests({"w": jnp.ones(3), "b": jnp.zeros(2)})
         >>> sorted(digests), len(digests["w"])
         (['b', 'w'], 16)
     """

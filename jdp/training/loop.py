@@ -13,19 +13,20 @@ import optax
 
 from jdp.actions import Action, EarlyStopping, Progress
 from jdp.checkpoint import Checkpointer, read_params, read_record, step_directory
-from jdp.config import DILOCO_FIELDS, TOPOLOGY_FIELDS, TrainConfig
 from jdp.data.pipeline import train_batches
 from jdp.data.sources import Split
+from jdp.distributed.preemption import Preemption
 from jdp.errors import UsageError
 from jdp.mesh import GROUP_AXIS, parse_mesh_spec
 from jdp.models import Model
-from jdp.preemption import Preemption
 from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
 from jdp.report.throughput import Throughput
 from jdp.report.writers import open_writers
-from jdp.run import Data, Run, Yours, build, config_optimizer, describe_run
-from jdp.run_actions import (
+from jdp.state import TrainState
+from jdp.training.config import DILOCO_FIELDS, TOPOLOGY_FIELDS, TrainConfig
+from jdp.training.run import Data, Run, Yours, build, config_optimizer, describe_run
+from jdp.training.run_actions import (
     Checkpoint,
     CheckReplicas,
     Display,
@@ -36,7 +37,6 @@ from jdp.run_actions import (
     StopOnPreemption,
     Synchronize,
 )
-from jdp.state import TrainState
 
 # How often the progress bar shows the loss: reading it waits for that step.
 _DISPLAY_EVERY = 20

@@ -3,7 +3,7 @@
 Every field is a flag (``batch_size`` -> ``--batch-size``), parsed by its type:
 ``int``, ``float``, ``str``, a ``Literal`` of choices, ``bool`` (a switch), or
 one of those or ``None`` (an empty value). ``--preset NAME`` starts from a named
-configuration (`jdp.presets`); flags given with it override its values.
+configuration (`jdp.training.presets`); flags given with it override its values.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from jdp.config import TrainConfig
-from jdp.presets import PRESETS
+from jdp.training.config import TrainConfig
+from jdp.training.presets import PRESETS
 
 
 class _OneLineParser(argparse.ArgumentParser):

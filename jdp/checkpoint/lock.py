@@ -46,9 +46,9 @@ class DirectoryLock:
     """The lock on ``directory``: `acquire` it once, `release` it at the end.
 
     Examples:
-        >>> lock = jdp.lock.DirectoryLock(f"{tmp}/locked")
+        >>> lock = jdp.checkpoint.lock.DirectoryLock(f"{tmp}/locked")
         >>> token = lock.acquire()
-        >>> jdp.lock.DirectoryLock(f"{tmp}/locked").acquire()
+        >>> jdp.checkpoint.lock.DirectoryLock(f"{tmp}/locked").acquire()
         Traceback (most recent call last):
         ...
         jdp.errors.UsageError: ...locked is in use by another run (pid ...

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jdp.config import TrainConfig
+from jdp.training.config import TrainConfig
 
 
 def digits_mlp() -> TrainConfig:

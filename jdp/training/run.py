@@ -17,7 +17,6 @@ from jax.sharding import Mesh
 
 from jdp import distributed, layout
 from jdp.checkpoint import read_params
-from jdp.config import OPTIMIZER, TrainConfig, fields_of
 from jdp.data.custom import holdout, load_named
 from jdp.data.pipeline import EvalReader, check_train_batch
 from jdp.data.sources import Split
@@ -50,6 +49,7 @@ from jdp.report.throughput import Throughput, peak_flops, step_flops
 from jdp.report.writers import check_writable
 from jdp.state import TrainState, create_train_state
 from jdp.step import CompiledStep, SyncStep, make_eval_step, make_sync_step, make_train_step
+from jdp.training.config import OPTIMIZER, TrainConfig, fields_of
 
 
 def peak_lr(config: TrainConfig) -> float:

@@ -2,9 +2,9 @@
 
 Every process of a run calls `initialize` before anything touches devices. Where
 the processes are comes from flags, ``JDP_*`` variables or the cluster
-(`jdp.cluster`); before JAX connects they meet in a handshake that names a
-process that never came (`jdp.handshake`). The replica check lives in
-`jdp.replica_check`, and is here for the API's sake.
+(`jdp.distributed.cluster`); before JAX connects they meet in a handshake that names a
+process that never came (`jdp.distributed.handshake`). The replica check lives in
+`jdp.distributed.replica_check`, and is here for the API's sake.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import time
 
 import jax
 
-from jdp.cluster import Cluster, resolve
-from jdp.handshake import handshake
-from jdp.replica_check import ReplicaMismatchError, check_replicas, replica_digests
+from jdp.distributed.cluster import Cluster, resolve
+from jdp.distributed.handshake import handshake
+from jdp.distributed.replica_check import ReplicaMismatchError, check_replicas, replica_digests
 
 __all__ = [
     "Cluster",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jdp import config_checks
 from jdp.errors import UsageError
+from jdp.training import config_checks
 
 # The choices of the fields that name things. Each registry it names agrees
 # (tests/test_api.py): the step's backends, the built-in models and sizes, the
@@ -42,7 +42,7 @@ LAYOUT = Section("layout", resumable=True, per_process=False)  # mesh, backend, 
 OPTIMIZER = Section("optimizer", resumable=False, per_process=False)  # the built-in one
 STEP = Section("step", resumable=False, per_process=False)
 DILOCO = Section("diloco", resumable=False, per_process=False)  # only on a group axis
-LENGTH = Section("length", resumable=True, per_process=False)  # steps: see jdp.loop's resume
+LENGTH = Section("length", resumable=True, per_process=False)  # steps: see loop's resume
 EVALUATION = Section("evaluation", resumable=True, per_process=False)  # and stopping early
 CHECKPOINTS = Section("checkpoints", resumable=True, per_process=False)
 PROCESS = Section("process", resumable=True, per_process=True)  # who each process is

@@ -1,0 +1,20 @@
+"""Orbax checkpoints of a whole run: async saves, retention, resume, restore onto another mesh.
+
+A checkpoint is one Orbax step directory with two items: ``state``, the whole
+`TrainState` (params, optimizer state, model state, step, rng as raw key data,
+loss scale) in Orbax's array format, and ``meta``, JSON with the loader position
+the config that made the run, the shape, dtype and digest of every array
+(`digest.py`) and a digest of the record itself. Orbax writes into a temporary
+directory and renames it when complete, so a step directory either is a whole
+checkpoint or was damaged afterwards: cut short, deleted in part, or with bytes
+changed in place. Restore checks all of it; damaged checkpoints are set aside
+with a warning naming what failed. One run at a time owns the directory
+(`lock.py`). Nothing is ever unpickled.
+"""
+
+from jdp.checkpoint.checkpointer import Checkpointer as Checkpointer
+from jdp.checkpoint.params import load_params as load_params
+from jdp.checkpoint.params import read_params as read_params
+from jdp.checkpoint.params import read_record as read_record
+from jdp.checkpoint.params import step_directory as step_directory
+from jdp.checkpoint.storage import warn as warn
