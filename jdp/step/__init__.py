@@ -1,0 +1,20 @@
+"""Train and eval steps compiled over a mesh, with the ``jit`` or the ``pmap`` backend.
+
+`jdp.replica` says what one replica computes; this package states, once, how it
+is compiled: shardings, donation, the backends and the bound on calls in flight
+(`CompiledStep`). Both backends run the same per-replica function and take and
+return the same state and batch.
+
+One module per way of compiling: `contract` (what every way keeps),
+`data_parallel`, `sharded` layouts, the `pmap` backend and `diloco`'s groups;
+`builders` chooses among them.
+"""
+
+from jdp.step.builders import evaluate as evaluate
+from jdp.step.builders import make_eval_step as make_eval_step
+from jdp.step.builders import make_train_step as make_train_step
+from jdp.step.contract import BACKENDS as BACKENDS
+from jdp.step.contract import Backend as Backend
+from jdp.step.contract import CompiledStep as CompiledStep
+from jdp.step.diloco import SyncStep as SyncStep
+from jdp.step.diloco import make_sync_step as make_sync_step

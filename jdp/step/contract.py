@@ -1,0 +1,146 @@
+"""The step's contract, once for every way of compiling it: `CompiledStep` (shardings,
+donation, the bound on calls in flight), the backends, and the checks of a batch's rows
+and a state's mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from jdp.errors import UsageError
+from jdp.mesh import (
+    data_size,
+)
+from jdp.state import TrainState
+
+Backend = Literal["jit", "pmap"]
+BACKENDS = ("jit", "pmap")
+
+
+def _check_backend(backend: str, mesh: Mesh) -> None:
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    data_size(mesh)
+    if backend == "pmap" and len(mesh.shape) > 1:
+        raise UsageError(
+            f"backend 'pmap' maps over one axis, but mesh {dict(mesh.shape)} has "
+            f"{len(mesh.shape)}; use backend 'jit' or a mesh with only a 'data' axis"
+        )
+
+
+class CompiledStep(NamedTuple):
+    """A step compiled over a mesh; call it as ``step(state, batch)``.
+
+    The contract, for both backends: the state is replicated on every device of
+    the mesh (``state_sharding``; with DiLoCo groups all but ``state.groups``,
+    which is split over ``group``), or, with the ``jit`` backend, laid out as
+    `jdp.layout` says (``fsdp``, ``model``, ZeRO-1: the step compiles for the
+    layout of the state it is given, on its own mesh, and the state stays in it;
+    ``state_sharding`` is None for a step made on a mesh with ``fsdp`` or
+    ``model``); the batch's rows are split over ``data`` (and ``group``, and
+    ``fsdp``) (``batch_sharding``; with several steps per call the steps stack
+    on axis 0 and the rows are axis 1), a train step donates its input state
+    (passed again, to any step, it is refused with a `UsageError`), and every
+    other output is replicated (but the groups' state). At most two calls are in
+    flight: on the CPU backend, steps with collectives dispatched without bound
+    can leave the replicas' threads waiting on each other's rendezvous until XLA
+    aborts the process; waiting on the call before last keeps the device busy
+    (one call runs while the next is queued) and bounds what is in flight.
+
+    Attributes:
+        call: ``call(state, batch)``, the compiled program under that bound.
+        unbounded: the compiled program alone, to measure dispatch; many calls of
+            it without waiting can deadlock on CPU.
+        lower: ``lower(state, batch) -> jax.stages.Lowered``, to read the program.
+        state_sharding: where the state lives.
+        batch_sharding: where the batch lives (`jdp.shard_batch` puts it there).
+    """
+
+    call: Callable[..., Any]
+    unbounded: Callable[..., Any]
+    lower: Callable[..., jax.stages.Lowered]
+    state_sharding: NamedSharding | None
+    batch_sharding: NamedSharding
+
+    def __call__(self, state: TrainState, batch: Any) -> Any:
+        return self.call(state, batch)
+
+
+def _bounded(fn: Callable[..., Any], witness: Callable[[Any], Any]) -> Callable[..., Any]:
+    """``fn`` that waits on the output of the call before last (see `CompiledStep`)."""
+    previous = None
+
+    def call(state, batch):
+        nonlocal previous
+        # Donated arrays passed again make XLA:CPU crash the process when several
+        # devices run the step (one replica fails while the others wait in a
+        # collective). The step count is donated with the rest and cheap to ask.
+        if isinstance(state.step, jax.Array) and state.step.is_deleted():
+            raise UsageError(
+                "this state was given to an earlier train step, which donated its "
+                "arrays; pass on the state that step returned"
+            )
+        out = fn(state, batch)
+        before, previous = previous, witness(out)
+        if before is not None:
+            jax.block_until_ready(before)
+        return out
+
+    return call
+
+
+def _check_rows(batch: Any, replicas: int, *, batch_axis: int, steps: int) -> None:
+    """UsageError unless every leaf stacks ``steps`` batches (when more than one) and
+    its rows split evenly over the replicas."""
+    for leaf in jax.tree.leaves(batch):
+        if steps > 1 and (not leaf.ndim or leaf.shape[0] != steps):
+            raise UsageError(
+                f"batch leaf of shape {leaf.shape}: a step of steps_per_call={steps} takes "
+                "that many batches stacked on axis 0"
+            )
+        if leaf.ndim <= batch_axis or leaf.shape[batch_axis] % replicas:
+            raise UsageError(
+                f"batch leaf of shape {leaf.shape} does not split over {replicas} "
+                f"replicas; the global batch must be a multiple of {replicas}"
+            )
+
+
+def _checks_replicas(mesh: Mesh) -> bool:
+    """Whether ``shard_map`` checks that outputs said to be replicated are.
+
+    With one replica the step all-reduces nothing (`jdp.replica.train_step_parts`),
+    so its outputs are typed as varying over ``data``, and over one device they
+    are replicated: the check is off there, for the whole program (with DiLoCo
+    groups too, whose outputs said to be replicated are the step count and key).
+    """
+    return data_size(mesh) > 1
+
+
+def _replicated(tree: Any) -> bool:
+    """Whether every array of ``tree`` is whole on every device."""
+    return all(
+        getattr(leaf, "sharding", None) is None or leaf.sharding.is_fully_replicated
+        for leaf in jax.tree.leaves(tree)
+    )
+
+
+def _layout(tree: Any) -> tuple:
+    """``tree``'s structure and each leaf's sharding: what a sharded program is compiled for."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(getattr(leaf, "sharding", None) for leaf in leaves)
+
+
+def _check_mesh(shardings: list, mesh: Mesh) -> None:
+    """UsageError unless every array lives on ``mesh``: a step compiles for the layout
+    of the state it is given, which must be on its own mesh."""
+    for sharding in shardings:
+        other = getattr(sharding, "mesh", None)
+        if other is not None and other != mesh:
+            raise UsageError(
+                f"this state lives on mesh {dict(other.shape)} and the step was made for "
+                f"mesh {dict(mesh.shape)}; create the state on the step's mesh, or restore "
+                "it onto that mesh (jdp.Checkpointer.restore with a state made there)"
+            )

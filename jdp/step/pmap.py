@@ -1,0 +1,128 @@
+"""The ``pmap`` backend: the global batch split per device, in one ``jit`` call where one
+process holds every device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jdp.errors import UsageError
+from jdp.mesh import (
+    DATA_AXIS,
+    data_size,
+    replicated,
+)
+from jdp.step.contract import _check_rows, _replicated
+
+
+def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, per_output, donate,
+             shardings: tuple[NamedSharding, NamedSharding]):  # fmt: skip
+    """The pmap backend's (call, lower): the global batch split per device first.
+    ``shardings``: the state's and the batch's, as `CompiledStep` holds them."""
+    replicas = data_size(mesh)
+
+    def pmap(donate_argnums):
+        return jax.pmap(
+            replica_fn,
+            axis_name=DATA_AXIS,
+            in_axes=(None, 0),
+            out_axes=per_output(None),
+            devices=list(mesh.devices.flat),
+            donate_argnums=donate_argnums,
+        )
+
+    def per_replica(x):
+        """``(rows, ...)`` -> ``(replicas, rows / replicas, ...)``; stacked steps stay 2nd."""
+        shape = (*x.shape[:batch_axis], replicas, x.shape[batch_axis] // replicas)
+        return jnp.moveaxis(x.reshape(*shape, *x.shape[batch_axis + 1 :]), batch_axis, 0)
+
+    def check_rows(batch):
+        _check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)
+
+    def per_device(batch):
+        check_rows(batch)  # while tracing: once per shape
+        return jax.tree.map(per_replica, batch)
+
+    if jax.process_count() == 1:  # the outer jit donates
+        return _pmapped_fused(pmap(()), per_device, shardings, donate, check_rows=check_rows)
+    pmapped = pmap(donate)
+    split = jax.jit(per_device, out_shardings=NamedSharding(mesh, PartitionSpec(DATA_AXIS)))
+
+    # Called, jax.pmap re-derives its arguments' layout in Python each time (about
+    # 70 us a call more than its program compiled ahead of time, on a 2-core CPU:
+    # a tenth of a small model's step). Its programs are compiled once per argument
+    # layout and called as they are; another layout fails a program's argument
+    # check (TypeError) before anything runs or is donated.
+    programs: list[jax.stages.Compiled] = []
+
+    def call(state, batch):
+        per_device_batch = split(batch)
+        for program in programs:
+            try:
+                out = program(state, per_device_batch)
+            except TypeError:  # compiled for another layout
+                continue
+            return _on_mesh(out, mesh)
+        _check_pmap_state(state)
+        programs.append(pmapped.lower(state, per_device_batch).compile())
+        return _on_mesh(programs[-1](state, per_device_batch), mesh)
+
+    def lower(state, batch):
+        return pmapped.lower(state, split(batch))
+
+    return call, lower
+
+
+def _check_pmap_state(state: Any) -> None:
+    if not _replicated(state):
+        raise UsageError(
+            "backend 'pmap' takes a state replicated on every device, and this one is "
+            "sharded (--shard-optimizer, say); use backend 'jit'"
+        )
+
+
+def _pmapped_fused(pmapped, per_device, shardings, donate, *, check_rows):
+    """pmap's (call, lower) in one process: the split and pmap's program in one ``jit``.
+
+    JAX's ``pmap`` is ``jit`` over ``shard_map``, so inside ``jit`` it is the same
+    program, and the global batch's split into its per-device layout (a reshape
+    of each device's rows) costs no dispatch of its own: one call a step, as the
+    ``jit`` backend. With several processes ``pmap`` traced inside ``jit`` maps
+    this process's devices only, so there the split is its own call.
+    """
+    fused = jax.jit(
+        lambda state, batch: pmapped(state, per_device(batch)),
+        in_shardings=shardings,
+        donate_argnums=donate,
+    )
+
+    def call(state, batch):
+        try:
+            return fused(state, batch)
+        except ValueError:  # a state not on pmap's layout, or a host batch jit can't place
+            _check_pmap_state(state)
+            check_rows(batch)
+            raise
+
+    return call, fused.lower
+
+
+def _on_mesh(tree: Any, mesh: Mesh) -> Any:
+    """pmap's unmapped outputs as global arrays replicated on ``mesh``.
+
+    With several processes, ``out_axes=None`` gives arrays that span only this
+    process's devices; the jit backend's state, and Orbax, need global ones.
+    The per-device buffers are reused, not copied.
+    """
+    if jax.process_count() == 1:
+        return tree
+    sharding = replicated(mesh)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [shard.data for shard in x.addressable_shards]
+        ),
+        tree,
+    )
