@@ -50,12 +50,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="start from a named configuration; the other flags override it",
     )
     hints = typing.get_type_hints(TrainConfig)
-    sections: dict[str, argparse._ArgumentGroup] = {}  # --help lists the flags by section
+    sections = {}  # --help lists the flags by section
     for field in dataclasses.fields(TrainConfig):
         name = field.metadata["section"].name
-        group = sections.get(name) or sections.setdefault(
-            name, parser.add_argument_group(f"{name} flags")
-        )
+        if name not in sections:
+            sections[name] = parser.add_argument_group(f"{name} flags")
+        group = sections[name]
         flag, hint = f"--{field.name.replace('_', '-')}", hints[field.name]
         if hint is bool:
             help_text = field.metadata["help"]
