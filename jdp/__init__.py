@@ -22,8 +22,8 @@ from jdp.actions import Action, Callback, EarlyStopping, PeriodicAction, Progres
 from jdp.checkpoint import Checkpointer, load_params
 from jdp.data.pipeline import Loader, eval_batches, train_batches
 from jdp.data.sources import Split, load_split
+from jdp.diloco import Outer, diloco  # the function; the package is jdp/diloco/
 from jdp.errors import NonFiniteError, UsageError
-from jdp.groups import Outer, diloco
 from jdp.inference import LoadedModel, load_model, predict
 from jdp.layout import param_specs
 from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices

@@ -16,7 +16,7 @@ from jdp.errors import UsageError
 
 DATA_AXIS = "data"
 # The outer axis of local SGD / DiLoCo: each index a group of data replicas that
-# trains on its own between synchronisations (`jdp.groups`).
+# trains on its own between synchronisations (`jdp.diloco`).
 GROUP_AXIS = "group"
 # Parameters, gradients and optimizer state split over it, and the batch too (FSDP,
 # ZeRO-3); XLA gathers each parameter where it is used (`jdp.layout`).

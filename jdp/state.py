@@ -3,46 +3,70 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, Literal
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from jdp import layout
-from jdp.errors import UsageError
-from jdp.mesh import GROUP_AXIS, group_size, is_sharded, replicated
+from jdp.diloco.outer import Outer
+from jdp.diloco.state import (
+    GroupState,
+    check_outer,
+    groups_sharding,
+    has_groups,
+    start_groups,
+)
+from jdp.mesh import group_size, replicated
 from jdp.precision import LossScale, Precision
 
 
-@dataclasses.dataclass(frozen=True)
-class Outer:
-    """The outer loop of DiLoCo: the optimizer that applies the groups' averaged change
-    every ``sync_every`` steps. Make one with `jdp.diloco`."""
-
-    optimizer: optax.GradientTransformation
-    sync_every: int
-
-
-@flax.struct.dataclass
-class GroupState:
-    """What each DiLoCo group trains between synchronisations (`jdp.groups`); every
-    leaf ``(groups, ...)``, sharded over the mesh's ``group`` axis.
+@dataclasses.dataclass(frozen=True, eq=False)
+class Placement:
+    """Where a `TrainState`'s arrays live: the static description a step picks its
+    program by (`TrainState.placement`).
 
     Attributes:
-        params: each group's parameters.
-        opt_state: each group's inner optimizer state (kept across synchronisations).
-        model_state: each group's model state (BatchNorm statistics), averaged at
-            synchronisation.
-        loss_scale: each group's loss scale (fp16) and skipped-step count.
+        kind: ``"replicated"`` (every array whole on every device), ``"sharded"``
+            (some split over the mesh: ``fsdp``, ``model``, ZeRO-1) or ``"groups"``
+            (DiLoCo's: the groups' state split over ``group``).
+        key: the state's structure and each array's sharding: the programs of a
+            sharded state are compiled, and found again, by it.
     """
 
-    params: Any
-    opt_state: Any
-    model_state: Any
-    loss_scale: LossScale
+    kind: Literal["replicated", "sharded", "groups"]
+    key: tuple
+
+    def __post_init__(self):
+        # A step hashes the state's structure, this included, on every call.
+        object.__setattr__(self, "_hash", hash((self.kind, self.key)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Placement):
+            return NotImplemented
+        return self._hash == other._hash and (self.kind, self.key) == (other.kind, other.key)
+
+    @classmethod
+    def of(cls, state: TrainState) -> Placement:
+        """Reads ``state``'s placement from its arrays."""
+        leaves, treedef = jax.tree.flatten(state)
+        key = (treedef, tuple(getattr(leaf, "sharding", None) for leaf in leaves))
+        if has_groups(state):
+            kind = "groups"
+        elif all(s is None or s.is_fully_replicated for s in key[1]):
+            kind = "replicated"
+        else:
+            kind = "sharded"
+        return cls(kind, key)
 
 
 @flax.struct.dataclass
@@ -82,6 +106,14 @@ class TrainState:
     loss_scale: LossScale
     groups: GroupState | None = None
     rng_impl: str = flax.struct.field(pytree_node=False, default="threefry2x32")
+
+    @functools.cached_property
+    def placement(self) -> Placement:
+        """Where the arrays live (`Placement`): read from them on first use, then kept
+        with this state object (a new one, from ``replace``, ``jax.tree.map`` or
+        ``jax.device_put``, reads its own); a step's output state carries its
+        input's, so a training loop reads it once."""
+        return Placement.of(self)
 
     @property
     def key(self) -> jax.Array:
@@ -164,45 +196,30 @@ def create_train_state(
             rng_impl=rng_impl,
         )
 
-    has_groups = GROUP_AXIS in mesh.shape
-    if has_groups != (outer is not None):
-        raise UsageError(
-            "a mesh with a 'group' axis trains DiLoCo groups: pass outer=jdp.diloco(...)"
-            if has_groups
-            else "outer= (DiLoCo) needs a mesh with a 'group' axis, e.g. group=2,data=4"
-        )
+    check_outer(mesh, outer, laid_out=param_specs is not None or shard_optimizer)
     if outer is None:
         shardings = state_shardings(
             params, optimizer, mesh, param_specs=param_specs, shard_optimizer=shard_optimizer,
             rng_impl=rng_impl,
         )  # fmt: skip
         return jax.jit(build, out_shardings=shardings)(params, model_state, rng)
-    if param_specs is not None or shard_optimizer or is_sharded(mesh):
-        raise UsageError(
-            "DiLoCo groups train replicated parameters: drop param_specs, shard_optimizer "
-            "and the mesh's 'fsdp' and 'model' axes"
-        )
     groups = group_size(mesh)
 
     def build_groups(params, model_state, rng):
-        state = build(params, model_state, rng)
-        each = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (groups, *x.shape)), tree)  # noqa: E731
-        return state.replace(
-            opt_state=outer.optimizer.init(state.params),
-            groups=GroupState(
-                params=each(state.params),
-                opt_state=each(state.opt_state),
-                model_state=each(state.model_state),
-                loss_scale=each(state.loss_scale),
-            ),
-        )
+        return start_groups(build(params, model_state, rng), outer, groups)
 
     shardings = TrainState(
         step=sharding, params=sharding, opt_state=sharding, model_state=sharding, rng=sharding,
-        loss_scale=sharding, groups=NamedSharding(mesh, PartitionSpec(GROUP_AXIS)),
-        rng_impl=rng_impl,
+        loss_scale=sharding, groups=groups_sharding(mesh), rng_impl=rng_impl,
     )  # fmt: skip
     return jax.jit(build_groups, out_shardings=shardings)(params, model_state, rng)
+
+
+def carry_placement(state: TrainState, where: Placement) -> TrainState:
+    """``state``, known to live as ``where`` says (a step's output, in its input's
+    layout): its `TrainState.placement` is not read from the arrays again."""
+    state.__dict__["placement"] = where
+    return state
 
 
 def state_shardings(

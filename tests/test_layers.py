@@ -28,7 +28,7 @@ LAYERS = {
     "errors": "ground", "version": "ground",
     "mesh": "library", "layout": "library", "precision": "library", "optim": "library",
     "state": "library", "actions": "library", "step": "library", "replica": "library",
-    "reduce": "library", "groups": "library",
+    "reduce": "library", "diloco": "library",
     "report": "services", "data": "services", "models": "services", "checkpoint": "services",
     "distributed": "services",
     "inference": "services", "collectives": "services",
@@ -198,3 +198,46 @@ def test_no_unit_grows_past_its_limit():
         if length > OVER_TODAY.get(unit, MODULE_LINES if "::" not in unit else FUNCTION_LINES)
     }
     assert grown == {}, f"(lines now, allowed) of each unit over its limit: split them: {grown}"
+
+
+def _handlers(source: str) -> list[str]:
+    """The function around each ``except`` of ``source``, and each one-element list
+    assigned to a name (closure state such as ``switched = [False]``)."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = function
+            if isinstance(child, ast.FunctionDef):
+                inner = child.name if function == "<module>" else f"{function}.{child.name}"
+            if isinstance(child, ast.ExceptHandler):
+                found.append(f"except in {function}")
+            if (
+                isinstance(child, ast.Assign)
+                and isinstance(child.value, ast.List)
+                and len(child.value.elts) == 1
+                and isinstance(child.value.elts[0], ast.Constant)
+            ):
+                found.append(f"one-element list in {function}")
+            visit(child, inner)
+
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def test_the_step_picks_its_program_without_catching_errors():
+    """The step chooses its program from the mesh and the state's placement: in
+    jdp/step only the step's call (`as_step`) catches an error, to say why the
+    arguments were refused, and no one-element list holds closure state."""
+    found = {
+        f"{path.name}: {what}"
+        for path in sorted((PACKAGE / "step").glob("*.py"))
+        for what in _handlers(path.read_text())
+    }
+    assert found == {"contract.py: except in as_step.call"}
+
+
+def test_the_handler_check_sees_a_planted_switch():
+    planted = "def program(state):\n    switched = [False]\n    try:\n        pass\n"
+    planted += "    except ValueError:\n        switched[0] = True\n"
+    assert _handlers(planted) == ["one-element list in program", "except in program"]

@@ -22,6 +22,7 @@ from jdp.data import numbers2words
 from jdp.errors import UsageError
 from jdp.layout import MIN_SHARDED_BYTES, leaf_spec, param_specs
 from jdp.models import classification, from_linen, from_nnx, get_model
+from jdp.state import Placement
 
 STEPS = 5
 MESHES = ["fsdp=8", "data=2,fsdp=4", "data=4,model=2", "model=2"]
@@ -193,6 +194,39 @@ def test_zero1_splits_the_optimizer_state_over_data(devices):
     for leaf in split:  # each device holds 1/8 of it
         assert leaf.addressable_shards[0].data.size * 8 == leaf.size
     assert_trees_close(jax.device_get(state.params), jax.device_get(reference.params))
+
+
+def test_one_step_takes_each_state_by_its_placement(devices):
+    """One jit step on data=8, given a replicated and a ZeRO-1 state in turn: each runs
+    the program its placement names (the same maths), and each output carries its
+    input's placement, so a loop reads it from the arrays once."""
+    model = from_linen(UserNet(), classification())
+    batch = _image_batches(steps=1)[0]
+    mesh, optimizer = jdp.make_mesh("data=8"), optax.sgd(0.1, momentum=0.9)
+    params, model_state, specs = model.init_on_mesh(jax.random.key(0), batch, mesh)
+    states = {
+        zero1: jdp.create_train_state(
+            jax.tree.map(jnp.copy, params),
+            optimizer,
+            mesh,
+            model_state=model_state,
+            param_specs=specs,
+            shard_optimizer=zero1,
+        )
+        for zero1 in (False, True)
+    }
+    assert {z: s.placement.kind for z, s in states.items()} == {
+        False: "replicated",
+        True: "sharded",
+    }
+    step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True)
+    for _ in range(2):
+        for zero1, state in states.items():
+            where = state.placement
+            states[zero1], _ = step(state, jdp.shard_batch(batch, mesh))
+            assert states[zero1].placement is where
+            assert Placement.of(states[zero1]) == where  # and it is true
+    assert_trees_close(jax.device_get(states[True].params), jax.device_get(states[False].params))
 
 
 def test_the_pmap_backend_refuses_a_zero1_state_in_one_line(devices):

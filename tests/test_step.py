@@ -13,6 +13,7 @@ from helpers import BATCH, assert_trees_close, init_params, regression_data, reg
 
 import jdp
 from jdp.models import MLP, classification, from_linen
+from jdp.state import Placement
 
 STEPS = 5
 
@@ -98,6 +99,16 @@ def test_state_keeps_the_replicated_sharding(mesh8, backend):
     state, _ = _train(mesh8, backend, [regression_data()], _optimizer())
     for leaf in jax.tree.leaves(state):
         assert leaf.sharding == jdp.mesh.replicated(mesh8)
+
+
+def test_the_output_state_carries_the_inputs_placement(mesh8, backend):
+    state = jdp.create_train_state(init_params(), _optimizer(), mesh8)
+    where = state.placement
+    step = jdp.make_train_step(regression_loss, _optimizer(), mesh8, backend=backend)
+    for _ in range(2):
+        state, _ = step(state, jdp.shard_batch(regression_data(), mesh8))
+        assert state.placement is where  # not read from the arrays again
+    assert where.kind == "replicated" and where == Placement.of(state)
 
 
 def test_input_state_is_donated(mesh8, backend):

@@ -41,7 +41,7 @@ def check_replicas(
     a sharded one.
 
     ``groups`` (device id -> group) compares devices only within their group, for
-    DiLoCo's groups' state, where each group holds its own (`jdp.groups`).
+    DiLoCo's groups' state, where each group holds its own (`jdp.diloco`).
 
     Raises:
         ReplicaMismatchError: naming the devices whose copy differs from the one

@@ -6,15 +6,16 @@ is compiled: shardings, donation, the backends and the bound on calls in flight
 return the same state and batch.
 
 One module per way of compiling: `contract` (what every way keeps),
-`data_parallel`, `sharded` layouts, the `pmap` backend and `diloco`'s groups;
-`builders` chooses among them.
+`data_parallel`, `sharded` layouts and the `pmap` backend (DiLoCo's groups are
+compiled in `jdp.diloco.steps`); `builders` chooses among them, by the mesh and
+the state's `jdp.state.Placement`.
 """
 
+from jdp.diloco.steps import SyncStep as SyncStep
+from jdp.diloco.steps import make_sync_step as make_sync_step
 from jdp.step.builders import evaluate as evaluate
 from jdp.step.builders import make_eval_step as make_eval_step
 from jdp.step.builders import make_train_step as make_train_step
 from jdp.step.contract import BACKENDS as BACKENDS
 from jdp.step.contract import Backend as Backend
 from jdp.step.contract import CompiledStep as CompiledStep
-from jdp.step.diloco import SyncStep as SyncStep
-from jdp.step.diloco import make_sync_step as make_sync_step

@@ -11,7 +11,10 @@ import optax
 from jax import lax
 from jax.sharding import Mesh
 
-from jdp import groups, replica
+from jdp import replica
+from jdp.diloco import inner
+from jdp.diloco.state import check_group_mesh
+from jdp.diloco.steps import compile_groups, synchronised_eval
 from jdp.errors import UsageError
 from jdp.mesh import (
     GROUP_AXIS,
@@ -26,7 +29,6 @@ from jdp.replica import LossFn, Metrics
 from jdp.state import TrainState
 from jdp.step.contract import Backend, CompiledStep, _check_backend
 from jdp.step.data_parallel import _compile
-from jdp.step.diloco import _compile_groups
 from jdp.step.sharded import _compile_sharded, _sharded_eval, _sharded_train
 
 
@@ -136,12 +138,7 @@ def make_train_step(
             f"accumulate and steps_per_call must be at least 1, got {accumulate} and "
             f"{steps_per_call}"
         )
-    has_groups = GROUP_AXIS in mesh.shape
-    if has_groups and is_sharded(mesh):
-        raise UsageError(
-            f"mesh {dict(mesh.shape)}: DiLoCo groups train replicated parameters; drop the "
-            "'fsdp' and 'model' axes, or the 'group' axis"
-        )
+    way = _way(mesh)
     options = dict(
         precision=precision or Precision(),
         accumulate=accumulate,
@@ -153,7 +150,7 @@ def make_train_step(
     # For a state that is not replicated: the gradients' half maps ``data`` by hand,
     # the optimizer's runs where XLA partitions the state.
     sharded = _sharded_train(loss, optimizer, mesh, steps_per_call, **options)
-    if is_sharded(mesh):
+    if way == "sharded":
         return _compile_sharded(sharded, mesh, outputs=2, donate_state=True, steps=steps_per_call)
     one_step = replica.train_step(
         loss,
@@ -164,9 +161,9 @@ def make_train_step(
         axes=batch_axes(mesh),
         **options,
     )
-    if has_groups:
-        return _compile_groups(groups.inner_step(one_step, steps=steps_per_call), mesh,
-                               steps=steps_per_call)  # fmt: skip
+    if way == "groups":
+        return compile_groups(inner.inner_step(one_step, steps=steps_per_call), mesh,
+                              steps=steps_per_call)  # fmt: skip
     if steps_per_call > 1:
         replica_fn = lambda state, batches: lax.scan(one_step, state, batches)  # noqa: E731
     else:
@@ -214,26 +211,37 @@ def make_eval_step(
         {'positive': 0.5, 'count': 64}
     """
     _check_backend(backend, mesh)
+    way = _way(mesh)
     metrics = replica.metrics_with_state(metrics_fn, has_model_state=has_model_state)
-    # DiLoCo's groups train replicated parameters: no layout to follow there.
-    sharded = None
-    if GROUP_AXIS not in mesh.shape:
-        sharded = _sharded_eval(replica.eval_step(metrics, manual_axes(mesh)), mesh)
-    if is_sharded(mesh):
+    if way == "groups":  # the synchronised parameters, replicated: no layout to follow
+        compiled = _compile(
+            replica.eval_step(metrics, batch_axes(mesh)), mesh, backend, outputs=1,
+            donate_state=False,
+        )  # fmt: skip
+        return synchronised_eval(compiled)
+    sharded = _sharded_eval(replica.eval_step(metrics, manual_axes(mesh)), mesh)
+    if way == "sharded":
         return _compile_sharded(sharded, mesh, outputs=1, donate_state=False)
-    compiled = _compile(
+    return _compile(
         replica.eval_step(metrics, batch_axes(mesh)), mesh, backend, outputs=1,
         donate_state=False, sharded=sharded if backend == "jit" else None,
     )  # fmt: skip
-    if GROUP_AXIS not in mesh.shape:
-        return compiled
-    # The synchronised parameters are evaluated; the groups' own stay where they are.
-    synchronised = lambda fn: lambda state, batch: fn(state.replace(groups=None), batch)  # noqa: E731
-    return compiled._replace(
-        call=synchronised(compiled.call),
-        unbounded=synchronised(compiled.unbounded),
-        lower=synchronised(compiled.lower),
-    )
+
+
+def _way(mesh: Mesh) -> str:
+    """How a step on ``mesh`` is compiled, decided here alone, from the mesh:
+
+    - ``"groups"``: a ``group`` axis, DiLoCo (`jdp.diloco.steps`);
+    - ``"sharded"``: ``fsdp`` or ``model`` axes, one program per layout of the
+      state (`jdp.step.sharded`);
+    - ``"data_parallel"``: the backend's program for a replicated state; with
+      ``jit``, a state whose `jdp.state.Placement` says ``"sharded"`` (ZeRO-1's
+      optimizer state) takes the sharded programs (`jdp.step.data_parallel`).
+    """
+    if GROUP_AXIS in mesh.shape:
+        check_group_mesh(mesh)
+        return "groups"
+    return "sharded" if is_sharded(mesh) else "data_parallel"
 
 
 def evaluate(

@@ -14,7 +14,7 @@ from jdp.errors import UsageError
 from jdp.mesh import (
     data_size,
 )
-from jdp.state import TrainState
+from jdp.state import TrainState, carry_placement
 
 Backend = Literal["jit", "pmap"]
 BACKENDS = ("jit", "pmap")
@@ -69,7 +69,7 @@ class CompiledStep(NamedTuple):
         return self.call(state, batch)
 
 
-def _bounded(fn: Callable[..., Any], witness: Callable[[Any], Any]) -> Callable[..., Any]:
+def bounded(fn: Callable[..., Any], witness: Callable[[Any], Any]) -> Callable[..., Any]:
     """``fn`` that waits on the output of the call before last (see `CompiledStep`)."""
     previous = None
 
@@ -92,7 +92,7 @@ def _bounded(fn: Callable[..., Any], witness: Callable[[Any], Any]) -> Callable[
     return call
 
 
-def _check_rows(batch: Any, replicas: int, *, batch_axis: int, steps: int) -> None:
+def check_rows(batch: Any, replicas: int, *, batch_axis: int, steps: int) -> None:
     """UsageError unless every leaf stacks ``steps`` batches (when more than one) and
     its rows split evenly over the replicas."""
     for leaf in jax.tree.leaves(batch):
@@ -108,7 +108,38 @@ def _check_rows(batch: Any, replicas: int, *, batch_axis: int, steps: int) -> No
             )
 
 
-def _checks_replicas(mesh: Mesh) -> bool:
+def as_step(program: Callable[..., Any], replicas: int, *, batch_axis: int, steps: int,
+            outputs: int, sharded: Callable[..., Any] | None = None
+            ) -> Callable[..., Any]:  # fmt: skip
+    """A step's call of its compiled ``program``, for every way of compiling.
+
+    ``sharded``, when given, runs instead for a state whose `Placement` says
+    ``"sharded"`` (ZeRO-1's on a mesh of ``data`` alone). The output state
+    (``outputs`` 2: a train step) carries the input's placement: every way keeps
+    the state where it is, so a training loop reads it from the arrays once. The
+    call's refusals say why in one line: ``jit`` refuses, before tracing, a host
+    batch it cannot split over the replicas (the rows are otherwise checked while
+    tracing, once per shape).
+    """
+    reads = sharded is not None or outputs == 2
+
+    def call(state, batch):
+        where = state.placement if reads else None
+        if sharded is not None and where.kind == "sharded":
+            return sharded(state, batch)
+        try:
+            out = program(state, batch)
+        except ValueError:
+            check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)
+            raise
+        if outputs == 2:
+            carry_placement(out[0], where)
+        return out
+
+    return call
+
+
+def checks_replicas(mesh: Mesh) -> bool:
     """Whether ``shard_map`` checks that outputs said to be replicated are.
 
     With one replica the step all-reduces nothing (`jdp.replica.train_step_parts`),
@@ -119,21 +150,7 @@ def _checks_replicas(mesh: Mesh) -> bool:
     return data_size(mesh) > 1
 
 
-def _replicated(tree: Any) -> bool:
-    """Whether every array of ``tree`` is whole on every device."""
-    return all(
-        getattr(leaf, "sharding", None) is None or leaf.sharding.is_fully_replicated
-        for leaf in jax.tree.leaves(tree)
-    )
-
-
-def _layout(tree: Any) -> tuple:
-    """``tree``'s structure and each leaf's sharding: what a sharded program is compiled for."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple(getattr(leaf, "sharding", None) for leaf in leaves)
-
-
-def _check_mesh(shardings: list, mesh: Mesh) -> None:
+def check_mesh(shardings: list, mesh: Mesh) -> None:
     """UsageError unless every array lives on ``mesh``: a step compiles for the layout
     of the state it is given, which must be on its own mesh."""
     for sharding in shardings:

@@ -17,10 +17,10 @@ from jdp.mesh import (
 from jdp.step.contract import (
     Backend,
     CompiledStep,
-    _bounded,
-    _check_rows,
-    _checks_replicas,
-    _replicated,
+    as_step,
+    bounded,
+    check_rows,
+    checks_replicas,
 )
 from jdp.step.pmap import _pmapped
 from jdp.step.sharded import _compile_sharded
@@ -42,7 +42,8 @@ def _compile(
     identical on every replica after its reductions. ``steps`` > 1: batch leaves
     are ``(steps, rows, ...)``, the rows split over ``data``. ``sharded``: the
     same step for a state that is not replicated (`_compile_sharded`'s
-    ``make_fn``), which the ``jit`` backend switches to when it is given one.
+    ``make_fn``), which the ``jit`` backend runs for a state whose `Placement` says
+    ``"sharded"``.
     """
     stacked = steps > 1
     batch_axis, replicas = int(stacked), batch_split(mesh)
@@ -58,13 +59,13 @@ def _compile(
             mesh=mesh,
             in_specs=(PartitionSpec(), batch_in.spec),
             out_specs=per_output(PartitionSpec()),
-            check_vma=_checks_replicas(mesh),
+            check_vma=checks_replicas(mesh),
         )
 
         def checked(state, batch):
             # While tracing, once per batch shape: a check on every call costs
             # the host more than the dispatch of a small model's step.
-            _check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)
+            check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)
             return mapped(state, batch)
 
         jitted = jax.jit(
@@ -74,31 +75,29 @@ def _compile(
             donate_argnums=donate,
         )
         layouts = None
-        if sharded is not None:
+        if sharded is not None:  # a state of this mesh may be split (ZeRO-1's optimizer state)
             layouts = _compile_sharded(
                 sharded, mesh, outputs=outputs, donate_state=donate_state, steps=steps
             )
-        switched = [False]  # given a sharded state (ZeRO-1's optimizer state, say)
-
-        def lower(state, batch):
-            if layouts is not None and not _replicated(state):
-                return layouts.lower(state, batch)
-            return jitted.lower(state, batch)
-
-        def program(state, batch):
-            if switched[0]:
-                return layouts.unbounded(state, batch)
-            try:
-                return jitted(state, batch)
-            except ValueError:  # jit places a host batch before tracing: say why it can't
-                if layouts is not None and not _replicated(state):
-                    switched[0] = True
-                    return layouts.unbounded(state, batch)
-                _check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)
-                raise
+        program = as_step(
+            jitted, replicas, batch_axis=batch_axis, steps=steps, outputs=outputs,
+            sharded=layouts and layouts.unbounded,
+        )  # fmt: skip
+        lower = _lower_by_placement(jitted.lower, layouts)
     else:
         program, lower = _pmapped(
-            replica_fn, mesh, batch_axis, steps, per_output, donate, (state_in, batch_in)
+            replica_fn, mesh, batch_axis, steps, outputs, donate, (state_in, batch_in)
         )
     witness = (lambda out: out[1]) if outputs > 1 else (lambda out: out)
-    return CompiledStep(_bounded(program, witness), program, lower, state_in, batch_in)
+    return CompiledStep(bounded(program, witness), program, lower, state_in, batch_in)
+
+
+def _lower_by_placement(lower: Callable[..., Any], layouts: CompiledStep | None
+                        ) -> Callable[..., Any]:  # fmt: skip
+    """``lower`` for a replicated state, ``layouts``' for one whose `Placement` says
+    ``"sharded"``."""
+    if layouts is None:
+        return lower
+    return lambda state, batch: (layouts.lower if state.placement.kind == "sharded" else lower)(
+        state, batch
+    )

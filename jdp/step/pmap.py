@@ -15,14 +15,18 @@ from jdp.mesh import (
     data_size,
     replicated,
 )
-from jdp.step.contract import _check_rows, _replicated
+from jdp.step.contract import as_step, check_rows
 
 
-def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, per_output, donate,
+def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, outputs: int, donate,
              shardings: tuple[NamedSharding, NamedSharding]):  # fmt: skip
     """The pmap backend's (call, lower): the global batch split per device first.
-    ``shardings``: the state's and the batch's, as `CompiledStep` holds them."""
+    ``shardings``: the state's and the batch's, as `CompiledStep` holds them;
+    every output is replicated, as the state."""
     replicas = data_size(mesh)
+
+    def per_output(value):
+        return value if outputs == 1 else (value,) * outputs
 
     def pmap(donate_argnums):
         return jax.pmap(
@@ -39,75 +43,67 @@ def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, per_output, do
         shape = (*x.shape[:batch_axis], replicas, x.shape[batch_axis] // replicas)
         return jnp.moveaxis(x.reshape(*shape, *x.shape[batch_axis + 1 :]), batch_axis, 0)
 
-    def check_rows(batch):
-        _check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)
-
     def per_device(batch):
-        check_rows(batch)  # while tracing: once per shape
+        check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)  # while tracing
         return jax.tree.map(per_replica, batch)
 
-    if jax.process_count() == 1:  # the outer jit donates
-        return _pmapped_fused(pmap(()), per_device, shardings, donate, check_rows=check_rows)
+    def stepped(program):
+        return as_step(program, replicas, batch_axis=batch_axis, steps=steps, outputs=outputs)
+
+    if jax.process_count() == 1:
+        # JAX's pmap is jit over shard_map, so inside jit it is the same program, and
+        # the global batch's split into its per-device layout (a reshape of each
+        # device's rows) costs no dispatch of its own: one call a step, as the jit
+        # backend. The outer jit donates. With several processes pmap traced inside
+        # jit maps this process's devices only, so there the split is its own call.
+        inner = pmap(())
+        fused = jax.jit(
+            lambda state, batch: inner(state, per_device(batch)),
+            in_shardings=shardings,
+            out_shardings=per_output(shardings[0]),
+            donate_argnums=donate,
+        )
+        return stepped(_checked_state(fused)), fused.lower
     pmapped = pmap(donate)
     split = jax.jit(per_device, out_shardings=NamedSharding(mesh, PartitionSpec(DATA_AXIS)))
 
     # Called, jax.pmap re-derives its arguments' layout in Python each time (about
     # 70 us a call more than its program compiled ahead of time, on a 2-core CPU:
-    # a tenth of a small model's step). Its programs are compiled once per argument
-    # layout and called as they are; another layout fails a program's argument
-    # check (TypeError) before anything runs or is donated.
-    programs: list[jax.stages.Compiled] = []
+    # a tenth of a small model's step). Its programs are compiled once per state
+    # placement and batch shape, found again by them, and called as they are.
+    programs: dict[tuple, jax.stages.Compiled] = {}
 
     def call(state, batch):
-        per_device_batch = split(batch)
-        for program in programs:
-            try:
-                out = program(state, per_device_batch)
-            except TypeError:  # compiled for another layout
-                continue
-            return _on_mesh(out, mesh)
         _check_pmap_state(state)
-        programs.append(pmapped.lower(state, per_device_batch).compile())
-        return _on_mesh(programs[-1](state, per_device_batch), mesh)
+        per_device_batch = split(batch)
+        leaves, structure = jax.tree.flatten(per_device_batch)
+        key = (state.placement, structure, tuple((x.shape, x.dtype) for x in leaves))
+        if key not in programs:
+            programs[key] = pmapped.lower(state, per_device_batch).compile()
+        return _on_mesh(programs[key](state, per_device_batch), mesh)
 
     def lower(state, batch):
         return pmapped.lower(state, split(batch))
 
-    return call, lower
+    return stepped(call), lower
 
 
 def _check_pmap_state(state: Any) -> None:
-    if not _replicated(state):
+    if state.placement.kind != "replicated":
         raise UsageError(
             "backend 'pmap' takes a state replicated on every device, and this one is "
             "sharded (--shard-optimizer, say); use backend 'jit'"
         )
 
 
-def _pmapped_fused(pmapped, per_device, shardings, donate, *, check_rows):
-    """pmap's (call, lower) in one process: the split and pmap's program in one ``jit``.
-
-    JAX's ``pmap`` is ``jit`` over ``shard_map``, so inside ``jit`` it is the same
-    program, and the global batch's split into its per-device layout (a reshape
-    of each device's rows) costs no dispatch of its own: one call a step, as the
-    ``jit`` backend. With several processes ``pmap`` traced inside ``jit`` maps
-    this process's devices only, so there the split is its own call.
-    """
-    fused = jax.jit(
-        lambda state, batch: pmapped(state, per_device(batch)),
-        in_shardings=shardings,
-        donate_argnums=donate,
-    )
+def _checked_state(program):
+    """``program`` that refuses a state not replicated (pmap's layout) first."""
 
     def call(state, batch):
-        try:
-            return fused(state, batch)
-        except ValueError:  # a state not on pmap's layout, or a host batch jit can't place
-            _check_pmap_state(state)
-            check_rows(batch)
-            raise
+        _check_pmap_state(state)
+        return program(state, batch)
 
-    return call, fused.lower
+    return call
 
 
 def _on_mesh(tree: Any, mesh: Mesh) -> Any:

@@ -22,7 +22,8 @@ from jdp.mesh import (
     replicated,
 )
 from jdp.replica import LossFn
-from jdp.step.contract import CompiledStep, _bounded, _check_mesh, _check_rows, _layout
+from jdp.state import Placement
+from jdp.step.contract import CompiledStep, as_step, bounded, check_mesh, check_rows
 
 
 def _compile_sharded(
@@ -38,54 +39,45 @@ def _compile_sharded(
 
     ``make_fn(param_shardings)`` returns ``fn(state, batch)``, which runs where
     XLA partitions the arrays (``fsdp``, ``model``, ZeRO-1's ``data``) and maps
-    the replicas itself (`_over_replicas`). One program is compiled per layout of
-    the state; the metrics are replicated.
+    the replicas itself (`_over_replicas`). One program is compiled per `Placement`
+    of the state, and found again by it; the metrics are replicated.
     """
     stacked = steps > 1
     batch_axis, slices = int(stacked), batch_split(mesh)
     batch_in = batch_sharded(mesh, stacked=stacked)
     donate = (0,) if donate_state else ()
-    programs: dict[tuple, Any] = {}
-    current: list[Any] = [None]
+    programs: dict[Placement, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
     def for_state(state):
-        key = _layout(state)
-        if key not in programs:
+        where = state.placement
+        if where not in programs:
             shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
-            _check_mesh(jax.tree.leaves(shardings), mesh)
+            check_mesh(jax.tree.leaves(shardings), mesh)
             fn = make_fn(shardings.params)
 
             def checked(state, batch):
-                _check_rows(batch, slices, batch_axis=batch_axis, steps=steps)  # while tracing
+                check_rows(batch, slices, batch_axis=batch_axis, steps=steps)  # while tracing
                 return fn(state, batch)
 
             metrics_out = replicated(mesh)
-            programs[key] = jax.jit(
+            jitted = jax.jit(
                 checked,
                 in_shardings=(shardings, batch_in),
                 out_shardings=(shardings, metrics_out) if outputs == 2 else metrics_out,
                 donate_argnums=donate,
             )
-        return programs[key]
+            call = as_step(jitted, slices, batch_axis=batch_axis, steps=steps, outputs=outputs)
+            programs[where] = call, jitted.lower
+        return programs[where]
 
     def program(state, batch):
-        if current[0] is not None:
-            try:
-                return current[0](state, batch)
-            except ValueError:  # a state of another layout, or a host batch jit can't place
-                pass
-        current[0] = for_state(state)
-        try:
-            return current[0](state, batch)
-        except ValueError:
-            _check_rows(batch, slices, batch_axis=batch_axis, steps=steps)
-            raise
+        return for_state(state)[0](state, batch)
 
     def lower(state, batch):
-        return for_state(state).lower(state, batch)
+        return for_state(state)[1](state, batch)
 
     witness = (lambda out: out[1]) if outputs > 1 else (lambda out: out)
-    return CompiledStep(_bounded(program, witness), program, lower, None, batch_in)
+    return CompiledStep(bounded(program, witness), program, lower, None, batch_in)
 
 
 def _over_replicas(fn: Callable[..., Any], mesh: Mesh, *, out_axes: Any = None

@@ -20,8 +20,8 @@ from jdp.checkpoint import read_params
 from jdp.data.custom import holdout, load_named
 from jdp.data.pipeline import EvalReader, check_train_batch
 from jdp.data.sources import Split
+from jdp.diloco import Outer, outer_from_flags
 from jdp.errors import UsageError
-from jdp.groups import Outer, outer_from_flags
 from jdp.inference import data_facts
 from jdp.mesh import (
     GROUP_AXIS,

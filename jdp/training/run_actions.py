@@ -16,6 +16,7 @@ from jdp.actions import PeriodicAction, Progress
 from jdp.checkpoint import Checkpointer
 from jdp.data.pipeline import eval_batches
 from jdp.data.sources import Split
+from jdp.diloco import has_groups
 from jdp.distributed.preemption import Preemption
 from jdp.distributed.replica_check import check_replicas
 from jdp.errors import NonFiniteError
@@ -154,7 +155,7 @@ class Checkpoint(PeriodicAction):
         self.skipping = skipping  # updates with a non-finite gradient are skipped: all finite
 
     def run(self, progress: Progress) -> None:
-        grouped = getattr(progress.state, "groups", None) is not None
+        grouped = has_groups(progress.state)
         if grouped and not _groups_finite(progress.state):  # every process alike
             why = "a DiLoCo group's parameters are not finite"
         elif not grouped and not self.skipping and not _finite(progress.call_metrics):
@@ -247,7 +248,7 @@ class GuardFinite(PeriodicAction):
     def run(self, progress: Progress) -> None:
         if progress.call_metrics is None:
             return
-        if getattr(progress.state, "groups", None) is not None:
+        if has_groups(progress.state):
             self._check_groups(progress)
             return
         values = jax.device_get(progress.call_metrics)
@@ -328,7 +329,7 @@ class CheckReplicas(PeriodicAction):
     def run(self, progress: Progress) -> None:
         state = progress.state
         check_replicas((state.params, state.model_state), step=progress.step)
-        if state.groups is not None:  # each group's replicas, among themselves
+        if has_groups(state):  # each group's replicas, among themselves
             leaf = jax.tree.leaves(state.groups.params)[0]
             mesh = leaf.sharding.mesh
             group_of = {device.id: g for g, row in enumerate(mesh.devices) for device in row.flat}

@@ -7,11 +7,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from jdp import groups
+from jdp.diloco import inner
+from jdp.diloco.outer import Outer
+from jdp.diloco.state import groups_sharding, has_groups
 from jdp.errors import UsageError
-from jdp.groups import Outer
 from jdp.mesh import (
     GROUP_AXIS,
     batch_sharded,
@@ -20,11 +21,17 @@ from jdp.mesh import (
     replicated,
 )
 from jdp.state import TrainState
-from jdp.step.contract import CompiledStep, _bounded, _check_rows, _checks_replicas
+from jdp.step.contract import (
+    CompiledStep,
+    as_step,
+    bounded,
+    check_rows,
+    checks_replicas,
+)
 
 
 def _groups_given(state: TrainState) -> None:
-    if state.groups is None:
+    if not has_groups(state):
         raise UsageError(
             "this step trains DiLoCo groups (its mesh has a 'group' axis), but the state has "
             "none; create it with jdp.create_train_state(..., outer=jdp.diloco(...)) on that mesh"
@@ -38,8 +45,8 @@ def _step_count(state: TrainState) -> TrainState:
     return state.replace(params=None, opt_state=None, model_state=None, groups=None)
 
 
-def _compile_groups(group_fn: Callable[..., Any], mesh: Mesh, *, steps: int) -> CompiledStep:
-    """Compiles a DiLoCo inner step (`jdp.groups.inner_step`) under `CompiledStep`'s
+def compile_groups(group_fn: Callable[..., Any], mesh: Mesh, *, steps: int) -> CompiledStep:
+    """Compiles a DiLoCo inner step (`jdp.diloco.inner.inner_step`) under `CompiledStep`'s
     contract, but for the groups' state, split over ``group``, and the metrics.
 
     The program takes the step count and key (`_step_count`), the groups, and the
@@ -51,17 +58,17 @@ def _compile_groups(group_fn: Callable[..., Any], mesh: Mesh, *, steps: int) -> 
     stacked = steps > 1
     batch_axis, slices = int(stacked), batch_split(mesh)
     state_in, batch_in = replicated(mesh), batch_sharded(mesh, stacked=stacked)
-    groups_in = NamedSharding(mesh, PartitionSpec(GROUP_AXIS))
+    groups_in = groups_sharding(mesh)
     mapped = jax.shard_map(
         group_fn,
         mesh=mesh,
         in_specs=(PartitionSpec(), groups_in.spec, batch_in.spec),
         out_specs=(PartitionSpec(), groups_in.spec, groups_in.spec),
-        check_vma=_checks_replicas(mesh),
+        check_vma=checks_replicas(mesh),
     )
 
     def checked(state, groups, batch):
-        _check_rows(batch, slices, batch_axis=batch_axis, steps=steps)  # while tracing
+        check_rows(batch, slices, batch_axis=batch_axis, steps=steps)  # while tracing
         return mapped(state, groups, batch)
 
     jitted = jax.jit(
@@ -71,21 +78,19 @@ def _compile_groups(group_fn: Callable[..., Any], mesh: Mesh, *, steps: int) -> 
         donate_argnums=(0, 1),
     )
     first = jax.jit(lambda tree: jax.tree.map(lambda x: x[0], tree))
-    every_group = [None]  # the last call's metrics as the program wrote them
+    every_group = None  # the last call's metrics as the program wrote them
 
-    def program(state, batch):
+    def inner(state, batch):
+        nonlocal every_group
         _groups_given(state)
-        try:
-            rest, trained, metrics = jitted(_step_count(state), state.groups, batch)
-        except ValueError:  # jit places a host batch before tracing: say why it can't
-            _check_rows(batch, slices, batch_axis=batch_axis, steps=steps)
-            raise
+        rest, trained, every_group = jitted(_step_count(state), state.groups, batch)
         updated = rest.replace(
             params=state.params, opt_state=state.opt_state, model_state=state.model_state,
             groups=trained,
         )  # fmt: skip
-        every_group[0] = metrics
-        return updated, first(jax.tree.map(lambda x: x.addressable_data(0), metrics))
+        return updated, first(jax.tree.map(lambda x: x.addressable_data(0), every_group))
+
+    program = as_step(inner, slices, batch_axis=batch_axis, steps=steps, outputs=2)
 
     def lower(state, batch):
         _groups_given(state)
@@ -94,8 +99,22 @@ def _compile_groups(group_fn: Callable[..., Any], mesh: Mesh, *, steps: int) -> 
     # The witness of a call: its metrics on every device (the ones it returns are one
     # group's, and the other groups' calls must be bounded too). Not the state: the
     # next call donates it.
-    witness = lambda out: every_group[0]  # noqa: E731
-    return CompiledStep(_bounded(program, witness), program, lower, state_in, batch_in)
+    witness = lambda out: every_group  # noqa: E731
+    return CompiledStep(bounded(program, witness), program, lower, state_in, batch_in)
+
+
+def synchronised_eval(compiled: CompiledStep) -> CompiledStep:
+    """An eval step on a mesh with groups, for a state with groups: it evaluates the
+    synchronised parameters; the groups' own stay where they are."""
+
+    def synchronised(fn):
+        return lambda state, batch: fn(state.replace(groups=None), batch)
+
+    return compiled._replace(
+        call=synchronised(compiled.call),
+        unbounded=synchronised(compiled.unbounded),
+        lower=synchronised(compiled.lower),
+    )
 
 
 class SyncStep(NamedTuple):
@@ -123,7 +142,7 @@ def make_sync_step(outer: Outer, mesh: Mesh) -> SyncStep:
     The groups' parameters are averaged over ``group`` (one all-reduce of the
     parameters' bytes, the only communication between groups), the outer
     optimizer applies the parameters of the last synchronisation minus that
-    average, and every group continues from the result (see `jdp.groups`).
+    average, and every group continues from the result (see `jdp.diloco`).
 
     Args:
         outer: the outer loop, from `jdp.diloco`.
@@ -157,9 +176,9 @@ def make_sync_step(outer: Outer, mesh: Mesh) -> SyncStep:
             "DiLoCo needs one, e.g. group=2,data=4"
         )
     data_size(mesh)
-    state_in, groups_in = replicated(mesh), NamedSharding(mesh, PartitionSpec(GROUP_AXIS))
+    state_in, groups_in = replicated(mesh), groups_sharding(mesh)
     mapped = jax.shard_map(
-        groups.sync_step(outer),
+        inner.sync_step(outer),
         mesh=mesh,
         in_specs=(PartitionSpec(), groups_in.spec),
         out_specs=(PartitionSpec(), groups_in.spec),

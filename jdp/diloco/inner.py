@@ -1,26 +1,5 @@
-"""Local SGD and DiLoCo: groups of replicas that synchronise every H steps.
-
-A mesh with a ``group`` axis (``group=2,data=4``) runs ordinary synchronous
-data parallelism inside each group, over ``data``, every step. Across groups
-nothing is communicated between synchronisations: each group trains its own
-copy of the parameters with the inner optimizer on its block of every global
-batch. Every ``sync_every`` steps the groups average their parameters over
-``group`` (one all-reduce of the parameter bytes), the difference from the
-parameters of the last synchronisation is the outer gradient, and an outer
-optimizer applies it (Douillard et al. 2023, "DiLoCo": Nesterov momentum, lr 0.7,
-momentum 0.9). Outer SGD with lr 1 and no momentum is local SGD: the groups'
-plain average.
-
-In the `TrainState`, ``params`` are the parameters as of the last
-synchronisation, ``opt_state`` the outer optimizer's state and ``model_state``
-the groups' averaged model state: evaluation, inference and ``load_params`` use
-them. ``groups`` holds what each group trains between synchronisations
-(`GroupState`), every leaf with a leading axis of one entry per group, sharded
-over ``group``. Group ``g`` trains on the ``g``-th block of rows of every global
-batch, so the data order stays a function of ``(seed, step)``.
-
-This module holds the per-device maths; `jdp.step` compiles it.
-"""
+"""DiLoCo's per-device maths: the groups' inner step and the synchronisation, which
+`jdp.diloco.steps` compiles over a mesh with a ``group`` axis."""
 
 from __future__ import annotations
 
@@ -32,48 +11,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jdp.errors import UsageError
+from jdp.diloco.outer import Outer
+from jdp.diloco.state import GroupState
 from jdp.mesh import GROUP_AXIS
-from jdp.state import GroupState, Outer, TrainState
-
-OUTER_OPTIMIZERS = ("nesterov", "sgd")
-
-
-def diloco(
-    *, sync_every: int, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True
-) -> Outer:
-    """DiLoCo's outer loop (defaults as in the paper); local SGD with ``lr=1, momentum=0``.
-
-    The outer optimizer is SGD on the outer gradient (the parameters of the last
-    synchronisation minus the groups' average), with ``momentum`` (Nesterov's
-    when ``nesterov``).
-
-    Raises:
-        UsageError: ``sync_every`` below 1, a learning rate that is not positive,
-            or a momentum outside [0, 1).
-
-    Examples:
-        >>> outer = jdp.diloco(sync_every=50)
-        >>> outer.sync_every
-        50
-    """
-    if sync_every < 1:
-        raise UsageError(f"sync_every must be at least 1 step, got {sync_every}")
-    if not lr > 0 or not 0 <= momentum < 1:
-        raise UsageError(
-            f"the outer optimizer needs lr > 0 and momentum in [0, 1), got {lr} and {momentum}"
-        )
-    optimizer = optax.sgd(lr, momentum=momentum or None, nesterov=nesterov and momentum > 0)
-    return Outer(optimizer, sync_every)
-
-
-def outer_from_flags(name: str, *, sync_every: int, lr: float, momentum: float) -> Outer:
-    """`diloco` from ``--outer-optimizer nesterov|sgd``, ``--outer-lr``, ``--outer-momentum``."""
-    if name not in OUTER_OPTIMIZERS:
-        raise UsageError(
-            f"unknown outer optimizer {name!r}; choose one of: {', '.join(OUTER_OPTIMIZERS)}"
-        )
-    return diloco(sync_every=sync_every, lr=lr, momentum=momentum, nesterov=name == "nesterov")
+from jdp.state import TrainState
 
 
 def _mine(tree: Any) -> Any:

@@ -1,0 +1,36 @@
+"""Local SGD and DiLoCo: groups of replicas that synchronise every H steps.
+
+A mesh with a ``group`` axis (``group=2,data=4``) runs ordinary synchronous
+data parallelism inside each group, over ``data``, every step. Across groups
+nothing is communicated between synchronisations: each group trains its own
+copy of the parameters with the inner optimizer on its block of every global
+batch. Every ``sync_every`` steps the groups average their parameters over
+``group`` (one all-reduce of the parameter bytes), the difference from the
+parameters of the last synchronisation is the outer gradient, and an outer
+optimizer applies it (Douillard et al. 2023, "DiLoCo": Nesterov momentum, lr 0.7,
+momentum 0.9). Outer SGD with lr 1 and no momentum is local SGD: the groups'
+plain average.
+
+In the `TrainState`, ``params`` are the parameters as of the last
+synchronisation, ``opt_state`` the outer optimizer's state and ``model_state``
+the groups' averaged model state: evaluation, inference and ``load_params`` use
+them. ``groups`` holds what each group trains between synchronisations
+(`GroupState`), every leaf with a leading axis of one entry per group, sharded
+over ``group``. Group ``g`` trains on the ``g``-th block of rows of every global
+batch, so the data order stays a function of ``(seed, step)``.
+
+The package, in one place: `outer` (the outer loop, `diloco`), `state` (the
+groups' state and `has_groups`), `inner` (each device's maths) and `steps` (the
+inner step and the synchronisation compiled over the mesh; `make_sync_step`).
+The steps are imported from `jdp.diloco.steps` (or `jdp.make_sync_step`): this
+face holds what `jdp.state` builds on, and `jdp.diloco.steps` builds on
+`jdp.state`.
+"""
+
+from jdp.diloco.outer import OUTER_OPTIMIZERS as OUTER_OPTIMIZERS
+from jdp.diloco.outer import Outer as Outer
+from jdp.diloco.outer import diloco as diloco
+from jdp.diloco.outer import outer_from_flags as outer_from_flags
+from jdp.diloco.state import GroupState as GroupState
+from jdp.diloco.state import group_count as group_count
+from jdp.diloco.state import has_groups as has_groups
