@@ -81,7 +81,7 @@ def load_model(
     step_dir = step_directory(os.path.abspath(os.fspath(path)), step)
     record = read_record(step_dir)
     params, model_state = read_params(step_dir, mesh=mesh)
-    config = record.get("config", {})
+    config = record.config
     if model is None and config.get("model", "yours") != "yours":
         model = _builtin(config, config.get("data", {}))
     return LoadedModel(
@@ -89,8 +89,8 @@ def load_model(
         params=params,
         model_state=model_state,
         config=config,
-        step=int(record.get("step", os.path.basename(step_dir))),
-        metrics=record.get("metrics", {}),
+        step=record.step,
+        metrics=record.metrics,
     )
 
 

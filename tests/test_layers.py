@@ -40,13 +40,13 @@ LAYERS = {
 # 80 (docstring included). The units over them today may shrink, never grow; a new
 # one over them fails.
 MODULE_LINES, FUNCTION_LINES = 400, 80
+FIT_LINES = 60  # the loop a reader reads first
 OVER_TODAY = {
-    "jdp/training/run.py": 456,
-    "jdp/training/loop.py": 470, "jdp/data/pipeline.py": 426, "jdp/data/sources.py": 424,
+    "jdp/training/run.py": 453, "jdp/data/pipeline.py": 426, "jdp/data/sources.py": 424,
     "jdp/mesh.py": 418, "jdp/bench/step.py": 414, "jdp/plan.py": 440,
     "jdp/models/adapters.py": 429,
-    "jdp/step/builders.py::make_train_step": 145, "jdp/state.py::create_train_state": 114,
-    "jdp/training/loop.py::fit": 104, "jdp/models/adapters.py::from_nnx": 89,
+    "jdp/step/builders.py::make_train_step": 140, "jdp/state.py::create_train_state": 92,
+    "jdp/models/adapters.py::from_nnx": 89,
     "jdp/replica.py::train_step_parts": 85, "jdp/optim.py::make_schedule": 83,
 }  # fmt: skip
 
@@ -189,6 +189,13 @@ def _long_units(root: pathlib.Path = PACKAGE) -> dict[str, int]:
                 if length > FUNCTION_LINES:
                     found[f"{name}::{node.name}"] = length
     return found
+
+
+def test_fit_reads_in_one_sitting():
+    source = (PACKAGE / "training" / "loop.py").read_text()
+    (fit,) = (node for node in ast.parse(source).body
+              if isinstance(node, ast.FunctionDef) and node.name == "fit")  # fmt: skip
+    assert fit.end_lineno - fit.lineno + 1 <= FIT_LINES
 
 
 def test_no_unit_grows_past_its_limit():

@@ -8,8 +8,9 @@ the config that made the run, the shape, dtype and digest of every array
 directory and renames it when complete, so a step directory either is a whole
 checkpoint or was damaged afterwards: cut short, deleted in part, or with bytes
 changed in place. Restore checks all of it; damaged checkpoints are set aside
-with a warning naming what failed. One run at a time owns the directory
-(`lock.py`). Nothing is ever unpickled.
+with a warning naming what failed. The record is one typed value (`Record`,
+`record.py`), read by a resume, ``--eval-only`` and `jdp.load_model`. One run at
+a time owns the directory (`lock.py`). Nothing is ever unpickled.
 """
 
 from jdp.checkpoint.checkpointer import Checkpointer as Checkpointer
@@ -17,4 +18,5 @@ from jdp.checkpoint.params import load_params as load_params
 from jdp.checkpoint.params import read_params as read_params
 from jdp.checkpoint.params import read_record as read_record
 from jdp.checkpoint.params import step_directory as step_directory
+from jdp.checkpoint.record import Record as Record
 from jdp.checkpoint.storage import warn as warn

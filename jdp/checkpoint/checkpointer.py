@@ -16,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jdp.checkpoint.lock import DirectoryLock
+from jdp.checkpoint.record import Record
 from jdp.checkpoint.storage import (
     _abstract,
     _all_ok,
@@ -144,13 +145,10 @@ class Checkpointer:
             name: {"shape": list(shape), "dtype": dtype}
             for name, (shape, dtype) in _leaf_names(state).items()
         }
-        meta = {
-            "step": step,
-            "loader_step": loader_step,
-            "config": dict(config or {}),
-            "arrays": arrays,
-            "metrics": dict(metrics or {}),  # what chose the best checkpoint, if any
-        }
+        meta = Record(
+            step, loader_step, config=dict(config or {}), arrays=arrays,
+            metrics=dict(metrics or {}),
+        ).to_json()  # fmt: skip
         record = _PendingRecord(meta)
         if not self._async:  # the commit happens inside the save: the digests go first
             record.start(state)

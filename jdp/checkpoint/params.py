@@ -11,6 +11,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
+from jdp.checkpoint.record import Record
 from jdp.checkpoint.storage import (
     _describe_mismatch,
     _digest_mismatch,
@@ -42,9 +43,9 @@ def step_directory(path: str, step: str | int = "latest") -> str:
     if step == "best":
         scored = {}
         for number in whole:
-            accuracy = read_record(os.path.join(path, str(number))).get("metrics", {})
-            if isinstance(accuracy, dict) and isinstance(accuracy.get("accuracy"), float):
-                scored[number] = accuracy["accuracy"]
+            metrics = read_record(os.path.join(path, str(number))).metrics
+            if isinstance(metrics.get("accuracy"), float):
+                scored[number] = metrics["accuracy"]
         if not scored:
             raise UsageError(
                 f"no checkpoint in {path} recorded an evaluation; load step='latest' or a step "
@@ -139,21 +140,22 @@ def read_params(
     return restored["params"], restored.get("model_state") or {}
 
 
-def read_record(step_dir: str) -> dict:
-    """A step directory's record (its config, metrics and array digests); {} if unreadable."""
+def read_record(step_dir: str) -> Record:
+    """A step directory's `Record` (its config, metrics and array digests); an empty one,
+    at the directory's step, if it has none or it is unreadable."""
+    name = os.path.basename(os.path.normpath(step_dir))
+    step = int(name) if name.isdigit() else 0
     try:
         with open(os.path.join(step_dir, "meta", "metadata")) as file:
-            record = json.load(file)
+            meta = json.load(file)
     except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
+        meta = {}
+    return Record.read(meta if isinstance(meta, dict) else {}, step=step)
 
 
 def _recorded_arrays(step_dir: str) -> dict:
     """The digests a checkpoint's record holds for its params and model state."""
-    arrays = read_record(step_dir).get("arrays", {})
-    if not isinstance(arrays, dict):
-        return {}
+    arrays = read_record(step_dir).arrays
     return {
         name: value
         for name, value in arrays.items()

@@ -1,0 +1,168 @@
+"""What a run ends with (`FitResult`) and how each way of ending makes it: trained to
+the end, stopped early (preempted), or a checkpoint evaluated without training."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import jax
+
+from jdp.actions import Progress
+from jdp.checkpoint import read_params, read_record, step_directory
+from jdp.mesh import GROUP_AXIS, parse_mesh_spec
+from jdp.report.console import Console
+from jdp.state import TrainState
+from jdp.training.config import DILOCO_FIELDS, TOPOLOGY_FIELDS, TrainConfig
+from jdp.training.run import Run, Yours, build
+from jdp.training.wiring import evaluations, metric_logger
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """What a run ends with: the final state and its summary figures."""
+
+    state: TrainState
+    steps: int
+    train_loss: float
+    test_loss: float
+    test_accuracy: float
+    examples_per_sec: float
+    input_wait: float  # fraction of the steady training loop spent waiting for a batch
+    wall_seconds: float
+    preempted: str | None = None  # the line saying where a preempted run saved
+    stopped: str | None = None  # why the run stopped before config.steps, when it did
+    validation: dict[str, float] | None = None  # the last validation metrics, with a split
+    # Every record logged (process 0): {"kind": "train" | "val" | "eval", "step", ...}.
+    history: list[dict] = dataclasses.field(default_factory=list)
+    evaluated_only: bool = False  # --eval-only: a checkpoint evaluated, nothing trained
+
+    def summary_line(self) -> str:
+        if self.preempted:
+            return self.preempted
+        validation = (
+            f"val_accuracy={self.validation['accuracy']:.4f} "
+            if self.validation and "accuracy" in self.validation
+            else ""
+        )
+        if self.evaluated_only:
+            return (
+                f"jdp.train: evaluated step={self.steps} {validation}"
+                f"test_loss={self.test_loss:.4f} test_accuracy={self.test_accuracy:.4f}"
+            )
+        return (
+            f"jdp.train: steps={self.steps} train_loss={self.train_loss:.4f} {validation}"
+            f"test_loss={self.test_loss:.4f} test_accuracy={self.test_accuracy:.4f} "
+            f"examples/s={self.examples_per_sec:.0f} input_wait={self.input_wait:.1%} "
+            f"wall={self.wall_seconds:.1f}s"
+        )
+
+
+class SteadyTimer:
+    """Wall time and input wait of the steady loop: from the end of the first call."""
+
+    def __init__(self, loader):
+        self.loader, self.calls = loader, 0
+        self.started, self.waited_before, self.seconds, self.waited = 0.0, 0.0, 0.0, 0.0
+
+    def after_call(self, metrics) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            jax.block_until_ready(metrics)  # compilation ends here; throughput counts from now
+            self.started, self.waited_before = time.perf_counter(), self.loader.wait_seconds
+
+    def stop(self) -> None:
+        if self.calls > 1:
+            self.seconds = time.perf_counter() - self.started
+            self.waited = self.loader.wait_seconds - self.waited_before
+
+
+def finished(config: TrainConfig, progress: Progress, timer: SteadyTimer, started: float,
+              start: int, history: list) -> FitResult:  # fmt: skip
+    last = progress.metrics
+    tested = progress.tested or {}
+    validated = progress.evaluated if progress.evaluated is not progress.tested else None
+    timed = progress.step - start - config.steps_per_call  # the steps after the first call
+    nan = float("nan")
+    return FitResult(
+        state=progress.state,
+        steps=progress.step,
+        train_loss=float(last["loss"]) if last is not None else nan,
+        test_loss=tested.get("loss", nan),
+        test_accuracy=tested.get("accuracy", nan),
+        validation=validated,
+        history=list(history),
+        examples_per_sec=timed * config.batch_size / timer.seconds if timer.seconds else 0.0,
+        input_wait=timer.waited / timer.seconds if timer.seconds else 0.0,
+        wall_seconds=time.perf_counter() - started,
+        stopped=progress.stop_reason,
+    )
+
+
+def stopped(progress: Progress, started: float) -> FitResult:
+    """The result of a run stopped without its end (preempted): no final figures."""
+    nan = float("nan")
+    return FitResult(
+        state=progress.state,
+        steps=progress.step,
+        train_loss=nan,
+        test_loss=nan,
+        test_accuracy=nan,
+        examples_per_sec=nan,
+        input_wait=nan,
+        wall_seconds=time.perf_counter() - started,
+        preempted=progress.stop_reason,
+        stopped=progress.stop_reason,
+    )
+
+
+def evaluate_only(config: TrainConfig, console: Console, yours: Yours, started: float
+                   ) -> FitResult:  # fmt: skip
+    """``--eval-only``: the latest checkpoint of ``--ckpt-dir``, evaluated as its run would."""
+    step_dir = step_directory(os.path.abspath(config.ckpt_dir))
+    record = read_record(step_dir)
+    saved = record.config
+    fields = {field.name for field in dataclasses.fields(TrainConfig)}
+    if GROUP_AXIS not in dict(parse_mesh_spec(config.mesh)):
+        fields -= set(DILOCO_FIELDS)  # a DiLoCo run's parameters evaluate on any mesh
+    made_with = {
+        name: value
+        for name, value in saved.items()
+        if name in fields and name not in TOPOLOGY_FIELDS and value != "yours"
+        and not str(value).startswith("yours")
+    }  # fmt: skip
+    config = dataclasses.replace(config, **made_with, ckpt_dir=config.ckpt_dir)
+    run = build(config, console, yours)
+    params, model_state = read_params(step_dir, like=(run.state.params, run.state.model_state))
+    state = run.state.replace(params=params, model_state=model_state)
+    step = record.step
+    return evaluated(run, state, step, console, started)
+
+
+def evaluated(run: Run, state: TrainState, step: int, console: Console, started: float
+               ) -> FitResult:  # fmt: skip
+    """The result of evaluating ``state`` (a checkpoint) without training."""
+    config = run.config
+    if run.model.update is not None:  # an NNX module gets the checkpoint's values
+        run.model.update(state.params, state.model_state)
+    progress = Progress(step=step, steps=step, state=state)
+    progress.final = True
+    with metric_logger(config) as logger:
+        for evaluation in evaluations(run, console, logger, every=0):
+            evaluation(progress)
+    tested, nan = progress.tested or {}, float("nan")
+    validated = progress.evaluated if progress.evaluated is not progress.tested else None
+    return FitResult(
+        state=state,
+        steps=progress.step,
+        train_loss=nan,
+        test_loss=tested.get("loss", nan),
+        test_accuracy=tested.get("accuracy", nan),
+        examples_per_sec=nan,
+        input_wait=nan,
+        wall_seconds=time.perf_counter() - started,
+        validation=validated,
+        history=list(logger.history),
+        evaluated_only=True,
+    )

@@ -1,0 +1,87 @@
+"""Resuming a run: the state and step a run continues from, read through the
+checkpoint's typed `jdp.checkpoint.Record`, and what a resume may not change."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jdp.checkpoint import Checkpointer, Record
+from jdp.diloco import group_count
+from jdp.errors import UsageError
+from jdp.mesh import GROUP_AXIS
+from jdp.report.console import Console
+from jdp.state import TrainState
+from jdp.training.config import TrainConfig
+from jdp.training.run import config_optimizer
+
+
+def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, console: Console,
+           recorded: dict | None = None) -> tuple[TrainState, int]:  # fmt: skip
+    """The state and first step to continue from: a restored checkpoint's, or the fresh
+    ones. ``recorded``: the run's settings as its checkpoints record them."""
+    existing = checkpoints.steps()
+    if existing and config.no_resume:
+        raise UsageError(
+            f"--no-resume: {checkpoints.directory} already holds checkpoints (latest step "
+            f"{existing[-1]}); remove them, or choose an empty --ckpt-dir"
+        )
+
+    def same_run(meta: dict) -> None:
+        record = Record.read(meta)
+        _same_groups(state, record, config.mesh, checkpoints.directory)
+        conflicts = config.resume_conflicts(record.config, recorded)
+        if conflicts:
+            raise UsageError(
+                f"{checkpoints.directory} holds a run made with other settings: "
+                f"{'; '.join(conflicts)}; rerun with its flags, or choose another --ckpt-dir"
+            )
+
+    restored = checkpoints.restore(state, check=same_run) if existing else None
+    if restored is None:
+        return state, 0
+    state, record = restored[0], Record.read(restored[1])
+    start = record.loader_step
+    _say_how_steps_changed(config, record.config, start, checkpoints.directory, console)
+    if start % config.steps_per_call:
+        raise UsageError(
+            f"{checkpoints.directory} holds step {start}, not a multiple of --steps-per-call "
+            f"{config.steps_per_call}; resume with a --steps-per-call that divides {start}"
+        )
+    console.line(f"jdp: resuming from step {record.step} in {checkpoints.directory}")
+    return state, start
+
+
+def _same_groups(state: TrainState, record: Record, mesh: str, directory: str) -> None:
+    """A checkpoint holds one state per DiLoCo group: it resumes only with as many
+    (counted from the arrays, whatever the specs wrote, -1 included)."""
+    saved, groups = record.groups, group_count(state)
+    if groups != saved:
+        saved_mesh = record.config.get("mesh", "?")
+        held = f"{saved} DiLoCo groups (--mesh {saved_mesh})" if saved else "no DiLoCo groups"
+        wanted = f"{GROUP_AXIS}={saved}, any data size" if saved else f"no {GROUP_AXIS} axis"
+        raise UsageError(
+            f"{directory} holds a run of {held}, and --mesh {mesh} has "
+            f"{groups or 'none'}; resume it on a mesh with {wanted}, or choose another --ckpt-dir"
+        )
+
+
+def _say_how_steps_changed(config: TrainConfig, saved: dict, start: int, directory: str,
+                           console: Console) -> None:  # fmt: skip
+    """A resumed run may train longer than the run that saved; the schedule's horizon moves."""
+    before = saved.get("steps", config.steps)
+    if before == config.steps:
+        return
+    if config.steps <= start:
+        raise UsageError(
+            f"{directory} holds step {start}, and --steps is {config.steps}; raise --steps "
+            f"above {start} to train on, or use --eval-only to evaluate it"
+        )
+    line = f"jdp: --steps {config.steps} (was {before})"
+    if "lr" in saved:  # the built-in schedule, whose horizon is --steps
+        was = dataclasses.replace(config, steps=before)
+        now_lr, was_lr = (float(config_optimizer(c)[0](start)) for c in (config, was))
+        line += (
+            f": the {config.schedule} schedule now spans {config.steps} steps; at step {start} "
+            f"its learning rate is {now_lr:.4g} (it was {was_lr:.4g})"
+        )
+    console.line(line)

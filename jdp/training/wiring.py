@@ -1,0 +1,114 @@
+"""What a run calls between its train steps: its actions, in order, and its metric logger."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+
+import jax
+
+from jdp.actions import Action, EarlyStopping
+from jdp.checkpoint import Checkpointer
+from jdp.data.pipeline import Loader
+from jdp.distributed.preemption import Preemption
+from jdp.report.console import Console
+from jdp.report.logger import MetricLogger
+from jdp.report.throughput import Throughput
+from jdp.report.writers import open_writers
+from jdp.training.config import TrainConfig
+from jdp.training.run import Run
+from jdp.training.run_actions import (
+    Checkpoint,
+    CheckReplicas,
+    Display,
+    Evaluate,
+    GuardFinite,
+    LogMetrics,
+    Profile,
+    StopOnPreemption,
+    Synchronize,
+)
+
+# How often the progress bar shows the loss: reading it waits for that step.
+DISPLAY_EVERY = 20
+
+
+def metric_logger(config: TrainConfig) -> MetricLogger:
+    """Process 0's metric logger: writers in ``--log-dir`` when given, else just the display."""
+    enabled = jax.process_index() == 0
+    writers = open_writers(config.log_dir) if config.log_dir and enabled else []
+    return MetricLogger(
+        writers,
+        every=1,  # the loop picks the steps: with several per call, the calls' last ones
+        throughput=Throughput(config.batch_size),
+        enabled=enabled,
+    )
+
+
+def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, console: Console,
+                logger: MetricLogger, batches: Loader, checkpoints: Checkpointer | None,
+                callbacks: Sequence[Action]) -> list[Action]:  # fmt: skip
+    """The run's actions in the order they are called after each call of the step."""
+    actions: list[Action] = [Synchronize(run.sync_step)] if run.sync_step else []
+    actions += [
+        Display(console, logger, every=DISPLAY_EVERY),
+        LogMetrics(logger, every=config.log_every),
+    ]
+    if config.profile_window and jax.process_index() == 0:
+        profile = Profile(*config.profile_window, os.path.join(config.log_dir, "profile"))
+        stack.callback(profile.stop)
+        actions.append(profile)
+    actions.extend(evaluations(run, console, logger, every=config.eval_every))
+    if config.early_stop_patience:
+        actions.append(
+            EarlyStopping(
+                config.early_stop_metric,
+                patience=config.early_stop_patience,
+                mode="max" if config.early_stop_metric == "accuracy" else "min",
+            )
+        )
+    actions.extend(callbacks)
+    skipping = config.nan_policy == "skip" or config.precision == "fp16"
+    if config.nan_policy != "ignore":
+        actions.append(
+            GuardFinite(every=DISPLAY_EVERY, skipping=skipping,
+                        max_skipped_fraction=config.max_skipped_fraction, ckpt_dir=config.ckpt_dir)
+        )  # fmt: skip
+    checkpoint = None
+    if checkpoints is not None:
+        checkpoint = Checkpoint(
+            checkpoints,
+            batches,
+            every=config.ckpt_every,
+            config=run.recorded,
+            skipping=skipping,
+        )
+        actions.append(checkpoint)
+    actions.append(CheckReplicas(config.check_replicas_every))
+    # Always asked: a signal ends the run at a step boundary (saving when it can),
+    # never mid-step; several processes agree on the step through JAX's runtime.
+    preemption = stack.enter_context(Preemption())
+    actions.append(
+        StopOnPreemption(preemption, steps_per_call=config.steps_per_call,
+                         checkpoint=checkpoint, ckpt_dir=config.ckpt_dir)
+    )  # fmt: skip
+    return actions
+
+
+def evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int) -> list:
+    """With a validation split, it every ``every`` steps and the test split at the end only;
+    without one, the test split every ``every`` steps. Both at the end."""
+    kwargs = dict(batch_size=run.config.batch_size, console=console, logger=logger)
+    evaluations = []
+    if run.validation is not None:
+        evaluations.append(
+            Evaluate(run.eval_step, run.validation, run.mesh, every=every, prefix="val", **kwargs)
+        )
+    if run.test is not None:
+        chooses = run.validation is None
+        evaluations.append(
+            Evaluate(run.eval_step, run.test, run.mesh, every=every if chooses else 0,
+                     chooses=chooses, **kwargs)
+        )  # fmt: skip
+    return evaluations
