@@ -8,7 +8,6 @@ import pytest
 import jdp
 from jdp.data.digits import TEST_SIZE
 from jdp.data.pipeline import (
-    _AUGMENT_STREAM,
     EvalReader,
     Loader,
     TrainReader,
@@ -16,6 +15,7 @@ from jdp.data.pipeline import (
     global_batch_indices,
     train_batches,
 )
+from jdp.data.readers import _AUGMENT_STREAM
 from jdp.data.sources import Split, load_split
 from jdp.data.transforms import Augmentation, Transform
 from jdp.mesh import rows_by_process

@@ -15,7 +15,7 @@ import tensorflow_datasets as tfds
 from catalog import prepare as _prepare
 
 import jdp
-from jdp.data import sources
+from jdp.data import builders
 from jdp.data.sources import load_split
 
 
@@ -63,7 +63,7 @@ def test_cifar10_reads_back_with_its_augmenting_transform(tmp_path):
 
 
 def test_unprepared_catalog_dataset_offline(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "_reachable", lambda host: False)
+    monkeypatch.setattr(builders, "_reachable", lambda host: False)
     with pytest.raises(jdp.UsageError) as error:
         load_split("fashion_mnist", "train", str(tmp_path))
     message = str(error.value)
@@ -82,7 +82,7 @@ def test_unknown_split(tmp_path):
         load_split("digits", "validation", str(tmp_path))
 
 
-@pytest.mark.skipif(sources._reachable("storage.googleapis.com"), reason="the network is up")
+@pytest.mark.skipif(builders._reachable("storage.googleapis.com"), reason="the network is up")
 def test_cli_unprepared_dataset_offline_is_one_line_and_exit_2(tmp_path):
     from helpers import run_cli as _run
 

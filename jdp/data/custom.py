@@ -22,14 +22,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from jdp.data.sources import (
-    DATASETS,
-    ArraySplit,
-    check_dataset,
-    load_split,
-    open_builder,
-    read_builder_split,
-)
+from jdp.data.builders import open_builder, read_builder_split
+from jdp.data.sources import DATASETS, ArraySplit, check_dataset, load_split
 from jdp.data.transforms import Transform
 from jdp.errors import UsageError
 

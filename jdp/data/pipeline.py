@@ -7,161 +7,32 @@ process computes the same global indices and loads only its own rows, so 1 devic
 and 8, or 1 process and 2, see the same examples in the same global batches, and
 the loader's whole position is the next step.
 
-A Grain ``MapDataset`` indexed by step does the host work (gather, preprocess,
-augment), optionally in worker processes; a ``Loader`` thread turns host batches
-into global arrays on the mesh a few steps ahead of the train step.
+A reader (`jdp.data.readers`) does one step's host work (gather, preprocess,
+augment); a Grain ``MapDataset`` indexed by step runs it, optionally in worker
+processes; a ``Loader`` thread turns host batches into global arrays on the mesh
+a few steps ahead of the train step.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 import grain
-import numpy as np
 from jax.sharding import Mesh
 
+from jdp.data.readers import ChunkedReader, EvalReader, StackedReader, TrainReader
+
+# Each `name as name` re-exports a name that lived here before readers.py.
+from jdp.data.readers import epoch_permutation as epoch_permutation
+from jdp.data.readers import global_batch_indices as global_batch_indices
+from jdp.data.readers import map_examples as map_examples
 from jdp.data.sources import Split
-from jdp.data.transforms import Augmentation
 from jdp.errors import UsageError
-from jdp.mesh import MASK_KEY, process_rows, shard_batch
-
-# Mixed into the augmentation seeds so their streams never coincide with an epoch order's.
-_AUGMENT_STREAM = 0x61756780
-_MAP_STREAM = 0x6D617080
-
-
-def map_examples(fn: Callable, batch: dict[str, np.ndarray], rngs: list) -> dict[str, np.ndarray]:
-    """``fn(example, rng)`` on each row of ``batch``, the results stacked back into a batch."""
-    rows = len(next(iter(batch.values())))
-    examples = [
-        fn({name: value[row] for name, value in batch.items()}, rngs[row]) for row in range(rows)
-    ]
-    if not examples:
-        return batch
-    return {name: np.stack([example[name] for example in examples]) for name in examples[0]}
-
-
-@functools.lru_cache(maxsize=4)
-def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
-    """The order of the split in one epoch: a pure function of ``(seed, epoch)``."""
-    order = np.random.default_rng((seed, epoch)).permutation(num_examples)
-    order.flags.writeable = False  # cached: shared by every caller
-    return order
-
-
-def global_batch_indices(seed: int, step: int, batch_size: int, num_examples: int) -> np.ndarray:
-    """Example indices of step ``step``'s global batch (may straddle two epochs)."""
-    start, stop = step * batch_size, (step + 1) * batch_size
-    parts = []
-    for epoch in range(start // num_examples, (stop - 1) // num_examples + 1):
-        order = epoch_permutation(seed, epoch, num_examples)
-        first = epoch * num_examples
-        parts.append(order[max(start - first, 0) : min(stop - first, num_examples)])
-    return np.concatenate(parts)
-
-
-class TrainReader:
-    """Step -> this process's rows of that step's global batch, preprocessed and augmented.
-
-    A plain picklable callable, so Grain can run it in worker processes.
-    """
-
-    def __init__(self, split: Split, *, batch_size: int, seed: int, rows: slice):
-        self.split, self.batch_size, self.seed, self.rows = split, batch_size, seed, rows
-
-    def indices(self, step: int) -> np.ndarray:
-        """The example indices this process reads at ``step``."""
-        return global_batch_indices(self.seed, step, self.batch_size, len(self.split))[self.rows]
-
-    def __call__(self, step: int) -> dict[str, np.ndarray]:
-        return self.steps(step, 1)[0]
-
-    def steps(self, first: int, count: int) -> list[dict[str, np.ndarray]]:
-        """The batches of ``count`` steps from ``first``, read and preprocessed in bulk.
-
-        One gather and one vectorised transform for all of them: the per-batch
-        cost of a small batch is mostly fixed overhead, which this pays once.
-        The result is the same as ``count`` single calls.
-        """
-        steps = range(first, first + count)
-        indices = [self.indices(step) for step in steps]
-        batch = self.split.read(np.concatenate(indices))
-        transform = self.split.transform
-        if transform is not None:  # token sequences have nothing to preprocess
-            augmentation = None
-            if transform.augments:
-                draws = [
-                    transform.draw(
-                        np.random.default_rng((self.seed, step, _AUGMENT_STREAM)), self.batch_size
-                    ).take(self.rows)
-                    for step in steps
-                ]
-                augmentation = Augmentation(
-                    *(np.concatenate(parts) for parts in zip(*draws, strict=True))
-                )
-            batch[self.split.input_key] = transform(batch[self.split.input_key], augmentation)
-        if self.split.map is not None:
-            places = np.arange(self.batch_size)[self.rows]  # in the global batch
-            rngs = [
-                np.random.default_rng((self.seed, step, int(place), _MAP_STREAM))
-                for step in steps
-                for place in places
-            ]
-            batch = map_examples(self.split.map, batch, rngs)
-        bounds = np.cumsum([len(part) for part in indices])[:-1]
-        parts = {key: np.split(value, bounds) for key, value in batch.items()}
-        return [{key: parts[key][i] for key in parts} for i in range(count)]
-
-
-class ChunkedReader:
-    """Call ``i`` -> the list of batches of steps ``start + i*steps .. + steps - 1``."""
-
-    def __init__(self, reader: TrainReader, *, steps: int, start: int):
-        self.reader, self.steps, self.start = reader, steps, start
-
-    def __call__(self, call: int) -> list[dict[str, np.ndarray]]:
-        return self.reader.steps(self.start + call * self.steps, self.steps)
-
-
-class EvalReader:
-    """Batch number -> this process's rows of that padded eval batch, with ``mask``.
-
-    Padding rows repeat example 0 and carry ``mask`` 0, so an eval step that sums
-    masked values counts every example exactly once.
-    """
-
-    def __init__(self, split: Split, *, batch_size: int, rows: slice):
-        self.split, self.batch_size, self.rows = split, batch_size, rows
-
-    def __len__(self) -> int:
-        return -(-len(self.split) // self.batch_size)
-
-    def __call__(self, number: int) -> dict[str, np.ndarray]:
-        indices = np.arange(number * self.batch_size, (number + 1) * self.batch_size)
-        real = indices < len(self.split)
-        batch = self.split.read(np.where(real, indices, 0)[self.rows])
-        if self.split.transform is not None:
-            batch[self.split.input_key] = self.split.transform(batch[self.split.input_key])
-        if self.split.map is not None:
-            batch = map_examples(self.split.map, batch, [None] * len(real[self.rows]))
-        batch[MASK_KEY] = real[self.rows].astype(np.float32)
-        return batch
-
-
-class StackedReader:
-    """Call ``i`` -> the batches of steps ``start + i*steps .. + steps - 1``, stacked on axis 0."""
-
-    def __init__(self, reader: TrainReader, *, steps: int, start: int):
-        self.chunks = ChunkedReader(reader, steps=steps, start=start)
-
-    def __call__(self, call: int) -> dict[str, np.ndarray]:
-        batches = self.chunks(call)
-        return {key: np.stack([batch[key] for batch in batches]) for key in batches[0]}
+from jdp.mesh import process_rows, shard_batch
 
 
 def host_batches(

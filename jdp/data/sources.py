@@ -4,36 +4,32 @@ A split is decoded once into host memory as raw ``uint8`` images and ``int32``
 labels; the loader (``jdp.data.pipeline``) gathers, preprocesses and augments
 batches from it. The bundled digits prepare offline; the catalog datasets read
 what TFDS prepared in ``--data-dir`` and are downloaded and prepared there when
-the network allows.
+the network allows (`jdp.data.builders`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
-import io
-import os
-import socket
 from collections.abc import Callable
 
 import numpy as np
 
 from jdp.data import numbers2words
+from jdp.data.builders import (
+    DatasetSpec,
+    _open_builder,
+    _prepare,
+    _quiet,
+    _read_builder_split,
+    default_data_dir,
+)
+
+# Each `name as name` re-exports a name that lived here before builders.py.
+from jdp.data.builders import open_builder as open_builder
+from jdp.data.builders import read_builder_split as read_builder_split
 from jdp.data.transforms import Transform
-from jdp.errors import UsageError, os_failure
+from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY
-from jdp.report.console import quiet_absl
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetSpec:
-    """How jdp reads one dataset: its TFDS name, where it downloads from, its preprocessing."""
-
-    tfds_name: str
-    transform: Transform
-    download_host: str | None = None  # None: prepared offline from data a package ships
-
 
 _CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 _CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -160,50 +156,6 @@ def dataset_kind(name: str) -> str:
     return "image" if check_dataset(name) else "sequence"
 
 
-def default_data_dir() -> str:
-    """TFDS's own default: ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``."""
-    return os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
-
-
-@contextlib.contextmanager
-def _quiet():
-    """TFDS prints banners, progress bars and log lines (errors still raise); keep runs to
-    jdp's own lines."""
-    chatter = io.StringIO()
-    with quiet_absl(), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-        yield
-
-
-def _builder(name: str, data_dir: str):
-    import tensorflow_datasets as tfds
-
-    if name == "digits":
-        from jdp.data import digits  # noqa: F401  (registers the builder with TFDS)
-    # array_record: random access without TensorFlow (TFRecord would need it).
-    return tfds.builder(name, data_dir=data_dir, file_format="array_record")
-
-
-def _reachable(host: str, timeout: float = 3.0) -> bool:
-    """A quick probe: TFDS's own download retries for minutes when offline."""
-    try:
-        with socket.create_connection((host, 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _prepare_command(name: str, data_dir: str) -> str:
-    return f"python -m jdp.data prepare {name} --data-dir {data_dir}"
-
-
-def _has_tensorflow() -> bool:
-    try:
-        import tensorflow  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def prepare(name: str, data_dir: str | None = None) -> str:
     """Downloads (catalog datasets) and prepares ``name`` in ``data_dir`` as array_record.
 
@@ -222,64 +174,6 @@ def prepare(name: str, data_dir: str | None = None) -> str:
         raise UsageError(f"dataset {name!r} is generated when a run starts; nothing to prepare")
     with _quiet():
         return _prepare(spec, name, data_dir or default_data_dir())
-
-
-@contextlib.contextmanager
-def _prepare_lock(data_dir: str):
-    """One preparer per directory: the processes of a run on one host share ``data_dir``."""
-    os.makedirs(data_dir, exist_ok=True)
-    with open(os.path.join(data_dir, ".jdp-prepare.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _prepare(spec: DatasetSpec, name: str, data_dir: str) -> str:
-    builder = _builder(spec.tfds_name, data_dir)
-    if builder.is_prepared():
-        return str(builder.data_dir)
-    with _prepare_lock(data_dir):
-        builder = _builder(spec.tfds_name, data_dir)  # another process may have prepared it
-        if builder.is_prepared():
-            return str(builder.data_dir)
-        return _download_and_prepare(spec, name, data_dir, builder)
-
-
-def _download_and_prepare(spec: DatasetSpec, name: str, data_dir: str, builder) -> str:
-    if spec.download_host:
-        elsewhere = (
-            f"run `{_prepare_command(name, data_dir)}` where the network reaches it "
-            f"(after `pip install tensorflow`) and copy {os.path.join(data_dir, name)} here"
-        )
-        if not _reachable(spec.download_host):
-            raise UsageError(
-                f"dataset {name!r} is not prepared in {data_dir} and {spec.download_host} "
-                f"cannot be reached; {elsewhere}"
-            )
-        if not _has_tensorflow():
-            raise UsageError(
-                f"dataset {name!r} is not prepared in {data_dir}, and TFDS needs TensorFlow to "
-                f"prepare it (only to prepare, not to train); `pip install tensorflow` and "
-                f"rerun, or {elsewhere}"
-            )
-    _run_prepare(builder, name, data_dir, "choose another --data-dir")
-    return str(builder.data_dir)
-
-
-def _run_prepare(builder, name: str, data_dir: str, otherwise: str) -> None:
-    """``builder.download_and_prepare()``; a full or unwritable disk as one line."""
-    try:
-        builder.download_and_prepare()
-    except (OSError, RuntimeError) as error:
-        reason = os_failure(error)
-        if reason is None:
-            raise
-        raise UsageError(
-            f"could not prepare dataset {name!r} in {data_dir} ({reason}); free space there, "
-            f"or {otherwise}"
-        ) from None
 
 
 def load_split(
@@ -310,107 +204,6 @@ def load_split(
         return generated.generate(split)
     with _quiet():
         return _load_split(spec, name, split, data_dir)
-
-
-def _check_data_dir(data_dir: str | None) -> str:
-    if data_dir is not None and not os.path.isdir(data_dir):
-        what = "is a file, not a directory" if os.path.exists(data_dir) else "does not exist"
-        raise UsageError(
-            f"--data-dir {data_dir} {what}; create it, or omit --data-dir to use "
-            f"{default_data_dir()}"
-        )
-    return data_dir or default_data_dir()
-
-
-def open_builder(name_or_builder, data_dir: str | None, spec: DatasetSpec | None = None):
-    """A prepared TFDS builder: by name (prepared here when jdp knows how) or as given.
-
-    A name TFDS does not know is looked up among the datasets already prepared
-    in ``data_dir`` (a builder of your own needs no code to be read back).
-    """
-    with _quiet():
-        return _open_builder(name_or_builder, data_dir, spec)
-
-
-def _open_builder(name_or_builder, data_dir: str | None, spec: DatasetSpec | None):
-    import tensorflow_datasets as tfds
-
-    if not isinstance(name_or_builder, str):
-        builder = name_or_builder
-        if not builder.is_prepared():
-            _run_prepare(
-                builder, builder.name, str(builder.data_dir), "give the builder another data_dir"
-            )
-        return builder
-    name, data_dir = name_or_builder, _check_data_dir(data_dir)
-    if spec is not None:
-        builder = _builder(spec.tfds_name, data_dir)
-        if not builder.is_prepared():
-            _prepare(spec, name, data_dir)
-            builder = _builder(spec.tfds_name, data_dir)
-        return builder
-    try:
-        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
-    except tfds.core.registered.DatasetNotFoundError:
-        raise UsageError(
-            f"no TFDS dataset {name!r} is known or prepared in {data_dir}; prepare it there "
-            "(your builder's download_and_prepare, with file_format='array_record'), or pass "
-            "--data-dir"
-        ) from None
-    if not builder.is_prepared():
-        raise UsageError(
-            f"TFDS dataset {name!r} is not prepared in {data_dir}; prepare it there as "
-            f"array_record (tfds.builder({name!r}, data_dir=..., file_format='array_record')"
-            ".download_and_prepare(), which may need TensorFlow) and rerun"
-        )
-    return builder
-
-
-def read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], object]:
-    """Every example of a prepared builder's ``split``, stacked per numeric feature.
-
-    Returns:
-        ``({feature: array}, builder.info)``; string and nested features are left out.
-    """
-    with _quiet():
-        return _read_builder_split(builder, split)
-
-
-def _read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], object]:
-    name, info = builder.name, builder.info
-    if split not in info.splits:
-        raise UsageError(
-            f"dataset {name!r} has no split {split!r}; it has: {', '.join(info.splits)}"
-        )
-    if info.file_format is None or info.file_format.value != "array_record":
-        raise UsageError(
-            f"dataset {name!r} in {builder.data_dir} was prepared as {info.file_format}, which "
-            "needs TensorFlow to read; prepare it as array_record (file_format='array_record') "
-            "into another data directory"
-        )
-    source = builder.as_data_source(split=split)
-    try:
-        examples = source.__getitems__(range(len(source)))
-    except RuntimeError as error:  # array_record's own checksums: "Corrupted Riegeli/records"
-        reason = str(error).strip().splitlines()[0][:120]
-        raise UsageError(
-            f"dataset {name!r} ({split}) in {builder.data_dir} is damaged ({reason}); prepare "
-            f"it again: remove {builder.data_dir} and rerun"
-        ) from None
-    arrays = {}
-    for key in info.features:
-        values = [np.asarray(example[key]) for example in examples]
-        if not values or values[0].dtype.kind not in "biuf":
-            continue  # text, bytes and nested features: not model inputs
-        if len({value.shape for value in values}) > 1:
-            raise UsageError(
-                f"feature {key!r} of {name!r} has examples of different shapes; pad or resize "
-                "them to one shape when preparing the dataset"
-            )
-        dtype = getattr(info.features[key], "np_dtype", None)  # a scalar reads as a Python float
-        stacked = np.stack(values)
-        arrays[key] = stacked.astype(dtype, copy=False) if dtype is not None else stacked
-    return arrays, info
 
 
 def _load_split(spec: DatasetSpec, name: str, split: str, data_dir: str | None) -> Split:

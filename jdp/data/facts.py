@@ -1,0 +1,35 @@
+"""A split's facts that a built-in model's shape depends on, recorded with a run.
+
+`jdp.fit` records them in the run's config (under ``data``); `jdp.load_model`
+rebuilds a built-in model from them without the data: what kind of examples, how
+many classes or which vocabulary, and the keys of the input and the label. The
+record is written and read here, in one place, so the two agree on its keys.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+
+
+def data_facts(split) -> dict:
+    """What a built-in model's shape depends on, for `load_model` to rebuild it."""
+    return {
+        "kind": split.kind,
+        "num_classes": getattr(split, "num_classes", None),
+        "vocab": list(getattr(split, "vocab", ()) or ()),
+        "input_key": split.input_key,
+        "label_key": split.label_key,
+    }
+
+
+def split_shape(facts: Mapping) -> types.SimpleNamespace:
+    """A stand-in for the split ``facts`` were recorded from, as far as a built-in
+    model reads one (`jdp.models.get_model`); a fact missing takes its default."""
+    return types.SimpleNamespace(
+        kind=facts.get("kind", "image"),
+        num_classes=facts.get("num_classes"),
+        vocab=tuple(facts.get("vocab") or ()),
+        input_key=facts.get("input_key", "image"),
+        label_key=facts.get("label_key", "label"),
+    )
