@@ -13,16 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from jdp.mesh import DATA_AXIS
-from jdp.models.adapters import (
-    Model,
-    Objective,
-    classification,
-    from_linen,
-    from_nnx,
-    sequence,
-)
+from jdp.models.adapters import from_linen, from_nnx
 from jdp.models.cnn import CNN
 from jdp.models.mlp import MLP
+from jdp.models.model import Model
+from jdp.models.objectives import Objective, classification, sequence
 from jdp.models.registry import get_model
 from jdp.models.resnet import ResNet
 from jdp.models.transformer import GPT, Seq2SeqTransformer, greedy_decode

@@ -1,11 +1,12 @@
 """A user's Flax module, Linen or NNX, in the forms jdp's step builders take.
 
 `from_linen` and `from_nnx` wrap a module and an `Objective` (what to minimise
-and measure on its outputs) into a `Model`: ``init`` for the parameters and
-model state, ``loss_fn`` for `jdp.make_train_step` and ``metrics_fn`` for
-`jdp.make_eval_step`, both in the ``has_model_state`` form. Mutable state such as
-BatchNorm statistics travels as ``model_state``; dropout draws from the step's
-rng, which differs per replica and per step.
+and measure on its outputs, `jdp.models.objectives`) into a `Model`
+(`jdp.models.model`): ``init`` for the parameters and model state, ``loss_fn``
+for `jdp.make_train_step` and ``metrics_fn`` for `jdp.make_eval_step`, both in
+the ``has_model_state`` form. Mutable state such as BatchNorm statistics travels
+as ``model_state``; dropout draws from the step's rng, which differs per replica
+and per step.
 
 BatchNorm normalises with the statistics of the batch it sees. For the
 statistics of the global batch, as one device on the whole batch would compute,
@@ -17,96 +18,22 @@ averages are averaged over the replicas after each step, so replicas agree.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.errors import UsageError
-from jdp.layout import Rules, logical_names, param_specs
-from jdp.layout import shardings as layout_shardings
+from jdp.layout import logical_names
+from jdp.models.model import Model as Model
+from jdp.models.objectives import Batch as Batch
+from jdp.models.objectives import Objective as Objective
+from jdp.models.objectives import classification as classification
+from jdp.models.objectives import sequence as sequence
 
-Batch = dict[str, jax.Array]
 Inputs = str | Sequence[str] | Callable[[Batch], tuple]
-
-
-@dataclasses.dataclass(frozen=True)
-class Objective:
-    """What a model is trained to do, on its outputs and the batch.
-
-    Attributes:
-        loss: ``(outputs, batch) -> (rows,)`` per-example losses. The step minimises
-            their mean: a mean over examples is the same whether a batch is split over
-            1 device or 8, which a mean over, say, tokens of uneven counts is not.
-        metrics: ``(outputs, batch) -> {name: (rows,)}`` per-example values, averaged
-            over examples in training and exactly over the split in evaluation.
-    """
-
-    loss: Callable[[Any, Batch], jax.Array]
-    metrics: Callable[[Any, Batch], dict[str, jax.Array]]
-
-
-def classification(label: str = "label") -> Objective:
-    """Softmax cross-entropy on logits ``(rows, classes)``; metric ``accuracy``.
-
-    Examples:
-        >>> objective = jdp.models.classification()
-        >>> logits, batch = jnp.array([[2.0, 0.0], [0.0, 2.0]]), {"label": jnp.array([0, 0])}
-        >>> objective.metrics(logits, batch)["accuracy"]
-        Array([1., 0.], dtype=float32)
-    """
-
-    def loss(logits, batch):
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), batch[label]
-        )
-
-    def metrics(logits, batch):
-        return {"accuracy": (jnp.argmax(logits, -1) == batch[label]).astype(jnp.float32)}
-
-    return Objective(loss, metrics)
-
-
-def sequence(target: str = "target", pad: int = 0) -> Objective:
-    """Next-token cross-entropy on ``batch[target]`` (``<bos> tokens <eos> <pad>...``).
-
-    The model is fed ``target[:, :-1]`` (after any prefix, such as a source for a
-    decoder-only model) and predicts ``target[:, 1:]`` from the last positions of
-    its logits ``(rows, length, vocab)``. An example's loss is the mean over its
-    non-pad tokens. Metrics: ``accuracy``, the fraction of sequences predicted
-    exactly (every token up to and including ``<eos>``), and ``token_accuracy``.
-
-    Exact match under teacher forcing is exact match under greedy decoding: a greedy
-    decoder emits the target token by token exactly when, fed the target's own
-    prefix, the model's most likely next token is right at every position.
-    """
-
-    def tokens(logits, batch):
-        labels = batch[target][:, 1:]
-        logits = logits[:, -labels.shape[1] :].astype(jnp.float32)
-        return logits, labels, (labels != pad).astype(jnp.float32)
-
-    def loss(logits, batch):
-        logits, labels, real = tokens(logits, batch)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        return (losses * real).sum(-1) / jnp.maximum(real.sum(-1), 1.0)
-
-    def metrics(logits, batch):
-        logits, labels, real = tokens(logits, batch)
-        right = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * real
-        count = real.sum(-1)
-        return {
-            "accuracy": (right.sum(-1) == count).astype(jnp.float32),
-            "token_accuracy": right.sum(-1) / jnp.maximum(count, 1.0),
-        }
-
-    return Objective(loss, metrics)
 
 
 def _input_fn(inputs: Inputs) -> Callable[[Batch], tuple]:
@@ -125,86 +52,6 @@ def _input_fn(inputs: Inputs) -> Callable[[Batch], tuple]:
         return tuple(batch[key] for key in keys)
 
     return arguments
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """A model in the step builders' ``has_model_state`` forms.
-
-    Attributes:
-        init: ``(rng, batch) -> (params, model_state)`` from a sample batch.
-        apply: ``(params, model_state, batch, *, train, rng) -> (outputs, model_state)``.
-        objective: the loss and metrics on the outputs.
-        update: puts trained ``(params, model_state)`` back where the model came
-            from (an NNX module), or None.
-
-    Examples:
-        >>> import flax.linen as nn
-        >>> class Net(nn.Module):
-        ...     @nn.compact
-        ...     def __call__(self, x, train: bool = False):
-        ...         return nn.Dense(10)(x.reshape(x.shape[0], -1))
-        >>> model = jdp.models.from_linen(Net(), jdp.models.classification())
-        >>> batch = {"image": np.zeros((64, 8, 8, 1), np.float32), "label": np.zeros(64, np.int32)}
-        >>> params, model_state = model.init(jax.random.key(0), batch)
-        >>> mesh, optimizer = jdp.make_mesh("data=8"), optax.adam(1e-3)
-        >>> state = jdp.create_train_state(params, optimizer, mesh, model_state=model_state)
-        >>> step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True)
-        >>> eval_step = jdp.make_eval_step(model.metrics_fn, mesh, has_model_state=True)
-        >>> state, metrics = step(state, jdp.shard_batch(batch, mesh))
-        >>> sorted(metrics)
-        ['accuracy', 'loss']
-    """
-
-    init: Callable[[jax.Array, Batch], tuple[Any, Any]]
-    apply: Callable[..., tuple[Any, Any]]
-    objective: Objective
-    # ``(params, model_state) -> None``: puts trained values back into the object
-    # the model was made from (an NNX module); `jdp.fit` calls it at the end.
-    update: Callable[[Any, Any], None] | None = None
-    # ``(rng, batch) -> names``: the parameters' logical axis names (a tree like the
-    # parameters, a tuple or None at each leaf), read without computing them; None
-    # when the model gives none.
-    names: Callable[[jax.Array, Batch], Any] | None = None
-
-    def init_on_mesh(self, rng: jax.Array, batch: Batch, mesh: Mesh, *,
-                     rules: Rules | None = None) -> tuple[Any, Any, Any]:  # fmt: skip
-        """``(params, model_state, param_specs)``: the parameters made on ``mesh`` in their
-        layout (`jdp.param_specs` from the model's logical axis names and ``rules``),
-        each device computing only its shards; the model state replicated. Pass
-        ``param_specs`` to `jdp.create_train_state`.
-
-        Examples:
-            >>> model = jdp.models.get_model("mlp", jdp.load_split("digits", "train"))
-            >>> batch = {"image": np.zeros((1, 8, 8, 1), np.float32),
-            ...          "label": np.zeros(1, np.int32)}
-            >>> mesh = jdp.make_mesh("data=2,fsdp=2,model=2")
-            >>> params, _, specs = model.init_on_mesh(jax.random.key(0), batch, mesh)
-            >>> specs["Dense_0"]["kernel"], params["Dense_0"]["kernel"].sharding.spec
-            (P('fsdp', 'model'), P('fsdp', 'model'))
-        """
-        abstract, _ = jax.eval_shape(self.init, rng, batch)
-        names = None if self.names is None else self.names(rng, batch)
-        specs = param_specs(abstract, mesh, names=names, rules=rules)
-        replicated = NamedSharding(mesh, PartitionSpec())
-        params, model_state = jax.jit(
-            self.init, out_shardings=(layout_shardings(specs, mesh), replicated)
-        )(rng, batch)
-        return params, model_state, specs
-
-    def loss_fn(self, params, model_state, batch, rng):
-        """Mean loss, mean metrics and the new model state, for `jdp.make_train_step`."""
-        outputs, model_state = self.apply(params, model_state, batch, train=True, rng=rng)
-        loss = self.objective.loss(outputs, batch).mean()
-        metrics = {name: v.mean() for name, v in self.objective.metrics(outputs, batch).items()}
-        return loss, metrics, model_state
-
-    def metrics_fn(self, params, model_state, batch):
-        """Per-example ``loss`` and metrics, for `jdp.make_eval_step`."""
-        outputs, _ = self.apply(params, model_state, batch, train=False)
-        return {"loss": self.objective.loss(outputs, batch)} | self.objective.metrics(
-            outputs, batch
-        )
 
 
 # Keywords that switch a module between training and evaluation: True in training
@@ -338,6 +185,39 @@ def from_linen(
     return Model(init, apply, objective, names=names)
 
 
+def _split_nnx(module, others) -> tuple[tuple[Any, Any], tuple[Any, Any, Any], list[str]]:
+    """``((train_def, eval_def), (params, model_state, rng_state), streams)`` of an NNX module.
+
+    The two graph definitions set ``deterministic`` and ``use_running_average``
+    on the sub-modules that have them, False for training and True for evaluation.
+    The three states (each an ``nnx.State``) hold its ``nnx.Param`` variables, the
+    variables ``others`` selects and its rng state; ``streams`` are the tags of its
+    rng streams, sorted.
+    """
+    from flax import nnx
+
+    def split(train: bool):
+        view = nnx.view(
+            module, deterministic=not train, use_running_average=not train, raise_if_not_found=False
+        )
+        return nnx.split(view, nnx.Param, others, nnx.RngState)
+
+    (train_def, params, state, rngs), (eval_def, *_) = split(True), split(False)
+    streams = sorted(
+        {v.tag for v in jax.tree.leaves(rngs, is_leaf=lambda x: isinstance(x, nnx.Variable))}
+    )
+    return (train_def, eval_def), (params, state, rngs), streams
+
+
+def _as_state(template, pure):
+    """A new State shaped like ``template`` holding ``pure``'s values (in this trace)."""
+    from flax import nnx
+
+    copied = jax.tree.map(lambda x: x, template)
+    nnx.replace_by_pure_dict(copied, pure)
+    return copied
+
+
 def from_nnx(module, objective: Objective, *, inputs: Inputs = "image") -> Model:
     """Wraps a Flax NNX module (already constructed, so already initialised).
 
@@ -373,20 +253,9 @@ def from_nnx(module, objective: Objective, *, inputs: Inputs = "image") -> Model
     from flax import nnx
 
     arguments = _input_fn(inputs)
-    trainable, others = nnx.Param, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
-    parameters = _call_parameters(module) or []
-    takes_rngs = any(p.name == "rngs" for p in parameters)
-
-    def split(mode: bool):
-        view = nnx.view(
-            module, deterministic=not mode, use_running_average=not mode, raise_if_not_found=False
-        )
-        return nnx.split(view, trainable, others, nnx.RngState)
-
-    (train_def, params, state, rngs), (eval_def, *_) = split(True), split(False)
-    streams = sorted(
-        {v.tag for v in jax.tree.leaves(rngs, is_leaf=lambda x: isinstance(x, nnx.Variable))}
-    )
+    others = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))  # the model state's variables
+    (train_def, eval_def), (params, state, rngs), streams = _split_nnx(module, others)
+    takes_rngs = any(p.name == "rngs" for p in _call_parameters(module) or [])
     # Host copies of the values: they outlive a restart of the CPU backend (see
     # above). Rng keys cannot be NumPy arrays; arrays of a stopped backend still work.
     initial = [
@@ -394,12 +263,6 @@ def from_nnx(module, objective: Objective, *, inputs: Inputs = "image") -> Model
         jax.tree.map(np.asarray, nnx.to_pure_dict(state)),
         nnx.to_pure_dict(rngs),
     ]
-
-    def as_state(template, pure):
-        """A new State shaped like ``template`` holding ``pure``'s values (in this trace)."""
-        copied = jax.tree.map(lambda x: x, template)
-        nnx.replace_by_pure_dict(copied, pure)
-        return copied
 
     def init(rng, batch):
         del rng, batch
@@ -409,9 +272,9 @@ def from_nnx(module, objective: Objective, *, inputs: Inputs = "image") -> Model
         graphdef = train_def if train else eval_def
         model = nnx.merge(
             graphdef,
-            as_state(params, params_now),
-            as_state(state, state_now),
-            as_state(rngs, initial[2]),
+            _as_state(params, params_now),
+            _as_state(state, state_now),
+            _as_state(rngs, initial[2]),
         )
         if train and streams:
             nnx.reseed(model, **{tag: jax.random.fold_in(rng, i) for i, tag in enumerate(streams)})
@@ -424,6 +287,6 @@ def from_nnx(module, objective: Objective, *, inputs: Inputs = "image") -> Model
         return outputs, nnx.to_pure_dict(nnx.state(model, others))
 
     def update(params_now, state_now) -> None:
-        nnx.update(module, as_state(params, params_now), as_state(state, state_now))
+        nnx.update(module, _as_state(params, params_now), _as_state(state, state_now))
 
     return Model(init, apply, objective, update)

@@ -9,9 +9,11 @@ from typing import Any
 import jax.numpy as jnp
 
 from jdp.errors import UsageError
-from jdp.models.adapters import Model, classification, from_linen, sequence
+from jdp.models.adapters import from_linen
 from jdp.models.cnn import CNN
 from jdp.models.mlp import MLP
+from jdp.models.model import Model
+from jdp.models.objectives import classification, sequence
 from jdp.models.resnet import ResNet
 from jdp.models.transformer import GPT, Seq2SeqTransformer
 

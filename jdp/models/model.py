@@ -1,0 +1,101 @@
+"""`Model`: a model in the forms jdp's step builders take, whichever adapter made it.
+
+A `Model` holds ``init`` and ``apply`` in the ``has_model_state`` form and its
+`Objective`; from them it gives ``loss_fn`` for `jdp.make_train_step`,
+``metrics_fn`` for `jdp.make_eval_step` and the parameters made on a mesh in
+their layout (`Model.init_on_mesh`). `from_linen` and `from_nnx` make one from a
+Flax module; the built-in models are made by `from_linen`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jdp.layout import Rules, param_specs
+from jdp.layout import shardings as layout_shardings
+from jdp.models.objectives import Batch, Objective
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model in the step builders' ``has_model_state`` forms.
+
+    Attributes:
+        init: ``(rng, batch) -> (params, model_state)`` from a sample batch.
+        apply: ``(params, model_state, batch, *, train, rng) -> (outputs, model_state)``.
+        objective: the loss and metrics on the outputs.
+        update: puts trained ``(params, model_state)`` back where the model came
+            from (an NNX module), or None.
+
+    Examples:
+        >>> import flax.linen as nn
+        >>> class Net(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x, train: bool = False):
+        ...         return nn.Dense(10)(x.reshape(x.shape[0], -1))
+        >>> model = jdp.models.from_linen(Net(), jdp.models.classification())
+        >>> batch = {"image": np.zeros((64, 8, 8, 1), np.float32), "label": np.zeros(64, np.int32)}
+        >>> params, model_state = model.init(jax.random.key(0), batch)
+        >>> mesh, optimizer = jdp.make_mesh("data=8"), optax.adam(1e-3)
+        >>> state = jdp.create_train_state(params, optimizer, mesh, model_state=model_state)
+        >>> step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True)
+        >>> eval_step = jdp.make_eval_step(model.metrics_fn, mesh, has_model_state=True)
+        >>> state, metrics = step(state, jdp.shard_batch(batch, mesh))
+        >>> sorted(metrics)
+        ['accuracy', 'loss']
+    """
+
+    init: Callable[[jax.Array, Batch], tuple[Any, Any]]
+    apply: Callable[..., tuple[Any, Any]]
+    objective: Objective
+    # ``(params, model_state) -> None``: puts trained values back into the object
+    # the model was made from (an NNX module); `jdp.fit` calls it at the end.
+    update: Callable[[Any, Any], None] | None = None
+    # ``(rng, batch) -> names``: the parameters' logical axis names (a tree like the
+    # parameters, a tuple or None at each leaf), read without computing them; None
+    # when the model gives none.
+    names: Callable[[jax.Array, Batch], Any] | None = None
+
+    def init_on_mesh(self, rng: jax.Array, batch: Batch, mesh: Mesh, *,
+                     rules: Rules | None = None) -> tuple[Any, Any, Any]:  # fmt: skip
+        """``(params, model_state, param_specs)``: the parameters made on ``mesh`` in their
+        layout (`jdp.param_specs` from the model's logical axis names and ``rules``),
+        each device computing only its shards; the model state replicated. Pass
+        ``param_specs`` to `jdp.create_train_state`.
+
+        Examples:
+            >>> model = jdp.models.get_model("mlp", jdp.load_split("digits", "train"))
+            >>> batch = {"image": np.zeros((1, 8, 8, 1), np.float32),
+            ...          "label": np.zeros(1, np.int32)}
+            >>> mesh = jdp.make_mesh("data=2,fsdp=2,model=2")
+            >>> params, _, specs = model.init_on_mesh(jax.random.key(0), batch, mesh)
+            >>> specs["Dense_0"]["kernel"], params["Dense_0"]["kernel"].sharding.spec
+            (P('fsdp', 'model'), P('fsdp', 'model'))
+        """
+        abstract, _ = jax.eval_shape(self.init, rng, batch)
+        names = None if self.names is None else self.names(rng, batch)
+        specs = param_specs(abstract, mesh, names=names, rules=rules)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        params, model_state = jax.jit(
+            self.init, out_shardings=(layout_shardings(specs, mesh), replicated)
+        )(rng, batch)
+        return params, model_state, specs
+
+    def loss_fn(self, params, model_state, batch, rng):
+        """Mean loss, mean metrics and the new model state, for `jdp.make_train_step`."""
+        outputs, model_state = self.apply(params, model_state, batch, train=True, rng=rng)
+        loss = self.objective.loss(outputs, batch).mean()
+        metrics = {name: v.mean() for name, v in self.objective.metrics(outputs, batch).items()}
+        return loss, metrics, model_state
+
+    def metrics_fn(self, params, model_state, batch):
+        """Per-example ``loss`` and metrics, for `jdp.make_eval_step`."""
+        outputs, _ = self.apply(params, model_state, batch, train=False)
+        return {"loss": self.objective.loss(outputs, batch)} | self.objective.metrics(
+            outputs, batch
+        )

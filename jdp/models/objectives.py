@@ -1,0 +1,91 @@
+"""What a model is trained to do: the `Objective` on its outputs, and the built-in ones.
+
+An objective is the loss to minimise and the metrics to measure on a model's
+outputs and the batch, both per example. `classification` and `sequence` are the
+built-in models' (`jdp.models.get_model`); `from_linen` and `from_nnx` take any.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Batch = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a model is trained to do, on its outputs and the batch.
+
+    Attributes:
+        loss: ``(outputs, batch) -> (rows,)`` per-example losses. The step minimises
+            their mean: a mean over examples is the same whether a batch is split over
+            1 device or 8, which a mean over, say, tokens of uneven counts is not.
+        metrics: ``(outputs, batch) -> {name: (rows,)}`` per-example values, averaged
+            over examples in training and exactly over the split in evaluation.
+    """
+
+    loss: Callable[[Any, Batch], jax.Array]
+    metrics: Callable[[Any, Batch], dict[str, jax.Array]]
+
+
+def classification(label: str = "label") -> Objective:
+    """Softmax cross-entropy on logits ``(rows, classes)``; metric ``accuracy``.
+
+    Examples:
+        >>> objective = jdp.models.classification()
+        >>> logits, batch = jnp.array([[2.0, 0.0], [0.0, 2.0]]), {"label": jnp.array([0, 0])}
+        >>> objective.metrics(logits, batch)["accuracy"]
+        Array([1., 0.], dtype=float32)
+    """
+
+    def loss(logits, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), batch[label]
+        )
+
+    def metrics(logits, batch):
+        return {"accuracy": (jnp.argmax(logits, -1) == batch[label]).astype(jnp.float32)}
+
+    return Objective(loss, metrics)
+
+
+def sequence(target: str = "target", pad: int = 0) -> Objective:
+    """Next-token cross-entropy on ``batch[target]`` (``<bos> tokens <eos> <pad>...``).
+
+    The model is fed ``target[:, :-1]`` (after any prefix, such as a source for a
+    decoder-only model) and predicts ``target[:, 1:]`` from the last positions of
+    its logits ``(rows, length, vocab)``. An example's loss is the mean over its
+    non-pad tokens. Metrics: ``accuracy``, the fraction of sequences predicted
+    exactly (every token up to and including ``<eos>``), and ``token_accuracy``.
+
+    Exact match under teacher forcing is exact match under greedy decoding: a greedy
+    decoder emits the target token by token exactly when, fed the target's own
+    prefix, the model's most likely next token is right at every position.
+    """
+
+    def tokens(logits, batch):
+        labels = batch[target][:, 1:]
+        logits = logits[:, -labels.shape[1] :].astype(jnp.float32)
+        return logits, labels, (labels != pad).astype(jnp.float32)
+
+    def loss(logits, batch):
+        logits, labels, real = tokens(logits, batch)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return (losses * real).sum(-1) / jnp.maximum(real.sum(-1), 1.0)
+
+    def metrics(logits, batch):
+        logits, labels, real = tokens(logits, batch)
+        right = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * real
+        count = real.sum(-1)
+        return {
+            "accuracy": (right.sum(-1) == count).astype(jnp.float32),
+            "token_accuracy": right.sum(-1) / jnp.maximum(count, 1.0),
+        }
+
+    return Objective(loss, metrics)
