@@ -15,9 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdp.bench.common import add_run_flags, config_from, names
-from jdp.bench.step import (
-    first_batch,
+from jdp.bench.arms import (
     hand_kinds,
     hand_loop,
     hand_written_step,
@@ -25,6 +23,8 @@ from jdp.bench.step import (
     jdp_loop,
     ratios_to_best,
 )
+from jdp.bench.common import add_run_flags, config_from, names
+from jdp.bench.step import first_batch
 from jdp.errors import UsageError
 from jdp.mesh import batch_sharded
 from jdp.models.registry import check_model

@@ -13,7 +13,8 @@ import argparse
 import math
 
 from jdp.bench.common import names
-from jdp.plan import build_model, compiled_figures, mesh_sizes, state_bytes
+from jdp.plan import mesh_sizes
+from jdp.plan_costs import build_model, compiled_figures, state_bytes
 from jdp.training.run import setup_devices
 
 MESHES = "data=8,fsdp=8,data=8+zero1,data=2;fsdp=4,data=4;model=2,data=2;fsdp=2;model=2"

@@ -23,14 +23,9 @@ from jax.experimental import multihost_utils
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec
 
+from jdp.bench.arms import jdp_loop
 from jdp.bench.common import names, report_lines
-from jdp.bench.step import (
-    CASES,
-    case_run,
-    check_cases,
-    first_batch,
-    jdp_loop,
-)
+from jdp.bench.step import CASES, case_run, check_cases, first_batch
 from jdp.mesh import DATA_AXIS
 from jdp.reduce import pack_leaf_bytes, pmean_bucketed
 

@@ -1,0 +1,190 @@
+"""What a model costs each device on a mesh: the figures `python -m jdp.plan` reports.
+
+From shapes and the layout (`jdp.layout`), exactly and for any mesh size: the
+bytes of parameters, gradients and optimizer state (`state_bytes`). From the
+train step compiled for the mesh on this process's (simulated) devices: its
+arguments and temporaries, the collectives' bytes by mesh axis and the FLOPs
+(`compiled_figures`). Both fill a `Plan`, for a built-in model (`build_model`,
+with the planner's larger GPT sizes); `jdp.plan` turns it into the report, the
+accelerator's fit and the roofline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+# Planner-only sizes of the language model, beyond the registry's small and standard.
+GPT_SIZES = {
+    # GPT-3 XL (Brown et al., 2020): 1.3B parameters.
+    "1.3b": {"width": 2048, "heads": 16, "layers": 24, "hidden": 8192, "max_len": 2048},
+}
+
+
+@dataclasses.dataclass
+class Plan:
+    """One model on one mesh: bytes per device, and what the compiled step says."""
+
+    mesh: dict[str, int]
+    params: int  # bytes per device
+    grads: int
+    optimizer: int
+    parameters: int  # the model's parameter count
+    temporaries: int | None = None  # bytes per device, compiled
+    arguments: int | None = None  # the compiled step's arguments per device (state, batch)
+    collectives: dict[str, int] | None = None  # "op over axes" -> bytes per device per step
+    wire: float | None = None  # bytes each device sends per step (ring algorithms)
+    flops: float | None = None  # per step, all devices
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def need(self) -> int:
+        """Bytes a device needs: the compiled step's arguments (the state at rest, the
+        batch) and temporaries (activations, gradients, gathered parameters), or, not
+        compiled, parameters, gradients and optimizer state."""
+        if self.arguments is not None and self.temporaries is not None:
+            return self.arguments + self.temporaries
+        return self.state
+
+
+def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequence[int]):
+    """The built-in model and one example's batch (numpy) to shape it."""
+    import numpy as np
+
+    from jdp.models import registry
+    from jdp.models.adapters import classification, from_linen, sequence
+
+    if name == "gpt" and size in GPT_SIZES:
+        options = GPT_SIZES[size]
+    else:
+        options = registry.check_model(name, size).sizes[size]
+    builtin = registry.MODELS[name]
+    if builtin.data == "image":
+        model = from_linen(builtin.module(num_classes=10, **options), classification())
+        batch = {"image": np.zeros((1, *image), np.float32), "label": np.zeros(1, np.int32)}
+        return model, batch
+    module = builtin.module(vocab_size=vocab, **options)
+    if name == "gpt":
+        model = from_linen(module, sequence(), inputs=registry._lm_inputs)
+        half = seq_len // 2  # source and target: the model reads seq_len tokens
+        shape = {"source": (1, half), "target": (1, seq_len - half + 1)}
+    else:
+        model = from_linen(module, sequence(), inputs=lambda b: (b["source"], b["target"][:, :-1]))
+        shape = {"source": (1, seq_len), "target": (1, seq_len + 1)}
+    return model, {key: np.zeros(value, np.int32) for key, value in shape.items()}
+
+
+def state_bytes(model, batch, mesh: Mapping[str, int], *, shard_optimizer: bool = False,
+                rules=None, optimizer=None) -> Plan:  # fmt: skip
+    """The exact per-device bytes of parameters, gradients (laid out as the parameters,
+    in their dtype) and optimizer state (AdamW's unless ``optimizer``): shapes only."""
+    import jax
+    import optax
+
+    from jdp.layout import optimizer_specs, param_specs
+
+    optimizer = optimizer or optax.adamw(1e-3)
+    params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
+    names = model.names(jax.random.key(0), batch) if model.names else None
+    specs = param_specs(params, mesh, names=names, rules=rules)
+    opt_specs = optimizer_specs(optimizer, params, specs, mesh, shard_optimizer=shard_optimizer)
+    opt_state = jax.eval_shape(optimizer.init, params)
+
+    def per_device(tree, specs) -> int:
+        total = 0
+        leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        for leaf, spec in zip(jax.tree.leaves(tree), leaves, strict=True):
+            split = 1
+            for entry in spec:
+                for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+                    split *= mesh[axis]
+            total += math.prod(leaf.shape) * leaf.dtype.itemsize // split
+        return total
+
+    param_bytes = per_device(params, specs)
+    return Plan(
+        mesh=dict(mesh),
+        params=param_bytes,
+        grads=param_bytes,
+        optimizer=per_device(opt_state, opt_specs),
+        parameters=sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params)),
+    )
+
+
+_WIRE = {  # bytes a device sends, per byte of the op's result, in a ring of n devices
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: n - 1,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
+
+
+def compiled_figures(plan: Plan, model, batch, batch_size: int, *, precision: str,
+                     shard_optimizer: bool, rules=None) -> Plan:  # fmt: skip
+    """Fills the compiled figures, on this process's (simulated) devices, which must be
+    at least the mesh's; the step is lowered from shapes, nothing is allocated."""
+    import jax
+    import numpy as np
+    import optax
+
+    from jdp.collectives import collectives
+    from jdp.layout import param_specs
+    from jdp.mesh import make_mesh
+    from jdp.precision import make_precision
+    from jdp.state import create_train_state, placed, state_shardings
+    from jdp.step import make_train_step
+
+    spec = ",".join(f"{axis}={size}" for axis, size in plan.mesh.items())
+    mesh = make_mesh(spec)
+    optimizer, precision_ = optax.adamw(1e-3), make_precision(precision)
+    rows = {k: np.zeros((batch_size, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+
+    def state():
+        params, model_state, specs = model.init_on_mesh(jax.random.key(0), batch, mesh,
+                                                        rules=rules)  # fmt: skip
+        return create_train_state(
+            params, optimizer, mesh, model_state=model_state, precision=precision_,
+            param_specs=specs, shard_optimizer=shard_optimizer,
+        )  # fmt: skip
+
+    abstract = jax.eval_shape(state)
+    params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
+    names = model.names(jax.random.key(0), batch) if model.names else None
+    specs = param_specs(params, mesh, names=names, rules=rules)
+    abstract = placed(abstract, state_shardings(
+        params, optimizer, mesh, param_specs=specs, shard_optimizer=shard_optimizer,
+        rng_impl=abstract.rng_impl,
+    ))  # fmt: skip
+    step = make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True,
+                           precision=precision_)  # fmt: skip
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=step.batch_sharding), rows
+    )
+    compiled = step.lower(abstract, shapes).compile()
+    memory = compiled.memory_analysis()
+    plan.temporaries = int(memory.temp_size_in_bytes)
+    plan.arguments = int(memory.argument_size_in_bytes)
+    by_kind: dict[str, int] = {}
+    wire = 0.0
+    for op in collectives(compiled.as_text(), mesh.devices.size):
+        axes = [axis for axis in mesh.axis_names if op.crosses(mesh, axis)] or ["none"]
+        key = f"{op.op} over {'+'.join(axes)}"
+        by_kind[key] = by_kind.get(key, 0) + op.nbytes
+        size = max(len(group) for group in op.groups)
+        wire += op.nbytes * _WIRE[op.op](size)
+    plan.collectives, plan.wire = by_kind, wire
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, Sequence):
+        analysis = analysis[0] if analysis else {}
+    flops = float((analysis or {}).get("flops", 0.0))
+    plan.flops = flops * mesh.devices.size if flops > 0 else None
+    return plan
