@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,6 +22,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jdp.checkpoint import read_params, read_record, step_directory
 from jdp.data.custom import from_arrays
+from jdp.data.facts import data_facts as data_facts  # importable here, as before
+from jdp.data.facts import split_shape
 from jdp.data.pipeline import eval_batches
 from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY, batch_sharded, batch_split, make_mesh, replicated
@@ -98,25 +99,7 @@ def _builtin(config: Mapping, data: Mapping) -> Model | None:
     """The built-in model a recorded config names, shaped by the recorded data facts."""
     if not data:
         return None  # a checkpoint from before data facts were recorded
-    shape = types.SimpleNamespace(
-        kind=data.get("kind", "image"),
-        num_classes=data.get("num_classes"),
-        vocab=tuple(data.get("vocab") or ()),
-        input_key=data.get("input_key", "image"),
-        label_key=data.get("label_key", "label"),
-    )
-    return get_model(config["model"], shape, config.get("model_size", "small"))
-
-
-def data_facts(split) -> dict:
-    """What a built-in model's shape depends on, for `load_model` to rebuild it."""
-    return {
-        "kind": split.kind,
-        "num_classes": getattr(split, "num_classes", None),
-        "vocab": list(getattr(split, "vocab", ()) or ()),
-        "input_key": split.input_key,
-        "label_key": split.label_key,
-    }
+    return get_model(config["model"], split_shape(data), config.get("model_size", "small"))
 
 
 def predict(

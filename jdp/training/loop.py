@@ -18,6 +18,7 @@ from jdp.models import Model
 from jdp.report.console import Console
 from jdp.state import TrainState
 from jdp.training.config import TrainConfig
+from jdp.training.messages import describe_run
 from jdp.training.results import (
     FitResult,
     SteadyTimer,
@@ -27,7 +28,7 @@ from jdp.training.results import (
     stopped,
 )
 from jdp.training.resume import resume
-from jdp.training.run import Data, Run, Yours, build, describe_run
+from jdp.training.run import Data, Run, Yours, build
 from jdp.training.wiring import actions_for, metric_logger
 
 

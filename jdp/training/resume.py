@@ -12,7 +12,7 @@ from jdp.mesh import GROUP_AXIS
 from jdp.report.console import Console
 from jdp.state import TrainState
 from jdp.training.config import TrainConfig
-from jdp.training.run import config_optimizer
+from jdp.training.optimizer import config_optimizer
 
 
 def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, console: Console,

@@ -1,96 +1,58 @@
 """A run built from its config, once: devices, mesh, data, model, optimizer, state, steps.
 
 `build` is the one place that turns a `TrainConfig` into the objects a run
-uses; `jdp.fit` and the benchmarks take them from the `Run` it returns.
+uses; `jdp.fit` and the benchmarks take them from the `Run` it returns. The
+lines that say what it built are in ``messages.py``, what it takes and returns
+(`Data`, `Yours`, `Run`) in ``parts.py``, the config's optimizer in ``optimizer.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jdp import distributed, layout
+from jdp import distributed
 from jdp.checkpoint import read_params
 from jdp.data.custom import holdout, load_named
+from jdp.data.facts import data_facts
 from jdp.data.pipeline import EvalReader, check_train_batch
 from jdp.data.sources import Split
 from jdp.diloco import Outer, outer_from_flags
 from jdp.errors import UsageError
-from jdp.inference import data_facts
 from jdp.mesh import (
     GROUP_AXIS,
-    MODEL_AXIS,
     batch_split,
     check_batch_size,
     check_spec_fits_batch,
-    data_size,
-    group_size,
-    is_sharded,
     make_mesh,
     parse_mesh_spec,
     requested_device_count,
     simulate_cpu_devices,
 )
 from jdp.mesh import parse_axis_rules as parse_rules
-from jdp.models import Model, get_model
-from jdp.optim import make_optimizer, make_schedule, scale_lr
+from jdp.models import get_model
 from jdp.precision import make_precision
 from jdp.replica import check_accumulate
 from jdp.report.console import Console
-from jdp.report.logger import MetricLogger
-from jdp.report.run_info import write_run_info
-from jdp.report.throughput import Throughput, peak_flops, step_flops
 from jdp.report.writers import check_writable
-from jdp.state import TrainState, create_train_state
-from jdp.step import CompiledStep, SyncStep, make_eval_step, make_sync_step, make_train_step
+from jdp.state import create_train_state
+from jdp.step import make_eval_step, make_sync_step, make_train_step
 from jdp.training.config import OPTIMIZER, TrainConfig, fields_of
-
-
-def peak_lr(config: TrainConfig) -> float:
-    """``--lr`` scaled for the global batch by ``--lr-scaling``."""
-    return scale_lr(config.lr, config.batch_size, config.lr_scaling, config.lr_reference_batch)
-
-
-def describe_run(
-    config: TrainConfig,
-    run: Run,
-    logger: MetricLogger,
-    lowered: jax.stages.Lowered,
-    console: Console,
-) -> None:
-    """FLOPs per step and the peak they are measured against; the run directory's facts."""
-    devices = run.mesh.devices.size
-    kind = run.mesh.devices.flat[0].device_kind
-    # XLA counts a loop's body once. With --steps-per-call the body is one step, so
-    # the figure is per step as wanted; the micro-batch loop of --accumulate would
-    # undercount: no figure rather than a wrong one.
-    flops = step_flops(lowered, devices) if config.accumulate == 1 else None
-    peak = peak_flops(kind)
-    logger.throughput = Throughput(
-        config.batch_size, flops_per_step=flops, peak_flops=peak * devices if peak else None
-    )
-    write_run_info(
-        config.log_dir,
-        run.recorded or dataclasses.asdict(config),
-        {
-            "mesh": dict(run.mesh.shape),
-            "backend": config.backend,
-            "flops_per_step": flops,
-            "peak_flops_per_device": peak,
-        },
-    )
-    if flops:
-        against = f"MFU against {peak:.3g} FLOP/s per {kind}" if peak else f"no peak for {kind}"
-        console.line(
-            f"jdp: {flops:.3g} FLOPs per step (XLA cost analysis, {devices} devices); {against}"
-        )
-
+from jdp.training.messages import (
+    describe_optimizer,
+    say_layout,
+    say_what_was_built,
+    say_where_it_runs,
+)
+from jdp.training.messages import describe_run as describe_run  # importable here, as before
+from jdp.training.optimizer import config_optimizer
+from jdp.training.optimizer import peak_lr as peak_lr  # importable here, as before
+from jdp.training.parts import Data, Run, Yours
 
 # Beyond this, simulated CPU devices take minutes and gigabytes to create.
 MAX_SIMULATED_DEVICES = 1024
@@ -107,48 +69,6 @@ def setup_devices(mesh_spec: str, *, processes: int = 1) -> None:
                 "and start-up time); use a smaller mesh"
             )
         simulate_cpu_devices(wanted // processes)
-
-
-@dataclasses.dataclass(frozen=True)
-class Data:
-    """A run's splits: ``train``, and ``validation`` and ``test`` when it has them."""
-
-    train: Split
-    validation: Split | None = None
-    test: Split | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Yours:
-    """What the user brought to `jdp.fit` in place of the config's named choices."""
-
-    model: Model | None = None
-    data: Data | None = None
-    optimizer: optax.GradientTransformation | None = None
-    lr_schedule: optax.Schedule | float | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """A configured run before its first step: mesh, data, initial state and step functions.
-
-    ``config`` is the run's resolved config (``--epochs`` as steps, a clamped
-    warmup); ``recorded`` what checkpoints and run files record of it.
-    """
-
-    config: TrainConfig
-    mesh: Mesh
-    train: Split
-    test: Split | None
-    model: Model
-    state: TrainState
-    train_step: CompiledStep
-    eval_step: CompiledStep
-    schedule: optax.Schedule | None
-    optimizer: optax.GradientTransformation
-    validation: Split | None = None
-    recorded: dict | None = None
-    sync_step: SyncStep | None = None  # DiLoCo's synchronisation, on a mesh with groups
 
 
 def load_data(config: TrainConfig, given: Data | None = None) -> Data:
@@ -206,7 +126,7 @@ def recorded_config(config: TrainConfig, yours: Yours, train: Split) -> dict:
     if yours.optimizer is not None:
         for name in _OPTIMIZER_FIELDS:
             recorded.pop(name)
-        recorded["optimizer"] = f"yours: {_describe(yours.optimizer)}"
+        recorded["optimizer"] = f"yours: {describe_optimizer(yours.optimizer)}"
         recorded["lr_schedule"] = "yours" if callable(yours.lr_schedule) else yours.lr_schedule
     if yours.model is not None:
         recorded["model"] = "yours"
@@ -219,13 +139,6 @@ def recorded_config(config: TrainConfig, yours: Yours, train: Split) -> dict:
 
 # The config fields that make the built-in optimizer and schedule.
 _OPTIMIZER_FIELDS = fields_of(section=OPTIMIZER)
-
-
-def _describe(optimizer) -> str:
-    """An Optax optimizer as far as it describes itself: its type, and its function's name."""
-    update = getattr(optimizer, "update", None)
-    where = getattr(update, "__qualname__", "").split(".<locals>")[0]
-    return f"{type(optimizer).__name__}({where})" if where else type(optimizer).__name__
 
 
 def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> Run:
@@ -297,10 +210,10 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     sync_step = make_sync_step(outer, mesh) if outer is not None else None
     num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
     dataset = "your data" if yours.data is not None else config.dataset
-    _say_what_was_built(
+    say_what_was_built(
         config, console, mesh, f"{name} ({num_params:,} params)", dataset, data, yours
     )
-    _say_layout(config, console, mesh, specs, named=model.names is not None)
+    say_layout(config, console, mesh, specs, named=model.names is not None)
     return Run(config, mesh, train, test, model, state, train_step, eval_step, schedule,
                optimizer, validation, recorded_config(config, yours, train),
                sync_step)  # fmt: skip
@@ -336,118 +249,5 @@ def _mesh(config: TrainConfig, console: Console, error: str | None = None) -> Me
     check_batch_size(config.batch_size, mesh)
     replicas = batch_split(mesh)
     check_accumulate(config.batch_size // replicas, config.accumulate, replicas)
-    devices = mesh.devices.size
-    if cluster.num_processes > 1:
-        console.line(
-            f"jdp: {cluster.num_processes} processes ({cluster.source}), coordinator "
-            f"{cluster.coordinator}, {jax.local_device_count()} devices each"
-        )
-    if jax.default_backend() == "cpu" and devices > 1:
-        console.line(
-            f"jdp: no accelerator; mesh {config.mesh} runs on {devices} simulated CPU devices"
-        )
+    say_where_it_runs(config, console, cluster, mesh)
     return mesh
-
-
-def config_optimizer(config: TrainConfig) -> tuple[optax.Schedule, optax.GradientTransformation]:
-    """The learning-rate schedule and the optimizer that follows it."""
-    schedule = make_schedule(
-        config.schedule,
-        peak_lr(config),
-        warmup_steps=config.warmup_steps,
-        total_steps=config.steps,
-        boundaries=[int(part) for part in config.lr_boundaries.split(",") if part],
-        decay_factor=config.lr_decay_factor,
-    )
-    optimizer = make_optimizer(
-        config.optimizer,
-        schedule,
-        momentum=config.momentum,
-        weight_decay=config.weight_decay,
-        clip_norm=config.clip_norm or None,
-    )
-    return schedule, optimizer
-
-
-def _say_layout(config: TrainConfig, console: Console, mesh: Mesh, specs: Any, *,
-                named: bool) -> None:  # fmt: skip
-    """Where the parameters went, when the mesh or --shard-optimizer splits anything."""
-    if not (is_sharded(mesh) or config.shard_optimizer):
-        return
-    line = f"jdp: layout: {layout.describe(specs)}"
-    if config.shard_optimizer:
-        line += f"; optimizer state split over data ({data_size(mesh)})"
-    console.line(line)
-    if mesh.shape.get(MODEL_AXIS, 1) > 1 and MODEL_AXIS not in layout.split_counts(specs):
-        why = (
-            "its parameters carry no logical axis names (nn.with_logical_partitioning)"
-            if not named
-            else "no named dimension maps to it (see --axis-rules)"
-        )
-        console.line(
-            f"jdp: nothing is split over the 'model' axis: {why}; its devices repeat the work"
-        )
-
-
-def _groups_by_process(mesh: Mesh) -> str:
-    """``group 0: process 0; group 1: process 1``: where each group's devices are."""
-    per_group = [sorted({d.process_index for d in row.flat}) for row in mesh.devices]
-    return "; ".join(
-        f"group {g}: process {', '.join(map(str, processes))}"
-        for g, processes in enumerate(per_group)
-    )
-
-
-def _say_what_was_built(config: TrainConfig, console: Console, mesh: Mesh, model: str,
-                        dataset: str, data: Data, yours: Yours) -> None:  # fmt: skip
-    per_replica = config.batch_size // batch_split(mesh)
-    sizes = " / ".join(
-        f"{len(split)} {name}"
-        for name, split in (
-            ("train", data.train),
-            ("validation", data.validation),
-            ("test", data.test),
-        )
-        if split is not None
-    )
-    console.line(
-        f"jdp: {model} on {dataset} "
-        f"({sizes}), mesh {dict(mesh.shape)}, "
-        f"backend {config.backend}, global batch {config.batch_size} "
-        f"({per_replica} per replica"
-        + (f", {config.accumulate} micro-batches" if config.accumulate > 1 else "")
-        + f"), {config.steps} steps"
-    )
-    if GROUP_AXIS in mesh.shape:
-        groups = group_size(mesh)
-        console.line(
-            f"jdp: DiLoCo: {groups} groups of {data_size(mesh)} replicas, each on 1/{groups} of "
-            f"every global batch; every {config.resolved_sync_every} steps the groups average "
-            f"their parameters and {config.outer_optimizer} (lr {config.outer_lr:g}, momentum "
-            f"{config.outer_momentum:g}) applies the change; evaluation and checkpoints' "
-            "params are the synchronised parameters"
-        )
-        if jax.process_count() > 1:
-            console.line(f"jdp: DiLoCo groups by process: {_groups_by_process(mesh)}")
-    if yours.optimizer is not None:
-        lr = (
-            "lr as your lr_schedule gives it"
-            if yours.lr_schedule is not None
-            else "lr logged only if it was made with optax.inject_hyperparams (or pass "
-            "fit(lr_schedule=...))"
-        )
-        console.line(
-            f"jdp: your optimizer {_describe(yours.optimizer)}, {lr}; the config's optimizer "
-            f"flags are unused; precision {config.precision} (all-reduce {config.reduce_dtype})"
-        )
-        return
-    scaling = (
-        f" x {config.batch_size}/{config.lr_reference_batch} ({config.lr_scaling} scaling)"
-        if config.lr_scaling != "none"
-        else ""
-    )
-    console.line(
-        f"jdp: {config.optimizer}, lr {config.lr:g}{scaling} = {peak_lr(config):.4g} peak, "
-        f"{config.schedule} schedule, {config.warmup_steps} warmup steps, "
-        f"precision {config.precision} (all-reduce {config.reduce_dtype})"
-    )
