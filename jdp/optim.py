@@ -81,15 +81,7 @@ def make_schedule(
             f"use --warmup-steps {total_steps // 10} or train longer"
         )
     if name == "noam":
-        if warmup_steps < 1:
-            raise UsageError("the noam schedule needs --warmup-steps >= 1 (where it peaks)")
-        peak = peak_lr if d_model is None else peak_lr * (d_model * warmup_steps) ** -0.5
-
-        def noam(count):
-            k = jnp.asarray(count, jnp.float32) + 1.0
-            return peak * jnp.minimum(jnp.sqrt(warmup_steps / k), k / warmup_steps)
-
-        return noam
+        return _noam(peak_lr, warmup_steps, d_model)
     if name in ("cosine", "linear") and total_steps is None:
         raise UsageError(f"the {name} schedule needs total_steps")
     if name == "constant":
@@ -101,19 +93,36 @@ def make_schedule(
     elif name == "linear":
         after = optax.linear_schedule(peak_lr, end_lr, max(total_steps - warmup_steps, 1))
     else:
-        if list(boundaries) != sorted(set(boundaries)) or any(
-            b <= warmup_steps for b in boundaries
-        ):
-            raise UsageError(
-                f"piecewise boundaries {list(boundaries)} must increase and come after warmup"
-            )
-        after = optax.piecewise_constant_schedule(
-            peak_lr, {b - warmup_steps: decay_factor for b in boundaries}
-        )
+        after = _piecewise(peak_lr, warmup_steps, boundaries, decay_factor)
     if warmup_steps == 0:
         return after
     warmup = optax.linear_schedule(0.0, peak_lr, warmup_steps)
     return optax.join_schedules([warmup, after], [warmup_steps])
+
+
+def _noam(peak_lr: float, warmup_steps: int, d_model: int | None) -> optax.Schedule:
+    """The inverse-square-root schedule (see `make_schedule`)."""
+    if warmup_steps < 1:
+        raise UsageError("the noam schedule needs --warmup-steps >= 1 (where it peaks)")
+    peak = peak_lr if d_model is None else peak_lr * (d_model * warmup_steps) ** -0.5
+
+    def noam(count):
+        k = jnp.asarray(count, jnp.float32) + 1.0
+        return peak * jnp.minimum(jnp.sqrt(warmup_steps / k), k / warmup_steps)
+
+    return noam
+
+
+def _piecewise(peak_lr: float, warmup_steps: int, boundaries: Sequence[int],
+               decay_factor: float) -> optax.Schedule:  # fmt: skip
+    """``peak_lr`` times ``decay_factor`` at each boundary, counted after warmup."""
+    if list(boundaries) != sorted(set(boundaries)) or any(b <= warmup_steps for b in boundaries):
+        raise UsageError(
+            f"piecewise boundaries {list(boundaries)} must increase and come after warmup"
+        )
+    return optax.piecewise_constant_schedule(
+        peak_lr, {b - warmup_steps: decay_factor for b in boundaries}
+    )
 
 
 def scale_lr(base_lr: float, global_batch: int, rule: str, reference_batch: int = 256) -> float:

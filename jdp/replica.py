@@ -227,6 +227,26 @@ def _after(value: jax.Array, finite_or_not: jax.Array) -> jax.Array:
     return value + zero.astype(value.dtype)
 
 
+def _objective(loss_fn: LossFn, precision: Precision, gather: Callable[[Any], Any] | None
+               ) -> Callable[..., Any]:  # fmt: skip
+    """What the gradient is taken of: ``objective(params, model_state, batch, rng, scale)
+    -> (scaled loss, (loss, aux, model_state))``, with the parameters and the batch in
+    the compute dtype (the parameters gathered by ``gather``, when given) and the loss
+    and metrics in float32."""
+
+    def objective(params, model_state, batch, rng, scale):
+        params = cast_floats(params, precision.compute_dtype)
+        if gather is not None:
+            params = gather(params)
+        batch = cast_floats(batch, precision.compute_dtype)
+        loss, aux, model_state = loss_fn(params, model_state, batch, rng)
+        _check_objective(loss, aux)
+        loss = loss.astype(jnp.float32)
+        return loss * scale, (loss, cast_floats(aux, jnp.float32), model_state)
+
+    return objective
+
+
 def train_step_parts(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -250,16 +270,7 @@ def train_step_parts(
     ``reduce_grads`` False: ``gradients`` returns this replica's gradients in the
     reduce dtype, for the caller to average and pass through ``finish``."""
 
-    def objective(params, model_state, batch, rng, scale):
-        params = cast_floats(params, precision.compute_dtype)
-        if gather is not None:
-            params = gather(params)
-        batch = cast_floats(batch, precision.compute_dtype)
-        loss, aux, model_state = loss_fn(params, model_state, batch, rng)
-        _check_objective(loss, aux)
-        loss = loss.astype(jnp.float32)
-        return loss * scale, (loss, cast_floats(aux, jnp.float32), model_state)
-
+    objective = _objective(loss_fn, precision, gather)
     vary = (lambda tree: _varying(tree, axes)) if local_grads else (lambda tree: tree)
     gradients_of = _gradients(jax.grad(objective, has_aux=True), vary, accumulate, axes)
 

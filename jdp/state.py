@@ -121,18 +121,11 @@ class TrainState:
         return jax.random.wrap_key_data(self.rng, impl=self.rng_impl)
 
 
-def create_train_state(
-    params: Any,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    *,
-    rng: jax.Array | None = None,
-    model_state: Any = None,
-    precision: Precision | None = None,
-    outer: Outer | None = None,
-    param_specs: Any = None,
-    shard_optimizer: bool = False,
-) -> TrainState:
+def create_train_state(params: Any, optimizer: optax.GradientTransformation, mesh: Mesh, *,
+                       rng: jax.Array | None = None, model_state: Any = None,
+                       precision: Precision | None = None, outer: Outer | None = None,
+                       param_specs: Any = None, shard_optimizer: bool = False
+                       ) -> TrainState:  # fmt: skip
     """Creates a `TrainState` on ``mesh``, laid out as `jdp.layout` says.
 
     On a mesh of ``data`` alone every leaf is replicated. With ``fsdp`` or
@@ -146,9 +139,8 @@ def create_train_state(
         params: the model parameters (a pytree of arrays).
         optimizer: any ``optax.GradientTransformation``.
         mesh: the training mesh.
-        rng: base PRNG key for dropout and other randomness, typed
-            (``jax.random.key``) or raw (``jax.random.PRNGKey``);
-            ``jax.random.key(0)`` when omitted.
+        rng: the base PRNG key (dropout), typed (``jax.random.key``) or raw
+            (``jax.random.PRNGKey``); ``jax.random.key(0)`` when omitted.
         model_state: non-trained variables such as BatchNorm statistics.
         precision: the step's `Precision`; with fp16 loss scaling the state starts
             at its initial scale.
@@ -177,12 +169,7 @@ def create_train_state(
         >>> int(state.step), state.params["w"].sharding.is_fully_replicated
         (0, True)
     """
-    sharding = replicated(mesh)
-    rng = jax.random.key(0) if rng is None else rng
-    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        rng_impl, rng = jax.random.key_impl(rng), jax.random.key_data(rng)
-    else:
-        rng_impl = jax.config.jax_default_prng_impl  # what a raw jax.random.PRNGKey holds
+    rng_impl, rng = _raw_key(jax.random.key(0) if rng is None else rng)
     model_state = {} if model_state is None else model_state
 
     def build(params, model_state, rng):
@@ -208,11 +195,20 @@ def create_train_state(
     def build_groups(params, model_state, rng):
         return start_groups(build(params, model_state, rng), outer, groups)
 
+    sharding = replicated(mesh)
     shardings = TrainState(
         step=sharding, params=sharding, opt_state=sharding, model_state=sharding, rng=sharding,
         loss_scale=sharding, groups=groups_sharding(mesh), rng_impl=rng_impl,
     )  # fmt: skip
     return jax.jit(build_groups, out_shardings=shardings)(params, model_state, rng)
+
+
+def _raw_key(rng: jax.Array) -> tuple[str, jax.Array]:
+    """A key's implementation name and raw data, from a typed key (``jax.random.key``)
+    or a raw one (``jax.random.PRNGKey``, of the default implementation)."""
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return jax.random.key_impl(rng), jax.random.key_data(rng)
+    return jax.config.jax_default_prng_impl, rng
 
 
 def carry_placement(state: TrainState, where: Placement) -> TrainState:

@@ -26,29 +26,24 @@ ORDER = ("ground", "library", "services", "training", "tools")
 # A module's layer, by its name below jdp (the longest listed prefix decides).
 LAYERS = {
     "errors": "ground", "version": "ground",
-    "mesh": "library", "layout": "library", "precision": "library", "optim": "library",
+    "mesh": "library", "mesh_spec": "library", "layout": "library", "precision": "library",
+    "optim": "library",
     "state": "library", "actions": "library", "step": "library", "replica": "library",
     "reduce": "library", "diloco": "library",
     "report": "services", "data": "services", "models": "services", "checkpoint": "services",
     "distributed": "services",
     "inference": "services", "collectives": "services",
     "training": "training",
-    "train": "tools", "plan": "tools", "launch": "tools", "plot": "tools", "bench": "tools",
+    "train": "tools", "plan": "tools", "plan_costs": "tools", "launch": "tools", "plot": "tools",
+    "bench": "tools",
     "data.__main__": "tools", "": "tools",
 }  # fmt: skip
 # Units that read in one sitting: a module of at most 400 lines, a function of at most
-# 80 (docstring included). The units over them today may shrink, never grow; a new
-# one over them fails.
+# 80 (docstring included). None is over them today; a unit that must be (say why)
+# is listed here with its length, which it may not exceed.
 MODULE_LINES, FUNCTION_LINES = 400, 80
 FIT_LINES = 60  # the loop a reader reads first
-OVER_TODAY = {
-    "jdp/training/run.py": 453, "jdp/data/pipeline.py": 426, "jdp/data/sources.py": 424,
-    "jdp/mesh.py": 418, "jdp/bench/step.py": 414, "jdp/plan.py": 440,
-    "jdp/models/adapters.py": 429,
-    "jdp/step/builders.py::make_train_step": 140, "jdp/state.py::create_train_state": 92,
-    "jdp/models/adapters.py::from_nnx": 89,
-    "jdp/replica.py::train_step_parts": 85, "jdp/optim.py::make_schedule": 83,
-}  # fmt: skip
+OVER_TODAY: dict[str, int] = {}
 
 
 def module_name(path: pathlib.Path, root: pathlib.Path) -> str:

@@ -32,94 +32,53 @@ from jdp.step.data_parallel import _compile
 from jdp.step.sharded import _compile_sharded, _sharded_eval, _sharded_train
 
 
-def make_train_step(
-    loss_fn: LossFn,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    *,
-    backend: Backend = "jit",
-    has_aux: bool = False,
-    has_model_state: bool = False,
-    precision: Precision | None = None,
-    accumulate: int = 1,
-    lr_schedule: optax.Schedule | None = None,
-    steps_per_call: int = 1,
-    skip_nonfinite: bool = False,
-    grad_norm: bool = False,
-) -> CompiledStep:
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh: Mesh, *,
+                    backend: Backend = "jit", has_aux: bool = False,
+                    has_model_state: bool = False, precision: Precision | None = None,
+                    accumulate: int = 1, lr_schedule: optax.Schedule | None = None,
+                    steps_per_call: int = 1, skip_nonfinite: bool = False,
+                    grad_norm: bool = False) -> CompiledStep:  # fmt: skip
     """Builds a data-parallel train step: ``state, metrics = step(state, batch)``.
 
-    Each replica computes the gradient of ``loss_fn`` on its slice of the global
-    batch; ``lax.pmean`` over ``data`` averages gradients, metrics and model
-    state (with one replica there is nothing to average, and the step
-    all-reduces nothing); every replica applies the same ``optimizer`` update.
-    The input state is donated: use the returned one.
+    Each replica computes the gradient of ``loss_fn`` on its rows of the global
+    batch; gradients, metrics and model state are averaged over ``data``
+    (``lax.pmean``) and every replica applies the same ``optimizer`` update; the
+    input state is donated. With ``fsdp`` or ``model`` axes the state stays in its
+    layout (`jdp.layout`; ``jit`` only), computing what a ``data`` mesh of as many
+    replicas does; with a ``group`` axis the step trains DiLoCo's groups.
 
     Args:
-        loss_fn: the loss, averaged over the examples it is given. Its form:
-
-            * ``loss_fn(params, batch, rng) -> loss`` (default);
-            * ``loss_fn(params, batch, rng) -> (loss, aux)`` with ``has_aux=True``,
-              ``aux`` a dict of scalar metrics;
-            * ``loss_fn(params, model_state, batch, rng) -> (loss, aux, model_state)``
-              with ``has_model_state=True``, for models with mutable state such as
-              BatchNorm statistics.
-
-            ``rng`` differs per step and per replica (for dropout).
+        loss_fn: the mean loss over the examples it is given,
+            ``loss_fn(params, batch, rng) -> loss``; ``-> (loss, aux)`` with
+            ``has_aux`` (``aux`` a dict of scalar metrics); or ``loss_fn(params,
+            model_state, batch, rng) -> (loss, aux, model_state)`` with
+            ``has_model_state`` (BatchNorm statistics). ``rng`` differs per step
+            and per replica.
         optimizer: any ``optax.GradientTransformation``.
-        mesh: a mesh with a ``data`` axis. With ``fsdp`` or ``model`` axes the
-            parameters and optimizer state are split as the state's layout says
-            (`create_train_state`'s ``param_specs``; ``jit`` only): each replica's
-            rows are one block of the batch, split again over ``fsdp``, and the
-            step computes what the ``data`` mesh of as many replicas computes.
-            With a ``group`` axis first (DiLoCo,
-            ``group=2,data=4``), each group takes its block of the batch's rows
-            and trains its own parameters (``state.groups``, from
-            ``create_train_state(..., outer=...)``) with ``optimizer``,
-            all-reducing over ``data`` only; `make_sync_step` brings the groups
-            together. The metrics are then this process's first group's.
-        backend: ``"jit"`` (``jit`` over ``shard_map``) or ``"pmap"`` (``jax.pmap``,
-            one-axis meshes only). Both take and return the same state and batch.
-        has_aux: see ``loss_fn``.
-        has_model_state: see ``loss_fn``.
-        precision: a `Precision` (see `make_precision`): compute dtype with fp32
-            master parameters, all-reduce dtype, and fp16 dynamic loss scaling,
-            whose skip-or-apply decision is made on the averaged gradient so every
-            replica takes the same one. Create the state with the same precision.
-        accumulate: split each replica's slice into this many micro-batches,
-            scanned inside the compiled step; the gradients are averaged over them
-            and all-reduced once per update.
-        lr_schedule: the optimizer's schedule, to report ``lr`` in the metrics.
-        steps_per_call: run this many optimizer steps per call, scanned inside
-            the compiled program, to save the host's dispatch time per step for
-            small models. The batch then stacks the steps' global batches,
-            leaves ``(steps_per_call, rows, ...)`` (`shard_batch` with
-            ``stacked=True``), and each metric comes back as ``(steps_per_call,)``,
-            one value per step. The result equals as many single steps.
-        skip_nonfinite: when the loss or the averaged gradient is not finite,
-            keep the parameters, optimizer and model state as they were (every
-            replica decides alike) and count the step in ``skipped_steps``, as
-            fp16 loss scaling does for overflows.
-        grad_norm: also report ``grad_norm``, the global norm of the averaged
-            gradient before clipping. It costs one more pass over the gradients,
-            which a step bound by memory traffic pays in full (on the CPU, 4-7% of a
-            10.8M-parameter MLP's step on one and on two devices).
+        mesh: a mesh with a ``data`` axis (`make_mesh`).
+        backend: ``"jit"`` (over ``shard_map``) or ``"pmap"`` (one-axis meshes).
+        precision: a `Precision` (`make_precision`: compute and all-reduce dtypes,
+            fp16 loss scaling); create the state with the same one.
+        accumulate: micro-batches per replica, scanned; one all-reduce per update.
+        lr_schedule: the optimizer's schedule, to report ``lr``.
+        steps_per_call: optimizer steps per call, scanned (less host dispatch per
+            step), equal to as many single steps: the batch stacks them, leaves
+            ``(steps_per_call, rows, ...)`` (`shard_batch(..., stacked=True)`), and
+            each metric comes back ``(steps_per_call,)``.
+        skip_nonfinite: keep the state as it was when the loss or the averaged
+            gradient is not finite, counting ``skipped_steps``.
+        grad_norm: also report ``grad_norm``, the averaged gradient's global norm
+            before clipping (one more pass over the gradients).
 
     Returns:
-        A `CompiledStep`: ``step(state, batch) -> (state, metrics)``, where
-        ``batch`` is a pytree of global arrays sharded on ``data`` (see
-        `shard_batch`) and ``metrics`` holds ``loss`` and the ``aux`` entries
-        averaged over the global batch, ``grad_norm`` when asked for, ``lr``
-        (the schedule at the optimizer's update count) when ``lr_schedule`` is
-        given, else the learning rate an optimizer made with
-        ``optax.inject_hyperparams`` holds, ``loss_scale`` under loss scaling,
-        and ``skipped_steps`` under loss scaling or ``skip_nonfinite``.
+        A `CompiledStep`; ``metrics``: ``loss`` and ``aux`` averaged over the global
+        batch; ``grad_norm``, ``lr`` (the schedule's, or an ``inject_hyperparams``
+        optimizer's), ``loss_scale`` and ``skipped_steps`` where they apply.
 
     Raises:
-        UsageError: unknown backend, a mesh without ``data``, ``pmap`` on a mesh
-            with more than one axis, or ``accumulate`` < 1; when called, a batch
-            whose rows do not split over the replicas, or a state that an earlier
-            call donated.
+        UsageError: an unknown backend, a mesh without ``data``, ``pmap`` on several
+            axes, counts below 1; when called, a batch whose rows do not split over
+            the replicas, or a donated state.
 
     Examples:
         >>> def loss_fn(params, batch, rng):
@@ -133,45 +92,34 @@ def make_train_step(
         (['loss'], 1.0)
     """
     _check_backend(backend, mesh)
+    _check_counts(accumulate, steps_per_call)
+    way, steps = _way(mesh), steps_per_call
+    options = dict(precision=precision or Precision(), accumulate=accumulate,
+                   lr_schedule=lr_schedule, skip_nonfinite=skip_nonfinite,
+                   grad_norm=grad_norm)  # fmt: skip
+    loss = replica.loss_with_state(loss_fn, has_aux=has_aux, has_model_state=has_model_state)
+    sharded = _sharded_train(loss, optimizer, mesh, steps, **options)
+    if way == "sharded":
+        return _compile_sharded(sharded, mesh, outputs=2, donate_state=True, steps=steps)
+    one_step = replica.train_step(
+        loss, optimizer, local_grads=backend == "jit", replicas=data_size(mesh),
+        pack_leaf_bytes=pack_leaf_bytes(mesh), axes=batch_axes(mesh), **options,
+    )  # fmt: skip
+    if way == "groups":
+        return compile_groups(inner.inner_step(one_step, steps=steps), mesh, steps=steps)
+    scanned = lambda state, batches: lax.scan(one_step, state, batches)  # noqa: E731
+    return _compile(
+        scanned if steps > 1 else one_step, mesh, backend, outputs=2, donate_state=True,
+        steps=steps, sharded=sharded if backend == "jit" else None,
+    )  # fmt: skip
+
+
+def _check_counts(accumulate: int, steps_per_call: int) -> None:
     if accumulate < 1 or steps_per_call < 1:
         raise UsageError(
             f"accumulate and steps_per_call must be at least 1, got {accumulate} and "
             f"{steps_per_call}"
         )
-    way = _way(mesh)
-    options = dict(
-        precision=precision or Precision(),
-        accumulate=accumulate,
-        lr_schedule=lr_schedule,
-        skip_nonfinite=skip_nonfinite,
-        grad_norm=grad_norm,
-    )
-    loss = replica.loss_with_state(loss_fn, has_aux=has_aux, has_model_state=has_model_state)
-    # For a state that is not replicated: the gradients' half maps ``data`` by hand,
-    # the optimizer's runs where XLA partitions the state.
-    sharded = _sharded_train(loss, optimizer, mesh, steps_per_call, **options)
-    if way == "sharded":
-        return _compile_sharded(sharded, mesh, outputs=2, donate_state=True, steps=steps_per_call)
-    one_step = replica.train_step(
-        loss,
-        optimizer,
-        local_grads=backend == "jit",
-        replicas=data_size(mesh),
-        pack_leaf_bytes=pack_leaf_bytes(mesh),
-        axes=batch_axes(mesh),
-        **options,
-    )
-    if way == "groups":
-        return compile_groups(inner.inner_step(one_step, steps=steps_per_call), mesh,
-                              steps=steps_per_call)  # fmt: skip
-    if steps_per_call > 1:
-        replica_fn = lambda state, batches: lax.scan(one_step, state, batches)  # noqa: E731
-    else:
-        replica_fn = one_step
-    return _compile(
-        replica_fn, mesh, backend, outputs=2, donate_state=True, steps=steps_per_call,
-        sharded=sharded if backend == "jit" else None,
-    )  # fmt: skip
 
 
 def make_eval_step(
