@@ -1,7 +1,12 @@
-"""``python -m jdp.data prepare NAME [--data-dir DIR]``: download and prepare a dataset once.
+"""``python -m jdp.data prepare|tokenize``: prepare a dataset, or tokenize text into shards.
 
-Run it where the network reaches the dataset's host (a login node, a laptop),
+``prepare NAME [--data-dir DIR]`` downloads and prepares a catalog dataset once:
+run it where the network reaches the dataset's host (a login node, a laptop),
 then point ``--data-dir`` of training runs at the same directory, or a copy.
+
+``tokenize FILE_OR_DIR... --out DIR`` writes the text files' tokens as llm.c
+shards, a training and a validation split (`jdp.data.tokenize`); train on them
+with ``--dataset tokens:DIR``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from jdp.data.sources import DATASETS, prepare
+from jdp.data.tokenize import tokenize
 from jdp.errors import UsageError
 
 
@@ -23,14 +29,87 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare_parser.add_argument(
         "--data-dir", default=None, help="TFDS data directory (default: $TFDS_DATA_DIR)"
     )
+    _add_tokenize(commands)
     args = parser.parse_args(argv)
     try:
+        if args.command == "tokenize":
+            meta = tokenize(
+                args.inputs,
+                args.out,
+                tokenizer=args.tokenizer,
+                val_fraction=args.val_fraction,
+                workers=args.workers,
+                shard_tokens=args.shard_tokens,
+                name=args.name,
+                seed=args.seed,
+            )
+            print(f"jdp.data: {_tokenized(meta)}, in {args.out}")
+            return 0
         path = prepare(args.name, args.data_dir)
     except UsageError as error:
         print(f"jdp.data: error: {error}", file=sys.stderr)
         return 2
     print(f"jdp.data: {args.name} prepared in {path}")
     return 0
+
+
+def _add_tokenize(commands) -> None:
+    parser = commands.add_parser(
+        "tokenize", help="tokenize text files into llm.c token shards (train and val)"
+    )
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="FILE_OR_DIR",
+        help="text files, or directories walked for them",
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    parser.add_argument(
+        "--tokenizer",
+        default="bytes",
+        metavar="bytes|PATH",
+        help="UTF-8 bytes (default), or a Hugging Face tokenizer.json",
+    )
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.01,
+        metavar="F",
+        help="the share of bytes set apart for validation (default: 0.01)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="encoding processes (default: one per CPU; 1: this one)",
+    )
+    parser.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=100_000_000,
+        metavar="N",
+        help="the most tokens in one shard (default: 100,000,000)",
+    )
+    parser.add_argument(
+        "--name",
+        default="corpus",
+        help="the shards' prefix: NAME_train_000000.bin (default: corpus)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="draws the validation documents")
+
+
+def _tokenized(meta: dict) -> str:
+    """What was written, in a line: documents, tokens per split, shards, vocabulary."""
+    documents = sum(meta["documents"].values()) - (meta["val_split"] == "tail")
+    skipped = f" ({meta['skipped']:,} skipped: not text)" if meta["skipped"] else ""
+    shards = sum(meta["shards"].values())
+    tokens = meta["tokens"]
+    return (
+        f"{documents:,} document{'s' * (documents != 1)}{skipped}, {tokens['train']:,} train "
+        f"and {tokens['val']:,} val tokens in {shards:,} shard{'s' * (shards != 1)}, "
+        f"vocabulary {meta['vocab_size']:,}"
+    )
 
 
 if __name__ == "__main__":
