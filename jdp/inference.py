@@ -99,7 +99,12 @@ def _builtin(config: Mapping, data: Mapping) -> Model | None:
     """The built-in model a recorded config names, shaped by the recorded data facts."""
     if not data:
         return None  # a checkpoint from before data facts were recorded
-    return get_model(config["model"], split_shape(data), config.get("model_size", "small"))
+    return get_model(
+        config["model"],
+        split_shape(data),
+        config.get("model_size", "small"),
+        seq_len=config.get("seq_len") or 0,
+    )
 
 
 def predict(

@@ -1,8 +1,10 @@
 """``python -m jdp.plot RUN_DIR [RUN_DIR ...]``: curves of runs, side by side, as a PNG.
 
 Reads each run directory's ``metrics.jsonl`` (written with ``--log-dir``) and
-draws train loss, test accuracy, learning rate and examples/s against the step,
-one line per run.
+draws, against the step, one line per run: the train loss (with the validation
+and test loss as points), the evaluation's figure (a classifier's test accuracy;
+a language model's bits per byte or perplexity, validation's when it has one),
+the learning rate, and examples/s (tokens/s for a language model).
 """
 
 from __future__ import annotations
@@ -15,13 +17,23 @@ from collections.abc import Sequence
 
 from jdp.errors import UsageError
 
-# (record kind, key, panel title, y label, log scale)
+# (record kinds, key, panel title, y label, log scale): each panel draws the first
+# of its choices that some run logged.
 _PANELS = (
-    ("train", "loss", "Train loss", "cross-entropy", True),
-    ("eval", "accuracy", "Test accuracy", "accuracy", False),
-    ("train", "lr", "Learning rate", "learning rate", False),
-    ("train", "examples_per_sec", "Throughput", "examples / s", False),
-)
+    ((("train", "val", "eval"), "loss", "Loss (train; val and test as points)",
+      "cross-entropy", True),),
+    (
+        (("eval",), "accuracy", "Test accuracy", "accuracy", False),
+        (("val", "eval"), "bits_per_byte", "Bits per byte", "bits / byte", False),
+        (("val", "eval"), "perplexity", "Perplexity", "perplexity", True),
+    ),
+    ((("train",), "lr", "Learning rate", "learning rate", False),),
+    (
+        (("train",), "tokens_per_sec", "Throughput", "tokens / s", False),
+        (("train",), "examples_per_sec", "Throughput", "examples / s", False),
+    ),
+)  # fmt: skip
+_KIND_NAMES = {"train": "", "val": " val", "eval": " test"}
 
 
 def read_run(run_dir: str) -> dict[str, dict[int, dict]]:
@@ -65,22 +77,28 @@ def plot_runs(run_dirs: Sequence[str], out: str) -> str:
 
     runs = {_label(run_dir, run_dirs): read_run(run_dir) for run_dir in run_dirs}
     figure, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (kind, key, title, ylabel, log) in zip(axes.flat, _PANELS, strict=True):
+    for ax, choices in zip(axes.flat, _PANELS, strict=True):
+        kinds, key, title, ylabel, log = _choose(choices, runs)
         drawn = False
-        for label, records in runs.items():
-            points = sorted(
-                (step, record[key])
-                for step, record in records.get(kind, {}).items()
-                if key in record
-            )
-            if points:
-                steps, values = zip(*points, strict=True)
-                ax.plot(steps, values, marker="o" if kind == "eval" else None, label=label)
-                drawn = True
+        for color, (label, records) in enumerate(runs.items()):
+            for kind in kinds:
+                points = sorted(
+                    (step, record[key])
+                    for step, record in records.get(kind, {}).items()
+                    if key in record
+                )
+                if points:
+                    steps, values = zip(*points, strict=True)
+                    name = label + (_KIND_NAMES[kind] if len(kinds) > 1 else "")
+                    style = {"marker": "o", "linestyle": "--"} if kind != "train" else {}
+                    ax.plot(steps, values, color=f"C{color}", label=name, **style)
+                    drawn = True
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         if log and drawn:
             ax.set_yscale("log")
-        if key == "examples_per_sec":
+            ax.yaxis.set_major_formatter("{x:.3g}")  # 0.1, not 10^-1
+            ax.yaxis.set_minor_formatter("")
+        if key.endswith("_per_sec"):
             ax.yaxis.set_major_formatter("{x:,.0f}")
             ax.set_ylim(bottom=0)
         if drawn:
@@ -92,6 +110,15 @@ def plot_runs(run_dirs: Sequence[str], out: str) -> str:
     figure.savefig(out, dpi=100)
     plt.close(figure)
     return out
+
+
+def _choose(choices: tuple, runs: dict) -> tuple:
+    """A panel's first choice that some run logged (else its first, drawn as not logged)."""
+    for kinds, key, *rest in choices:
+        for records in runs.values():
+            if any(key in record for kind in kinds for record in records.get(kind, {}).values()):
+                return (kinds, key, *rest)
+    return choices[0]
 
 
 def _label(run_dir: str, run_dirs: Sequence[str]) -> str:

@@ -86,7 +86,7 @@ def test_the_config_choices_are_the_registries():
     import typing
 
     from jdp import optim, precision, step
-    from jdp.data import custom, sources
+    from jdp.data import corpora, custom, sources, tokens
     from jdp.diloco.outer import OUTER_OPTIMIZERS
     from jdp.models.registry import MODELS, SIZES
     from jdp.training import config, config_checks
@@ -97,10 +97,11 @@ def test_the_config_choices_are_the_registries():
     assert choices(config.Backend) == set(step.BACKENDS)
     assert choices(config.ModelName) == set(MODELS)
     assert choices(config.ModelSize) == set(SIZES)
-    assert choices(config_checks.DatasetName) == set(sources.DATASETS) | set(sources.GENERATED)
-    assert (
-        config_checks.DATASET_PREFIXES == custom.PREFIXES
-    )  # the config checks what the data reads
+    assert choices(config_checks.DatasetName) == (
+        set(sources.DATASETS) | set(sources.GENERATED) | set(corpora.CORPORA)
+    )
+    # The config checks what the data reads.
+    assert (*custom.PREFIXES, tokens.TOKENS_PREFIX) == config_checks.DATASET_PREFIXES
     assert choices(config.OptimizerName) == set(optim.OPTIMIZERS)
     assert choices(config.ScheduleName) == set(optim.SCHEDULES)
     assert choices(config.LrScaling) == set(optim.LR_SCALING)

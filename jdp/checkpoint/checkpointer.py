@@ -57,8 +57,9 @@ class Checkpointer:
     Args:
         directory: where the step directories live (created if missing).
         keep: how many of the latest checkpoints to keep.
-        best_metric: also keep the checkpoint with the highest value of this
-            eval metric (among saves that were given metrics).
+        best_metric: also keep the checkpoint with the best value of this eval
+            metric (among saves that were given metrics).
+        best_mode: ``max`` (a higher ``best_metric`` is better) or ``min``.
         async_save: write in the background; ``save`` returns once the arrays
             are copied off the devices.
 
@@ -81,6 +82,7 @@ class Checkpointer:
         *,
         keep: int = 3,
         best_metric: str | None = "accuracy",
+        best_mode: str = "max",
         async_save: bool = True,
     ):
         if keep < 1:
@@ -94,7 +96,7 @@ class Checkpointer:
         _quiet_orbax_failures()
         self._take_lock()
         try:
-            self._manager = _manager(self.directory, keep, best_metric, async_save)
+            self._manager = _manager(self.directory, keep, (best_metric, best_mode), async_save)
         except BaseException:
             self._lock.release()
             raise

@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jdp.checkpoint.digest import finish_digests, leaf_name, start_digests, tree_digests
-from jdp.errors import os_failure
+from jdp.errors import UsageError, os_failure
 
 
 def _abstract(tree: Any) -> Any:
@@ -246,14 +246,19 @@ def _barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def _manager(directory: str, keep: int, best_metric: str | None, async_save: bool
+def _manager(directory: str, keep: int, best: tuple[str | None, str], async_save: bool
              ) -> ocp.CheckpointManager:  # fmt: skip
-    """Orbax's manager of the directory: retention, async saves, the two items' handlers."""
+    """Orbax's manager of the directory: retention (the latest ``keep`` and the best by
+    ``best``, a metric and ``max`` or ``min``), async saves, the two items' handlers."""
     policies = [ocp.checkpoint_managers.LatestN(keep)]
+    best_metric, best_mode = best
+    if best_mode not in ("max", "min"):
+        raise UsageError(f"best_mode {best_mode!r}: choose max or min")
     if best_metric:
         policies.append(
             ocp.checkpoint_managers.BestN(
                 get_metric_fn=lambda metrics: metrics[best_metric],
+                reverse=best_mode == "min",  # BestN keeps the last of an ascending sort
                 n=1,
                 keep_checkpoints_without_metrics=False,
             )

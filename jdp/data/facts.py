@@ -20,6 +20,10 @@ def data_facts(split) -> dict:
         "vocab": list(getattr(split, "vocab", ()) or ()),
         "input_key": split.input_key,
         "label_key": split.label_key,
+        # A token corpus's: no token table, its size; windows' length; byte tokens or not.
+        "vocab_size": getattr(split, "vocab_size", None),
+        "seq_len": getattr(split, "seq_len", None),
+        "tokenizer": getattr(split, "tokenizer", None),
     }
 
 
@@ -32,4 +36,7 @@ def split_shape(facts: Mapping) -> types.SimpleNamespace:
         vocab=tuple(facts.get("vocab") or ()),
         input_key=facts.get("input_key", "image"),
         label_key=facts.get("label_key", "label"),
+        vocab_size=facts.get("vocab_size"),
+        seq_len=facts.get("seq_len") or 0,
+        tokenizer=facts.get("tokenizer"),
     )

@@ -17,7 +17,7 @@ from jdp.models.adapters import from_linen, from_nnx
 from jdp.models.cnn import CNN
 from jdp.models.mlp import MLP
 from jdp.models.model import Model
-from jdp.models.objectives import Objective, classification, sequence
+from jdp.models.objectives import Objective, classification, language_model, sequence
 from jdp.models.registry import get_model
 from jdp.models.resnet import ResNet
 from jdp.models.transformer import GPT, Seq2SeqTransformer, greedy_decode
@@ -54,6 +54,7 @@ __all__ = [
     "from_nnx",
     "get_model",
     "greedy_decode",
+    "language_model",
     "sequence",
     "translate",
 ]

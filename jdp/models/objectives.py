@@ -8,6 +8,7 @@ built-in models' (`jdp.models.get_model`); `from_linen` and `from_nnx` take any.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,17 @@ class Objective:
 
     loss: Callable[[Any, Batch], jax.Array]
     metrics: Callable[[Any, Batch], dict[str, jax.Array]]
+    # The eval metric that picks the best checkpoint when the run names none, and
+    # whether higher ("max") or lower ("min") is better.
+    best: tuple[str, str] = ("accuracy", "max")
+    # ``{name: split mean} -> {name: figure}``: figures that are not means of
+    # per-example values (perplexity is the exponential of the mean loss), added
+    # to an evaluation's results; None for none.
+    derived: Callable[[dict[str, float]], dict[str, float]] | None = None
+
+
+def _perplexity(means: dict[str, float]) -> dict[str, float]:
+    return {"perplexity": math.exp(min(means["loss"], 700.0))}  # exp(710) overflows a float
 
 
 def classification(label: str = "label") -> Objective:
@@ -89,3 +101,39 @@ def sequence(target: str = "target", pad: int = 0) -> Objective:
         }
 
     return Objective(loss, metrics)
+
+
+def language_model(key: str = "tokens", *, bits_per_byte: bool = False) -> Objective:
+    """Next-token cross-entropy on windows ``batch[key]`` of ``length + 1`` tokens.
+
+    The model reads ``tokens[:, :-1]`` and its logits ``(rows, length, vocab)``
+    predict ``tokens[:, 1:]``; every token counts (a corpus has no padding), so
+    the mean over examples is the mean over tokens. Metrics: ``token_accuracy``
+    (the most likely next token is right), and ``bits_per_byte`` (the loss in
+    bits, when each token is one byte: ``bits_per_byte=True``) or else
+    ``perplexity`` (the exponential of the split's mean loss, added after
+    averaging). The best checkpoint is the one of lowest loss.
+
+    Examples:
+        >>> objective = jdp.models.language_model(bits_per_byte=True)
+        >>> logits = jnp.zeros((1, 3, 256))  # uniform over 256 bytes: 8 bits each
+        >>> objective.metrics(logits, {"tokens": jnp.zeros((1, 4), jnp.int32)})["bits_per_byte"]
+        Array([8.], dtype=float32)
+    """
+
+    def loss(logits, batch):
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), batch[key][:, 1:]
+        )
+        return losses.mean(-1)
+
+    def metrics(logits, batch):
+        right = jnp.argmax(logits, -1) == batch[key][:, 1:]
+        figures = {"token_accuracy": right.astype(jnp.float32).mean(-1)}
+        if bits_per_byte:
+            figures["bits_per_byte"] = loss(logits, batch) / math.log(2.0)
+        return figures
+
+    return Objective(
+        loss, metrics, best=("loss", "min"), derived=None if bits_per_byte else _perplexity
+    )

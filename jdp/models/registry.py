@@ -13,7 +13,7 @@ from jdp.models.adapters import from_linen
 from jdp.models.cnn import CNN
 from jdp.models.mlp import MLP
 from jdp.models.model import Model
-from jdp.models.objectives import classification, sequence
+from jdp.models.objectives import classification, language_model, sequence
 from jdp.models.resnet import ResNet
 from jdp.models.transformer import GPT, Seq2SeqTransformer
 
@@ -24,20 +24,20 @@ SIZES = ("small", "standard")
 class Builtin:
     """A built-in model: what data it takes and its module at each size."""
 
-    data: str  # "image" or "sequence", as `jdp.data.sources.dataset_kind` names datasets
+    data: tuple[str, ...]  # the kinds of split it takes: "image", "sequence" (pairs), "text"
     module: Callable[..., Any]
     sizes: dict[str, dict[str, Any]]
 
 
 MODELS: dict[str, Builtin] = {
     "mlp": Builtin(
-        "image", MLP, {"small": {"hidden": (512,)}, "standard": {"hidden": (1024, 1024)}}
+        ("image",), MLP, {"small": {"hidden": (512,)}, "standard": {"hidden": (1024, 1024)}}
     ),
     "cnn": Builtin(
-        "image", CNN, {"small": {"features": (32, 64)}, "standard": {"features": (64, 128, 256)}}
+        ("image",), CNN, {"small": {"features": (32, 64)}, "standard": {"features": (64, 128, 256)}}
     ),
     "resnet20": Builtin(
-        "image",
+        ("image",),
         ResNet,
         {
             "small": {"stages": (3, 3, 3), "widths": (8, 16, 32)},
@@ -45,7 +45,7 @@ MODELS: dict[str, Builtin] = {
         },
     ),
     "resnet18": Builtin(
-        "image",
+        ("image",),
         ResNet,
         {
             "small": {"stages": (2, 2, 2, 2), "widths": (16, 32, 64, 128)},
@@ -55,7 +55,7 @@ MODELS: dict[str, Builtin] = {
     # small: the reference DDP Transformer (d_model 128, 4 heads, 2 + 2 layers);
     # standard: Transformer base (Vaswani et al., 2017).
     "seq2seq": Builtin(
-        "sequence",
+        ("sequence",),
         Seq2SeqTransformer,
         {
             "small": {"width": 128, "heads": 4, "layers": 2, "hidden": 512},
@@ -64,7 +64,7 @@ MODELS: dict[str, Builtin] = {
     ),
     # standard: GPT-2 small (124M parameters with its 50,257-token vocabulary).
     "gpt": Builtin(
-        "sequence",
+        ("sequence", "text"),
         GPT,
         {
             "small": {"width": 128, "heads": 4, "layers": 4, "hidden": 512, "max_len": 256},
@@ -81,13 +81,18 @@ def check_model(name: str, size: str = "small", data: str | None = None) -> Buil
     if size not in SIZES:
         raise UsageError(f"unknown model size {size!r}; choose one of: {', '.join(SIZES)}")
     builtin = MODELS[name]
-    if data is not None and data != builtin.data:
-        fitting = ", ".join(sorted(n for n, m in MODELS.items() if m.data == data))
+    if data is not None and data not in builtin.data:
+        fitting = ", ".join(sorted(n for n, m in MODELS.items() if data in m.data))
         raise UsageError(
-            f"model {name!r} takes {builtin.data} data and the dataset holds {data} data; "
-            f"for it choose --model {fitting}"
+            f"model {name!r} takes {' or '.join(builtin.data)} data and the dataset holds "
+            f"{data} data; for it choose --model {fitting}"
         )
     return builtin
+
+
+def context(name: str, size: str = "small") -> int:
+    """The tokens a built-in model reads at once by default (its ``max_len``; 256 for others)."""
+    return MODELS[name].sizes[size].get("max_len", 256) if name in MODELS else 256
 
 
 def _lm_inputs(batch):
@@ -95,8 +100,16 @@ def _lm_inputs(batch):
     return (jnp.concatenate([batch["source"], batch["target"][:, :-1]], axis=1),)
 
 
-def get_model(name: str, split, size: str = "small") -> Model:
+def _window_inputs(batch):
+    """A language model reads a window's tokens but the last, and predicts the next of each."""
+    return (batch["tokens"][:, :-1],)
+
+
+def get_model(name: str, split, size: str = "small", *, seq_len: int = 0) -> Model:
     """The built-in model ``name`` at ``size``, shaped for ``split`` (classes or vocabulary).
+
+    ``seq_len`` sets the positions ``gpt`` has (``--seq-len``; a token corpus's
+    windows set it by default).
 
     Examples:
         >>> train = jdp.load_split("digits", "train", data_dir=tmp)
@@ -106,8 +119,8 @@ def get_model(name: str, split, size: str = "small") -> Model:
         19562
     """
     builtin = check_model(name, size, split.kind)
-    options = builtin.sizes[size]
-    if builtin.data == "image":
+    options = dict(builtin.sizes[size])
+    if "image" in builtin.data:
         if split.label_key is None or not split.num_classes:
             raise UsageError(
                 f"the built-in {name} classifies, and the data has no integer label; give "
@@ -118,7 +131,19 @@ def get_model(name: str, split, size: str = "small") -> Model:
             classification(split.label_key),
             inputs=split.input_key,
         )
+    if name != "gpt":
+        module = builtin.module(vocab_size=len(split.vocab), **options)
+        return from_linen(module, sequence(), inputs=lambda b: (b["source"], b["target"][:, :-1]))
+    options["max_len"] = seq_len or getattr(split, "seq_len", 0) or options["max_len"]
+    if split.kind == "text":
+        module = builtin.module(vocab_size=split.vocab_size, **options)
+        objective = language_model(split.input_key, bits_per_byte=split.tokenizer == "bytes")
+        return from_linen(module, objective, inputs=_window_inputs)
+    needed = split.source.shape[1] + split.target.shape[1] - 1 if hasattr(split, "source") else 0
+    if needed > options["max_len"]:
+        raise UsageError(
+            f"--seq-len {options['max_len']} is shorter than the data's sequences "
+            f"({needed} tokens); use --seq-len {needed} or more"
+        )
     module = builtin.module(vocab_size=len(split.vocab), **options)
-    if name == "gpt":
-        return from_linen(module, sequence(), inputs=_lm_inputs)
-    return from_linen(module, sequence(), inputs=lambda b: (b["source"], b["target"][:, :-1]))
+    return from_linen(module, sequence(), inputs=_lm_inputs)

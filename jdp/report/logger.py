@@ -157,6 +157,9 @@ class MetricLogger:
             record.update(values)
             if kind == "train":
                 record.update(self._rates(step, dispatched))
+                if self.throughput.tokens_per_example:
+                    tokens = self.throughput.batch_size * self.throughput.tokens_per_example
+                    record["tokens_seen"] = step * tokens
                 self.latest = record
             self.history.append(record)
             for writer in self._writers:
@@ -171,6 +174,8 @@ class MetricLogger:
             "examples_per_sec": steps_per_sec * self.throughput.batch_size,
             "steps_per_sec": steps_per_sec,
         }
+        if self.throughput.tokens_per_example:
+            rates["tokens_per_sec"] = rates["examples_per_sec"] * self.throughput.tokens_per_example
         if self.throughput.flops_per_step:
             rates["flops_per_sec"] = steps_per_sec * self.throughput.flops_per_step
             if self.throughput.peak_flops:

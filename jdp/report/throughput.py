@@ -57,8 +57,9 @@ def _flops(analysis) -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class Throughput:
-    """What turns step rates into FLOP/s and MFU."""
+    """What turns step rates into examples/s, tokens/s, FLOP/s and MFU."""
 
     batch_size: int
     flops_per_step: float | None = None
     peak_flops: float | None = None  # of all devices together
+    tokens_per_example: int | None = None  # a language model's window, for tokens/s

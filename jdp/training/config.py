@@ -20,6 +20,8 @@ LrScaling = Literal["none", "linear", "sqrt"]
 PrecisionName = Literal["fp32", "bf16", "fp16"]
 ReduceDtype = Literal["fp32", "bf16"]
 EarlyStopMetric = Literal["loss", "accuracy"]
+TokenDtype = Literal["", "uint16", "uint32", "int32"]
+BestMode = Literal["auto", "max", "min"]
 NanPolicy = Literal["stop", "skip", "ignore"]
 OuterOptimizerName = Literal["nesterov", "sgd"]
 # DiLoCo's synchronisation interval when a mesh has a group axis and --sync-every is 0.
@@ -80,8 +82,26 @@ class TrainConfig:
         DATA,
         "digits",
         "digits (bundled), numbers2words (generated), mnist, fashion_mnist, cifar10, "
-        "tfds:NAME (any TFDS dataset prepared as array_record), folder:PATH (images in "
-        "class folders) or npz:FILE (NumPy arrays named like x_train, y_train, x_test, y_test)",
+        "python_stdlib (text: the Python standard library's sources as bytes, prepared on first "
+        "use), tfds:NAME (any TFDS dataset prepared as array_record), folder:PATH (images in "
+        "class folders), npz:FILE (NumPy arrays named like x_train, y_train, x_test, y_test) "
+        "or tokens:PATH (a token corpus: llm.c shards, raw .bin or .npy; a file, directory "
+        "or glob, its val and test files by name)",
+    )
+    seq_len: int = _flag(
+        DATA,
+        0,
+        "tokens a language model reads at once: a token corpus's window, and the gpt model's "
+        "positions (0: the model's own, 256 for gpt small, 1024 for standard)",
+    )
+    vocab_size: int = _flag(
+        DATA, 0, "a token corpus's vocabulary size (0: from the tokens.json beside it)"
+    )
+    token_dtype: TokenDtype = _flag(
+        DATA,
+        "",
+        "the ids of raw .bin token files (no llm.c header): uint16, uint32 or int32 "
+        "(default: from tokens.json; never guessed)",
     )
     validation_fraction: float = _flag(
         DATA,
@@ -189,7 +209,20 @@ class TrainConfig:
         CHECKPOINTS, 0, "save every N steps (0: only at the end and when preempted)"
     )
     keep: int = _flag(
-        CHECKPOINTS, 3, "latest checkpoints to keep (the best by test accuracy is kept too)"
+        CHECKPOINTS, 3, "latest checkpoints to keep (the best by --best-metric is kept too)"
+    )
+    best_metric: str = _flag(
+        CHECKPOINTS,
+        "",
+        "the eval metric that picks the best checkpoint, NAME or SPLIT/NAME of the split that "
+        "chooses (val with a validation split, else test), e.g. val/loss (default: the "
+        "model's own: accuracy, or loss for a language model)",
+    )
+    best_mode: BestMode = _flag(
+        CHECKPOINTS,
+        "auto",
+        "is a higher or a lower --best-metric better: max, min, or auto (min for loss, "
+        "perplexity and bits_per_byte, else max)",
     )
     no_resume: bool = _flag(
         CHECKPOINTS, False, "start fresh; refused when --ckpt-dir holds checkpoints"

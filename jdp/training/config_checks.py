@@ -13,8 +13,10 @@ from jdp.mesh import GROUP_AXIS, SHARDING_AXES, parse_axis_rules, parse_mesh_spe
 
 # The datasets known by name; --dataset also takes your own data by these prefixes
 # (jdp.data.custom reads them).
-DatasetName = Literal["cifar10", "digits", "fashion_mnist", "mnist", "numbers2words"]
-DATASET_PREFIXES = ("tfds:", "folder:", "npz:")
+DatasetName = Literal[
+    "cifar10", "digits", "fashion_mnist", "mnist", "numbers2words", "python_stdlib"
+]
+DATASET_PREFIXES = ("tfds:", "folder:", "npz:", "tokens:")
 
 
 def check(config) -> None:
@@ -54,6 +56,8 @@ def check(config) -> None:
     _check_layout(config)
     if config.check_replicas_every < 0:
         raise UsageError("--check-replicas-every must be >= 0 (0: off)")
+    if config.seq_len < 0 or config.vocab_size < 0:
+        raise UsageError("--seq-len and --vocab-size must be >= 0 (0: the default)")
     if config.early_stop_patience < 0:
         raise UsageError("--early-stop-patience must be >= 0 (0: off)")
     if config.early_stop_patience and not config.eval_every:
@@ -85,8 +89,8 @@ def _check_dataset(config) -> None:
         raise UsageError(
             f"unknown dataset {config.dataset!r}; choose one of: "
             f"{', '.join(typing.get_args(DatasetName))}, or tfds:NAME (any TFDS dataset), "
-            "folder:PATH (images in class folders) or npz:FILE (arrays named like x_train, "
-            "y_train)"
+            "folder:PATH (images in class folders), npz:FILE (arrays named like x_train, "
+            "y_train) or tokens:PATH (a token corpus)"
         )
 
 

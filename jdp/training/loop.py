@@ -29,7 +29,7 @@ from jdp.training.results import (
 )
 from jdp.training.resume import resume
 from jdp.training.run import Data, Run, Yours, build
-from jdp.training.wiring import actions_for, metric_logger
+from jdp.training.wiring import actions_for, checkpointer, metric_logger, tokens_per_example
 
 
 def fit(
@@ -76,7 +76,7 @@ def fit(
     with contextlib.ExitStack() as stack:
         state, start, checkpoints = run.state, 0, None
         if config.ckpt_dir:
-            checkpoints = stack.enter_context(Checkpointer(config.ckpt_dir, keep=config.keep))
+            checkpoints = stack.enter_context(checkpointer(config, run))
             state, start = resume(config, checkpoints, state, console, run.recorded)
             if start >= config.steps:
                 console.line(
@@ -88,7 +88,7 @@ def fit(
                                           callbacks)  # fmt: skip
         if not progress.finish:  # preempted, and saved if it could
             return stopped(progress, started)
-    return finished(config, progress, timer, started, start, history)
+    return finished(run, progress, timer, started, start, history)
 
 
 def _your_data(train: Split | None, validation: Split | None, test: Split | None
@@ -109,7 +109,7 @@ def _train(run: Run, state: TrainState, start: int, stack: contextlib.ExitStack,
     records logged."""
     config, calls = run.config, run.config.steps_per_call  # steps per call of the step
     batches = stack.enter_context(_train_loader(config, run, start))
-    logger = stack.enter_context(metric_logger(config))
+    logger = stack.enter_context(metric_logger(config, tokens_per_example(run)))
     actions = actions_for(config, run, stack, console, logger, batches, checkpoints, callbacks)
     progress = Progress(step=start, steps=config.steps, state=state)
     _call_each(actions, progress)  # before the first call: a profile may start there

@@ -19,7 +19,7 @@ from jdp.mesh import GROUP_AXIS, MODEL_AXIS, batch_split, data_size, group_size,
 from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
 from jdp.report.run_info import write_run_info
-from jdp.report.throughput import Throughput, peak_flops, step_flops
+from jdp.report.throughput import peak_flops, step_flops
 from jdp.training.config import TrainConfig
 from jdp.training.optimizer import peak_lr
 from jdp.training.parts import Data, Run, Yours
@@ -40,8 +40,8 @@ def describe_run(
     # undercount: no figure rather than a wrong one.
     flops = step_flops(lowered, devices) if config.accumulate == 1 else None
     peak = peak_flops(kind)
-    logger.throughput = Throughput(
-        config.batch_size, flops_per_step=flops, peak_flops=peak * devices if peak else None
+    logger.throughput = dataclasses.replace(
+        logger.throughput, flops_per_step=flops, peak_flops=peak * devices if peak else None
     )
     write_run_info(
         config.log_dir,

@@ -16,7 +16,7 @@ from jdp.report.console import Console
 from jdp.state import TrainState
 from jdp.training.config import DILOCO_FIELDS, TOPOLOGY_FIELDS, TrainConfig
 from jdp.training.run import Run, Yours, build
-from jdp.training.wiring import evaluations, metric_logger
+from jdp.training.wiring import evaluations, metric_logger, tokens_per_example
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,26 +37,41 @@ class FitResult:
     # Every record logged (process 0): {"kind": "train" | "val" | "eval", "step", ...}.
     history: list[dict] = dataclasses.field(default_factory=list)
     evaluated_only: bool = False  # --eval-only: a checkpoint evaluated, nothing trained
+    test: dict[str, float] | None = None  # the last test metrics, when the run has a test split
+    tokens_per_sec: float | None = None  # a language model's, from examples/s and its window
 
     def summary_line(self) -> str:
         if self.preempted:
             return self.preempted
-        validation = (
-            f"val_accuracy={self.validation['accuracy']:.4f} "
-            if self.validation and "accuracy" in self.validation
-            else ""
-        )
+        figures = self._figures()
         if self.evaluated_only:
-            return (
-                f"jdp.train: evaluated step={self.steps} {validation}"
-                f"test_loss={self.test_loss:.4f} test_accuracy={self.test_accuracy:.4f}"
-            )
+            return f"jdp.train: evaluated step={self.steps} {figures}".rstrip()
+        tokens = f"tokens/s={self.tokens_per_sec:.0f} " if self.tokens_per_sec is not None else ""
         return (
-            f"jdp.train: steps={self.steps} train_loss={self.train_loss:.4f} {validation}"
-            f"test_loss={self.test_loss:.4f} test_accuracy={self.test_accuracy:.4f} "
-            f"examples/s={self.examples_per_sec:.0f} input_wait={self.input_wait:.1%} "
+            f"jdp.train: steps={self.steps} train_loss={self.train_loss:.4f} {figures}"
+            f"examples/s={self.examples_per_sec:.0f} {tokens}input_wait={self.input_wait:.1%} "
             f"wall={self.wall_seconds:.1f}s"
         )
+
+    def _figures(self) -> str:
+        """The evaluations' headline figures: a classifier's accuracy, a language model's
+        loss and bits per byte (or perplexity); the test split's when there is one."""
+        parts = []
+        if self.validation:
+            headline = _headline(self.validation)
+            names = ["accuracy"] if headline == "accuracy" else ["loss", headline]
+            parts += [f"val_{name}={self.validation[name]:.4f}" for name in names if name]
+        if self.test is not None or not self.validation:
+            headline = _headline(self.test or {}) or "accuracy"
+            parts += [f"test_loss={self.test_loss:.4f}"]
+            parts += [f"test_{headline}={(self.test or {}).get(headline, float('nan')):.4f}"]
+        return "".join(f"{part} " for part in parts)
+
+
+def _headline(metrics: dict[str, float]) -> str | None:
+    """An evaluation's main figure besides its loss."""
+    return next((name for name in ("accuracy", "bits_per_byte", "perplexity") if name in metrics),
+                None)  # fmt: skip
 
 
 class SteadyTimer:
@@ -78,13 +93,15 @@ class SteadyTimer:
             self.waited = self.loader.wait_seconds - self.waited_before
 
 
-def finished(config: TrainConfig, progress: Progress, timer: SteadyTimer, started: float,
-              start: int, history: list) -> FitResult:  # fmt: skip
-    last = progress.metrics
+def finished(run: Run, progress: Progress, timer: SteadyTimer, started: float, start: int,
+             history: list) -> FitResult:  # fmt: skip
+    config, last = run.config, progress.metrics
     tested = progress.tested or {}
     validated = progress.evaluated if progress.evaluated is not progress.tested else None
     timed = progress.step - start - config.steps_per_call  # the steps after the first call
     nan = float("nan")
+    rate = timed * config.batch_size / timer.seconds if timer.seconds else 0.0
+    window = tokens_per_example(run)
     return FitResult(
         state=progress.state,
         steps=progress.step,
@@ -92,8 +109,10 @@ def finished(config: TrainConfig, progress: Progress, timer: SteadyTimer, starte
         test_loss=tested.get("loss", nan),
         test_accuracy=tested.get("accuracy", nan),
         validation=validated,
+        test=progress.tested,
+        tokens_per_sec=rate * window if window else None,
         history=list(history),
-        examples_per_sec=timed * config.batch_size / timer.seconds if timer.seconds else 0.0,
+        examples_per_sec=rate,
         input_wait=timer.waited / timer.seconds if timer.seconds else 0.0,
         wall_seconds=time.perf_counter() - started,
         stopped=progress.stop_reason,
@@ -148,7 +167,7 @@ def evaluated(run: Run, state: TrainState, step: int, console: Console, started:
         run.model.update(state.params, state.model_state)
     progress = Progress(step=step, steps=step, state=state)
     progress.final = True
-    with metric_logger(config) as logger:
+    with metric_logger(config, tokens_per_example(run)) as logger:
         for evaluation in evaluations(run, console, logger, every=0):
             evaluation(progress)
     tested, nan = progress.tested or {}, float("nan")
@@ -163,6 +182,7 @@ def evaluated(run: Run, state: TrainState, step: int, console: Console, started:
         input_wait=nan,
         wall_seconds=time.perf_counter() - started,
         validation=validated,
+        test=progress.tested,
         history=list(logger.history),
         evaluated_only=True,
     )

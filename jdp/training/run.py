@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from jdp import distributed
 from jdp.checkpoint import read_params
+from jdp.data.corpora import is_corpus, load_corpus
 from jdp.data.custom import holdout, load_named
 from jdp.data.facts import data_facts
 from jdp.data.pipeline import EvalReader, check_train_batch
@@ -36,6 +37,7 @@ from jdp.mesh import (
 )
 from jdp.mesh import parse_axis_rules as parse_rules
 from jdp.models import get_model
+from jdp.models.registry import context
 from jdp.precision import make_precision
 from jdp.replica import check_accumulate
 from jdp.report.console import Console
@@ -75,6 +77,15 @@ def load_data(config: TrainConfig, given: Data | None = None) -> Data:
     """The run's splits: ``given`` (`jdp.fit`'s), else ``--dataset``'s; a held-out validation."""
     if given is not None:
         data = given
+    elif is_corpus(config.dataset):
+        splits = load_corpus(
+            config.dataset,
+            seq_len=config.seq_len or context(config.model, config.model_size),
+            data_dir=config.data_dir,
+            vocab_size=config.vocab_size or None,
+            dtype=config.token_dtype or None,
+        )
+        data = Data(splits["train"], splits["validation"], splits["test"])
     else:
         data = Data(
             train=load_named(config.dataset, "train", config.data_dir),
@@ -171,7 +182,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
                 check_writable(directory, flag)
     name = f"{config.model} {config.model_size}" if model is None else "your model"
     if model is None:
-        model = get_model(config.model, train, config.model_size)
+        model = get_model(config.model, train, config.model_size, seq_len=config.seq_len)
 
     init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
     sample = EvalReader(train, batch_size=1, rows=slice(None))(0)

@@ -35,7 +35,9 @@ def _progress_fields(metrics: Mapping[str, Any], latest: Mapping | None) -> dict
     if "loss_scale" in values:
         fields["loss_scale"] = f"{values['loss_scale']:g}"
         fields["skipped"] = str(int(values["skipped_steps"]))
-    if latest and "examples_per_sec" in latest:  # over the last logging interval
+    if latest and "tokens_per_sec" in latest:  # a language model's, over the last interval
+        fields["tokens/s"] = f"{latest['tokens_per_sec']:,.0f}"
+    elif latest and "examples_per_sec" in latest:  # over the last logging interval
         fields["examples/s"] = f"{latest['examples_per_sec']:,.0f}"
     return fields
 
@@ -120,14 +122,17 @@ class Evaluate(PeriodicAction):
 
     def __init__(self, eval_step, split: Split, mesh, *, batch_size: int, every: int,
                  console: Console, logger: MetricLogger, prefix: str = "test",
-                 chooses: bool = True):  # fmt: skip
+                 chooses: bool = True, derived=None):  # fmt: skip
         super().__init__(every, at_end=True)
         self.eval_step, self.split, self.mesh, self.batch_size = eval_step, split, mesh, batch_size
         self.console, self.logger, self.prefix, self.chooses = console, logger, prefix, chooses
+        self.derived = derived  # the objective's figures from the means (perplexity)
 
     def run(self, progress: Progress) -> None:
         batches = eval_batches(self.split, self.mesh, batch_size=self.batch_size)
         result = evaluate(self.eval_step, progress.state, batches)
+        if self.derived is not None:
+            result |= self.derived(result)
         self.console.line(
             f"step {progress.step}: "
             + " ".join(f"{self.prefix}_{name}={result[name]:.4f}" for name in _eval_order(result))

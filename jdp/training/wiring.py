@@ -10,8 +10,9 @@ import jax
 
 from jdp.actions import Action, EarlyStopping
 from jdp.checkpoint import Checkpointer
-from jdp.data.pipeline import Loader
+from jdp.data.pipeline import EvalReader, Loader
 from jdp.distributed.preemption import Preemption
+from jdp.errors import UsageError
 from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
 from jdp.report.throughput import Throughput
@@ -34,16 +35,72 @@ from jdp.training.run_actions import (
 DISPLAY_EVERY = 20
 
 
-def metric_logger(config: TrainConfig) -> MetricLogger:
-    """Process 0's metric logger: writers in ``--log-dir`` when given, else just the display."""
+def metric_logger(config: TrainConfig, tokens_per_example: int | None = None) -> MetricLogger:
+    """Process 0's metric logger: writers in ``--log-dir`` when given, else just the display;
+    ``tokens_per_example`` (a language model's window) adds tokens/s and tokens seen."""
     enabled = jax.process_index() == 0
     writers = open_writers(config.log_dir) if config.log_dir and enabled else []
     return MetricLogger(
         writers,
         every=1,  # the loop picks the steps: with several per call, the calls' last ones
-        throughput=Throughput(config.batch_size),
+        throughput=Throughput(config.batch_size, tokens_per_example=tokens_per_example),
         enabled=enabled,
     )
+
+
+def tokens_per_example(run: Run) -> int | None:
+    """The tokens a training example feeds the model (a corpus's window), or None."""
+    return getattr(run.train, "seq_len", None)
+
+
+# Metrics where lower is better, for --best-mode auto.
+_LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte", "error")
+
+
+def checkpointer(config: TrainConfig, run: Run) -> Checkpointer:
+    """The run's `Checkpointer`, keeping the best checkpoint by ``--best-metric``."""
+    name, mode = best_metric(config, run)
+    return Checkpointer(config.ckpt_dir, keep=config.keep, best_metric=name, best_mode=mode)
+
+
+def best_metric(config: TrainConfig, run: Run) -> tuple[str, str]:
+    """``(metric, "max" or "min")`` that picks the best checkpoint: ``--best-metric``
+    (``NAME`` or ``SPLIT/NAME``) or the model's own, checked before the first step
+    against what the choosing split's evaluation gives."""
+    objective = run.model.objective
+    chooser = "val" if run.validation is not None else "test"
+    split, _, name = (config.best_metric or objective.best[0]).rpartition("/")
+    if split and split != chooser:
+        raise UsageError(
+            f"--best-metric {config.best_metric}: in this run the {chooser} split picks the "
+            f"best checkpoint; name {chooser}/{name}"
+        )
+    given = eval_metric_names(run)
+    if given is not None and name not in given:
+        raise UsageError(
+            f"--best-metric {config.best_metric or name}: the evaluation gives "
+            f"{', '.join(sorted(given))}; choose one of them"
+        )
+    if config.best_mode != "auto":
+        return name, config.best_mode
+    if not config.best_metric:
+        return name, objective.best[1]
+    return name, "min" if any(word in name for word in _LOWER_IS_BETTER) else "max"
+
+
+def eval_metric_names(run: Run) -> set[str] | None:
+    """The names an evaluation of the run reports (traced, nothing computed); None when
+    the run evaluates nothing."""
+    if run.validation is None and run.test is None:
+        return None
+    sample = EvalReader(run.train, batch_size=1, rows=slice(None))(0)
+    params, model_state = jax.eval_shape(run.model.init, jax.random.key(0), sample)
+    means = jax.eval_shape(run.model.metrics_fn, params, model_state, sample)
+    names = set(means)
+    derived = run.model.objective.derived
+    if derived is not None:
+        names |= set(derived(dict.fromkeys(names, 0.0)))
+    return names
 
 
 def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, console: Console,
@@ -99,7 +156,8 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
 def evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int) -> list:
     """With a validation split, it every ``every`` steps and the test split at the end only;
     without one, the test split every ``every`` steps. Both at the end."""
-    kwargs = dict(batch_size=run.config.batch_size, console=console, logger=logger)
+    kwargs = dict(batch_size=run.config.batch_size, console=console, logger=logger,
+                  derived=run.model.objective.derived)  # fmt: skip
     evaluations = []
     if run.validation is not None:
         evaluations.append(
