@@ -43,8 +43,9 @@ def test_bench_bad_input_is_one_line_and_exit_2():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "jdp.bench: error: unknown dataset 'imagenet'; choose one of: cifar10, digits, "
-        "fashion_mnist, mnist, numbers2words, or tfds:NAME (any TFDS dataset), folder:PATH "
-        "(images in class folders) or npz:FILE (arrays named like x_train, y_train)"
+        "fashion_mnist, mnist, numbers2words, python_stdlib, or tfds:NAME (any TFDS dataset), "
+        "folder:PATH (images in class folders), npz:FILE (arrays named like x_train, y_train) "
+        "or tokens:PATH (a token corpus)"
     ]
 
 
@@ -187,3 +188,14 @@ def test_diloco_benchmark_refuses_an_unknown_workload():
     result = _bench("diloco", "--workloads resnet", timeout=120)
     assert result.returncode == 2
     assert "unknown workload resnet; choose from: mlp, gpt" in result.stderr
+
+
+@pytest.mark.slow
+def test_corpus_benchmark_reports_memory_and_input_wait_per_mesh():
+    result = _bench("corpus", "--gigabytes 0.01 --steps 6 --meshes data=1,data=2", timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("jdp.bench corpus: 5,000,000 tokens in 0.01 GiB"), lines
+    for mesh, line in zip(("data=1", "data=2"), lines[1:], strict=True):
+        assert line.strip().startswith(f"mesh {mesh}") and "(growth " in line, line
+        assert re.search(r"input waiting \d+\.\d%; [\d,]+ tokens/s$", line), line

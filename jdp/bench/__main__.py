@@ -32,6 +32,9 @@ same workloads: final test metric, bytes crossing between the groups per step
 ``model``), the bytes per device of parameters and optimizer state, the compiled
 step's arguments and temporaries, and its collectives by mesh axis.
 
+``corpus``: gpt trained on a memory-mapped token corpus of 2 GB on disk: the
+process's memory growth and the loop's input waiting, on ``data=1`` and ``data=8``.
+
 ``faults``: random kill -9 trials (each resumed and compared bitwise with an
 uninterrupted run) and random bit flips in a checkpoint (each detected,
 unaffected, or restored silently).
@@ -45,6 +48,7 @@ from collections.abc import Sequence
 
 from jdp.bench import (
     checkpoint,
+    corpus,
     diloco,
     dispatch,
     faults,
@@ -69,6 +73,7 @@ BENCHMARKS = {
     "logging": (logs, "step loop with metrics every step vs none"),
     "multihost": (multihost, "each model in 1 process x 1 device vs 2 processes x 1 device"),
     "diloco": (diloco, "sync data parallelism vs DiLoCo: metric, bytes across groups, speed"),
+    "corpus": (corpus, "gpt on a 2 GB memory-mapped token corpus: memory growth, input wait"),
     "faults": (faults, "random kill -9 trials and checkpoint bit flips: resumes, detections"),
     "memory": (memory, "bytes per device of a model on each layout (data, fsdp, model, ZeRO-1)"),
     "readme": (readme, "run README.md's figures table's commands; rewrite or check its rows"),

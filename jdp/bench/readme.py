@@ -1,7 +1,8 @@
 """``python -m jdp.bench readme``: runs the commands of README.md's figures table.
 
 Each row's command runs in a fresh process, as a user runs it, and its summary
-line gives the row: test accuracy, wall time, examples/s. ``--write`` rewrites
+line gives the row: test accuracy (a language model's validation bits per
+byte), wall time, examples/s. ``--write`` rewrites
 the rows and the settings line above the table; ``--check`` exits 1 naming every
 row whose accuracy is not what its command printed. Speeds vary between runs and
 are never compared.
@@ -35,12 +36,14 @@ ROW = re.compile(
     r"±(?P<tolerance>[\d.]+) \| (?P<wall>[\d.]+) s \| (?P<rate>[\d,]+) \|$"
 )
 SUMMARY = re.compile(
-    r"^(?:\[0\] )?jdp\.train: steps=\d+ train_loss=\S+ test_loss=\S+ "
-    r"test_accuracy=(?P<accuracy>[\d.]+) examples/s=(?P<rate>\d+) input_wait=\S+ "
-    r"wall=(?P<wall>[\d.]+)s$",
+    r"^(?:\[0\] )?jdp\.train: steps=\d+ train_loss=\S+ (?:test_loss=\S+ "
+    r"test_accuracy=(?P<accuracy>[\d.]+)|val_loss=\S+ val_bits_per_byte=(?P<bits>[\d.]+)) "
+    r"examples/s=(?P<rate>\d+) (?:tokens/s=\d+ )?input_wait=\S+ wall=(?P<wall>[\d.]+)s$",
     re.M,
 )
-TEST_COUNT = re.compile(r"\b(?P<count>[\d,]+) test\)")
+# The evaluated split's size, from the line saying what was built; a language
+# model's validation split counts windows, and its figure is not a count of them.
+TEST_COUNT = re.compile(r"\b(?P<count>[\d,]+) (?P<split>test|validation)\)")
 SETTINGS = re.compile(r"^Recorded with: (?P<settings>.+)\.$", re.M)
 FINGERPRINT = re.compile(r"numerics (?P<key>[0-9a-f]{12})")
 _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\d+")
@@ -140,14 +143,15 @@ def run_command(command: str, *, flags: tuple[str, ...] = (), env=None) -> Print
     result = subprocess.run(
         [*words, *flags], capture_output=True, text=True, timeout=600, env=env or row_env()
     )
-    found = SUMMARY.findall(result.stdout)
+    found = list(SUMMARY.finditer(result.stdout))
     count = TEST_COUNT.search(result.stdout)
     if result.returncode or not found or not count:
         output = result.stdout[-2000:] + result.stderr[-2000:]
         raise RuntimeError(f"{command} {' '.join(flags)} failed:\n{output}")
-    accuracy, rate, wall = found[-1]
-    test_count = int(count.group("count").replace(",", ""))
-    return Printed(accuracy, f"{int(rate):,}", f"{float(wall):.1f}", test_count)
+    last = found[-1]
+    test_count = int(count.group("count").replace(",", "")) if count["split"] == "test" else 0
+    return Printed(last["accuracy"] or last["bits"], f"{int(last['rate']):,}",
+                   f"{float(last['wall']):.1f}", test_count)  # fmt: skip
 
 
 def measure(row: Row) -> Row:
@@ -170,9 +174,13 @@ def tolerance(accuracies: list[str], test_count: int) -> str:
     as much as the figure ranges over the reruns: the range of ``accuracies``, in
     whole test examples (the figures are rounded to 4 decimals). It is at least one
     example, since a single borderline example may flip between any two
-    trajectories, and is rounded up to the table's 4 decimals.
+    trajectories, and is rounded up to the table's 4 decimals. A figure that is
+    not a fraction of examples (``test_count`` 0: bits per byte) takes its range,
+    at least the table's last digit.
     """
     values = [float(accuracy) for accuracy in accuracies]
+    if not test_count:
+        return f"{max(math.ceil(round((max(values) - min(values)) * 1e4, 6)), 1) / 1e4:.4f}"
     examples = max(round((max(values) - min(values)) * test_count), 1)
     return f"{math.ceil(round(examples / test_count * 1e4, 6)) / 1e4:.4f}"
 
