@@ -63,7 +63,8 @@ def load_model(
 
     Args:
         path: a ``--ckpt-dir``.
-        step: ``"latest"``, ``"best"`` (the highest accuracy on the split that
+        step: ``"latest"``, ``"best"`` (by the run's ``--best-metric``, by default the
+            highest accuracy, or a language model's lowest loss, on the split that
             chose it: validation when the run had one, else test) or a step number.
         model: your own model (`jdp.models.from_linen`, `from_nnx`); a built-in
             one is rebuilt from the recorded config.

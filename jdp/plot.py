@@ -97,7 +97,9 @@ def plot_runs(run_dirs: Sequence[str], out: str) -> str:
         if log and drawn:
             ax.set_yscale("log")
             ax.yaxis.set_major_formatter("{x:.3g}")  # 0.1, not 10^-1
-            ax.yaxis.set_minor_formatter("")
+            low, high = ax.get_ylim()
+            # Within a decade only minor ticks fall inside: label them; over more, they crowd.
+            ax.yaxis.set_minor_formatter("{x:.3g}" if high < 10 * low else "")
         if key.endswith("_per_sec"):
             ax.yaxis.set_major_formatter("{x:,.0f}")
             ax.set_ylim(bottom=0)

@@ -67,6 +67,15 @@ def test_llmc_nanogpt_and_npy_read_the_same_windows(tmp_path):
         np.testing.assert_array_equal(split.read(indices)["tokens"], expected)
 
 
+def test_a_directory_of_only_validation_files_has_no_training_split(tmp_path):
+    write_llmc(tmp_path / "web_val_000000.bin", np.zeros(100, np.uint16))
+    (tmp_path / "sub.bin").mkdir()  # a directory named like a shard is not one
+    with pytest.raises(jdp.UsageError, match="has no train split; it has: validation"):
+        from_tokens(tmp_path, seq_len=8, vocab_size=10)
+    with pytest.raises(jdp.UsageError, match="vocabulary size 'abc'"):
+        from_tokens(tmp_path, "validation", seq_len=8, vocab_size="abc")
+
+
 def test_a_glob_or_directory_is_one_corpus_split_by_file_name(tmp_path):
     for number in range(3):
         write_llmc(tmp_path / f"web_train_{number:06d}.bin", np.full(101, number, np.uint16))
@@ -102,7 +111,17 @@ def test_bad_shards_are_one_line_naming_the_file(tmp_path):
         file.truncate(HEADER_BYTES + 2 * 250)
     tokens.tofile(tmp_path / "raw.bin")
     np.save(tmp_path / "floats.npy", np.zeros(10, np.float32))
+    (tmp_path / "tiny.bin").write_bytes(b"\x00" * 10)  # shorter than a header, not int32s
+    (tmp_path / "llmc").mkdir()
+    write_llmc(tmp_path / "llmc" / "c_train_000000.bin", tokens)
+    with open(tmp_path / "llmc" / "c_train_000000.bin", "r+b") as file:
+        file.write(b"\x01")  # one flipped byte of the magic
+    write_meta(tmp_path / "llmc", {"format": "llm.c", "dtype": "uint16", "vocab_size": 65536})
+    with pytest.raises(jdp.UsageError) as error:
+        from_tokens(tmp_path / "llmc", seq_len=8)  # never the header read as tokens
+    assert "does not start with llm.c's header" in _one_line(error)
     cases = {
+        "tiny.bin": "no llm.c header and no declared token dtype",
         "version.bin": "version 3",
         "short.bin": "says 300 tokens and the file holds 250",
         "raw.bin": "no llm.c header and no declared token dtype",
@@ -124,7 +143,12 @@ def test_a_token_outside_the_vocabulary_names_its_file_and_offset(tmp_path):
     with pytest.raises(jdp.UsageError) as error:
         split.read(np.arange(len(split)))
     line = _one_line(error)
-    assert f"{tmp_path / 'train.bin'}: token 300 at token offset 517 (byte 2058)" in line, line
+    where = f"{tmp_path / 'train.bin'}: token 300 at token offset 517 (byte 2058)"
+    assert f"{where} is not in [0, 256)" in line, line
+    np.save(tmp_path / "wide.npy", np.array([1, 2, 2**32 - 1, 3] * 10, np.uint32))
+    wide = from_tokens(tmp_path / "wide.npy", seq_len=4, vocab_size=256)
+    with pytest.raises(jdp.UsageError, match=r"token 4294967295 at token offset 2 .* not in \[0"):
+        wide.read(np.arange(len(wide)))  # read as int32 it would be -1: never trained on
 
 
 def test_each_process_reads_only_its_rows_of_the_same_global_batch(corpus):
@@ -185,6 +209,8 @@ def test_gpt_positions_follow_seq_len(corpus):
         if "Embed_1" in jax.tree_util.keystr(path)
     ]
     assert positions[0].shape == (48, 128)
+    with pytest.raises(jdp.UsageError, match="windows are 48 tokens and --seq-len is 32"):
+        jdp.models.get_model("gpt", train, seq_len=32)
     numbers = jdp.load_split("numbers2words", "train")
     with pytest.raises(jdp.UsageError, match="--seq-len 8 is shorter than the data's sequences"):
         jdp.models.get_model("gpt", numbers, seq_len=8)
@@ -221,6 +247,8 @@ def test_the_best_checkpoint_is_the_lowest_loss_and_bad_best_metrics_are_refused
     kept = sorted(int(name) for name in os.listdir(tmp_path / "run") if name.isdigit())
     best = min(losses, key=losses.get)
     assert kept == sorted({best, 40}), (kept, losses)
+    loaded = jdp.load_model(str(tmp_path / "run"), "best")  # chosen as the run kept it
+    assert loaded.step == best and loaded.config["seq_len"] == SEQ
 
 
 def test_the_cli_names_a_missing_vocabulary_and_dtype(tmp_path):

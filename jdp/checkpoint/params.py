@@ -25,7 +25,8 @@ from jdp.report.console import quiet_absl
 
 def step_directory(path: str, step: str | int = "latest") -> str:
     """``path`` itself when it is one checkpoint, else its checkpoint ``step``:
-    ``"latest"`` (complete), ``"best"`` (highest recorded accuracy) or a number."""
+    ``"latest"`` (complete), ``"best"`` (by the metric the run kept its best by, recorded
+    with it: ``--best-metric``, by default accuracy, or a language model's loss) or a number."""
     if os.path.isdir(os.path.join(path, "state")):
         return path
     steps = (
@@ -43,9 +44,12 @@ def step_directory(path: str, step: str | int = "latest") -> str:
     if step == "best":
         scored = {}
         for number in whole:
-            metrics = read_record(os.path.join(path, str(number))).metrics
-            if isinstance(metrics.get("accuracy"), float):
-                scored[number] = metrics["accuracy"]
+            record = read_record(os.path.join(path, str(number)))
+            # Before the choice was recorded, checkpoints were kept by accuracy.
+            chosen = record.config.get("best_checkpoint") or {"metric": "accuracy", "mode": "max"}
+            value = record.metrics.get(chosen["metric"])
+            if isinstance(value, float):
+                scored[number] = value if chosen["mode"] == "max" else -value
         if not scored:
             raise UsageError(
                 f"no checkpoint in {path} recorded an evaluation; load step='latest' or a step "

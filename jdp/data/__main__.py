@@ -15,6 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from jdp.data.corpora import CORPORA, prepare_stdlib
 from jdp.data.sources import DATASETS, prepare
 from jdp.data.tokenize import tokenize
 from jdp.errors import UsageError
@@ -25,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jdp.data", description=description)
     commands = parser.add_subparsers(dest="command", required=True)
     prepare_parser = commands.add_parser("prepare", help="download and prepare a dataset")
-    prepare_parser.add_argument("name", choices=sorted(DATASETS))
+    prepare_parser.add_argument("name", choices=sorted([*DATASETS, *CORPORA]))
     prepare_parser.add_argument(
         "--data-dir", default=None, help="TFDS data directory (default: $TFDS_DATA_DIR)"
     )
@@ -45,7 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(f"jdp.data: {_tokenized(meta)}, in {args.out}")
             return 0
-        path = prepare(args.name, args.data_dir)
+        if args.name in CORPORA:
+            path = prepare_stdlib(args.data_dir)
+        else:
+            path = prepare(args.name, args.data_dir)
     except UsageError as error:
         print(f"jdp.data: error: {error}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 
 ``python_stdlib`` is real text that every machine with Python has: the ``.py``
 sources of the running interpreter's standard library (its tests, IDLE's tests
-and any installed packages left out; about 12.6 MB for CPython 3.11), as UTF-8
+and any installed packages left out; 12.1 MB for CPython 3.11.7), as UTF-8
 bytes (vocabulary 256, so the loss reads in bits per byte). It is written by
 the Python core developers and licensed under the Python Software Foundation
 License Version 2. On first use it is tokenized into ``DATA_DIR/jdp_corpora/``
@@ -92,6 +92,7 @@ def prepare_stdlib(data_dir: str | None = None) -> str:
                         workers=0, progress=False)  # fmt: skip
         source = f"the standard library of Python {platform.python_version()}"
         write_meta(scratch, meta | {"source": source, "licence": LICENCE})
+        os.chmod(scratch, 0o755)  # mkdtemp's is the owner's only; a data directory is shared
         try:
             os.rename(scratch, target)
         except OSError:  # another process put it there first

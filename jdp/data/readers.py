@@ -38,10 +38,14 @@ def map_examples(fn: Callable, batch: dict[str, np.ndarray], rngs: list) -> dict
     return {name: np.stack([example[name] for example in examples]) for name in examples[0]}
 
 
-@functools.lru_cache(maxsize=4)
+# Two epochs: the most one global batch straddles. A corpus of 4.3 million windows
+# makes each 17 MB (uint32).
+@functools.lru_cache(maxsize=2)
 def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
     """The order of the split in one epoch: a pure function of ``(seed, epoch)``."""
     order = np.random.default_rng((seed, epoch)).permutation(num_examples)
+    if num_examples <= np.iinfo(np.uint32).max:
+        order = order.astype(np.uint32)  # the same order in half the memory
     order.flags.writeable = False  # cached: shared by every caller
     return order
 

@@ -105,9 +105,9 @@ def read_meta(directory: str) -> dict:
     return meta
 
 
-def open_shard(path: str, dtype: str | None = None) -> Shard:
+def open_shard(path: str, dtype: str | None = None, *, llmc: bool = False) -> Shard:
     """The shard at ``path``: its llm.c header checked, a ``.npy`` read by its own header, a
-    raw ``.bin`` by the declared ``dtype``.
+    raw ``.bin`` by the declared ``dtype``; with ``llmc`` a ``.bin`` must have llm.c's header.
 
     Raises:
         UsageError: one line naming the file: an unknown llm.c version, a count
@@ -118,9 +118,16 @@ def open_shard(path: str, dtype: str | None = None) -> Shard:
         return _npy_shard(path)
     size = os.path.getsize(path)
     with open(path, "rb") as file:
-        head = np.frombuffer(file.read(HEADER_BYTES), "<i4")
+        start = file.read(HEADER_BYTES)
+    head = np.frombuffer(start[: len(start) // 4 * 4], "<i4")
     if len(head) and int(head[0]) in LLMC_MAGICS:
         return _llmc_shard(path, head, size)
+    if llmc:
+        first = int(head[0]) if len(head) else None
+        raise UsageError(
+            f"{path} does not start with llm.c's header (magic {first}), and the "
+            f"{META_FILE} beside it says its shards are llm.c's; it is damaged, write it again"
+        )
     if dtype is None:
         raise UsageError(
             f"{path} has no llm.c header and no declared token dtype; write "
@@ -166,7 +173,7 @@ def _npy_shard(path: str) -> Shard:
             )
             shape, fortran, dtype = read_header(file)
             offset = file.tell()
-    except (OSError, ValueError) as error:
+    except Exception as error:  # numpy parses the header with Python's own tokenizer
         raise UsageError(f"cannot read {path} as a .npy array ({error})") from None
     if len(shape) != 1 or dtype.name not in TOKEN_DTYPES or dtype.hasobject:
         raise UsageError(

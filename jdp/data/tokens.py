@@ -92,7 +92,7 @@ class TokenSplit:
             tokens = self._tokens(file)
             rows[chosen] = tokens[starts[:, None] + width]
             release(tokens)
-        if rows.size and int(rows.max()) >= self.vocab_size:
+        if rows.size and (int(rows.max()) >= self.vocab_size or int(rows.min()) < 0):
             self._refuse(windows, files, rows)
         return {"tokens": rows}
 
@@ -109,13 +109,14 @@ class TokenSplit:
         return self._maps[file]
 
     def _refuse(self, windows: np.ndarray, files: np.ndarray, rows: np.ndarray):
-        row, column = np.argwhere(rows >= self.vocab_size)[0]
+        row, column = np.argwhere((rows >= self.vocab_size) | (rows < 0))[0]
         shard = self.shards[files[row]]
         offset = int((windows[row] - self._first[files[row]]) * self.seq_len + column)
+        value = int(self.shards[files[row]].tokens()[offset])  # as stored, before int32
         raise UsageError(
-            f"{shard.path}: token {int(rows[row, column])} at token offset {offset} (byte "
-            f"{shard.offset + offset * np.dtype(shard.dtype).itemsize}) is not below the "
-            f"vocabulary size {self.vocab_size}; give the corpus's --vocab-size, or fix the file"
+            f"{shard.path}: token {value} at token offset {offset} (byte "
+            f"{shard.offset + offset * np.dtype(shard.dtype).itemsize}) is not in [0, "
+            f"{self.vocab_size}), the vocabulary; give the corpus's --vocab-size, or fix the file"
         )
 
 
@@ -156,10 +157,16 @@ def corpus(path: str | os.PathLike, *, seq_len: int, vocab_size: int | None = No
     """Every split of the corpus at ``path`` (None for a split it has no files of)."""
     files, directory = _files(os.fspath(path))
     meta = read_meta(directory)
-    dtype = dtype or meta.get("dtype")
+    llmc = meta.get("format") == "llm.c"  # written by `jdp.data tokenize`: headers required
+    dtype = dtype or (None if llmc else meta.get("dtype"))
     if dtype is not None and dtype not in TOKEN_DTYPES:
         raise UsageError(f"token dtype {dtype!r}: choose one of {', '.join(TOKEN_DTYPES)}")
     vocab_size = vocab_size or meta.get("vocab_size")
+    if vocab_size is not None and (type(vocab_size) is not int or vocab_size < 1):
+        raise UsageError(
+            f"vocabulary size {vocab_size!r} of {os.fspath(path)}: give a whole number, at least "
+            f"1 (--vocab-size, or vocab_size in {os.path.join(directory, META_FILE)})"
+        )
     if not vocab_size:
         raise UsageError(
             f"the vocabulary size of {os.fspath(path)} is not known; pass --vocab-size N (or "
@@ -167,10 +174,10 @@ def corpus(path: str | os.PathLike, *, seq_len: int, vocab_size: int | None = No
         )
     named = {name: [] for name in SPLITS}
     for file in files:
-        named["train" if len(files) == 1 else split_of(file)].append(file)
+        named["train" if os.path.isfile(os.fspath(path)) else split_of(file)].append(file)
     splits = {}
     for name, paths in named.items():
-        shards = tuple(open_shard(file, dtype) for file in paths)
+        shards = tuple(open_shard(file, dtype, llmc=llmc) for file in paths)
         splits[name] = None
         if shards:
             split = TokenSplit(
@@ -198,6 +205,7 @@ def _files(spec: str) -> tuple[list[str], str]:
     if os.path.isdir(spec):
         names = sorted(os.listdir(spec))
         files = [os.path.join(spec, name) for name in names if name.endswith(_SUFFIXES)]
+        files = [file for file in files if os.path.isfile(file)]
         where = f"{spec} holds no .bin or .npy token files"
         directory = spec
     elif os.path.isfile(spec):

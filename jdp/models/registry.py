@@ -136,6 +136,11 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0) -> Mod
         return from_linen(module, sequence(), inputs=lambda b: (b["source"], b["target"][:, :-1]))
     options["max_len"] = seq_len or getattr(split, "seq_len", 0) or options["max_len"]
     if split.kind == "text":
+        if split.seq_len > options["max_len"]:
+            raise UsageError(
+                f"the data's windows are {split.seq_len} tokens and --seq-len is "
+                f"{options['max_len']}; make them agree (seq_len= of jdp.data.from_tokens)"
+            )
         module = builtin.module(vocab_size=split.vocab_size, **options)
         objective = language_model(split.input_key, bits_per_byte=split.tokenizer == "bytes")
         return from_linen(module, objective, inputs=_window_inputs)

@@ -56,6 +56,8 @@ def check(config) -> None:
     _check_layout(config)
     if config.check_replicas_every < 0:
         raise UsageError("--check-replicas-every must be >= 0 (0: off)")
+    if config.ckpt_dir is None and (config.best_metric or config.best_mode != "auto"):
+        raise UsageError("--best-metric and --best-mode choose a checkpoint: give --ckpt-dir DIR")
     if config.seq_len < 0 or config.vocab_size < 0:
         raise UsageError("--seq-len and --vocab-size must be >= 0 (0: the default)")
     if config.early_stop_patience < 0:

@@ -37,7 +37,7 @@ from jdp.mesh import (
 )
 from jdp.mesh import parse_axis_rules as parse_rules
 from jdp.models import get_model
-from jdp.models.registry import context
+from jdp.models.registry import check_model, context
 from jdp.precision import make_precision
 from jdp.replica import check_accumulate
 from jdp.report.console import Console
@@ -167,6 +167,8 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     data = None
     try:
         data = load_data(config, yours.data)
+        if model is None:  # a model that cannot read the data, before the data's size
+            check_model(config.model, config.model_size, data.train.kind)
         check_train_batch(data.train, config.batch_size)
         problem = None
     except UsageError as error:

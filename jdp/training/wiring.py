@@ -60,6 +60,8 @@ _LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte", "error")
 def checkpointer(config: TrainConfig, run: Run) -> Checkpointer:
     """The run's `Checkpointer`, keeping the best checkpoint by ``--best-metric``."""
     name, mode = best_metric(config, run)
+    # Recorded with each save, for `jdp.load_model(dir, "best")` to choose as Orbax keeps.
+    run.recorded["best_checkpoint"] = {"metric": name, "mode": mode}
     return Checkpointer(config.ckpt_dir, keep=config.keep, best_metric=name, best_mode=mode)
 
 
