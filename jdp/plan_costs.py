@@ -67,7 +67,7 @@ def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequen
     else:
         options = registry.check_model(name, size).sizes[size]
     builtin = registry.MODELS[name]
-    if builtin.data == "image":
+    if "image" in builtin.data:
         model = from_linen(builtin.module(num_classes=10, **options), classification())
         batch = {"image": np.zeros((1, *image), np.float32), "label": np.zeros(1, np.int32)}
         return model, batch

@@ -148,3 +148,13 @@ def test_the_mesh_form_of_device_groups():
     assert _groups(line, 8) == ((0, 1, 2, 3), (4, 5, 6, 7))
     plain = "%ar = f32[] all-reduce(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}"
     assert _groups(plain, 8) == ((0, 4), (1, 5), (2, 6), (3, 7))
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_the_planner_builds_image_and_sequence_models(name):
+    from jdp.plan_costs import build_model
+
+    model, batch = build_model(name, "small", vocab=32, seq_len=16, image=(8, 8, 1))
+    params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
+    assert jax.tree.leaves(params)
+    assert ("image" in batch) == (name == "mlp")

@@ -158,7 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    sequences = check_model(args.model).data == "sequence"
+    sequences = "sequence" in check_model(args.model).data
     dataset = args.dataset or ("numbers2words" if sequences else "digits")
     config = config_from(args, dataset=dataset)
     calls = sorted({1, *(int(part) for part in names(args.steps_per_call))})

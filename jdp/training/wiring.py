@@ -78,6 +78,8 @@ def best_metric(config: TrainConfig, run: Run) -> tuple[str, str]:
             f"best checkpoint; name {chooser}/{name}"
         )
     given = eval_metric_names(run)
+    if not config.best_metric and given is not None and name not in given:
+        return "loss", "min"  # your objective without the default's metric: its loss
     if given is not None and name not in given:
         raise UsageError(
             f"--best-metric {config.best_metric or name}: the evaluation gives "
