@@ -15,7 +15,7 @@ from jdp.errors import UsageError
 from jdp.report.events import event, masked_crc32c
 
 # Record keys that describe speed rather than the model (TensorBoard's perf/ group).
-_PERF_KEYS = ("examples_per_sec", "steps_per_sec", "flops_per_sec", "mfu")
+_PERF_KEYS = ("examples_per_sec", "tokens_per_sec", "steps_per_sec", "flops_per_sec", "mfu")
 
 # Record keys that are facts about a record, not curves: the evaluation's example
 # count stays in metrics.jsonl and out of TensorBoard.
