@@ -4,26 +4,42 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
 
 import jax
 from tqdm import tqdm
 
-# Off a terminal a bar is noise in a log; print a plain line this often instead.
+# Off a terminal a bar is noise in a log; print a plain line this often instead,
+# and at least this often in seconds (a slow run is never silent for long).
 _LOG_FRACTION = 0.1
+_LOG_SECONDS = 30.0
+
+
+def has_size(stream) -> bool:
+    """Whether ``stream`` is a terminal with a size: a terminal without one (some
+    job runners' pseudo-terminals) shows no bar, so it gets progress lines instead."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
+    return size.columns > 0
 
 
 class Console:
     """Prints run information from process 0 only, around a progress display.
 
-    On a terminal the progress is a live bar on stderr; elsewhere (logs, CI) it
-    is a plain line on stdout every tenth of the run.
+    On a terminal the progress is a live bar on stderr; elsewhere (logs, CI, a
+    terminal with no size) it is a plain line on stdout every tenth of the run,
+    and at least every 30 seconds.
     """
 
     def __init__(self, *, enabled: bool | None = None, interactive: bool | None = None):
         self._enabled = enabled
-        self._interactive = sys.stderr.isatty() if interactive is None else interactive
+        if interactive is None:
+            interactive = sys.stderr.isatty() and has_size(sys.stderr)
+        self._interactive = interactive
         self._bar = None
         self._total = 0
         self._done = 0
@@ -48,7 +64,7 @@ class Console:
 
     def start_progress(self, total: int) -> None:
         self._total, self._done = total, 0
-        self._started = time.perf_counter()
+        self._started = self._said = time.perf_counter()
         self._next_log = max(1, round(total * _LOG_FRACTION))
         if self.enabled and self._interactive:
             self._bar = tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
@@ -59,10 +75,12 @@ class Console:
         if self._bar is not None:
             self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(steps)
-        elif self._done >= self._next_log:
-            self._next_log += max(1, round(self._total * _LOG_FRACTION))
+        elif self._done >= self._next_log or time.perf_counter() - self._said >= _LOG_SECONDS:
+            while self._next_log <= self._done:
+                self._next_log += max(1, round(self._total * _LOG_FRACTION))
             extra = " ".join(f"{key}={value}" for key, value in postfix.items())
-            elapsed = time.perf_counter() - self._started
+            self._said = time.perf_counter()
+            elapsed = self._said - self._started
             eta = elapsed / self._done * (self._total - self._done)
             self.line(f"step {self._done}/{self._total} {extra} eta={eta:.0f}s".replace("  ", " "))
 

@@ -114,7 +114,7 @@ def _train(run: Run, state: TrainState, start: int, stack: contextlib.ExitStack,
     progress = Progress(step=start, steps=config.steps, state=state)
     _call_each(actions, progress)  # before the first call: a profile may start there
     console.start_progress(config.steps - start)
-    timer = SteadyTimer(batches)
+    timer = SteadyTimer(batches, console)
     for step in range(start + calls, config.steps + 1, calls):
         batch = next(batches)
         if step == start + calls and config.log_dir and jax.process_index() == 0:

@@ -18,6 +18,59 @@ from jdp.training.config import DILOCO_FIELDS, TOPOLOGY_FIELDS, TrainConfig
 from jdp.training.run import Run, Yours, build
 from jdp.training.wiring import evaluations, metric_logger, tokens_per_example
 
+# A curve's split as `History` names it -> the kind of record it is logged as.
+_SPLIT_KINDS = {"train": "train", "val": "val", "test": "eval"}
+
+
+class History(list):
+    """The records a run logged, in order, each ``{"kind", "step", metric: value, ...}``
+    (``kind`` is ``train``, ``val`` or ``eval``, the test split), and each metric's
+    curve by name, as Keras users read ``history.history["val_loss"]``:
+    ``history["val/loss"]`` (or ``"val_loss"``) is the list of the validation loss
+    at each evaluation, ``history["test/accuracy"]`` the test split's, and
+    ``history["loss"]`` (``"train/loss"``) the logged train loss; ``steps(name)``
+    says at which steps, ``curves()`` gives every curve.
+
+    Examples:
+        >>> history = History([{"kind": "train", "step": 20, "loss": 0.5},
+        ...                    {"kind": "val", "step": 20, "loss": 0.7}])
+        >>> history["val_loss"], history["loss"], history.steps("val/loss"), len(history)
+        ([0.7], [0.5], [20], 2)
+    """
+
+    def __getitem__(self, key):
+        if not isinstance(key, str):
+            return super().__getitem__(key)
+        kind, name = self._parse(key)
+        values = [record[name] for record in self if record["kind"] == kind and name in record]
+        if not values:
+            raise KeyError(f"no curve {key!r}; the run logged: {', '.join(self.curves())}")
+        return values
+
+    def steps(self, key: str) -> list[int]:
+        """The steps of ``key``'s values."""
+        kind, name = self._parse(key)
+        return [record["step"] for record in self if record["kind"] == kind and name in record]
+
+    def curves(self) -> dict[str, list]:
+        """Every curve: ``{"train/loss": [...], "val/loss": [...], ...}``."""
+        names = {kind: split for split, kind in _SPLIT_KINDS.items()}
+        keys = dict.fromkeys(
+            f"{names[record['kind']]}/{name}"
+            for record in self
+            if record["kind"] in names
+            for name in record
+            if name not in ("kind", "step", "time", "count")
+        )
+        return {key: self[key] for key in keys}
+
+    def _parse(self, key: str) -> tuple[str, str]:
+        for split, kind in _SPLIT_KINDS.items():
+            for separator in ("/", "_"):
+                if key.startswith(split + separator):
+                    return kind, key[len(split) + 1 :]
+        return "train", key
+
 
 @dataclasses.dataclass(frozen=True)
 class FitResult:
@@ -34,8 +87,9 @@ class FitResult:
     preempted: str | None = None  # the line saying where a preempted run saved
     stopped: str | None = None  # why the run stopped before config.steps, when it did
     validation: dict[str, float] | None = None  # the last validation metrics, with a split
-    # Every record logged (process 0): {"kind": "train" | "val" | "eval", "step", ...}.
-    history: list[dict] = dataclasses.field(default_factory=list)
+    # Every record logged (process 0): {"kind": "train" | "val" | "eval", "step", ...},
+    # and each metric's curve by name: history["val/loss"] (see `History`).
+    history: History = dataclasses.field(default_factory=History)
     evaluated_only: bool = False  # --eval-only: a checkpoint evaluated, nothing trained
     test: dict[str, float] | None = None  # the last test metrics, when the run has a test split
     tokens_per_sec: float | None = None  # a language model's, from examples/s and its window
@@ -75,17 +129,23 @@ def _headline(metrics: dict[str, float]) -> str | None:
 
 
 class SteadyTimer:
-    """Wall time and input wait of the steady loop: from the end of the first call."""
+    """Wall time and input wait of the steady loop: from the end of the first call. It
+    says when the first call starts compiling, and how long compiling and the call took."""
 
-    def __init__(self, loader):
-        self.loader, self.calls = loader, 0
+    def __init__(self, loader, console: Console):
+        self.loader, self.calls, self.console = loader, 0, console
         self.started, self.waited_before, self.seconds, self.waited = 0.0, 0.0, 0.0, 0.0
+        console.line("jdp: compiling the train step")
+        self._created = time.perf_counter()
 
     def after_call(self, metrics) -> None:
         self.calls += 1
         if self.calls == 1:
             jax.block_until_ready(metrics)  # compilation ends here; throughput counts from now
             self.started, self.waited_before = time.perf_counter(), self.loader.wait_seconds
+            self.console.line(
+                f"jdp: compiled and ran the first call in {self.started - self._created:.1f}s"
+            )
 
     def stop(self) -> None:
         if self.calls > 1:
@@ -111,7 +171,7 @@ def finished(run: Run, progress: Progress, timer: SteadyTimer, started: float, s
         validation=validated,
         test=progress.tested,
         tokens_per_sec=rate * window if window else None,
-        history=list(history),
+        history=History(history),
         examples_per_sec=rate,
         input_wait=timer.waited / timer.seconds if timer.seconds else 0.0,
         wall_seconds=time.perf_counter() - started,
@@ -183,6 +243,6 @@ def evaluated(run: Run, state: TrainState, step: int, console: Console, started:
         wall_seconds=time.perf_counter() - started,
         validation=validated,
         test=progress.tested,
-        history=list(logger.history),
+        history=History(logger.history),
         evaluated_only=True,
     )

@@ -1,0 +1,56 @@
+"""What a run says while it runs (compiling, progress off a terminal) and the history
+it returns, curve by curve."""
+
+import fcntl
+import os
+import struct
+import termios
+
+import pytest
+
+import jdp
+from jdp.report import console as console_module
+
+
+def test_a_run_says_it_compiles_and_how_long_it_took(capsys):
+    config = jdp.TrainConfig(mesh="data=2", steps=20, warmup_steps=2, validation_fraction=0.2,
+                             eval_every=10)  # fmt: skip
+    result = jdp.fit(config, console=jdp.Console(enabled=True, interactive=False))
+    lines = capsys.readouterr().out.splitlines()
+    assert "jdp: compiling the train step" in lines
+    compiled = [line for line in lines if line.startswith("jdp: compiled and ran the first call")]
+    assert len(compiled) == 1 and lines.index(compiled[0]) > lines.index(
+        "jdp: compiling the train step"
+    )
+    history = result.history
+    assert history.steps("val/loss") == [10, 20] and len(history["val_loss"]) == 2
+    assert history["val/accuracy"] == [r["accuracy"] for r in history if r["kind"] == "val"]
+    assert history["test/accuracy"] == [result.test_accuracy]  # the test split, at the end
+    assert history["loss"] == history["train/loss"] == history["train_loss"]
+    assert set(history.curves()) >= {"train/loss", "train/lr", "val/loss", "test/loss"}
+    assert (history[0]["kind"], history[0]["step"]) == ("val", 10)  # still the list of records
+    with pytest.raises(KeyError, match="no curve 'val/perplexity'; the run logged: val/accuracy"):
+        history["val/perplexity"]
+
+
+def test_off_a_terminal_progress_is_said_at_least_every_so_many_seconds(capsys, monkeypatch):
+    console = jdp.Console(enabled=True, interactive=False)
+    console.start_progress(1000)
+    console.advance(20, loss="1.0")  # 2% of the run, within the interval: silent
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(console_module, "_LOG_SECONDS", 0.0)
+    console.advance(20, loss="0.9")
+    assert capsys.readouterr().out.startswith("step 40/1000 loss=0.9 eta=")
+
+
+def test_a_terminal_without_a_size_gets_lines_not_a_bar():
+    leader, follower = os.openpty()
+    try:
+        with open(follower, "w", closefd=False) as stream:
+            fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+            assert stream.isatty() and not console_module.has_size(stream)
+            fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+            assert console_module.has_size(stream)
+    finally:
+        os.close(leader)
+        os.close(follower)
