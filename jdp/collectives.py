@@ -4,8 +4,9 @@ which mesh axes its device groups cross.
 Read after XLA's SPMD partitioning (``lowered.compile().as_text()``), where every
 collective names its device groups explicitly. A device id there is the
 device's position in the mesh (``mesh.devices.flat``). What is counted is each
-op's result shape as written, once: a collective inside a loop body (a scanned
-step) counts once per program, not once per iteration, and an asynchronous
+op's result shape as written, once; with ``loops=True`` a collective inside a
+loop's body (a scanned layer's gather) counts once per iteration, as XLA records
+the loop's trip count (once where it records none). An asynchronous
 ``*-start`` op whose result is an (operand, result) tuple counts both (XLA:CPU,
 which jdp's figures come from, emits synchronous collectives).
 """
@@ -115,16 +116,61 @@ def _mesh_groups(axes: str, ids: str | None, over: str) -> tuple[tuple[int, ...]
     return tuple(tuple(int(d) for d in row) for row in grid.reshape(-1, width))
 
 
-def collectives(hlo_text: str, devices: int) -> list[Collective]:
-    """Every collective of a compiled program's HLO text, over ``devices`` devices."""
-    found = []
+def collectives(hlo_text: str, devices: int, *, loops: bool = False) -> list[Collective]:
+    """Every collective of a compiled program's HLO text, over ``devices`` devices; with
+    ``loops``, the bytes of one inside a loop's body times the loop's iterations."""
+    repeats = _repeats(hlo_text) if loops else {}
+    found, computation = [], None
     for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group("name")
         match = _LINE.search(line)
         if match:
-            found.append(
-                Collective(match.group("op"), _bytes(match.group("shape")), _groups(line, devices))
-            )
+            times = repeats.get(computation, 1)
+            nbytes = _bytes(match.group("shape")) * times
+            found.append(Collective(match.group("op"), nbytes, _groups(line, devices)))
     return found
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(?P<name>[\w.\-]+) ")
+_BODY = re.compile(r"\bbody=%(?P<name>[\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"')
+_CALLED = re.compile(r"(?:calls|to_apply|condition)=%(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+
+
+def _repeats(hlo_text: str) -> dict[str, int]:
+    """How many times each computation runs in one run of the program: a loop's body
+    its trip count times as often as the computation holding the loop."""
+    calls: dict[str, list[tuple[str, int]]] = {}
+    entry, computation = None, None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group("name")
+            entry = computation if line.startswith("ENTRY") else entry
+            continue
+        if computation is None:
+            continue
+        callees = calls.setdefault(computation, [])
+        body = _BODY.search(line)
+        if body:
+            trips = _TRIPS.search(line)
+            callees.append((body.group("name"), int(trips.group("n")) if trips else 1))
+        callees += [(name, 1) for name in _CALLED.findall(line)]
+        for branches in _BRANCHES.findall(line):
+            callees += [(name.strip().lstrip("%"), 1) for name in branches.split(",")]
+    repeats: dict[str, int] = {}
+
+    def visit(name: str, times: int) -> None:
+        repeats[name] = repeats.get(name, 0) + times
+        for callee, trips in calls.get(name, ()):
+            visit(callee, times * trips)
+
+    if entry is not None:
+        visit(entry, 1)
+    return repeats
 
 
 def bytes_across(hlo_text: str, mesh: Mesh, axis: str) -> int:

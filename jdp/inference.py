@@ -105,6 +105,9 @@ def _builtin(config: Mapping, data: Mapping) -> Model | None:
         split_shape(data),
         config.get("model_size", "small"),
         seq_len=config.get("seq_len") or 0,
+        remat=config.get("remat", "none"),
+        attention=config.get("attention", "auto"),
+        unroll=config.get("unroll_layers", True),  # unrecorded: written before scanned layers
     )
 
 

@@ -19,6 +19,8 @@ as well, by the default rule.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,7 +46,49 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("conv_out", MODEL_AXIS),  # its output channels (and their BatchNorm)
     ("classes", None),  # a classifier's logits
     ("spatial", None),  # a convolution's window
+    ("layers", None),  # scanned layers' stacking axis (`STACKED`)
 )
+# The name of scanned layers' stacking axis (``nn.scan``'s ``metadata_params``).
+STACKED = "layers"
+# The parameters' key under which a model keeps its scanned layers (`jdp.models.GPT`'s):
+# jdp's sharded step gathers them over ``fsdp`` one layer at a time (`gather_layer`).
+SCANNED_LAYERS = "blocks"
+_LAYER_SHARDINGS: contextvars.ContextVar[Any] = contextvars.ContextVar("layers", default=None)
+
+
+@contextlib.contextmanager
+def gathering_layers(gathered: Any, split: Any = None):
+    """While a step traces its model: `gather_layer` lays one scanned layer's parameters
+    out as ``gathered`` and their gradient as ``split`` (trees like one layer's, of
+    `NamedSharding`; None: no layout asked)."""
+    token = _LAYER_SHARDINGS.set(None if gathered is None else (gathered, split))
+    try:
+        yield
+    finally:
+        _LAYER_SHARDINGS.reset(token)
+
+
+def gather_layer(variables: Any) -> Any:
+    """One scanned layer's ``{"params": ...}`` where the layer uses them: gathered as the
+    sharded step asks while it traces (`gathering_layers`), inside the scan's body, and
+    their gradient split back there, so FSDP holds one layer gathered at a time and
+    never the whole gradient; as they are otherwise."""
+    shardings = _LAYER_SHARDINGS.get()
+    if shardings is None or not variables.get("params"):
+        return variables
+    gathered, split = shardings
+
+    @jax.custom_vjp
+    def gather(params):
+        return jax.lax.with_sharding_constraint(params, gathered)
+
+    def backward(_, grads):  # the gradient split as the parameter is: a reduce-scatter
+        return (grads if split is None else jax.lax.with_sharding_constraint(grads, split),)
+
+    gather.defvjp(lambda params: (gather(params), None), backward)
+    return {**variables, "params": gather(variables["params"])}
+
+
 # Leaves smaller than this stay whole under the default rule: gathering a bias
 # costs a collective's latency and saves nothing worth it.
 MIN_SHARDED_BYTES = 16 * 1024
@@ -118,6 +162,15 @@ def leaf_spec(shape: Sequence[int], names: Sequence[str | None] | None,
     """
     sizes = _axis_sizes(mesh)
     table = rules if isinstance(rules, _Table) else rules_table(rules)
+    if names is not None and STACKED in names and len(names) == len(shape):
+        # Scanned layers: each step of the scan reads one layer, laid out as an
+        # unscanned layer would be; the stacking axis itself is never split.
+        dim = list(names).index(STACKED)
+        nbytes = math.prod(shape) * 4 if nbytes is None else nbytes
+        inner = leaf_spec([*shape[:dim], *shape[dim + 1 :]], [*names[:dim], *names[dim + 1 :]],
+                          sizes, table, nbytes=nbytes // max(shape[dim], 1))  # fmt: skip
+        entries = _entries(inner, len(shape) - 1)
+        return _spec([*entries[:dim], (), *entries[dim:]])
     entries: list[tuple[str, ...]] = [()] * len(shape)
     if names is not None:
         if len(names) != len(shape):

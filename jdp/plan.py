@@ -1,14 +1,15 @@
 """``python -m jdp.plan``: what a model costs each device on a mesh, without that cluster.
 
 Per device, exactly, from shapes and the layout (`jdp.layout`), for any mesh
-size and no devices: the bytes of parameters, gradients and optimizer state.
-From the train step compiled for that mesh on simulated CPU devices (meshes of
-at most `MAX_COMPILED` devices): the temporaries (activations and what XLA keeps
-between ops) and the collectives' bytes per step by mesh axis, and the FLOPs
-per step. For a named accelerator (`DEVICES`): whether it fits, a roofline step
-time and MFU. ``--suggest`` compares the layouts of the same device count.
-The figures are worked out in `jdp.plan_costs`; here: the accelerators, the
-roofline, the report and the command line.
+size and no devices: the bytes of parameters, gradients and optimizer state,
+and the model's FLOPs per step (`jdp.report.throughput.model_flops`: PaLM's count
+for gpt). From the train step compiled for that mesh on simulated CPU devices
+(meshes of at most `MAX_COMPILED` devices): the temporaries (activations and
+what XLA keeps between ops) and the collectives' bytes per step by mesh axis.
+For a named accelerator (`DEVICES`): whether it fits, a roofline step time and
+MFU. ``--suggest`` compares the layouts of the same device count. The figures
+are worked out in `jdp.plan_costs`; here: the accelerators, the roofline, the
+report and the command line.
 
 Example: ``python -m jdp.plan --mesh data=8,fsdp=8 --model gpt --model-size
 standard --batch-size 512 --precision bf16 --device h100``.
@@ -25,11 +26,11 @@ import sys
 from collections.abc import Sequence
 
 from jdp.errors import UsageError
-from jdp.plan_costs import GPT_SIZES as GPT_SIZES
 from jdp.plan_costs import Plan as Plan
 from jdp.plan_costs import build_model as build_model
 from jdp.plan_costs import compiled_figures as compiled_figures
 from jdp.plan_costs import state_bytes as state_bytes
+from jdp.plan_costs import step_model_flops
 
 # Meshes up to this many devices are compiled on simulated CPU devices.
 MAX_COMPILED = 64
@@ -126,17 +127,14 @@ def report(plan: Plan, device: Device | None, *, batch_size: int) -> list[str]:
             f"{MAX_COMPILED} devices are)"
         )
         if plan.flops is not None:
-            lines.append(
-                f"  FLOPs per step: {plan.flops:.4g} (all devices; one replica's rows compiled "
-                "on one device, times the replicas)"
-            )
+            lines.append(f"  model FLOPs per step: {plan.flops:.4g} (all devices)")
     else:
         lines.append(f"  activations and temporaries: {_bytes(plan.temporaries)} per device "
                      "(the compiled step's memory analysis)")  # fmt: skip
         for key, nbytes in sorted(plan.collectives.items()):
             lines.append(f"  collective {key}: {nbytes:,} bytes per device per step")
         if plan.flops is not None:
-            lines.append(f"  FLOPs per step: {plan.flops:.4g} (all devices)")
+            lines.append(f"  model FLOPs per step: {plan.flops:.4g} (all devices)")
     if device is not None:
         need = plan.need
         fits = "fits" if need <= device.memory else "does NOT fit"
@@ -152,8 +150,8 @@ def report(plan: Plan, device: Device | None, *, batch_size: int) -> list[str]:
         if bound is not None:
             mfu = plan.flops / plan.devices / device.peak_flops / bound.step
             lines.append(
-                f"  roofline step {bound.step * 1e3:.2f} ms (compute {bound.compute * 1e3:.2f}, "
-                f"HBM {bound.memory * 1e3:.2f}, interconnect {bound.communication * 1e3:.2f}), "
+                f"  roofline step {bound.step * 1e3:.4g} ms (compute {bound.compute * 1e3:.3g}, "
+                f"HBM {bound.memory * 1e3:.3g}, interconnect {bound.communication * 1e3:.3g}), "
                 f"MFU at most {mfu:.0%}"
             )
     return lines
@@ -174,7 +172,8 @@ def _candidates(devices: int) -> list[str]:
 
 def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan:
     model, batch = build_model(args.model, args.model_size, vocab=args.vocab_size,
-                               seq_len=args.seq_len, image=args.image_shape)  # fmt: skip
+                               seq_len=args.seq_len, image=args.image_shape, remat=args.remat,
+                               unroll=args.unroll_layers)  # fmt: skip
     sizes = mesh_sizes(spec)
     from jdp.mesh import parse_axis_rules as parse_rules
 
@@ -189,13 +188,8 @@ def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan
     if compile_step:
         compiled_figures(plan, model, batch, args.batch_size, precision=args.precision,
                          shard_optimizer=args.shard_optimizer, rules=rules)  # fmt: skip
-    elif not args.no_compile:
-        # Too many devices to simulate: the FLOPs of one replica's rows, compiled on
-        # one device, times the replicas (the model axis splits a replica's work).
-        one = Plan(mesh={"data": 1}, params=0, grads=0, optimizer=0, parameters=0)
-        compiled_figures(one, model, batch, args.batch_size // split, precision=args.precision,
-                         shard_optimizer=False)  # fmt: skip
-        plan.flops = None if one.flops is None else one.flops * split
+    elif not args.no_compile:  # too many devices to simulate: the FLOPs from shapes
+        plan.flops = step_model_flops(model, batch, args.batch_size)
     return plan
 
 
@@ -215,8 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mesh", default="data=8", help="e.g. data=64,fsdp=8")
     parser.add_argument("--model", default="gpt")
     parser.add_argument(
-        "--model-size", default="standard", help="small, standard (or 1.3b for gpt)"
+        "--model-size", default="standard", help="small, standard (gpt: 124m, 350m, 774m, 1.3b)"
     )
+    parser.add_argument("--remat", default="none", choices=("none", "dots", "full"), help="gpt")
+    parser.add_argument("--unroll-layers", action="store_true", help="gpt: a loop, not a scan")
     parser.add_argument("--batch-size", type=int, default=512, help="global batch")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--shard-optimizer", action="store_true", help="ZeRO-1")

@@ -3,10 +3,10 @@
 From shapes and the layout (`jdp.layout`), exactly and for any mesh size: the
 bytes of parameters, gradients and optimizer state (`state_bytes`). From the
 train step compiled for the mesh on this process's (simulated) devices: its
-arguments and temporaries, the collectives' bytes by mesh axis and the FLOPs
-(`compiled_figures`). Both fill a `Plan`, for a built-in model (`build_model`,
-with the planner's larger GPT sizes); `jdp.plan` turns it into the report, the
-accelerator's fit and the roofline.
+arguments and temporaries and the collectives' bytes by mesh axis
+(`compiled_figures`); the model's FLOPs from shapes (`step_model_flops`). Both
+fill a `Plan`, for a built-in model (`build_model`); `jdp.plan` turns it into the
+report, the accelerator's fit and the roofline.
 """
 
 from __future__ import annotations
@@ -14,12 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-
-# Planner-only sizes of the language model, beyond the registry's small and standard.
-GPT_SIZES = {
-    # GPT-3 XL (Brown et al., 2020): 1.3B parameters.
-    "1.3b": {"width": 2048, "heads": 16, "layers": 24, "hidden": 8192, "max_len": 2048},
-}
 
 
 @dataclasses.dataclass
@@ -55,22 +49,23 @@ class Plan:
         return self.state
 
 
-def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequence[int]):
-    """The built-in model and one example's batch (numpy) to shape it."""
+def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequence[int],
+                remat: str = "none", unroll: bool = False):  # fmt: skip
+    """The built-in model and one example's batch (numpy) to shape it (``remat`` and
+    ``unroll``: the language model's layers, `jdp.models.GPT`)."""
     import numpy as np
 
     from jdp.models import registry
     from jdp.models.adapters import classification, from_linen, sequence
 
-    if name == "gpt" and size in GPT_SIZES:
-        options = GPT_SIZES[size]
-    else:
-        options = registry.check_model(name, size).sizes[size]
+    options = dict(registry.check_model(name, size).sizes[size])
     builtin = registry.MODELS[name]
     if "image" in builtin.data:
         model = from_linen(builtin.module(num_classes=10, **options), classification())
         batch = {"image": np.zeros((1, *image), np.float32), "label": np.zeros(1, np.int32)}
         return model, batch
+    if name == "gpt":
+        options.update(remat=remat, unroll=unroll, max_len=max(seq_len, options["max_len"]))
     module = builtin.module(vocab_size=vocab, **options)
     if name == "gpt":
         model = from_linen(module, sequence(), inputs=registry._lm_inputs)
@@ -175,16 +170,25 @@ def compiled_figures(plan: Plan, model, batch, batch_size: int, *, precision: st
     plan.arguments = int(memory.argument_size_in_bytes)
     by_kind: dict[str, int] = {}
     wire = 0.0
-    for op in collectives(compiled.as_text(), mesh.devices.size):
+    for op in collectives(compiled.as_text(), mesh.devices.size, loops=True):
         axes = [axis for axis in mesh.axis_names if op.crosses(mesh, axis)] or ["none"]
         key = f"{op.op} over {'+'.join(axes)}"
         by_kind[key] = by_kind.get(key, 0) + op.nbytes
         size = max(len(group) for group in op.groups)
         wire += op.nbytes * _WIRE[op.op](size)
     plan.collectives, plan.wire = by_kind, wire
-    analysis = compiled.cost_analysis()
-    if isinstance(analysis, Sequence):
-        analysis = analysis[0] if analysis else {}
-    flops = float((analysis or {}).get("flops", 0.0))
-    plan.flops = flops * mesh.devices.size if flops > 0 else None
+    plan.flops = step_model_flops(model, batch, batch_size)
     return plan
+
+
+def step_model_flops(model, batch, batch_size: int) -> float:
+    """The model FLOPs of a step of ``batch_size`` rows (`jdp.report.throughput.model_flops`)
+    from one row's shapes. Not XLA's count, which counts a loop's body (a scanned layer)
+    once and adds the optimizer."""
+    import jax
+
+    from jdp.report.throughput import model_flops
+
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype), batch)
+    params, model_state = jax.eval_shape(model.init, jax.random.key(0), one)
+    return batch_size * model_flops(model, params, model_state, one)

@@ -89,6 +89,7 @@ def test_the_config_choices_are_the_registries():
     from jdp.data import corpora, custom, sources, tokens
     from jdp.diloco.outer import OUTER_OPTIMIZERS
     from jdp.models.registry import MODELS, SIZES
+    from jdp.models.transformer import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
     from jdp.training import config, config_checks
 
     def choices(alias):
@@ -97,6 +98,8 @@ def test_the_config_choices_are_the_registries():
     assert choices(config.Backend) == set(step.BACKENDS)
     assert choices(config.ModelName) == set(MODELS)
     assert choices(config.ModelSize) == set(SIZES)
+    assert choices(config.Remat) == {"none", *REMAT_POLICIES}
+    assert choices(config.Attention) == set(ATTENTION_IMPLEMENTATIONS)
     assert choices(config_checks.DatasetName) == (
         set(sources.DATASETS) | set(sources.GENERATED) | set(corpora.CORPORA)
     )

@@ -136,17 +136,18 @@ def test_the_rules_place_the_gpt_by_name(devices):
     model, batches = _gpt()
     mesh = jdp.make_mesh("data=2,fsdp=2,model=2")
     _, _, specs = model.init_on_mesh(jax.random.key(0), batches[0], mesh)
-    block = specs["Block_0"]
+    block = specs["blocks"]  # the scanned layers: stacked on a leading axis, never split
     # Megatron's pairs: query/key/value split by heads, the output projection by its
     # input heads; the MLP column- then row-parallel; the width over fsdp.
-    assert block["MultiHeadDotProductAttention_0"]["query"]["kernel"] == P("fsdp", "model")
-    assert block["MultiHeadDotProductAttention_0"]["out"]["kernel"] == P("model", None, "fsdp")
-    assert block["FeedForward_0"]["Dense_0"]["kernel"] == P("fsdp", "model")
-    assert block["FeedForward_0"]["Dense_1"]["kernel"] == P("model", "fsdp")
-    assert block["FeedForward_0"]["Dense_0"]["bias"] == P("model")
+    attention = block["MultiHeadDotProductAttention_0"]
+    assert attention["query"]["kernel"] == P(None, "fsdp", "model")
+    assert attention["out"]["kernel"] == P(None, "model", None, "fsdp")
+    assert block["FeedForward_0"]["Dense_0"]["kernel"] == P(None, "fsdp", "model")
+    assert block["FeedForward_0"]["Dense_1"]["kernel"] == P(None, "model", "fsdp")
+    assert block["FeedForward_0"]["Dense_0"]["bias"] == P(None, "model")
     # LayerNorm's 128 floats are under the default rule's threshold but named: the
     # rules split them over fsdp.
-    assert block["LayerNorm_0"]["scale"] == P("fsdp")
+    assert block["LayerNorm_0"]["scale"] == P(None, "fsdp")
     # The embedding is (vocab, embed): the rows over model when the vocabulary's size
     # divides by 2, else whole.
     vocab = specs["Embed_0"]["embedding"]
@@ -418,3 +419,34 @@ def test_a_state_on_another_mesh_is_refused(devices):
                                has_model_state=True)  # fmt: skip
     with pytest.raises(jdp.UsageError, match=r"this state lives on mesh \{'data': 8\}"):
         step(state, jdp.shard_batch(batch, jdp.make_mesh("fsdp=8")))
+
+
+@pytest.mark.slow
+def test_fsdp_gathers_one_scanned_layer_at_a_time(devices):
+    """The scanned layers' parameters are gathered inside the scan's body and their
+    gradients reduced there: once per layer per step, never the whole stack at once."""
+    from jdp.collectives import _repeats, collectives
+
+    model, batches = _gpt()
+    mesh = jdp.make_mesh("fsdp=8")
+    optimizer = optax.sgd(0.1)
+    params, model_state, specs = model.init_on_mesh(jax.random.key(0), batches[0], mesh)
+    state = jdp.create_train_state(params, optimizer, mesh, model_state=model_state,
+                                   param_specs=specs)  # fmt: skip
+    step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True)
+    text = step.lower(state, jdp.shard_batch(batches[0], mesh)).compile().as_text()
+    layers = params["blocks"]["FeedForward_0"]["Dense_0"]["kernel"].shape[0]
+    looped = {name for name, times in _repeats(text).items() if times == layers}
+    inside: dict[str, int] = {}
+    computation = None
+    for line in text.splitlines():
+        computation = line.split()[0].lstrip("%") if line.startswith("%") else computation
+        for op in ("all-gather", "all-reduce"):
+            if f" {op}(" in line and computation in looped:
+                inside[op] = inside.get(op, 0) + 1
+    assert inside.get("all-gather") and inside.get("all-reduce"), inside
+    # Counted per iteration, the gathers move each split parameter once (forward; the
+    # backward reads the gathered layer kept for it): at most the parameters' bytes.
+    whole = sum(leaf.nbytes for leaf in jax.tree.leaves(state.params))
+    gathered = sum(op.nbytes for op in collectives(text, 8, loops=True) if op.op == "all-gather")
+    assert 0 < gathered <= whole

@@ -88,7 +88,7 @@ def test_run_directory_says_how_to_rerun(run_dir):
     assert run["device_kinds"] == ["cpu"] and run["peak_flops_per_device"] is None
     assert run["flops_per_step"] > 0
     assert re.search(
-        r"^jdp: [\d.e+]+ FLOPs per step \(XLA cost analysis, 8 devices\)", stdout, re.M
+        r"^jdp: [\d.e+]+ model FLOPs per step; XLA counts [\d.e+]+ on 8 devices", stdout, re.M
     )
 
 

@@ -258,7 +258,7 @@ def test_numbers2words_is_generated_by_seed():
     assert train.decode(target[1]) == "seven"
 
 
-@pytest.mark.parametrize("name, steps", [("seq2seq", 60), ("gpt", 30)])
+@pytest.mark.parametrize("name, steps", [("seq2seq", 60), ("gpt", 16)])
 @pytest.mark.slow
 def test_exact_match_is_greedy_decoding(name, steps):
     """The eval's exact-match accuracy counts the sequences a greedy decoder gets right."""

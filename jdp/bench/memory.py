@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
 from jdp.bench.common import names
 from jdp.plan import mesh_sizes
@@ -26,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="global batch")
     parser.add_argument("--seq-len", type=int, default=256, help="sequence models' tokens")
     parser.add_argument("--vocab-size", type=int, default=50257, help="sequence models")
+    parser.add_argument("--remat", default="none", choices=("none", "dots", "full"), help="gpt")
+    parser.add_argument("--unroll-layers", action="store_true", help="gpt: a loop, not a scan")
     parser.add_argument(
         "--meshes", default=MESHES,
         help="comma-separated; ';' for ',' inside a mesh, +zero1 for --shard-optimizer",
@@ -40,27 +43,33 @@ def run(args: argparse.Namespace) -> None:
     meshes = [item.replace(";", ",").partition("+") for item in names(args.meshes)]
     setup_devices(f"data={max(math.prod(mesh_sizes(spec).values()) for spec, _, _ in meshes)}")
     model, batch = build_model(args.model, args.model_size, vocab=args.vocab_size,
-                               seq_len=args.seq_len, image=(32, 32, 3))  # fmt: skip
+                               seq_len=args.seq_len, image=(32, 32, 3), remat=args.remat,
+                               unroll=args.unroll_layers)  # fmt: skip
+    layers = "unrolled" if args.unroll_layers else "scanned"
     print(
-        f"{args.model} {args.model_size}, global batch {args.batch_size}"
+        f"{args.model} {args.model_size} ({layers} layers, remat {args.remat}), "
+        f"global batch {args.batch_size}"
         + (f" x {args.seq_len} tokens" if "source" in batch else "")
         + ", fp32, AdamW; MiB per device"
     )
     print("| mesh | params | optimizer | params + optimizer | vs first | compiled arguments "
-          "| temporaries | collectives (bytes per device per step) |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| temporaries | collectives (bytes per device per step) | compile s |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     first = None
     for spec, _, zero in meshes:
         zero1 = zero == "zero1"
         plan = state_bytes(model, batch, mesh_sizes(spec), shard_optimizer=zero1)
+        started = time.perf_counter()  # lowering and compiling the step, from shapes
         compiled_figures(plan, model, batch, args.batch_size, precision="fp32",
                          shard_optimizer=zero1)  # fmt: skip
+        seconds = time.perf_counter() - started
         held = plan.params + plan.optimizer
         first = first or held
         moved = ", ".join(f"{key} {nbytes:,}" for key, nbytes in sorted(plan.collectives.items()))
         print(
             f"| {spec}{' --shard-optimizer' if zero1 else ''} | {_mib(plan.params)} | "
             f"{_mib(plan.optimizer)} | {_mib(held)} | {held / first:.3f}x | "
-            f"{_mib(plan.arguments)} | {_mib(plan.temporaries)} | {moved or 'none'} |",
+            f"{_mib(plan.arguments)} | {_mib(plan.temporaries)} | {moved or 'none'} | "
+            f"{seconds:.1f} |",
             flush=True,
         )

@@ -144,6 +144,14 @@ def read_params(
     return restored["params"], restored.get("model_state") or {}
 
 
+def saved_param_names(path: str | os.PathLike, step: str | int = "latest") -> set[str]:
+    """The top-level names of a checkpoint's parameters (its modules), read from metadata."""
+    step_dir = step_directory(os.path.abspath(os.fspath(path)), step)
+    with quiet_absl():
+        metadata = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, "state"))
+    return set(metadata.item_metadata["params"])
+
+
 def read_record(step_dir: str) -> Record:
     """A step directory's `Record` (its config, metrics and array digests); an empty one,
     at the directory's step, if it has none or it is unreadable."""

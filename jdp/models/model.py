@@ -60,6 +60,10 @@ class Model:
     # parameters, a tuple or None at each leaf), read without computing them; None
     # when the model gives none.
     names: Callable[[jax.Array, Batch], Any] | None = None
+    # ``(params, batch) -> float``: the model FLOPs of one training step on ``batch``
+    # (forward and backward, as a formula such as PaLM's counts them), for MFU; None:
+    # jdp counts the products in the traced forward pass (`jdp.report.model_flops`).
+    flops: Callable[[Any, Batch], float] | None = None
 
     def init_on_mesh(self, rng: jax.Array, batch: Batch, mesh: Mesh, *,
                      rules: Rules | None = None) -> tuple[Any, Any, Any]:  # fmt: skip

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jdp.errors import UsageError
@@ -15,9 +17,13 @@ from jdp.models.mlp import MLP
 from jdp.models.model import Model
 from jdp.models.objectives import classification, language_model, sequence
 from jdp.models.resnet import ResNet
-from jdp.models.transformer import GPT, Seq2SeqTransformer
+from jdp.models.transformer import GPT, Seq2SeqTransformer, flops_per_token
 
-SIZES = ("small", "standard")
+SIZES = ("small", "standard", "124m", "350m", "774m", "1.3b")
+# The language model's published sizes (GPT-2's and GPT-3 XL), its vocabulary padded up
+# to a multiple of this: GPT-2's 50,257 tokens as 50,304 (whole tiles for the matrix units).
+LM_SIZES = ("124m", "350m", "774m", "1.3b")
+VOCAB_MULTIPLE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +75,11 @@ MODELS: dict[str, Builtin] = {
         {
             "small": {"width": 128, "heads": 4, "layers": 4, "hidden": 512, "max_len": 256},
             "standard": {"width": 768, "heads": 12, "layers": 12, "hidden": 3072, "max_len": 1024},
+            # GPT-2 small, medium and large (Radford et al., 2019), GPT-3 XL (Brown et al., 2020).
+            "124m": {"width": 768, "heads": 12, "layers": 12, "hidden": 3072, "max_len": 1024},
+            "350m": {"width": 1024, "heads": 16, "layers": 24, "hidden": 4096, "max_len": 1024},
+            "774m": {"width": 1280, "heads": 20, "layers": 36, "hidden": 5120, "max_len": 1024},
+            "1.3b": {"width": 2048, "heads": 16, "layers": 24, "hidden": 8192, "max_len": 2048},
         },
     ),
 }
@@ -81,6 +92,11 @@ def check_model(name: str, size: str = "small", data: str | None = None) -> Buil
     if size not in SIZES:
         raise UsageError(f"unknown model size {size!r}; choose one of: {', '.join(SIZES)}")
     builtin = MODELS[name]
+    if size not in builtin.sizes:
+        raise UsageError(
+            f"model size {size} is the language model's; {name} comes in: "
+            f"{', '.join(builtin.sizes)}"
+        )
     if data is not None and data not in builtin.data:
         fitting = ", ".join(sorted(n for n, m in MODELS.items() if data in m.data))
         raise UsageError(
@@ -105,11 +121,15 @@ def _window_inputs(batch):
     return (batch["tokens"][:, :-1],)
 
 
-def get_model(name: str, split, size: str = "small", *, seq_len: int = 0) -> Model:
+def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat: str = "none",
+              attention: str = "auto", unroll: bool = False) -> Model:  # fmt: skip
     """The built-in model ``name`` at ``size``, shaped for ``split`` (classes or vocabulary).
 
     ``seq_len`` sets the positions ``gpt`` has (``--seq-len``; a token corpus's
-    windows set it by default).
+    windows set it by default); ``remat`` and ``unroll`` its layers (`GPT`);
+    ``attention`` the implementation of gpt's and seq2seq's attention. At the
+    published sizes (``124m`` ...) gpt's vocabulary is the data's padded to a
+    multiple of 128.
 
     Examples:
         >>> train = jdp.load_split("digits", "train", data_dir=tmp)
@@ -131,24 +151,51 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0) -> Mod
             classification(split.label_key),
             inputs=split.input_key,
         )
+    options["attention"] = attention
     if name != "gpt":
         module = builtin.module(vocab_size=len(split.vocab), **options)
         return from_linen(module, sequence(), inputs=lambda b: (b["source"], b["target"][:, :-1]))
     options["max_len"] = seq_len or getattr(split, "seq_len", 0) or options["max_len"]
+    options.update(remat=remat, unroll=unroll)
+    pad = VOCAB_MULTIPLE if size in LM_SIZES else 1
     if split.kind == "text":
         if split.seq_len > options["max_len"]:
             raise UsageError(
                 f"the data's windows are {split.seq_len} tokens and --seq-len is "
                 f"{options['max_len']}; make them agree (seq_len= of jdp.data.from_tokens)"
             )
-        module = builtin.module(vocab_size=split.vocab_size, **options)
+        module = builtin.module(vocab_size=_padded(split.vocab_size, pad), **options)
         objective = language_model(split.input_key, bits_per_byte=split.tokenizer == "bytes")
-        return from_linen(module, objective, inputs=_window_inputs)
+        model = from_linen(module, objective, inputs=_window_inputs)
+        return dataclasses.replace(model, flops=_lm_flops(module))
     needed = split.source.shape[1] + split.target.shape[1] - 1 if hasattr(split, "source") else 0
     if needed > options["max_len"]:
         raise UsageError(
             f"--seq-len {options['max_len']} is shorter than the data's sequences "
             f"({needed} tokens); use --seq-len {needed} or more"
         )
-    module = builtin.module(vocab_size=len(split.vocab), **options)
-    return from_linen(module, sequence(), inputs=_lm_inputs)
+    module = builtin.module(vocab_size=_padded(len(split.vocab), pad), **options)
+    model = from_linen(module, sequence(), inputs=_lm_inputs)
+    return dataclasses.replace(model, flops=_lm_flops(module))
+
+
+def _padded(vocab: int, multiple: int) -> int:
+    return -(-vocab // multiple) * multiple
+
+
+def _lm_flops(module: GPT):
+    """``(params, batch) -> model FLOPs of one step on batch``, `flops_per_token`'s count."""
+
+    def flops(params, batch) -> float:
+        if "source" in batch:  # the tokens the model reads: as `_lm_inputs` joins them
+            rows, source = batch["source"].shape
+            seq_len = source + batch["target"].shape[1] - 1
+        else:
+            rows, window = batch["tokens"].shape
+            seq_len = window - 1
+        parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+        per_token = flops_per_token(parameters, layers=module.layers, width=module.width,
+                                    seq_len=seq_len, max_len=module.max_len)  # fmt: skip
+        return per_token * rows * seq_len
+
+    return flops

@@ -8,13 +8,24 @@ attention weights and residual branches, token ``0`` is padding.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdp.layout import SCANNED_LAYERS, STACKED, gather_layer
 from jdp.models.names import attention_inits, dense, embed, norm_inits
+
+AttentionImplementation = Literal["auto", "xla", "cudnn"]
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+Remat = Literal["none", "dots", "full"]
+# What each --remat keeps for the backward pass (the rest is recomputed).
+REMAT_POLICIES = {
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the weights' products
+    "full": jax.checkpoint_policies.nothing_saveable,  # only each layer's input
+}
 
 
 def sinusoids(length: int, width: int) -> np.ndarray:
@@ -43,27 +54,145 @@ class FeedForward(nn.Module):
         return nn.Dropout(self.dropout, deterministic=not train)(dense(width, ("mlp", "embed"))(x))
 
 
+class Attention(nn.Module):
+    """Multi-head attention through `jax.nn.dot_product_attention`: no ``T x T`` mask is made.
+
+    A causal model says ``causal=True``; padding is a mask over the keys
+    (``key_mask``, ``(rows, keys)``). The parameters are Flax's
+    ``MultiHeadDotProductAttention``'s (``query``, ``key``, ``value``, ``out``), so
+    checkpoints written with it restore. Dropout on the attention weights needs
+    the weights themselves: a model that trains with it (``seq2seq``, as the
+    reference Transformer) takes Flax's unfused path while training, with the
+    masks Flax's module made, and the fused one to evaluate and decode.
+    """
+
+    heads: int
+    dropout: float = 0.0  # on the attention weights, while training
+    implementation: AttentionImplementation = "auto"
+
+    @nn.compact
+    def __call__(
+        self,
+        queries,
+        keys,
+        *,
+        train: bool = False,
+        causal: bool = False,
+        key_mask=None,
+        query_mask=None,
+    ) -> jax.Array:
+        width = queries.shape[-1]
+        if width % self.heads:
+            raise ValueError(f"width {width} does not split into {self.heads} heads")
+        inits = attention_inits()
+
+        def project(name):
+            return nn.DenseGeneral(
+                (self.heads, width // self.heads),
+                name=name,
+                kernel_init=inits["kernel_init"],
+                bias_init=inits["bias_init"],
+            )
+
+        q, k, v = project("query")(queries), project("key")(keys), project("value")(keys)
+        if train and self.dropout > 0:
+            mask = _unfused_mask(q, k, causal, key_mask, query_mask)
+            attended = nn.dot_product_attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                dropout_rate=self.dropout,
+                dropout_rng=self.make_rng("dropout"),
+                deterministic=False,
+            )
+        else:
+            mask = None if key_mask is None else key_mask[:, None, None, :]
+            how = implementation(self.implementation, q.dtype, q.shape[-1], masked=mask is not None)
+            attended = jax.nn.dot_product_attention(
+                q, k, v, mask=mask, is_causal=causal, implementation=how
+            )
+        return nn.DenseGeneral(
+            width,
+            axis=(-2, -1),
+            name="out",
+            kernel_init=inits["out_kernel_init"],
+            bias_init=inits["out_bias_init"],
+        )(attended)
+
+
+def _unfused_mask(q, k, causal, key_mask, query_mask):
+    """The ``(rows, 1, queries, keys)`` mask of Flax's unfused attention, or None."""
+    masks = []
+    if causal:
+        masks.append(nn.make_causal_mask(jnp.ones(q.shape[:2], bool)))
+    if key_mask is not None:
+        rows = jnp.ones(q.shape[:2], bool) if query_mask is None else query_mask
+        masks.append(nn.make_attention_mask(rows, key_mask))
+    return nn.combine_masks(*masks) if masks else None
+
+
+def implementation(choice: str, dtype, head_width: int, *, masked: bool = False) -> str:
+    """The attention implementation to run: ``choice``, or for ``auto`` cuDNN's fused
+    kernel on a GPU in bf16 or fp16 with a head width it takes (a multiple of 8, at
+    most 128) and no mask array, else XLA's."""
+    if choice not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention {choice!r}; choose one of {ATTENTION_IMPLEMENTATIONS}")
+    if choice != "auto":
+        return choice
+    fits = head_width % 8 == 0 and head_width <= 128 and not masked
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if fits and half and jax.default_backend() == "gpu" else "xla"
+
+
 class Block(nn.Module):
     """Self-attention, optional cross-attention on ``memory``, feed-forward; pre-LN residuals."""
 
     heads: int
     hidden: int
     dropout: float
+    attention_dropout: float | None = None  # on the attention weights; None: ``dropout``
+    attention: AttentionImplementation = "auto"
 
     @nn.compact
-    def __call__(self, x, mask, *, train: bool, memory=None, memory_mask=None):
-        def attend(queries, keys, attention_mask):
-            attended = nn.MultiHeadDotProductAttention(
-                self.heads, dropout_rate=self.dropout, deterministic=not train,
-                **attention_inits(),
-            )(queries, keys, mask=attention_mask)  # fmt: skip
+    def __call__(
+        self,
+        x,
+        *,
+        train: bool,
+        causal: bool = False,
+        mask=None,
+        memory=None,
+        memory_mask=None,
+        target_mask=None,
+    ):
+        """``mask``: the keys of ``x`` to attend to; ``memory_mask`` those of ``memory``
+        (``target_mask``, the rows of ``x`` that are not padding, for Flax's unfused path)."""
+        rate = self.dropout if self.attention_dropout is None else self.attention_dropout
+
+        def attend(index, queries, keys, **masks):
+            # The names Flax's MultiHeadDotProductAttention had: older checkpoints restore.
+            module = Attention(
+                self.heads, rate, self.attention, name=f"MultiHeadDotProductAttention_{index}"
+            )
+            attended = module(queries, keys, train=train, **masks)
             return nn.Dropout(self.dropout, deterministic=not train)(attended)
 
         normed = layer_norm()(x)
-        x = x + attend(normed, normed, mask)
+        x = x + attend(0, normed, normed, causal=causal, key_mask=mask, query_mask=mask)
         if memory is not None:
-            x = x + attend(layer_norm()(x), memory, memory_mask)
+            x = x + attend(1, layer_norm()(x), memory, key_mask=memory_mask, query_mask=target_mask)
         return x + FeedForward(self.hidden, self.dropout)(layer_norm()(x), train=train)
+
+
+class CausalLayer(Block):
+    """A decoder-only model's block as `nn.scan` and `nn.remat` call it:
+    ``(x, unused) -> (x, None)``, training or not fixed."""
+
+    train: bool = False
+
+    def __call__(self, x, _=None):
+        return super().__call__(x, train=self.train, causal=True), None
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -81,10 +210,11 @@ class Seq2SeqTransformer(nn.Module):
     hidden: int = 512
     dropout: float = 0.1
     pad: int = 0
+    attention: AttentionImplementation = "auto"
 
     def setup(self):
         self.embed = embed(self.vocab_size, self.width, "vocab")
-        block = lambda: Block(self.heads, self.hidden, self.dropout)  # noqa: E731
+        block = lambda: Block(self.heads, self.hidden, self.dropout, attention=self.attention)  # noqa: E731
         self.encoder = [block() for _ in range(self.layers)]
         self.decoder = [block() for _ in range(self.layers)]
         self.encoder_norm, self.decoder_norm = layer_norm(), layer_norm()
@@ -100,17 +230,21 @@ class Seq2SeqTransformer(nn.Module):
     def encode(self, source: jax.Array, *, train: bool = False) -> jax.Array:
         x = self._embed(source, train)
         keep = source != self.pad
-        mask = nn.make_attention_mask(keep, keep)
         for block in self.encoder:
-            x = block(x, mask, train=train)
+            x = block(x, train=train, mask=keep)
         return self.encoder_norm(x)
 
     def decode(self, memory, source, target_in, *, train: bool = False) -> jax.Array:
         y = self._embed(target_in, train)
-        causal = nn.make_causal_mask(target_in)
-        cross = nn.make_attention_mask(target_in != self.pad, source != self.pad)
         for block in self.decoder:
-            y = block(y, causal, train=train, memory=memory, memory_mask=cross)
+            y = block(
+                y,
+                train=train,
+                causal=True,
+                memory=memory,
+                memory_mask=source != self.pad,
+                target_mask=target_in != self.pad,
+            )
         return self.head(self.decoder_norm(y))
 
     def __call__(self, source, target_in, *, train: bool = False) -> jax.Array:
@@ -121,7 +255,15 @@ class GPT(nn.Module):
     """Decoder-only Transformer language model: ``tokens -> next-token logits``.
 
     GPT-2's layout: learned positions, pre-LN causal blocks, a final LayerNorm
-    and the output projection tied to the token embedding.
+    and the output projection tied to the token embedding. The blocks are one
+    layer under `nn.scan` (parameters stacked on a leading ``layers`` axis: one
+    compiled layer, and FSDP gathers one layer's parameters at a time);
+    ``unroll`` makes them a Python loop of ``Block_0``, ``Block_1``, ... as
+    checkpoints written before scanned layers hold them. ``remat`` recomputes
+    each layer's activations in the backward pass: ``dots`` keeps the products
+    with the weights, ``full`` keeps only each layer's input. Dropout is on the
+    embeddings and residual branches, not the attention weights, so attention
+    is fused (``attention``: ``auto``, ``xla`` or ``cudnn``).
     """
 
     vocab_size: int
@@ -131,6 +273,9 @@ class GPT(nn.Module):
     hidden: int = 512
     dropout: float = 0.1
     max_len: int = 256
+    unroll: bool = False
+    remat: Remat = "none"
+    attention: AttentionImplementation = "auto"
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -141,10 +286,58 @@ class GPT(nn.Module):
         x = nn.Dropout(self.dropout, deterministic=not train)(
             tokens_embed(tokens) + positions[None]
         )
-        mask = nn.make_causal_mask(tokens)
-        for _ in range(self.layers):
-            x = Block(self.heads, self.hidden, self.dropout)(x, mask, train=train)
+        layer = CausalLayer
+        if not self.unroll:  # FSDP gathers a layer's parameters inside the scan's body
+            layer = nn.map_variables(layer, "params", trans_in_fn=gather_layer, init=True,
+                                     mutable=True)  # fmt: skip
+        if self.remat != "none":
+            # Inside a scan XLA cannot merge the recomputation back into the forward pass.
+            layer = nn.remat(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=self.unroll)
+        options = {
+            "heads": self.heads,
+            "hidden": self.hidden,
+            "dropout": self.dropout,
+            "attention_dropout": 0.0,
+            "attention": self.attention,
+            "train": train,
+        }
+        if self.unroll:
+            for index in range(self.layers):
+                x, _ = layer(**options, name=f"Block_{index}")(x, None)
+        else:
+            stack = nn.scan(
+                layer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                length=self.layers,
+                metadata_params={nn.PARTITION_NAME: STACKED},
+            )
+            x, _ = stack(**options, name=SCANNED_LAYERS)(x, None)
         return tokens_embed.attend(layer_norm()(x))
+
+
+def stack_layers(params: dict, layers: int) -> dict:
+    """Unrolled `GPT` parameters (``Block_0`` ... ``Block_{layers-1}``) as the scanned
+    model holds them (``blocks``, each leaf stacked on a leading axis)."""
+    names = [f"Block_{index}" for index in range(layers)]
+    rest = {key: value for key, value in params.items() if key not in names}
+    return {
+        **rest,
+        "blocks": jax.tree.map(lambda *leaves: jnp.stack(leaves), *(params[n] for n in names)),
+    }
+
+
+def flops_per_token(
+    parameters: int, *, layers: int, width: int, seq_len: int, max_len: int
+) -> float:
+    """Model FLOPs of one trained token of `GPT` (forward and backward), as PaLM's
+    appendix B counts them: ``6 N`` for the weights (``N`` the parameters but the
+    position table, which is read, not multiplied) plus ``12 L T d`` for attention's
+    two products (``L`` layers, ``T`` tokens, ``d`` the width), counted whole:
+    the causal half that a kernel may skip is not taken off, as PaLM and nanoGPT.
+    """
+    weights = parameters - max_len * width
+    return 6.0 * weights + 12.0 * layers * seq_len * width
 
 
 def greedy_decode(

@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp import replica
+from jdp.layout import SCANNED_LAYERS, gathering_layers
 from jdp.mesh import (
     DATA_AXIS,
     FSDP_AXIS,
@@ -106,22 +107,37 @@ def _over_replicas(fn: Callable[..., Any], mesh: Mesh, *, out_axes: Any = None
     return lambda state, batch: mapped(state, jax.tree.map(split, batch))
 
 
-def _gathered(param_shardings: Any) -> Any:
+def _gathered(param_shardings: Any) -> tuple[Any, Any]:
     """The parameters' shardings without ``fsdp``: where each is used. FSDP gathers a
     parameter where it is used and splits its gradient back (a reduce-scatter);
     without this, XLA may keep the parameter split and all-reduce the activations
-    instead (for a 1M-parameter GPT on ``data=2,fsdp=4``, 8x the bytes)."""
+    instead (for a 1M-parameter GPT on ``data=2,fsdp=4``, 8x the bytes).
 
-    def without_fsdp(sharding):
+    Returns ``(whole, layer)``: the shardings to gather the parameters at the start,
+    and for one scanned layer (`jdp.layout.SCANNED_LAYERS`; else None) those gathered
+    and split: its stacked parameters stay split and are gathered one layer at a
+    time inside the scan (`jdp.layout.gather_layer`), so the gathered model never
+    exists whole.
+    """
+
+    def without_fsdp(sharding, skip: int = 0):
         def keep(entry):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
             kept = tuple(axis for axis in axes if axis != FSDP_AXIS)
             return None if not kept else kept[0] if len(kept) == 1 else kept
 
-        spec = PartitionSpec(*(keep(entry) for entry in sharding.spec))
+        spec = PartitionSpec(*(keep(entry) for entry in sharding.spec[skip:]))
         return NamedSharding(sharding.mesh, spec)
 
-    return jax.tree.map(without_fsdp, param_shardings)
+    whole = jax.tree.map(without_fsdp, param_shardings)
+    stacked = param_shardings.get(SCANNED_LAYERS) if isinstance(param_shardings, dict) else None
+    if stacked is None:
+        return whole, None
+    layer = (
+        jax.tree.map(lambda sharding: without_fsdp(sharding, skip=1), stacked),
+        jax.tree.map(lambda s: NamedSharding(s.mesh, PartitionSpec(*s.spec[1:])), stacked),
+    )
+    return {**whole, SCANNED_LAYERS: stacked}, layer
 
 
 def _sharded_train(loss: LossFn, optimizer: optax.GradientTransformation, mesh: Mesh,
@@ -133,7 +149,8 @@ def _sharded_train(loss: LossFn, optimizer: optax.GradientTransformation, mesh: 
     out as the parameters."""
 
     def make_fn(param_shardings):
-        gathered = _gathered(param_shardings)
+        gathered, layer = _gathered(param_shardings)
+        layer = layer or (None, None)
         parts = replica.train_step_parts(
             loss, optimizer, local_grads=False, replicas=None, pack_leaf_bytes=0,
             axes=(DATA_AXIS,), gather=lambda p: lax.with_sharding_constraint(p, gathered),
@@ -155,7 +172,8 @@ def _sharded_train(loss: LossFn, optimizer: optax.GradientTransformation, mesh: 
         def one_step(state, batch):
             # The optimizer's state stays out of the replicas' mapping: under ZeRO-1
             # it is split over ``data``, which the mapping would gather.
-            grads, metrics, model_state = gradients(state.replace(opt_state=None), batch)
+            with gathering_layers(*layer):
+                grads, metrics, model_state = gradients(state.replace(opt_state=None), batch)
             grads = parts.finish(state, average(grads))
             grads = lax.with_sharding_constraint(grads, param_shardings)
             return parts.update(state, grads, model_state, metrics)
@@ -174,11 +192,13 @@ def _sharded_eval(replica_fn: Callable[..., Any], mesh: Mesh):
     mapped = _over_replicas(replica_fn, mesh)
 
     def make_fn(param_shardings):
-        gathered = _gathered(param_shardings)
+        gathered, layer = _gathered(param_shardings)
+        layer = layer or (None, None)
 
         def fn(state, batch):
             params = lax.with_sharding_constraint(state.params, gathered)
-            return mapped(state.replace(params=params, opt_state=None), batch)
+            with gathering_layers(*layer):
+                return mapped(state.replace(params=params, opt_state=None), batch)
 
         return fn
 

@@ -13,7 +13,9 @@ from jdp.training import config_checks
 # datasets, optimizers, schedules, LR scaling rules and precisions.
 Backend = Literal["jit", "pmap"]
 ModelName = Literal["cnn", "gpt", "mlp", "resnet18", "resnet20", "seq2seq"]
-ModelSize = Literal["small", "standard"]
+ModelSize = Literal["small", "standard", "124m", "350m", "774m", "1.3b"]
+Remat = Literal["none", "dots", "full"]
+Attention = Literal["auto", "xla", "cudnn"]
 OptimizerName = Literal["sgd", "momentum", "nesterov", "adam", "adamw", "lamb", "lars"]
 ScheduleName = Literal["constant", "cosine", "linear", "noam", "piecewise"]
 LrScaling = Literal["none", "linear", "sqrt"]
@@ -70,13 +72,34 @@ class TrainConfig:
         "every --sync-every steps)",
     )
     backend: Backend = _flag(LAYOUT, "jit", "step backend: jit (jit over shard_map) or pmap")
+    remat: Remat = _flag(
+        LAYOUT,
+        "none",
+        "gpt: recompute each layer's activations in the backward pass to save memory: none, "
+        "dots (keep the products with the weights) or full (keep only each layer's input)",
+    )
+    attention: Attention = _flag(
+        LAYOUT,
+        "auto",
+        "gpt and seq2seq: attention's implementation, auto (cuDNN's fused kernel on a GPU in "
+        "bf16/fp16, else XLA's), xla or cudnn",
+    )
     model: ModelName = _flag(
         MODEL,
         "mlp",
         "built-in model: mlp, cnn, resnet20, resnet18 (images), seq2seq or gpt (sequences)",
     )
     model_size: ModelSize = _flag(
-        MODEL, "small", "small (trains in minutes on a CPU) or standard (published)"
+        MODEL,
+        "small",
+        "small (trains in minutes on a CPU) or standard (published); gpt also 124m, 350m, "
+        "774m (GPT-2's) and 1.3b (GPT-3 XL's), their vocabulary padded to a multiple of 128",
+    )
+    unroll_layers: bool = _flag(
+        MODEL,
+        False,
+        "gpt: its blocks as a Python loop, not one scanned layer (as checkpoints written "
+        "before scanned layers hold them; compile time then grows with depth)",
     )
     dataset: str = _flag(
         DATA,
@@ -327,6 +350,8 @@ class TrainConfig:
         recorded as theirs), by default the fields themselves.
         """
         recorded = dataclasses.asdict(self) if recorded is None else recorded
+        if saved.get("model") == "gpt":  # the layers' layout before it was recorded
+            saved = {"unroll_layers": True, **saved}
         fields = {field.name for field in dataclasses.fields(self)} | {"lr_schedule"}
         conflicts = []
         for name, value in recorded.items():

@@ -38,6 +38,7 @@ def check(config) -> None:
         if getattr(config, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     _check_numbers(config)
+    _check_model_options(config)
     if config.accumulate < 1:
         raise UsageError("--accumulate must be at least 1")
     if config.eval_every < 0:
@@ -216,3 +217,15 @@ def _choices(cls) -> dict[str, tuple[str, ...]]:
         for name, hint in hints.items()
         if typing.get_origin(hint) is Literal
     }
+
+
+def _check_model_options(config) -> None:
+    """The language model's own flags with another model: one line, not a silent no-op."""
+    own = {
+        "--remat": config.remat != "none",
+        "--unroll-layers": config.unroll_layers,
+        f"--model-size {config.model_size}": config.model_size not in ("small", "standard"),
+    }
+    for flag, given in own.items():
+        if given and config.model != "gpt":
+            raise UsageError(f"{flag} is for --model gpt; drop it for --model {config.model}")

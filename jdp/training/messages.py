@@ -11,15 +11,17 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jdp import layout
+from jdp.data.pipeline import EvalReader
 from jdp.distributed import Cluster
 from jdp.mesh import GROUP_AXIS, MODEL_AXIS, batch_split, data_size, group_size, is_sharded
 from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
 from jdp.report.run_info import write_run_info
-from jdp.report.throughput import peak_flops, step_flops
+from jdp.report.throughput import model_flops, peak_flops, step_flops
 from jdp.training.config import TrainConfig
 from jdp.training.optimizer import peak_lr
 from jdp.training.parts import Data, Run, Yours
@@ -32,14 +34,13 @@ def describe_run(
     lowered: jax.stages.Lowered,
     console: Console,
 ) -> None:
-    """FLOPs per step and the peak they are measured against; the run directory's facts."""
+    """The model's FLOPs per step and the peak MFU is measured against; XLA's count of
+    the hardware's FLOPs; the run directory's facts."""
     devices = run.mesh.devices.size
     kind = run.mesh.devices.flat[0].device_kind
-    # XLA counts a loop's body once. With --steps-per-call the body is one step, so
-    # the figure is per step as wanted; the micro-batch loop of --accumulate would
-    # undercount: no figure rather than a wrong one.
-    flops = step_flops(lowered, devices) if config.accumulate == 1 else None
-    peak = peak_flops(kind)
+    flops = config.batch_size * example_flops(run)
+    hardware = step_flops(lowered, devices, per_step_loops=int(config.steps_per_call > 1))
+    peak = peak_flops(kind, config.precision)
     logger.throughput = dataclasses.replace(
         logger.throughput, flops_per_step=flops, peak_flops=peak * devices if peak else None
     )
@@ -50,14 +51,24 @@ def describe_run(
             "mesh": dict(run.mesh.shape),
             "backend": config.backend,
             "flops_per_step": flops,
+            "hardware_flops_per_step": hardware,
             "peak_flops_per_device": peak,
         },
     )
-    if flops:
-        against = f"MFU against {peak:.3g} FLOP/s per {kind}" if peak else f"no peak for {kind}"
-        console.line(
-            f"jdp: {flops:.3g} FLOPs per step (XLA cost analysis, {devices} devices); {against}"
-        )
+    against = (
+        f"MFU against {peak:.3g} {config.precision} FLOP/s per {kind}"
+        if peak
+        else f"no peak for {kind}"
+    )
+    xla = f"; XLA counts {hardware:.3g} on {devices} devices" if hardware else ""
+    console.line(f"jdp: {flops:.3g} model FLOPs per step{xla}; {against}")
+
+
+def example_flops(run: Run) -> float:
+    """The model FLOPs of training on one example (`jdp.report.throughput.model_flops`)."""
+    sample = EvalReader(run.train, batch_size=1, rows=slice(None))(0)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), sample)
+    return model_flops(run.model, run.state.params, run.state.model_state, shapes)
 
 
 def describe_optimizer(optimizer) -> str:

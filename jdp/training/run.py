@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from jdp import distributed
 from jdp.checkpoint import read_params
+from jdp.checkpoint.params import saved_param_names
 from jdp.data.corpora import is_corpus, load_corpus
 from jdp.data.custom import holdout, load_named
 from jdp.data.facts import data_facts
@@ -36,8 +37,9 @@ from jdp.mesh import (
     simulate_cpu_devices,
 )
 from jdp.mesh import parse_axis_rules as parse_rules
-from jdp.models import get_model
+from jdp.models import Model, get_model
 from jdp.models.registry import check_model, context
+from jdp.models.transformer import stack_layers
 from jdp.precision import make_precision
 from jdp.replica import check_accumulate
 from jdp.report.console import Console
@@ -184,7 +186,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
                 check_writable(directory, flag)
     name = f"{config.model} {config.model_size}" if model is None else "your model"
     if model is None:
-        model = get_model(config.model, train, config.model_size, seq_len=config.seq_len)
+        model = _builtin_model(config, train)
 
     init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
     sample = EvalReader(train, batch_size=1, rows=slice(None))(0)
@@ -198,7 +200,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
         schedule, optimizer = config_optimizer(config)
     precision = make_precision(config.precision, reduce=config.reduce_dtype)
     if config.init_from:  # before the optimizer's state is made from the parameters
-        params, model_state = read_params(config.init_from, like=(params, model_state))
+        params, model_state = _initial(config.init_from, params, model_state)
         console.line(f"jdp: parameters and model state from {config.init_from}")
     outer = _outer(config, mesh)
     state = create_train_state(
@@ -264,3 +266,26 @@ def _mesh(config: TrainConfig, console: Console, error: str | None = None) -> Me
     check_accumulate(config.batch_size // replicas, config.accumulate, replicas)
     say_where_it_runs(config, console, cluster, mesh)
     return mesh
+
+
+def _builtin_model(config: TrainConfig, train: Split) -> Model:
+    """The built-in model the config names, shaped for ``train``."""
+    return get_model(config.model, train, config.model_size, seq_len=config.seq_len,
+                     remat=config.remat, attention=config.attention,
+                     unroll=config.unroll_layers)  # fmt: skip
+
+
+def _initial(path: str, params, model_state):
+    """``--init-from``'s parameters laid out as ``params``; a language model's unrolled
+    layers (``Block_0``, ...: written before scanned layers) stacked for the scan."""
+    if "blocks" in params and "Block_0" in saved_param_names(path):
+        saved, model_state = read_params(path)
+        stacked = stack_layers(saved, len([name for name in saved if name.startswith("Block_")]))
+        shapes = jax.tree.map(lambda x: x.shape, (params, model_state))
+        if jax.tree.map(lambda x: x.shape, (stacked, model_state)) != shapes:
+            raise UsageError(
+                f"--init-from {path} holds another model than this run's; start from a "
+                "checkpoint of the same model"
+            )
+        return jax.device_put(stacked, jax.tree.map(lambda x: x.sharding, params)), model_state
+    return read_params(path, like=(params, model_state))

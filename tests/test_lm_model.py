@@ -1,0 +1,226 @@
+"""The language model's layers: scanned == unrolled, every remat policy == none, fused
+attention == the reference, GPT-2 124M's parameter count and model FLOPs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.core import meta
+
+import jdp
+from jdp.data import numbers2words
+from jdp.errors import UsageError
+from jdp.models.registry import get_model
+from jdp.models.transformer import GPT, Attention, flops_per_token, stack_layers
+from jdp.report.throughput import forward_flops, model_flops
+from tests.helpers import assert_trees_close
+
+SMALL = {"vocab_size": 61, "width": 32, "heads": 4, "layers": 3, "hidden": 64, "max_len": 16}
+
+
+def _tokens(rows=4, length=16, vocab=61, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (rows, length)), jnp.int32)
+
+
+def _loss(module):
+    def loss(params, tokens):
+        logits = module.apply({"params": params}, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss
+
+
+def _unrolled_params():
+    variables = GPT(**SMALL, unroll=True).init(jax.random.key(0), _tokens())
+    return meta.unbox(variables["params"])
+
+
+def test_scanned_layers_equal_the_unrolled_loop():
+    """The same parameters (stacked for the scan): the same loss and gradients."""
+    unrolled = _unrolled_params()
+    tokens = _tokens()
+    loss_u, grads_u = jax.value_and_grad(_loss(GPT(**SMALL, unroll=True)))(unrolled, tokens)
+    scanned = stack_layers(unrolled, SMALL["layers"])
+    loss_s, grads_s = jax.value_and_grad(_loss(GPT(**SMALL)))(scanned, tokens)
+    # The same operations per layer; XLA fuses a loop's body and an unrolled layer
+    # differently, so fp32 results differ by rounding, a few EPS32 (1.2e-7) per
+    # operation over 3 layers: well inside rtol 1e-5 (84 EPS32), atol 1e-6 near zero.
+    np.testing.assert_allclose(loss_s, loss_u, rtol=1e-5)
+    assert_trees_close(grads_s, stack_layers(grads_u, SMALL["layers"]))
+
+
+@pytest.mark.parametrize("policy", ["dots", "full"])
+@pytest.mark.parametrize("unroll", [False, True])
+def test_every_remat_policy_gives_the_gradients_of_none(policy, unroll):
+    params = _unrolled_params() if unroll else stack_layers(_unrolled_params(), SMALL["layers"])
+    tokens = _tokens()
+    expected = jax.grad(_loss(GPT(**SMALL, unroll=unroll)))(params, tokens)
+    got = jax.grad(_loss(GPT(**SMALL, unroll=unroll, remat=policy)))(params, tokens)
+    # Recomputation runs the forward pass's operations again on the same inputs: only
+    # a different fusion can change a rounding (as above: rtol 1e-5, atol 1e-6).
+    assert_trees_close(got, expected)
+
+
+def _reference_attention(params, queries, keys, *, causal, key_mask=None):
+    """Attention written out: scores, masks, softmax, weighted values, projection."""
+
+    def project(name, x):
+        return (
+            jnp.einsum("btd,dhk->bthk", x, params[name]["kernel"])
+            + params[name]["bias"][None, None]
+        )
+
+    q, k, v = project("query", queries), project("key", keys), project("value", keys)
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(q.shape[-1])
+    allowed = jnp.ones(scores.shape, bool)
+    if causal:
+        allowed &= jnp.tril(jnp.ones(scores.shape[-2:], bool))[None, None]
+    if key_mask is not None:
+        allowed &= key_mask[:, None, None, :]
+    weights = jax.nn.softmax(jnp.where(allowed, scores, -jnp.inf), axis=-1)
+    attended = jnp.einsum("bhqs,bshk->bqhk", weights, v)
+    out = jnp.einsum("bqhk,hkd->bqd", attended, params["out"]["kernel"])
+    return out + params["out"]["bias"][None, None]
+
+
+@pytest.mark.parametrize("causal, masked", [(True, False), (False, True), (True, True)])
+def test_fused_attention_equals_the_reference(causal, masked):
+    x = jax.random.normal(jax.random.key(1), (3, 12, 32))
+    key_mask = jnp.arange(12)[None, :] < jnp.asarray([12, 7, 3])[:, None] if masked else None
+    module = Attention(heads=4, implementation="xla")
+    params = meta.unbox(module.init(jax.random.key(0), x, x)["params"])
+    got = module.apply({"params": params}, x, x, causal=causal, key_mask=key_mask)
+    expected = _reference_attention(params, x, x, causal=causal, key_mask=key_mask)
+    # fp32 sums of 32 and 12 terms and a softmax, in another order: rounding of a few
+    # EPS32 times the terms' count, inside rtol 1e-5 (84 EPS32), atol 1e-6 near zero.
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_reads_flax_multi_head_attention_parameters():
+    """Checkpoints written with Flax's module restore: the same names, shapes and result."""
+    import flax.linen as nn
+
+    x = jax.random.normal(jax.random.key(1), (2, 10, 32))
+    flax_module = nn.MultiHeadDotProductAttention(4)
+    params = flax_module.init(jax.random.key(0), x, x)["params"]
+    ours = Attention(heads=4).init(jax.random.key(0), x, x)["params"]
+    shapes = jax.tree.map(jnp.shape, meta.unbox(ours))
+    assert shapes == jax.tree.map(jnp.shape, params)
+    causal = nn.make_causal_mask(jnp.ones((2, 10)))
+    expected = flax_module.apply({"params": params}, x, x, mask=causal)
+    got = Attention(heads=4).apply({"params": params}, x, x, causal=True)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+class _Text:
+    """What `get_model` reads of a token corpus's split."""
+
+    kind, input_key, tokenizer, seq_len = "text", "tokens", None, 1024
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+
+
+def _shapes(model, vocab_size, seq_len=1024):
+    batch = {"tokens": jax.ShapeDtypeStruct((1, seq_len + 1), jnp.int32)}
+    params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
+    return params, batch
+
+
+def test_gpt2_124m_has_gpt2s_parameters():
+    """GPT-2 small: 124,439,808 parameters with its 50,257 tokens; jdp pads the
+    vocabulary to 50,304 (a multiple of 128), 47 rows of 768 more."""
+    model = get_model("gpt", _Text(50257), "124m")
+    params, _ = _shapes(model, 50257)
+    count = sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+    assert params["Embed_0"]["embedding"].shape == (50304, 768)
+    assert count == 124_439_808 + 47 * 768
+    module = GPT(vocab_size=50257, width=768, heads=12, layers=12, hidden=3072, max_len=1024)
+    shapes = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    assert sum(np.prod(x.shape) for x in jax.tree.leaves(meta.unbox(shapes))) == 124_439_808
+
+
+def test_model_flops_of_gpt2_124m_at_1024_tokens():
+    """PaLM's count by hand: 6 N with N the parameters but the 1024 x 768 position
+    table, and 12 L T d for attention's two products (not halved for causality)."""
+    parameters = 124_439_808 + 47 * 768
+    weights = parameters - 1024 * 768  # 123,689,472
+    by_hand = 6 * 123_689_472 + 12 * 12 * 1024 * 768  # 742,136,832 + 113,246,208
+    assert weights == 123_689_472 and by_hand == 855_383_040
+    assert flops_per_token(parameters, layers=12, width=768, seq_len=1024, max_len=1024) == (
+        by_hand
+    )
+    model = get_model("gpt", _Text(50257), "124m")
+    params, batch = _shapes(model, 50257)
+    assert model.flops(params, batch) == by_hand * 1024
+    # The products in the traced program, times 3, agree to within what the formula
+    # counts and they do not: biases and LayerNorms (121,344 parameters, 0.1%).
+    traced = 3 * forward_flops(lambda p, b: model.apply(p, {}, b, train=False)[0], params, batch)
+    assert abs(traced / (by_hand * 1024) - 1) < 121_344 / weights * 1.01
+
+
+def test_model_flops_of_a_model_without_a_formula_are_its_products_times_three():
+    """The default MLP on digits: 64 x 512 and 512 x 10 multiply-adds per example."""
+    train = jdp.load_split("digits", "train")
+    model = get_model("mlp", train)
+    batch = {"image": jax.ShapeDtypeStruct((1, 8, 8, 1), jnp.float32),
+             "label": jax.ShapeDtypeStruct((1,), jnp.int32)}  # fmt: skip
+    params, state = jax.eval_shape(model.init, jax.random.key(0), batch)
+    assert model_flops(model, params, state, batch) == 6 * (64 * 512 + 512 * 10)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"remat": "full"}, "--remat is for --model gpt"),
+        ({"model_size": "124m"}, "--model-size 124m is for --model gpt"),
+        ({"unroll_layers": True}, "--unroll-layers is for --model gpt"),
+    ],
+)
+def test_the_language_model_flags_are_refused_for_other_models(flags, message):
+    with pytest.raises(UsageError, match=message):
+        jdp.TrainConfig(model="cnn", **flags)
+
+
+def test_a_gpt_checkpoint_from_before_scanned_layers_names_the_flag_to_resume_it():
+    saved = {"model": "gpt", "steps": 10}  # recorded before --unroll-layers existed
+    conflicts = jdp.TrainConfig(model="gpt", steps=10).resume_conflicts(saved)
+    assert conflicts == ["--unroll-layers False (was True)"]
+    assert jdp.TrainConfig(model="gpt", unroll_layers=True).resume_conflicts(saved) == []
+    assert jdp.TrainConfig(model="mlp").resume_conflicts({"model": "mlp"}) == []
+
+
+@pytest.mark.slow
+def test_a_run_reports_the_model_flops_not_xlas_count_of_a_loop(tmp_path):
+    import json
+
+    config = jdp.TrainConfig(mesh="data=2", model="gpt", dataset="numbers2words", steps=2,
+                             batch_size=16, warmup_steps=1, log_dir=str(tmp_path))  # fmt: skip
+    jdp.fit(config, console=jdp.Console(enabled=False))
+    facts = json.loads((tmp_path / "run.json").read_text())
+    test = numbers2words.generate("test")
+    model = get_model("gpt", test)
+    batch = {key: value[:1] for key, value in test.read(np.arange(1)).items()}
+    params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
+    assert facts["flops_per_step"] == pytest.approx(16 * model.flops(params, batch))
+    # XLA counts a loop's body once: the scanned layers' step gets no hardware figure.
+    assert facts["hardware_flops_per_step"] is None
+
+
+@pytest.mark.slow
+def test_a_gpt_checkpoint_of_unrolled_layers_starts_a_scanned_run(tmp_path):
+    """--init-from a checkpoint written before scanned layers: its layers are stacked."""
+    base = {"mesh": "data=2", "model": "gpt", "dataset": "numbers2words", "batch_size": 16,
+            "warmup_steps": 1}  # fmt: skip
+    old = str(tmp_path / "old")
+    jdp.fit(jdp.TrainConfig(**base, steps=2, unroll_layers=True, ckpt_dir=old),
+            console=jdp.Console(enabled=False))  # fmt: skip
+    saved, _ = jdp.checkpoint.read_params(old)
+    config = jdp.TrainConfig(**base, steps=1, init_from=old, lr=1e-12)
+    result = jdp.fit(config, console=jdp.Console(enabled=False))
+    # One step at lr 1e-12 moves nothing above rounding: the stacked layers are the saved ones.
+    got = jax.device_get(result.state.params)
+    assert_trees_close(got, stack_layers(jax.device_get(saved), 4), rtol=1e-6, atol=1e-9)
