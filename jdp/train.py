@@ -1,4 +1,5 @@
-"""``python -m jdp.train``: parse the flags, call `jdp.fit`, print one summary line."""
+"""``python -m jdp.train``: parse the flags, call `jdp.fit`, print one summary line (a
+language model's run prints a short sample of its text before it)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from jdp.distributed import ReplicaMismatchError
 from jdp.errors import NonFiniteError, UsageError
 from jdp.report.console import Console
+from jdp.sample import training_sample
 from jdp.training.flags import parse_flags
 from jdp.training.loop import fit
 
@@ -44,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+    if (sample := training_sample(config, result)) is not None:
+        console.line(sample)
     console.line(result.summary_line())
     return 0
 

@@ -32,10 +32,10 @@ LAYERS = {
     "reduce": "library", "diloco": "library",
     "report": "services", "data": "services", "models": "services", "checkpoint": "services",
     "distributed": "services",
-    "inference": "services", "collectives": "services",
+    "inference": "services", "collectives": "services", "sampling": "services",
     "training": "training",
     "train": "tools", "plan": "tools", "plan_costs": "tools", "launch": "tools", "plot": "tools",
-    "bench": "tools",
+    "bench": "tools", "sample": "tools",
     "data.__main__": "tools", "": "tools",
 }  # fmt: skip
 # Units that read in one sitting: a module of at most 400 lines, a function of at most

@@ -117,6 +117,8 @@ def tokenize(
         "val_split": None if not val_fraction else "tail" if len(paths) == 1 else "documents",
     }
     write_meta(out, meta)
+    if spec != "bytes":  # a copy beside the shards: the corpus decodes on its own (jdp.sample)
+        _load(spec).save(os.path.join(out, meta["tokenizer"]))
     return meta
 
 

@@ -15,12 +15,13 @@ import jax.numpy as jnp
 from jdp.mesh import DATA_AXIS
 from jdp.models.adapters import from_linen, from_nnx
 from jdp.models.cnn import CNN
+from jdp.models.generate import generate, gpt_for
 from jdp.models.mlp import MLP
 from jdp.models.model import Model
 from jdp.models.objectives import Objective, classification, language_model, sequence
 from jdp.models.registry import get_model
 from jdp.models.resnet import ResNet
-from jdp.models.transformer import GPT, Seq2SeqTransformer, greedy_decode
+from jdp.models.transformer import GPT, Seq2SeqTransformer, greedy_decode, stack_layers
 
 
 def translate(model: Model, params, model_state, batch, *, bos: int, eos: int) -> jnp.ndarray:
@@ -52,9 +53,12 @@ __all__ = [
     "classification",
     "from_linen",
     "from_nnx",
+    "generate",
     "get_model",
+    "gpt_for",
     "greedy_decode",
     "language_model",
     "sequence",
+    "stack_layers",
     "translate",
 ]
