@@ -250,3 +250,23 @@ def test_bundled_digits_prepare_offline(tmp_path):
 def test_unknown_dataset():
     with pytest.raises(jdp.UsageError, match="unknown dataset 'imagenet'; choose one of: cifar10"):
         load_split("imagenet", "train")
+
+
+def test_on_one_cpu_device_the_loader_hands_the_step_host_arrays(mesh1, mesh8):
+    from jdp.data.pipeline import places_ahead
+
+    # One CPU device in one process: the step's call places a NumPy batch for less host
+    # time than the loader's thread would; with several devices the loader places them.
+    assert not places_ahead(mesh1) and places_ahead(mesh8)
+    split = _image_split()
+    kwargs = dict(batch_size=8, seed=3, start_step=2)
+    with (
+        train_batches(split, mesh1, place=False, **kwargs) as host,
+        train_batches(split, mesh1, **kwargs) as placed,
+    ):
+        for _ in range(7):
+            got, want = next(host), next(placed)
+            assert all(isinstance(value, np.ndarray) for value in got.values())
+            assert all(isinstance(value, jax.Array) for value in want.values())
+            for key in want:
+                np.testing.assert_array_equal(got[key], want[key])

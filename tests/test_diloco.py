@@ -397,7 +397,7 @@ def test_the_replica_check_compares_each_groups_devices_among_themselves(devices
 
 def test_a_group_gone_non_finite_is_never_saved_and_stops_the_run(devices, tmp_path, capfd):
     """The metrics are one group's; a save and the guard check every group's parameters."""
-    from jdp.training.run_actions import GuardFinite
+    from jdp.training.finite import GuardFinite
 
     state = _train("group=2,data=4", jdp.diloco(sync_every=4), _batches(2), optax.adam(1e-2))
     leaf = state.groups.params["b1"]

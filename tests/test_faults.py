@@ -214,7 +214,7 @@ def test_nan_policy_ignore_trains_on_but_never_saves_a_nonfinite_state(tmp_path)
 def test_a_last_gradient_that_was_not_finite_is_neither_saved_nor_passed(tmp_path, capfd):
     """The step reports no gradient norm by default: a call whose last gradient was not
     finite shows a finite loss, and its state is what tells, at saves and at the end."""
-    from jdp.training.run_actions import GuardFinite
+    from jdp.training.finite import GuardFinite
 
     mesh = jdp.make_mesh("data=8")
     state = jdp.create_train_state({"w": jnp.ones((8, 4)), "b": jnp.zeros(4)}, optax.sgd(0.1), mesh)

@@ -6,6 +6,7 @@ import os
 import struct
 import termios
 
+import numpy as np
 import pytest
 
 import jdp
@@ -54,3 +55,33 @@ def test_a_terminal_without_a_size_gets_lines_not_a_bar():
     finally:
         os.close(leader)
         os.close(follower)
+
+
+def test_the_display_reads_the_loss_only_for_a_line_it_prints(capsys):
+    import types
+
+    from jdp.actions import Progress
+    from jdp.training.run_actions import Display
+
+    class Loss:  # a device value whose every read is counted
+        reads = 0
+
+        def __init__(self, value):
+            self.value = value
+
+        def __array__(self, dtype=None, copy=None):
+            Loss.reads += 1
+            return np.asarray(self.value, dtype)
+
+    console = jdp.Console(enabled=True, interactive=False)
+    display = Display(console, types.SimpleNamespace(latest=None), every=20)
+    progress = Progress(step=0, steps=1000, state=None)
+    display(progress)
+    console.start_progress(1000)
+    for step in range(1, 121):
+        progress.after_call(step, 1, None, {"loss": Loss(1.0 / step)})
+        display(progress)
+    # Shown: step 20's loss after step 21 ... step 100's after 101 (the line at 10% of
+    # the run); only that one is read, and printed.
+    assert Loss.reads == 1
+    assert capsys.readouterr().out.startswith("step 100/1000 loss=0.0100 eta=")

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import grain
+import jax
 from jax.sharding import Mesh
 
 from jdp.data.readers import ChunkedReader, EvalReader, StackedReader, TrainReader
@@ -99,7 +100,8 @@ class Loader(Iterator[dict]):
     blocked waiting for a batch. ``steps_per_item`` stacks that many steps'
     batches into one item; ``chunk`` has a `TrainReader` read, preprocess and
     place that many steps' batches at once, yielded one by one. ``prefetch``
-    counts items (or chunks) placed ahead.
+    counts items (or chunks) placed ahead. ``place=False`` yields the host's
+    NumPy batches, for a step that places them itself (`places_ahead`).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class Loader(Iterator[dict]):
         prefetch: int = 2,
         steps_per_item: int = 1,
         chunk: int = 1,
+        place: bool = True,
     ):
         if workers < 0 or prefetch < 1 or steps_per_item < 1:
             raise UsageError(
@@ -136,7 +139,7 @@ class Loader(Iterator[dict]):
         self._steps_per_item = steps_per_item
         self._chunk: collections.deque = collections.deque()  # placed batches not yet taken
         self.wait_seconds = 0.0
-        self._mesh = mesh
+        self._mesh, self._place = mesh, place
         # A deque and two semaphores rather than a queue.Queue: the consumer's
         # side is on the training loop's path every step, and Queue.get's
         # condition variable cost more than a fast step can spare.
@@ -152,9 +155,9 @@ class Loader(Iterator[dict]):
         try:
             iterator = iter(host)
             for item in iterator:
-                # A chunk (a list of batches) is placed in one transfer call.
-                placed = shard_batch(item, self._mesh, stacked=self._steps_per_item > 1)
-                if not self._put(placed):
+                if self._place:  # a chunk (a list of batches) is placed in one transfer call
+                    item = shard_batch(item, self._mesh, stacked=self._steps_per_item > 1)
+                if not self._put(item):
                     return
             self._put(_END)
         except BaseException as error:  # handed to the consumer, raised there
@@ -182,7 +185,7 @@ class Loader(Iterator[dict]):
             self._filled.acquire()
             item = self._ready.popleft()
             self._free.release()
-            if isinstance(item, list):  # a chunk of placed batches
+            if isinstance(item, list):  # a chunk of batches
                 self._chunk.extend(item)
                 item = self._chunk.popleft()
         self.wait_seconds += time.perf_counter() - waited
@@ -235,6 +238,7 @@ def train_batches(
     workers: int = 0,
     prefetch: int = 2,
     steps_per_call: int = 1,
+    place: bool = True,
 ) -> Loader:
     """Global training batches (sharded on ``data``) from ``start_step`` on, forever.
 
@@ -248,6 +252,8 @@ def train_batches(
         prefetch: global batches placed on the devices ahead of the step.
         steps_per_call: yield this many consecutive steps' batches stacked on a
             leading axis, for a step built with the same ``steps_per_call``.
+        place: False yields the host's NumPy batches, which a train step's call
+            places itself (where `places_ahead` says that costs the host less).
 
     Raises:
         UsageError: the batch is larger than the split.
@@ -275,7 +281,24 @@ def train_batches(
         # Chunks are for the loader's own thread, whose per-batch cost they save;
         # Grain workers pay that cost in other processes.
         chunk=_chunk_steps(reader, start_step) if steps_per_call == 1 and not workers else 1,
+        place=place,
     )
+
+
+def places_ahead(mesh: Mesh) -> bool:
+    """Whether a training loop's loader should place its batches on the devices ahead of
+    the step (else the step's call takes the host's arrays and places them itself).
+
+    Ahead, except on one CPU device in one process: there placing is a copy in host
+    memory, and `jax.device_put`'s Python cost the loader's thread about 18 us a leaf
+    (37 us a digits batch), CPU taken from a step that keeps both cores of a 2-core
+    machine busy; the step's call places a NumPy batch in C++, for about 4 us a leaf.
+    On an accelerator the transfer overlaps the step; with several devices XLA:CPU's
+    programs all-reduce, and a NumPy argument would be split on the loop's path.
+    """
+    devices = mesh.devices.flat
+    return not (jax.process_count() == 1 and mesh.devices.size == 1
+                and all(device.platform == "cpu" for device in devices))  # fmt: skip
 
 
 def _chunk_steps(reader: TrainReader, step: int) -> int:

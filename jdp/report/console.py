@@ -15,6 +15,8 @@ from tqdm import tqdm
 # and at least this often in seconds (a slow run is never silent for long).
 _LOG_FRACTION = 0.1
 _LOG_SECONDS = 30.0
+# tqdm's own refresh interval: a postfix set more often is never drawn.
+_BAR_SECONDS = 0.1
 
 
 def has_size(stream) -> bool:
@@ -65,15 +67,30 @@ class Console:
     def start_progress(self, total: int) -> None:
         self._total, self._done = total, 0
         self._started = self._said = time.perf_counter()
+        self._postfixed = -_BAR_SECONDS  # the bar's first advance shows its postfix
         self._next_log = max(1, round(total * _LOG_FRACTION))
         if self.enabled and self._interactive:
             self._bar = tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
 
+    def shows(self, steps: int) -> bool:
+        """Whether advancing by ``steps`` now would show its postfix: a progress line is
+        due, or the bar's last postfix is older than its refresh interval. A caller
+        reads the figures it shows (a device's loss, say) only then."""
+        if not self.enabled:
+            return False
+        now = time.perf_counter()
+        if self._bar is not None:
+            return now - self._postfixed >= _BAR_SECONDS
+        return self._done + steps >= self._next_log or now - self._said >= _LOG_SECONDS
+
     def advance(self, steps: int, **postfix: str) -> None:
-        """Records ``steps`` more steps done; ``postfix`` (e.g. loss) is shown with them."""
+        """Records ``steps`` more steps done; ``postfix`` (e.g. loss), when given, is shown
+        with them (see `shows`)."""
         self._done += steps
         if self._bar is not None:
-            self._bar.set_postfix(postfix, refresh=False)
+            if postfix:
+                self._postfixed = time.perf_counter()
+                self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(steps)
         elif self._done >= self._next_log or time.perf_counter() - self._said >= _LOG_SECONDS:
             while self._next_log <= self._done:

@@ -11,7 +11,7 @@ import optax
 
 from jdp.actions import Action, Progress
 from jdp.checkpoint import Checkpointer
-from jdp.data.pipeline import train_batches
+from jdp.data.pipeline import places_ahead, train_batches
 from jdp.data.sources import Split
 from jdp.errors import UsageError
 from jdp.models import Model
@@ -157,4 +157,5 @@ def _train_loader(config: TrainConfig, run: Run, start: int):
         workers=config.loader_workers,
         prefetch=config.prefetch,
         steps_per_call=config.steps_per_call,
+        place=places_ahead(run.mesh),
     )

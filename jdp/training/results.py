@@ -129,17 +129,20 @@ def _headline(metrics: dict[str, float]) -> str | None:
 
 
 class SteadyTimer:
-    """Wall time and input wait of the steady loop: from the end of the first call. It
-    says when the first call starts compiling, and how long compiling and the call took."""
+    """Wall time and input wait of the steady loop: from the end of the first call to the
+    end of the last, both waited for (so examples/s counts steps done, not dispatched).
+    It says when the first call starts compiling, and how long compiling and the call
+    took."""
 
     def __init__(self, loader, console: Console):
         self.loader, self.calls, self.console = loader, 0, console
         self.started, self.waited_before, self.seconds, self.waited = 0.0, 0.0, 0.0, 0.0
         console.line("jdp: compiling the train step")
         self._created = time.perf_counter()
+        self._last = None  # the last call's metrics
 
     def after_call(self, metrics) -> None:
-        self.calls += 1
+        self.calls, self._last = self.calls + 1, metrics
         if self.calls == 1:
             jax.block_until_ready(metrics)  # compilation ends here; throughput counts from now
             self.started, self.waited_before = time.perf_counter(), self.loader.wait_seconds
@@ -149,6 +152,7 @@ class SteadyTimer:
 
     def stop(self) -> None:
         if self.calls > 1:
+            jax.block_until_ready(self._last)  # the calls still in flight (two at most)
             self.seconds = time.perf_counter() - self.started
             self.waited = self.loader.wait_seconds - self.waited_before
 

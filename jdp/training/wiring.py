@@ -18,13 +18,13 @@ from jdp.report.logger import MetricLogger
 from jdp.report.throughput import Throughput
 from jdp.report.writers import open_writers
 from jdp.training.config import TrainConfig
+from jdp.training.finite import GuardFinite
 from jdp.training.run import Run
 from jdp.training.run_actions import (
     Checkpoint,
     CheckReplicas,
     Display,
     Evaluate,
-    GuardFinite,
     LogMetrics,
     Profile,
     StopOnPreemption,
