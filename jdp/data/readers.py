@@ -52,7 +52,12 @@ def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
 
 def global_batch_indices(seed: int, step: int, batch_size: int, num_examples: int) -> np.ndarray:
     """Example indices of step ``step``'s global batch (may straddle two epochs)."""
-    start, stop = step * batch_size, (step + 1) * batch_size
+    return _stream(seed, step * batch_size, (step + 1) * batch_size, num_examples)
+
+
+def _stream(seed: int, start: int, stop: int, num_examples: int) -> np.ndarray:
+    """Examples ``start .. stop - 1`` of the run's stream: the epochs' orders end to end.
+    Steps ``s .. s + k - 1`` are one stretch of it, read in one go."""
     parts = []
     for epoch in range(start // num_examples, (stop - 1) // num_examples + 1):
         order = epoch_permutation(seed, epoch, num_examples)
@@ -85,8 +90,10 @@ class TrainReader:
         The result is the same as ``count`` single calls.
         """
         steps = range(first, first + count)
-        indices = [self.indices(step) for step in steps]
-        batch = self.split.read(np.concatenate(indices))
+        size = self.batch_size
+        stream = _stream(self.seed, first * size, (first + count) * size, len(self.split))
+        indices = stream.reshape(count, size)[:, self.rows]  # this process's rows of each
+        batch = self.split.read(indices.reshape(-1))
         transform = self.split.transform
         if transform is not None:  # token sequences have nothing to preprocess
             augmentation = None
@@ -109,9 +116,11 @@ class TrainReader:
                 for place in places
             ]
             batch = map_examples(self.split.map, batch, rngs)
-        bounds = np.cumsum([len(part) for part in indices])[:-1]
-        parts = {key: np.split(value, bounds) for key, value in batch.items()}
-        return [{key: parts[key][i] for key in parts} for i in range(count)]
+        rows = indices.shape[1]
+        return [
+            {key: value[i * rows : (i + 1) * rows] for key, value in batch.items()}
+            for i in range(count)
+        ]
 
 
 class ChunkedReader:

@@ -45,7 +45,8 @@ class Transform:
         return Augmentation(offsets, flips)
 
     def __call__(self, images: np.ndarray, augmentation: Augmentation | None = None) -> np.ndarray:
-        x = images.astype(np.float32) * np.float32(1.0 / self.scale)
+        x = images.astype(np.float32)
+        x *= np.float32(1.0 / self.scale)  # in place: one float array a batch, not two
         if self.mean is not None:
             x -= np.asarray(self.mean, np.float32)
             x *= np.asarray(1.0 / np.asarray(self.std), np.float32)
