@@ -199,3 +199,96 @@ def test_corpus_benchmark_reports_memory_and_input_wait_per_mesh():
     for mesh, line in zip(("data=1", "data=2"), lines[1:], strict=True):
         assert line.strip().startswith(f"mesh {mesh}") and "(growth " in line, line
         assert re.search(r"input waiting \d+\.\d%; [\d,]+ tokens/s$", line), line
+
+
+@pytest.mark.slow
+def test_lm_benchmark_races_jdp_against_the_hand_written_step_on_the_same_model():
+    # Each cell sets up the devices its mesh asks for, as `jdp.train` does: no XLA_FLAGS.
+    environment = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    flags = "--mesh data=1,data=8 --seq-len 32 --vocab-size 256 --rounds 2 --steps 2"
+    result = _bench("lm", flags, timeout=300, env=environment)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("jdp.bench lm: gpt small (0.83M parameters, vocabulary 256), T = 32")
+    assert lines[1].startswith("model FLOPs per token: 5.15M, PaLM's count"), lines[1]
+    rows = re.findall(
+        r"^  (data=\d) +16  none  auto +(hand-written|jdp) +([\d,]+) +([\d.]+) +\d+ +- +([\d.]+)"
+        r" +([\d.]+)x  [\d.]+-[\d.]+$",
+        result.stdout,
+        re.M,
+    )
+    cells = [(mesh, arm) for mesh in ("data=1", "data=8") for arm in ("hand-written", "jdp")]
+    assert [row[:2] for row in rows] == cells, result.stdout
+    for _, arm, rate, ms, compile_s, ratio in rows:
+        assert int(rate.replace(",", "")) > 0 and float(ms) > 0 and float(compile_s) >= 0
+        assert float(ratio) == 1.0 if arm == "hand-written" else float(ratio) > 0
+    checks = re.findall(
+        r"jdp ([\d.]+), hand-written ([\d.]+): agree within ([\d.]+) \(dropout's noise\); "
+        r"same initial parameters: yes$",
+        result.stdout,
+        re.M,
+    )
+    assert len(checks) == 2, result.stdout
+    for jdp_loss, hand_loss, tolerance in checks:
+        assert abs(float(jdp_loss) - float(hand_loss)) <= float(tolerance) < 0.5
+
+
+def test_lm_benchmark_refuses_a_remat_it_does_not_have():
+    result = _bench("lm", "--remat some", timeout=120)
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip() == "jdp.bench: error: --remat 'some'; choose from: none, dots, full"
+    )
+
+
+def test_lm_benchmarks_hand_written_optimizer_is_jdps_adamw(mesh1):
+    import jax
+    import numpy as np
+
+    from jdp.bench import lm
+    from jdp.training.config import TrainConfig
+    from jdp.training.optimizer import config_optimizer
+
+    config = TrainConfig(model="gpt", optimizer="adamw", lr=lm.LR, schedule="constant",
+                         warmup_steps=0, weight_decay=lm.WEIGHT_DECAY)  # fmt: skip
+    _, jdps = config_optimizer(config)
+    hand = lm.hand_written_lm_step(lm.GPT(vocab_size=8), mesh1, np.float32, lr=lm.LR,
+                                   weight_decay=lm.WEIGHT_DECAY, b1=lm.B1, b2=lm.B2)  # fmt: skip
+    params = {"kernel": np.full((2, 3), 0.5, np.float32), "bias": np.full(3, 0.5, np.float32)}
+    grads = jax.tree.map(lambda leaf: leaf * 0.1, params)
+    for optimizer in (jdps, hand.optimizer):
+        state = optimizer.init(params)
+        for _ in range(3):
+            updates, state = optimizer.update(grads, state, params)
+        if optimizer is jdps:
+            expected = updates
+    for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_keras_benchmark_races_fit_against_keras_and_the_step_alone():
+    result = _bench("keras", "--steps 40 --rounds 2", timeout=600)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("jdp.bench keras: mlp small on digits (38k parameters)"), lines
+    assert re.search(r"Keras 3\.\d+\.\d+ \(JAX backend\), JAX \d", lines[0]), lines[0]
+    rows = re.findall(
+        r"^  (1|2|median) +([\d,]+) +([\d,]+) +([\d,]+) +([\d.]+)x +([\d.]+)x$",
+        result.stdout,
+        re.M,
+    )
+    assert [row[0] for row in rows] == ["1", "2", "median"], result.stdout
+    for _, keras, jdp, step, by_keras, by_step in rows[:2]:
+        keras, jdp, step = (int(rate.replace(",", "")) for rate in (keras, jdp, step))
+        assert min(keras, jdp, step) > 0
+        # A round's ratios are its rates' own: printed to 3 decimals (half a unit, 5e-4),
+        # from rates printed to the example (1e-3 relative covers rates over 1,000/s).
+        assert abs(float(by_keras) - jdp / keras) < 1e-3 * jdp / keras + 5e-4
+        assert abs(float(by_step) - jdp / step) < 1e-3 * jdp / step + 5e-4
+
+
+def test_keras_benchmark_refuses_a_run_of_one_step():
+    result = _bench("keras", "--steps 1", timeout=120)
+    assert result.returncode == 2
+    assert "need --steps >= 2 (the first is compilation)" in result.stderr

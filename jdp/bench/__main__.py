@@ -35,6 +35,14 @@ step's arguments and temporaries, and its collectives by mesh axis.
 ``corpus``: gpt trained on a memory-mapped token corpus of 2 GB on disk: the
 process's memory growth and the loop's input waiting, on ``data=1`` and ``data=8``.
 
+``lm``: the ``gpt`` language model's step at a size and sequence length given by
+flags, jdp's against a hand-written JAX + Optax step of the same model: tokens/s,
+MFU, compile time, ratio; ``--remat`` and ``--attention`` sweeps (`jdp.bench.lm`).
+
+``keras``: ``python -m jdp.train --mesh data=1`` against Keras 3's ``model.fit`` on
+the JAX backend: the same MLP, batches in the same order and Adam schedule, each
+run a process of its own on one CPU device, in interleaved rounds.
+
 ``faults``: random kill -9 trials (each resumed and compared bitwise with an
 uninterrupted run) and random bit flips in a checkpoint (each detected,
 unaffected, or restored silently).
@@ -53,6 +61,8 @@ from jdp.bench import (
     dispatch,
     faults,
     inputs,
+    keras,
+    lm,
     logs,
     memory,
     multihost,
@@ -76,7 +86,9 @@ BENCHMARKS = {
     "corpus": (corpus, "gpt on a 2 GB memory-mapped token corpus: memory growth, input wait"),
     "faults": (faults, "random kill -9 trials and checkpoint bit flips: resumes, detections"),
     "memory": (memory, "bytes per device of a model on each layout (data, fsdp, model, ZeRO-1)"),
+    "keras": (keras, "jdp.train --mesh data=1 vs Keras 3's model.fit: same model, data, Adam"),
     "readme": (readme, "run README.md's figures table's commands; rewrite or check its rows"),
+    "lm": (lm, "gpt's step vs a hand-written JAX + Optax one: tokens/s, MFU, remat, attention"),
 }
 
 

@@ -1,0 +1,369 @@
+"""``python -m jdp.bench lm``: the ``gpt`` language model's train step, jdp's against one
+written by hand.
+
+Tokens/s, MFU and compile time of the built-in ``gpt`` model's training step at
+the size and sequence length the flags give, for jdp's step as ``python -m
+jdp.train`` builds it and for the step one writes with JAX and Optax alone in
+nanoGPT's structure (`hand_written_lm_step`): the same `GPT` module, the same
+AdamW, the same initial parameters and the same batch. Each cell (a mesh, a
+``--remat``, an ``--attention``) runs in a process of its own with the devices
+its mesh asks for, as `jdp.bench.step`'s cells do. In it the two arms run one
+batch again and again (no input cost) in interleaved rounds
+(`jdp.bench.arms.interleaved_rates`); the ratio is the median of the per-round
+ratios, so the machine's drift between rounds cancels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdp.bench.arms import interleaved_rates, jdp_loop, ratios_to
+from jdp.bench.common import names
+from jdp.bench.lm_hand import HandWritten, hand_lm_loop, hand_written_lm_step
+from jdp.bench.step import first_batch
+from jdp.errors import UsageError
+from jdp.mesh import parse_mesh_spec
+from jdp.models.registry import LM_SIZES, MODELS, VOCAB_MULTIPLE
+from jdp.models.transformer import ATTENTION_IMPLEMENTATIONS, GPT, REMAT_POLICIES, flops_per_token
+from jdp.precision import PRECISIONS
+from jdp.report.console import Console
+from jdp.report.throughput import peak_flops
+from jdp.training.config import TrainConfig
+from jdp.training.run import Run, build, setup_devices
+
+# Both arms' optimizer: AdamW at nanoGPT's GPT-2 learning rate and weight decay,
+# held constant (a schedule changes no step's cost), with jdp's betas (its config
+# has no flag for nanoGPT's b2 = 0.95), decaying the leaves of two or more dimensions.
+LR, WEIGHT_DECAY, B1, B2 = 6e-4, 0.1, 0.9, 0.999
+# Synthetic tokens' vocabulary: GPT-2's tokenizer's (the published sizes pad it to
+# 50,304), but bytes for ``small``, as the bundled python_stdlib corpus: at a width of
+# 128 a 50,257-token head is 87% of small's FLOPs, 2-4 s a step on 2 CPU cores.
+GPT2_VOCAB, BYTES_VOCAB = 50257, 256
+# What a cell runs when the flags leave it open: on a CPU, a step of 0.15-0.5 s on the
+# 2-core development machine; on an accelerator, GPT-2 small at its context, in bf16.
+CPU_DEFAULTS = {"model_size": "small", "seq_len": 128, "precision": "fp32", "batch_size": 16}
+ACCELERATOR_DEFAULTS = {"model_size": "124m", "seq_len": 1024, "precision": "bf16"}
+ACCELERATOR_ROWS_PER_DEVICE = 16
+ARMS = ("hand-written", "jdp")
+CELL_TIMEOUT = 3600  # seconds; a default CPU cell takes about a minute
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """What one cell measures, the platform's defaults filled in (`resolve`)."""
+
+    mesh: str
+    remat: str
+    attention: str
+    model_size: str
+    seq_len: int
+    batch_size: int
+    precision: str
+    vocab_size: int  # 0: the corpus's own
+    data: str  # tokens:PATH, or "" for synthetic tokens
+    rounds: int
+    steps: int
+
+
+def resolve(args: argparse.Namespace, mesh: str, remat: str, attention: str) -> Cell:
+    """The cell's settings: the flags, and the platform's defaults for those left at 0
+    or "" (JAX must have started with the mesh's devices)."""
+    accelerator = jax.default_backend() != "cpu"
+    if attention == "cudnn" and jax.default_backend() != "gpu":
+        raise UsageError(f"--attention cudnn is a GPU kernel; this cell's devices are "
+                         f"{jax.default_backend()}")  # fmt: skip
+    defaults = ACCELERATOR_DEFAULTS if accelerator else CPU_DEFAULTS
+    devices = math.prod(size for _, size in parse_mesh_spec(mesh) if size > 0)
+    default_batch = ACCELERATOR_ROWS_PER_DEVICE * devices if accelerator else 0
+    size = args.model_size or defaults["model_size"]
+    synthetic_vocab = BYTES_VOCAB if size == "small" else GPT2_VOCAB
+    return Cell(
+        mesh=mesh, remat=remat, attention=attention, model_size=size,
+        seq_len=args.seq_len or defaults["seq_len"],
+        batch_size=args.batch_size or default_batch or defaults["batch_size"],
+        precision=args.precision or defaults["precision"],
+        vocab_size=args.vocab_size or (0 if args.data else synthetic_vocab), data=args.data,
+        rounds=args.rounds, steps=args.steps,
+    )  # fmt: skip
+
+
+def synthetic_corpus(directory: str, cell: Cell) -> str:
+    """``tokens:PATH`` of uniform random tokens (seed 0): one batch's windows."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cell.vocab_size, cell.batch_size * cell.seq_len + 1)
+    path = f"{directory}/synthetic.npy"
+    np.save(path, tokens.astype(np.uint16 if cell.vocab_size <= 2**16 else np.uint32))
+    return f"tokens:{path}"
+
+
+def jdp_run(cell: Cell, dataset: str) -> Run:
+    """jdp's run, as ``python -m jdp.train`` builds it from the same flags."""
+    config = TrainConfig(
+        mesh=cell.mesh, model="gpt", model_size=cell.model_size, dataset=dataset,
+        seq_len=cell.seq_len, vocab_size=cell.vocab_size, batch_size=cell.batch_size,
+        remat=cell.remat, attention=cell.attention, precision=cell.precision,
+        optimizer="adamw", lr=LR, schedule="constant", warmup_steps=0,
+        weight_decay=WEIGHT_DECAY,
+    )  # fmt: skip
+    return build(config, Console(enabled=False))
+
+
+def gpt_module(cell: Cell, vocab_size: int) -> GPT:
+    """`GPT` at the cell's size, its vocabulary padded as the published sizes pad it."""
+    multiple = VOCAB_MULTIPLE if cell.model_size in LM_SIZES else 1
+    options = dict(MODELS["gpt"].sizes[cell.model_size], max_len=cell.seq_len)
+    return GPT(vocab_size=-(-vocab_size // multiple) * multiple, remat=cell.remat,
+               attention=cell.attention, **options)  # fmt: skip
+
+
+def compile_seconds(lower: Callable[[], Any]) -> float:
+    """Seconds to trace, lower and compile a step (``lower()`` returns its `Lowered`)."""
+    started = time.perf_counter()
+    lower().compile()
+    return time.perf_counter() - started
+
+
+def first_losses(run: Run, hand: HandWritten, params, tokens, dtype) -> dict[str, Any]:
+    """Both arms' loss in their first step, from the same parameters on the same batch,
+    and the tolerance within which they must agree.
+
+    The arms draw different dropout masks (jdp one key per replica and step), so
+    the losses differ by dropout's noise: the tolerance is 5 standard deviations of
+    the difference of two draws (sqrt 2 times the loss's, estimated over 8 dropout
+    keys), and at least the compute dtype's rounding of the loss.
+    """
+    _, metrics = run.train_step(jax.tree.map(jnp.copy, run.state), {"tokens": tokens})
+    first = hand.step(jax.tree.map(jnp.copy, params), hand.start(params), jax.random.key(0),
+                      tokens)  # fmt: skip
+    jdp, hand_loss = float(metrics["loss"]), float(first[3])
+    draws = [float(hand.loss(params, tokens, jax.random.key(seed))) for seed in range(8)]
+    tolerance = max(5 * math.sqrt(2) * statistics.stdev(draws),
+                    float(jnp.finfo(dtype).eps) * abs(hand_loss))  # fmt: skip
+    return {"jdp": jdp, "hand-written": hand_loss, "tolerance": tolerance,
+            "agree": abs(jdp - hand_loss) <= tolerance}  # fmt: skip
+
+
+def measure_cell(cell: Cell) -> dict[str, Any]:
+    """One cell in this process (its devices set up for ``cell.mesh`` already): each
+    arm's tokens/s per round and compile time, and the first-loss check."""
+    with tempfile.TemporaryDirectory() as scratch:
+        run = jdp_run(cell, cell.data or synthetic_corpus(scratch, cell))
+        tokens = first_batch(run, cell.batch_size)["tokens"]
+    module = gpt_module(cell, run.train.vocab_size)
+    hand = hand_written_lm_step(module, run.mesh, PRECISIONS[cell.precision], lr=LR,
+                                weight_decay=WEIGHT_DECAY, b1=B1, b2=B2)  # fmt: skip
+    init_rng, _ = jax.random.split(jax.random.key(run.config.seed))  # as jdp's run splits it
+    params = hand.init(init_rng, tokens[:1])
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(run.state.params), strict=True)
+    same = all(np.array_equal(a, b) for a, b in pairs)
+    opt_state, key, batch = hand.start(params), jax.random.key(0), {"tokens": tokens}
+    compile_s = {
+        "hand-written": compile_seconds(lambda: hand.step.lower(params, opt_state, key, tokens)),
+        "jdp": compile_seconds(lambda: run.train_step.lower(run.state, batch)),
+    }
+    check = first_losses(run, hand, params, tokens, PRECISIONS[cell.precision])
+    cpu: dict[str, list[float]] = {}
+    arms = {
+        "hand-written": _on_cpu_time(hand_lm_loop(hand, params, tokens), cpu, "hand-written"),
+        "jdp": _on_cpu_time(jdp_loop(run.train_step, run, batch, run.optimizer), cpu, "jdp"),
+    }
+    rates = interleaved_rates(arms, rounds=cell.rounds, round_seconds=0.0,
+                              rows=cell.batch_size * cell.seq_len, multiple=cell.steps)  # fmt: skip
+    # The first two calls of each arm compile and settle (`interleaved_rates`).
+    cpu_ms = {arm: 1e3 * statistics.median(cpu[arm][2:]) / cell.steps for arm in ARMS}
+    count = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
+    per_token = flops_per_token(count, layers=module.layers, width=module.width,
+                                seq_len=cell.seq_len, max_len=module.max_len)  # fmt: skip
+    kind = jax.devices()[0].device_kind
+    return {
+        "cell": dataclasses.asdict(cell), "kind": kind, "devices": run.mesh.devices.size,
+        "params": int(count), "vocab": module.vocab_size, "flops_per_token": per_token,
+        "peak": peak_flops(kind, cell.precision), "compile_s": compile_s,
+        "check": check | {"same_params": same}, "rates": rates, "cpu_ms": cpu_ms,
+    }  # fmt: skip
+
+
+def _on_cpu_time(loop: Callable[[int], None], seconds: dict[str, list[float]], arm: str
+                 ) -> Callable[[int], None]:  # fmt: skip
+    """``loop`` that also appends the CPU seconds this process spent in each call (every
+    thread's: on a CPU the devices' work, on an accelerator the host's) to ``seconds[arm]``.
+
+    On the CPU it tells work from waiting: two steps of equal CPU time per step that
+    take different wall time differ in how their threads wait or get the cores."""
+
+    def timed(count: int) -> None:
+        started = time.process_time()
+        loop(count)
+        seconds.setdefault(arm, []).append(time.process_time() - started)
+
+    return timed
+
+
+def _cell_in_own_process(args: argparse.Namespace, mesh: str, remat: str, attention: str
+                         ) -> dict[str, Any]:  # fmt: skip
+    """`measure_cell`'s result, from ``python -m jdp.bench lm --cell`` started for it."""
+    flags = {"--mesh": mesh, "--remat": remat, "--attention": attention,
+             "--model-size": args.model_size, "--seq-len": args.seq_len,
+             "--batch-size": args.batch_size, "--precision": args.precision,
+             "--vocab-size": args.vocab_size, "--data": args.data, "--rounds": args.rounds,
+             "--steps": args.steps}  # fmt: skip
+    command = [sys.executable, "-m", "jdp.bench", "lm", "--cell"]
+    command += [part for flag, value in flags.items() if value for part in (flag, str(value))]
+    name = f"the cell --mesh {mesh} --remat {remat} --attention {attention}"
+    try:  # a hung cell must not hang the sweep
+        result = subprocess.run(command, capture_output=True, text=True, timeout=CELL_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"{name} took over {CELL_TIMEOUT} s and was stopped") from None
+    if result.returncode != 0:
+        said = [line for line in result.stderr.splitlines() if line.strip()]
+        errors = [line for line in said if re.match(r"[\w.]+(Error|Exception): ", line)]
+        reason = (errors or said or [f"exit code {result.returncode}"])[-1]
+        raise UsageError(f"{name} failed: {reason.removeprefix('jdp.bench: error: ')}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def header(result: dict[str, Any]) -> list[str]:
+    """The lines before the table: what ran, and the FLOPs per token MFU counts."""
+    cell = result["cell"]
+    data = cell["data"] or "synthetic tokens (uniform, seed 0)"
+    return [
+        f"jdp.bench lm: gpt {cell['model_size']} ({result['params'] / 1e6:.2f}M parameters, "
+        f"vocabulary {result['vocab']:,}), T = {cell['seq_len']}, {cell['precision']}, AdamW "
+        f"(lr {LR:g} constant, weight decay {WEIGHT_DECAY:g}), {data}; {cell['rounds']} "
+        f"interleaved rounds of {cell['steps']} steps per arm on one batch: median tokens/s, "
+        "median per-round ratio (and its quartiles), median CPU ms/step (the process's CPU "
+        "time, all threads); each cell in a process with its mesh's devices; "
+        f"{result['kind']}",
+        f"model FLOPs per token: {result['flops_per_token'] / 1e6:,.2f}M, PaLM's count "
+        "(appendix B: 6N + 12 L T d, N the parameters but the position table); MFU is '-' "
+        "where jdp knows no peak FLOP/s for the device (a CPU)",
+        f"  {'mesh':<8}{'batch':>6}  {'remat':<6}{'attention':<11}{'arm':<14}{'tokens/s':>11}"
+        f"{'ms/step':>9}{'CPU ms':>8}{'MFU':>7}{'compile s':>11}{'ratio':>9}  quartiles",
+    ]
+
+
+def rows(result: dict[str, Any]) -> list[str]:
+    """A cell's rows, one per arm, and its first-loss check."""
+    cell, rates, lines = result["cell"], result["rates"], []
+    ratios = ratios_to(rates, "hand-written")
+    for arm in ARMS:
+        rate = statistics.median(rates[arm])
+        mfu = "-"
+        if result["peak"]:
+            mfu = f"{result['flops_per_token'] * rate / (result['peak'] * result['devices']):.1%}"
+        per_round = [a / b for a, b in zip(rates[arm], rates["hand-written"], strict=True)]
+        low, high = _quartiles(per_round)
+        lines.append(
+            f"  {cell['mesh']:<8}{cell['batch_size']:>6}  {cell['remat']:<6}"
+            f"{cell['attention']:<11}{arm:<14}{rate:>11,.0f}"
+            f"{1e3 * cell['batch_size'] * cell['seq_len'] / rate:>9.1f}"
+            f"{result['cpu_ms'][arm]:>8.0f}{mfu:>7}"
+            f"{result['compile_s'][arm]:>11.1f}{ratios[arm]:>8.3f}x  {low:.3f}-{high:.3f}"
+        )
+    check = result["check"]
+    lines.append(
+        f"    first step's loss, same parameters and batch: jdp {check['jdp']:.5f}, "
+        f"hand-written {check['hand-written']:.5f}: "
+        f"{'agree' if check['agree'] else 'DISAGREE'} within {check['tolerance']:.5f} "
+        "(dropout's noise); same initial parameters: " + ("yes" if check["same_params"] else "NO")
+    )
+    return lines
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    low, _, high = statistics.quantiles(values, n=4)
+    return low, high
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    default = "0 or '': the platform's,"
+    parser.add_argument("--mesh", default="data=1,data=8", help="comma-separated, a cell each")
+    parser.add_argument(
+        "--model-size",
+        default="",
+        choices=("", *MODELS["gpt"].sizes),
+        help=f"gpt's size ({default} small on CPU, else 124m)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        help=f"tokens per window ({default} 128 on CPU, else 1024)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=0,
+        help=f"global batch ({default} 16 on CPU, else 16 per device)",
+    )
+    parser.add_argument(
+        "--precision",
+        default="",
+        choices=("", "fp32", "bf16"),
+        help=f"compute dtype ({default} fp32 on CPU, else bf16)",
+    )
+    remats, attentions = ("none", *REMAT_POLICIES), ATTENTION_IMPLEMENTATIONS
+    parser.add_argument("--remat", default="none", help=f"comma-separated from {remats}")
+    parser.add_argument("--attention", default="auto", help=f"comma-separated from {attentions}")
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--steps", type=int, default=2, help="steps per arm in a round")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="uniform random tokens, seed 0 (the default without --data)",
+    )
+    source.add_argument("--data", default="", help="a token corpus instead, tokens:PATH")
+    parser.add_argument("--vocab-size", type=int, default=0,
+                        help=f"the tokens' vocabulary (0: synthetic, {GPT2_VOCAB} or "
+                        f"{BYTES_VOCAB} for small; a corpus, its tokens.json)")  # fmt: skip
+    # One cell in this process, printed as JSON: what the sweep starts for each cell.
+    parser.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
+
+
+def cells(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """``(mesh, remat, attention)`` of each cell; UsageError for a flag that cannot work."""
+    meshes, remats, attentions = names(args.mesh), names(args.remat), names(args.attention)
+    for mesh in meshes:
+        parse_mesh_spec(mesh)
+    choices = (("--remat", remats, ("none", *REMAT_POLICIES)),
+               ("--attention", attentions, ATTENTION_IMPLEMENTATIONS))  # fmt: skip
+    for flag, chosen, allowed in choices:
+        for value in chosen:
+            if value not in allowed:
+                raise UsageError(f"{flag} {value!r}; choose from: {', '.join(allowed)}")
+    if args.data and not args.data.startswith("tokens:"):
+        raise UsageError(f"--data {args.data}: give a token corpus as tokens:PATH")
+    if min(args.rounds, args.steps) < 1:
+        raise UsageError("--rounds and --steps must be at least 1")
+    return [(mesh, remat, how) for mesh in meshes for remat in remats for how in attentions]
+
+
+def run(args: argparse.Namespace) -> None:
+    sweep = cells(args)
+    if args.cell:
+        ((mesh, remat, attention),) = sweep
+        setup_devices(mesh)
+        print(json.dumps(measure_cell(resolve(args, mesh, remat, attention))))
+        return
+    for index, (mesh, remat, attention) in enumerate(sweep):
+        result = _cell_in_own_process(args, mesh, remat, attention)
+        for line in (header(result) if index == 0 else []) + rows(result):
+            print(line, flush=True)
