@@ -186,9 +186,9 @@ def from_folder(
     they must share one size. ``transform`` defaults to dividing by 255.
 
     Raises:
-        UsageError: a missing folder, no class subdirectories, no images, an
-            image Pillow cannot read, or images of different sizes without
-            ``image_size``.
+        UsageError: a missing folder, no class subdirectories, a class folder
+            without images, an image Pillow cannot read, or images of different
+            sizes without ``image_size``.
     """
     from PIL import Image
 
@@ -204,11 +204,18 @@ def from_folder(
     files, labels = [], []
     for label, name in enumerate(classes):
         folder = os.path.join(root, name)
-        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-        for file in names:
-            if file.lower().endswith(_IMAGE_SUFFIXES):
-                files.append(os.path.join(folder, file))
-                labels.append(label)
+        if not os.path.isdir(folder):  # a split given the classes of another may lack one
+            continue
+        images = sorted(
+            file for file in os.listdir(folder) if file.lower().endswith(_IMAGE_SUFFIXES)
+        )
+        if not images:  # its class would be trained on as if it never occurred
+            raise UsageError(
+                f"class folder {folder} has no images (looked for {', '.join(_IMAGE_SUFFIXES)}); "
+                "add its images, or remove the folder"
+            )
+        files += [os.path.join(folder, file) for file in images]
+        labels += [label] * len(images)
     if not files:
         raise UsageError(
             f"no images in {root}'s class folders (looked for {', '.join(_IMAGE_SUFFIXES)})"

@@ -3,7 +3,7 @@ the guard and the checkpoint action share (a state or a call's metrics, read on 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -78,17 +78,28 @@ class GuardFinite(PeriodicAction):
     not. A pass over the state at every read would cost a large model's step
     on the CPU about a percent. `Checkpoint` never saves a non-finite state in
     any case (with DiLoCo groups, read on the state, this guard reads at once).
+
+    A loss that is not finite at the run's first read, from parameters that
+    started finite, is most often the data's doing: given ``inputs`` (step ->
+    that step's host batch, `jdp.data.readers.TrainReader`), the guard reads the
+    batches since the start again and names the first step, row and feature that
+    is not finite (a ``map`` of yours that returned NaN, say); else it says to
+    look at the data before the learning rate.
     """
 
     def __init__(self, *, every: int, skipping: bool, max_skipped_fraction: float,
-                 ckpt_dir: str | None):  # fmt: skip
+                 ckpt_dir: str | None,
+                 inputs: Callable[[int], Mapping[str, np.ndarray]] | None = None):  # fmt: skip
         super().__init__(every, at_end=True)
         self.skipping, self.max_skipped_fraction = skipping, max_skipped_fraction
-        self.ckpt_dir = ckpt_dir
+        self.ckpt_dir, self.inputs = ckpt_dir, inputs
+        self._started: int | None = None  # the step the run started (or resumed) from
         self._finite_at = 0  # the last step read finite
         self._due: tuple[int, Any] | None = None  # (step, call metrics) to read
 
     def __call__(self, progress: Progress) -> bool:
+        if self._started is None:  # the first pass, before the first call
+            self._started = self._finite_at = progress.step
         self._check_due()
         return super().__call__(progress)
 
@@ -134,12 +145,38 @@ class GuardFinite(PeriodicAction):
         for name in ("loss", "grad_norm"):
             per_step = np.atleast_1d(values.get(name, 0.0))  # (steps of the call,)
             if not np.all(np.isfinite(per_step)):
+                value = float(per_step[~np.isfinite(per_step)][0])
+                if self._finite_at == self._started:  # the run's first read
+                    raise NonFiniteError(self._from_the_start(name, value, step))
                 raise NonFiniteError(
-                    f"{name} is {float(per_step[~np.isfinite(per_step)][0])} at step {step} "
-                    f"(finite at step {self._finite_at}; --nan-policy stop); {self._kept}; "
-                    "lower --lr, add --clip-norm, or --nan-policy skip"
+                    f"{name} is {value} at step {step} (finite at step {self._finite_at}; "
+                    f"--nan-policy stop); {self._kept}; lower --lr, add --clip-norm, or "
+                    "--nan-policy skip"
                 )
         self._finite_at = step
+
+    def _from_the_start(self, name: str, value: float, step: int) -> str:
+        """The line for a loss not finite in the run's first steps: the data named when
+        a batch since the start holds a value that is not finite."""
+        for taken in range(self._started, step) if self.inputs is not None else ():
+            batch = self.inputs(taken)
+            for key, array in batch.items():
+                array = np.asarray(array)
+                if array.dtype.kind in "fc" and not np.all(np.isfinite(array)):
+                    row = int(np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(1))[0])
+                    return (
+                        f"{name} is {value} at step {step}: the batch of step {taken + 1} has "
+                        f"a value that is not finite in {key!r} at row {row} of this "
+                        f"process's rows (after the split's map and transform); repair the "
+                        f"data; {self._kept}"
+                    )
+        return (
+            f"{name} is {value} at step {step}, within the run's first steps, from "
+            f"parameters that were finite; the inputs read since step {self._started} are "
+            "finite: look at the loss against the data (labels outside its classes, "
+            "targets it cannot fit), then lower --lr or add --clip-norm (--nan-policy "
+            f"stop); {self._kept}"
+        )
 
     def _check_groups(self, progress: Progress) -> None:
         """With DiLoCo groups each process's metrics are its own group's, and processes

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jdp import distributed
 from jdp.checkpoint import read_params
 from jdp.checkpoint.params import saved_param_names
+from jdp.data.checks import check_splits
 from jdp.data.corpora import is_corpus, load_corpus
 from jdp.data.custom import holdout, load_named
 from jdp.data.facts import data_facts
@@ -169,6 +170,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     data = None
     try:
         data = load_data(config, yours.data)
+        check_splits({"train": data.train, "validation": data.validation, "test": data.test})
         if model is None:  # a model that cannot read the data, before the data's size
             check_model(config.model, config.model_size, data.train.kind)
         check_train_batch(data.train, config.batch_size)

@@ -10,9 +10,10 @@ import jax
 
 from jdp.actions import Action, EarlyStopping
 from jdp.checkpoint import Checkpointer
-from jdp.data.pipeline import EvalReader, Loader
+from jdp.data.pipeline import EvalReader, Loader, TrainReader
 from jdp.distributed.preemption import Preemption
 from jdp.errors import UsageError
+from jdp.mesh import process_rows
 from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
 from jdp.report.throughput import Throughput
@@ -132,9 +133,13 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
     actions.extend(callbacks)
     skipping = config.nan_policy == "skip" or config.precision == "fp16"
     if config.nan_policy != "ignore":
+        # The batches again, read on the host, for the guard to name bad inputs with.
+        inputs = TrainReader(run.train, batch_size=config.batch_size, seed=config.seed,
+                             rows=process_rows(run.mesh, config.batch_size))  # fmt: skip
         actions.append(
             GuardFinite(every=DISPLAY_EVERY, skipping=skipping,
-                        max_skipped_fraction=config.max_skipped_fraction, ckpt_dir=config.ckpt_dir)
+                        max_skipped_fraction=config.max_skipped_fraction, ckpt_dir=config.ckpt_dir,
+                        inputs=inputs)
         )  # fmt: skip
     checkpoint = None
     if checkpoints is not None:
