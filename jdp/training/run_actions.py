@@ -3,8 +3,9 @@ evaluation, checkpointing, the replica check and preemption (see `jdp.actions`).
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -17,6 +18,7 @@ from jdp.data.sources import Split
 from jdp.diloco import has_groups
 from jdp.distributed.preemption import Preemption
 from jdp.distributed.replica_check import check_replicas
+from jdp.errors import NonFiniteError, UsageError
 from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
 from jdp.step import evaluate
@@ -132,21 +134,48 @@ class Evaluate(PeriodicAction):
     ``prefix="test"`` sets ``progress.tested``; ``chooses`` sets
     ``progress.evaluated``, the metrics that choose the best checkpoint and stop
     early (the validation split's when the run has one, else the test split's).
+
+    An evaluation never costs the training before it: when one fails, or gives
+    a metric that is not finite (never taken for the best checkpoint or an early
+    stop), ``keep(progress)`` saves the state first (`Checkpoint.keep`) and the
+    run stops with one line naming what was kept.
     """
 
     def __init__(self, eval_step, split: Split, mesh, *, batch_size: int, every: int,
                  console: Console, logger: MetricLogger, prefix: str = "test",
-                 chooses: bool = True, derived=None):  # fmt: skip
+                 chooses: bool = True, derived=None,
+                 keep: Callable[[Progress], str] | None = None):  # fmt: skip
         super().__init__(every, at_end=True)
         self.eval_step, self.split, self.mesh, self.batch_size = eval_step, split, mesh, batch_size
         self.console, self.logger, self.prefix, self.chooses = console, logger, prefix, chooses
         self.derived = derived  # the objective's figures from the means (perplexity)
+        self.keep = keep
+
+    @property
+    def _name(self) -> str:
+        return {"val": "validation"}.get(self.prefix, self.prefix)
 
     def run(self, progress: Progress) -> None:
-        batches = eval_batches(self.split, self.mesh, batch_size=self.batch_size)
-        result = evaluate(self.eval_step, progress.state, batches)
+        try:
+            batches = eval_batches(self.split, self.mesh, batch_size=self.batch_size)
+            result = evaluate(self.eval_step, progress.state, batches)
+        except Exception as error:
+            kept = self._kept(progress)
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise UsageError(
+                f"evaluating the {self._name} split at step {progress.step} failed "
+                f"({type(error).__name__}: {reason}); {kept}"
+            ) from error
         if self.derived is not None:
             result |= self.derived(result)
+        bad = [name for name, value in result.items() if not math.isfinite(value)]
+        if bad:
+            raise NonFiniteError(
+                f"the {self._name} split's {bad[0]} is {result[bad[0]]} at step "
+                f"{progress.step}, though its inputs are finite and the training loss is: "
+                f"look at the {self._name} labels against the loss, or at a model that "
+                f"overflows; it chooses no checkpoint and stops nothing; {self._kept(progress)}"
+            )
         self.console.line(
             f"step {progress.step}: "
             + " ".join(f"{self.prefix}_{name}={result[name]:.4f}" for name in _eval_order(result))
@@ -156,6 +185,11 @@ class Evaluate(PeriodicAction):
             progress.evaluated = result
         if self.prefix == "test":
             progress.tested = result
+
+    def _kept(self, progress: Progress) -> str:
+        if self.keep is None:
+            return "nothing was saved (no --ckpt-dir)"
+        return self.keep(progress)
 
 
 class Checkpoint(PeriodicAction):
@@ -201,6 +235,14 @@ class Checkpoint(PeriodicAction):
             self._ran_at = progress.step
             self.run(progress)
         self.checkpointer.wait()
+
+    def keep(self, progress: Progress) -> str:
+        """Saves this step now (`save_now`), without test metrics; says what is kept."""
+        self.save_now(progress)
+        steps = self.checkpointer.steps()
+        if not steps:
+            return f"no checkpoint could be kept in {self.checkpointer.directory}"
+        return f"the trained state is kept in {self.checkpointer.directory} (step {steps[-1]})"
 
 
 class Synchronize(PeriodicAction):

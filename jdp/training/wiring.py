@@ -121,7 +121,13 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
         profile = Profile(*config.profile_window, os.path.join(config.log_dir, "profile"))
         stack.callback(profile.stop)
         actions.append(profile)
-    actions.extend(evaluations(run, console, logger, every=config.eval_every))
+    skipping = config.nan_policy == "skip" or config.precision == "fp16"
+    checkpoint = None
+    if checkpoints is not None:
+        checkpoint = Checkpoint(checkpoints, batches, every=config.ckpt_every,
+                                config=run.recorded, skipping=skipping)  # fmt: skip
+    keep = checkpoint.keep if checkpoint is not None else None
+    actions.extend(evaluations(run, console, logger, every=config.eval_every, keep=keep))
     if config.early_stop_patience:
         actions.append(
             EarlyStopping(
@@ -131,7 +137,6 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
             )
         )
     actions.extend(callbacks)
-    skipping = config.nan_policy == "skip" or config.precision == "fp16"
     if config.nan_policy != "ignore":
         # The batches again, read on the host, for the guard to name bad inputs with.
         inputs = TrainReader(run.train, batch_size=config.batch_size, seed=config.seed,
@@ -141,15 +146,7 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
                         max_skipped_fraction=config.max_skipped_fraction, ckpt_dir=config.ckpt_dir,
                         inputs=inputs)
         )  # fmt: skip
-    checkpoint = None
-    if checkpoints is not None:
-        checkpoint = Checkpoint(
-            checkpoints,
-            batches,
-            every=config.ckpt_every,
-            config=run.recorded,
-            skipping=skipping,
-        )
+    if checkpoint is not None:
         actions.append(checkpoint)
     actions.append(CheckReplicas(config.check_replicas_every))
     # Always asked: a signal ends the run at a step boundary (saving when it can),
@@ -162,11 +159,13 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
     return actions
 
 
-def evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int) -> list:
+def evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int,
+                keep=None) -> list:  # fmt: skip
     """With a validation split, it every ``every`` steps and the test split at the end only;
-    without one, the test split every ``every`` steps. Both at the end."""
+    without one, the test split every ``every`` steps. Both at the end. ``keep`` saves the
+    state when an evaluation fails (`Checkpoint.keep`)."""
     kwargs = dict(batch_size=run.config.batch_size, console=console, logger=logger,
-                  derived=run.model.objective.derived)  # fmt: skip
+                  derived=run.model.objective.derived, keep=keep)  # fmt: skip
     evaluations = []
     if run.validation is not None:
         evaluations.append(

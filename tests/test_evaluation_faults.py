@@ -1,0 +1,60 @@
+"""An evaluation never costs the training before it: a failing one saves the state
+first and says where, and one that is not finite chooses and stops nothing."""
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdp
+from jdp.training import run_actions
+
+QUIET = jdp.Console(enabled=False)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 4)).astype(np.float32)
+    return jdp.data.from_arrays(x, (x[:, 0] > 0).astype(np.int32))
+
+
+def test_a_failing_final_evaluation_keeps_the_trained_state(tmp_path, monkeypatch):
+    def lost(eval_step, state, batches):  # the device gone while evaluating
+        raise RuntimeError("INTERNAL: device lost\nand more lines of XLA's")
+
+    monkeypatch.setattr(run_actions, "evaluate", lost)
+    config = jdp.TrainConfig(mesh="data=2", steps=20, batch_size=16, warmup_steps=2,
+                             ckpt_dir=str(tmp_path))  # fmt: skip
+    with pytest.raises(jdp.UsageError) as raised:
+        jdp.fit(config, train=_data(), test=_data(), console=QUIET)
+    assert str(raised.value) == (
+        "evaluating the test split at step 20 failed (RuntimeError: INTERNAL: device lost); "
+        f"the trained state is kept in {tmp_path} (step 20)"
+    )
+    monkeypatch.undo()
+    with jdp.Checkpointer(str(tmp_path)) as checkpoints:
+        assert checkpoints.steps() == [20]
+    # Rerun: the finished run is evaluated, not trained again.
+    result = jdp.fit(config, train=_data(), test=_data(), console=QUIET)
+    assert result.steps == 20 and np.isfinite(result.test_loss)
+
+
+class NanWhenEvaluating(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        logits = nn.Dense(2)(x)
+        return logits if train else logits * jnp.nan
+
+
+def test_a_nan_evaluation_names_its_split_and_stops_nothing_early(tmp_path):
+    model = jdp.models.from_linen(NanWhenEvaluating(), jdp.models.classification())
+    config = jdp.TrainConfig(mesh="data=2", steps=200, batch_size=16, warmup_steps=2,
+                             eval_every=20, early_stop_patience=2, ckpt_dir=str(tmp_path),
+                             ckpt_every=10)  # fmt: skip
+    with pytest.raises(
+        jdp.NonFiniteError,
+        match=r"^the validation split's loss is nan at step 20, though its inputs are finite "
+        r".*it chooses no checkpoint and stops nothing; the trained state is kept in .* "
+        r"\(step 20\)$",
+    ):
+        jdp.fit(config, model=model, train=_data(), validation=_data(), console=QUIET)
