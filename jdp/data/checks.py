@@ -40,10 +40,10 @@ def check_splits(splits: Mapping[str, object | None]) -> None:
         if not len(split):
             raise UsageError(f"the {name} split has no examples; {_fill(name)}")
     train = present.get("train")
-    reference = _arrays(train) if train is not None else None
+    reference = in_memory(train) if train is not None else None
     classes = getattr(train, "num_classes", None)
     for name, split in present.items():
-        arrays = _arrays(split)
+        arrays = in_memory(split)
         if arrays is None:  # read from disk as it trains
             continue
         _check_labels(name, arrays.get(getattr(split, "label_key", None)), classes)
@@ -59,7 +59,7 @@ def _fill(name: str) -> str:
     return f"give the {name} split examples, or leave it out"
 
 
-def _arrays(split) -> dict[str, np.ndarray] | None:
+def in_memory(split) -> dict[str, np.ndarray] | None:
     """The split's arrays by feature name when it holds them in memory."""
     features = getattr(split, "features", None)
     if isinstance(features, Mapping):  # your own arrays (ArraySplit)

@@ -250,6 +250,12 @@ class TrainConfig:
     no_resume: bool = _flag(
         CHECKPOINTS, False, "start fresh; refused when --ckpt-dir holds checkpoints"
     )
+    allow_new_data: bool = _flag(
+        CHECKPOINTS,
+        False,
+        "resume on training data other than the run's checkpoints recorded (refused "
+        "otherwise): the same run goes on, on new data",
+    )
     init_from: str | None = _flag(
         LENGTH,
         None,

@@ -13,6 +13,7 @@ from jdp.report.console import Console
 from jdp.state import TrainState
 from jdp.training.config import TrainConfig
 from jdp.training.optimizer import config_optimizer
+from jdp.training.run import DATA_FINGERPRINT
 
 
 def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, console: Console,
@@ -30,6 +31,8 @@ def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, co
         record = Record.read(meta)
         _same_groups(state, record, config.mesh, checkpoints.directory)
         conflicts = config.resume_conflicts(record.config, recorded)
+        if not config.allow_new_data:
+            _same_data(record.config, recorded or {}, checkpoints.directory)
         if conflicts:
             raise UsageError(
                 f"{checkpoints.directory} holds a run made with other settings: "
@@ -49,6 +52,28 @@ def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, co
         )
     console.line(f"jdp: resuming from step {record.step} in {checkpoints.directory}")
     return state, start
+
+
+def _same_data(saved: dict, recorded: dict, directory: str) -> None:
+    """UsageError when a split the run trained on (or chose its best by) has changed
+    since the checkpoint was written (`jdp.data.fingerprint`); a checkpoint written
+    before fingerprints were recorded resumes as before."""
+    before, now = saved.get(DATA_FINGERPRINT) or {}, recorded.get(DATA_FINGERPRINT) or {}
+    for name in ("train", "validation"):
+        if before.get(name) and now.get(name) and before[name] != now[name]:
+            raise UsageError(
+                f"{directory} holds a run trained on other data: the {name} split is not the "
+                f"one its checkpoints recorded; resume on that data, pass --allow-new-data to "
+                "go on with this run on this data, or start a new run from its parameters "
+                "with --init-from"
+            )
+        if bool(before.get(name)) != bool(now.get(name)) and before and now:
+            had = "had" if before.get(name) else "had no"
+            raise UsageError(
+                f"{directory} holds a run that {had} a {name} split, and this one "
+                f"{'has none' if before.get(name) else 'has one'}; resume on the same "
+                "splits, or pass --allow-new-data"
+            )
 
 
 def _same_groups(state: TrainState, record: Record, mesh: str, directory: str) -> None:

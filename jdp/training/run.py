@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import numpy as np
@@ -17,12 +18,13 @@ import optax
 from jax.sharding import Mesh
 
 from jdp import distributed
-from jdp.checkpoint import read_params
+from jdp.checkpoint import read_params, read_record, step_directory
 from jdp.checkpoint.params import saved_param_names
 from jdp.data.checks import check_splits
 from jdp.data.corpora import is_corpus, load_corpus
 from jdp.data.custom import holdout, load_named
 from jdp.data.facts import data_facts
+from jdp.data.fingerprint import fingerprint
 from jdp.data.pipeline import EvalReader, check_train_batch
 from jdp.data.sources import Split
 from jdp.diloco import Outer, outer_from_flags
@@ -109,7 +111,9 @@ def load_data(config: TrainConfig, given: Data | None = None) -> Data:
 def resolve(config: TrainConfig, train_examples: int, console: Console, *,
             own_optimizer: bool) -> TrainConfig:  # fmt: skip
     """``--epochs`` as steps; the default warmup clamped to a tenth of a shorter run, with a
-    line each (a warmup you chose longer than the run is refused by the schedule)."""
+    line each (a warmup you chose longer than the run is refused by the schedule). A run
+    resumed with the default warmup keeps the one jdp chose when it started (`_warmup_kept`):
+    raising ``--steps`` continues the run, the warmup it went through unchanged."""
     if config.epochs:
         calls = config.steps_per_call
         steps = math.ceil(config.epochs * train_examples / config.batch_size)
@@ -123,7 +127,11 @@ def resolve(config: TrainConfig, train_examples: int, console: Console, *,
         # Recorded as it runs: a resume that names the default agrees with it.
         config = dataclasses.replace(config, sync_every=config.resolved_sync_every)
     default = TrainConfig.__dataclass_fields__["warmup_steps"].default
-    if not own_optimizer and config.warmup_steps == default and default > config.steps:
+    kept = _warmup_kept(config) if not own_optimizer and config.warmup_steps == default else None
+    if kept is not None:
+        console.line(f"jdp: --warmup-steps {kept}, as the run in {config.ckpt_dir} started with")
+        config = dataclasses.replace(config, warmup_steps=kept)
+    elif not own_optimizer and config.warmup_steps == default and default > config.steps:
         warmup = config.steps // 10
         console.line(
             f"jdp: --warmup-steps {config.warmup_steps} is longer than the run's "
@@ -133,7 +141,27 @@ def resolve(config: TrainConfig, train_examples: int, console: Console, *,
     return config
 
 
-def recorded_config(config: TrainConfig, yours: Yours, train: Split) -> dict:
+def _warmup_kept(config: TrainConfig) -> int | None:
+    """The warmup recorded with ``--ckpt-dir``'s latest checkpoint, when jdp chose it (the
+    default cut to a tenth of a shorter run); None when there is none to resume."""
+    if not config.ckpt_dir or config.no_resume:
+        return None
+    try:
+        saved = read_record(step_directory(os.path.abspath(config.ckpt_dir))).config
+    except (UsageError, OSError):
+        return None  # nothing to resume, or a resume that says why itself
+    if saved.get(WARMUP_CHOSEN) and isinstance(saved.get("warmup_steps"), int):
+        return saved["warmup_steps"]
+    return None
+
+
+# Recorded with a run whose warmup jdp chose, not the user.
+WARMUP_CHOSEN = "warmup_steps_chosen_by_jdp"
+
+
+def recorded_config(config: TrainConfig, yours: Yours, train: Split, *,
+                    chose_warmup: bool = False, fingerprints: dict | None = None
+                    ) -> dict:  # fmt: skip
     """The config as checkpoints and run files record it: what the user brought is named
     ``yours`` and the config fields it replaced are left out, never logged as if used."""
     recorded = dataclasses.asdict(config)
@@ -148,7 +176,24 @@ def recorded_config(config: TrainConfig, yours: Yours, train: Split) -> dict:
     if yours.data is not None:
         recorded["dataset"] = "yours"
     recorded["data"] = data_facts(train)  # for jdp.load_model to rebuild a built-in model
+    if chose_warmup:
+        recorded[WARMUP_CHOSEN] = True
+    if fingerprints:
+        recorded[DATA_FINGERPRINT] = fingerprints
     return recorded
+
+
+# What the run trained on (`jdp.data.fingerprint`), recorded with its checkpoints.
+DATA_FINGERPRINT = "data_fingerprint"
+
+
+def fingerprints(config: TrainConfig, data: Data) -> dict[str, str]:
+    """The fingerprints of the splits a run's training depends on (the training split,
+    and the validation split that chooses its best checkpoint), when it saves any."""
+    if not config.ckpt_dir:
+        return {}
+    splits = {"train": data.train, "validation": data.validation}
+    return {name: fingerprint(split) for name, split in splits.items() if split is not None}
 
 
 # The config fields that make the built-in optimizer and schedule.
@@ -181,7 +226,9 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     if problem:
         raise problem
     train, validation, test = data.train, data.validation, data.test
+    given = config
     config = resolve(config, len(train), console, own_optimizer=yours.optimizer is not None)
+    chose_warmup = config.warmup_steps != given.warmup_steps
     if jax.process_index() == 0:  # now, not after the model is made
         for flag, directory in (("--log-dir", config.log_dir), ("--ckpt-dir", config.ckpt_dir)):
             if directory:
@@ -232,7 +279,9 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     )
     say_layout(config, console, mesh, specs, named=model.names is not None)
     return Run(config, mesh, train, test, model, state, train_step, eval_step, schedule,
-               optimizer, validation, recorded_config(config, yours, train),
+               optimizer, validation,
+               recorded_config(config, yours, train, chose_warmup=chose_warmup,
+                               fingerprints=fingerprints(config, data)),
                sync_step)  # fmt: skip
 
 

@@ -1,0 +1,88 @@
+"""What a resume keeps and what it refuses: the warmup jdp chose, and the data trained on."""
+
+import numpy as np
+import pytest
+
+import jdp
+from jdp.checkpoint import read_record, step_directory
+
+
+def _lines(capsys):
+    return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.slow
+def test_raising_steps_keeps_the_warmup_jdp_cut_for_a_short_run(tmp_path, capsys):
+    console = jdp.Console(enabled=True, interactive=False)
+    config = jdp.TrainConfig(mesh="data=2", steps=20, ckpt_dir=str(tmp_path))
+    jdp.fit(config, console=console)
+    assert "jdp: --warmup-steps 40 is longer than the run's 20 steps; warming up over 2 " \
+        "steps (a tenth) instead" in _lines(capsys)  # fmt: skip
+    # The user never set the warmup: raising --steps continues the run, as the README says.
+    result = jdp.fit(jdp.TrainConfig(mesh="data=2", steps=40, ckpt_dir=str(tmp_path)),
+                     console=console)  # fmt: skip
+    lines = _lines(capsys)
+    assert f"jdp: --warmup-steps 2, as the run in {tmp_path} started with" in lines
+    assert any(line.startswith("jdp: resuming from step 20") for line in lines), lines
+    assert result.steps == 40
+    assert read_record(step_directory(str(tmp_path))).config["warmup_steps"] == 2
+    # A warmup the user chose is theirs: another one is refused, as any other setting.
+    with pytest.raises(jdp.UsageError, match=r"--warmup-steps 5 \(was 2\)"):
+        jdp.fit(jdp.TrainConfig(mesh="data=2", steps=60, warmup_steps=5, ckpt_dir=str(tmp_path)),
+                console=console)  # fmt: skip
+
+
+def _npz(path, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(96, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    np.savez(path, x_train=x, y_train=y, x_test=x[:32], y_test=y[:32])
+
+
+@pytest.mark.slow
+def test_a_resume_on_other_data_is_refused_unless_asked_for(tmp_path):
+    from helpers import run_cli
+
+    data, ckpt = tmp_path / "mine.npz", tmp_path / "run"
+    flags = ["--dataset", f"npz:{data}", "--mesh", "data=2", "--batch-size", "16",
+             "--warmup-steps", "2", "--ckpt-dir", str(ckpt)]  # fmt: skip
+    _npz(data, seed=0)
+    assert run_cli(*flags, "--steps", "10", timeout=180).returncode == 0
+    _npz(data, seed=1)  # the same path, new contents
+    result = run_cli(*flags, "--steps", "20", timeout=180)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"jdp.train: error: {ckpt} holds a run trained on other data: the train split is not "
+        "the one its checkpoints recorded; resume on that data, pass --allow-new-data to go "
+        "on with this run on this data, or start a new run from its parameters with --init-from"
+    )
+    result = run_cli(*flags, "--steps", "20", "--allow-new-data", timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "jdp: resuming from step 10" in result.stdout
+
+
+@pytest.mark.slow
+def test_fit_refuses_other_arrays_and_another_corpus(tmp_path):
+    quiet = jdp.Console(enabled=False)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    config = jdp.TrainConfig(mesh="data=2", steps=4, batch_size=16, warmup_steps=1,
+                             ckpt_dir=str(tmp_path / "arrays"))  # fmt: skip
+    jdp.fit(config, train=jdp.data.from_arrays(x, y), console=quiet)
+    more = jdp.TrainConfig(**{**config.__dict__, "steps": 8})
+    with pytest.raises(jdp.UsageError, match="holds a run trained on other data: the train"):
+        jdp.fit(more, train=jdp.data.from_arrays(x[::-1].copy(), y[::-1].copy()), console=quiet)
+    assert jdp.fit(more, train=jdp.data.from_arrays(x, y), console=quiet).steps == 8
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    np.save(corpus / "train.npy", rng.integers(0, 256, 5000).astype(np.uint16))
+    np.save(corpus / "val.npy", rng.integers(0, 256, 1000).astype(np.uint16))
+    lm = jdp.TrainConfig(mesh="data=2", steps=2, batch_size=4, warmup_steps=1, model="gpt",
+                         dataset=f"tokens:{corpus}", vocab_size=256, seq_len=16,
+                         ckpt_dir=str(tmp_path / "lm"))  # fmt: skip
+    jdp.fit(lm, console=quiet)
+    np.save(corpus / "train.npy", rng.integers(0, 256, 5000).astype(np.uint16))  # regenerated
+    with pytest.raises(jdp.UsageError, match="holds a run trained on other data: the train"):
+        jdp.fit(jdp.TrainConfig(**{**lm.__dict__, "steps": 4}), console=quiet)
