@@ -25,6 +25,8 @@ _OS_FAILURES = (
     "Read-only file system",
     "Permission denied",
     "No such file or directory",
+    "Operation not permitted",
+    "Input/output error",
 )
 
 

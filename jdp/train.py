@@ -3,6 +3,7 @@ language model's run prints a short sample of its text before it)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -55,5 +56,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+def exit_now(code: int) -> None:
+    """Ends the process with ``code`` after the atexit handlers, without waiting for its
+    threads: a checkpoint write that failed (a directory made read-only, say) leaves
+    Orbax's threads waiting 300 s for signals of the write, and Python's own exit joins
+    them first. Every output was closed on the way out of `fit`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:
+        exit_now(code)
+    sys.exit(code)

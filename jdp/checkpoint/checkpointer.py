@@ -143,6 +143,7 @@ class Checkpointer:
         step = int(state.step)
         if step in self._manager.all_steps():
             return False
+        self._check_lock()
         arrays = {
             name: {"shape": list(shape), "dtype": dtype}
             for name, (shape, dtype) in _leaf_names(state).items()
@@ -171,6 +172,21 @@ class Checkpointer:
             if self._async:
                 record.start(state)
 
+    def _check_lock(self) -> None:
+        """Before a save, in every process alike: process 0 still holds the directory
+        (`DirectoryLock.check`); a run that lost it saves nothing more there."""
+        problem = None
+        if jax.process_index() == 0:
+            try:
+                self._lock.check()
+            except UsageError as error:
+                problem = error
+        if not _all_ok(problem is None):
+            self._failed = True
+            raise problem or UsageError(
+                f"process 0 no longer holds {self.directory}; its error says why"
+            )
+
     def _write_failed(self, error: Exception) -> UsageError:
         """One line for a save that failed: why, and the last checkpoint that is whole."""
         self._failed = True
@@ -185,9 +201,10 @@ class Checkpointer:
             if complete
             else "no checkpoint there is complete"
         )
+        reason = _os_reason(error)
         return UsageError(
-            f"could not write a checkpoint in {self.directory} ({_os_reason(error)}); {last}; "
-            "free space there, or choose another --ckpt-dir"
+            f"could not write a checkpoint in {self.directory} ({reason}); {last}; "
+            f"{_remedy(reason)}, or choose another --ckpt-dir"
         )
 
     def restore(
@@ -317,6 +334,18 @@ class Checkpointer:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _remedy(reason: str) -> str:
+    """What to do about a write that failed for ``reason`` (the OS's words, or a library's)."""
+    text = reason.lower()
+    if any(word in text for word in ("permission", "not permitted", "read-only")):
+        return "make it writable again (mount, permissions, chattr -i)"
+    if "no such file or directory" in text:
+        return "it was removed while the run wrote to it: restore it"
+    if any(word in text for word in ("input/output error", "i/o error")):
+        return "check the disk (an I/O error)"
+    return "free space there"
 
 
 def _process_0_token(token: str | None) -> str:

@@ -1,10 +1,17 @@
-"""One run owns a checkpoint directory: a lock file held for the run's life.
+"""One run owns a checkpoint directory: a lock held for the run's life.
 
-``DIR/jdp.lock`` is held with ``flock``, which the kernel (or an NFSv4 server)
-releases when its holder exits, however it exits. So a lock that can be taken
-belongs to nobody: when its file still names an owner, that owner is gone
-(killed, or its machine lost) and the lock is taken over with a line saying so.
-A run that ends cleanly empties the file before letting go.
+The directory itself and ``DIR/jdp.lock`` are held with ``flock``, which the
+kernel (or an NFSv4 server) releases when its holder exits, however it exits.
+So a lock that can be taken belongs to nobody: when its file still names an
+owner, that owner is gone (killed, or its machine lost) and the lock is taken
+over with a line saying so. A run that ends cleanly empties the file before
+letting go.
+
+The lock on the directory is what a deleted lock file cannot undo: a second run
+is refused while the first lives, before it cleans up anything (a save in
+flight included). The owner checks its lock before each save (`check`): a lock
+file deleted is written again; a directory removed or replaced, or a lock file
+another process made (where a filesystem cannot lock directories), stops it.
 """
 
 from __future__ import annotations
@@ -42,6 +49,32 @@ def _read(handle) -> dict:
     return owner if isinstance(owner, dict) else {}
 
 
+def _read_path(path: str) -> dict:
+    with contextlib.suppress(OSError), open(path, encoding="utf-8") as handle:
+        return _read(handle)
+    return {}
+
+
+def _same_file(stat: os.stat_result, descriptor: int) -> bool:
+    held = os.fstat(descriptor)
+    return (stat.st_dev, stat.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _lock_folder(directory: str) -> int | None:
+    """The directory's descriptor, flocked; None where its filesystem cannot lock a
+    directory (the lock file then holds alone). BlockingIOError: another run holds it."""
+    folder = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(folder)
+        raise
+    except OSError:  # not supported here (some network filesystems)
+        os.close(folder)
+        return None
+    return folder
+
+
 class DirectoryLock:
     """The lock on ``directory``: `acquire` it once, `release` it at the end.
 
@@ -59,6 +92,8 @@ class DirectoryLock:
         self.directory = directory
         self.path = os.path.join(directory, LOCK_NAME)
         self._handle = None
+        self._folder: int | None = None  # the directory's descriptor, flocked
+        self._record = ""
 
     def acquire(self) -> str:
         """Takes the lock (or a stale one over); returns the token written in it.
@@ -69,16 +104,25 @@ class DirectoryLock:
         try:
             os.makedirs(self.directory, exist_ok=True)
             handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
+        except IsADirectoryError:
+            raise UsageError(
+                f"{self.path} is a directory, where jdp keeps the file that locks "
+                f"{self.directory}; remove it (or choose another --ckpt-dir)"
+            ) from None
         except OSError as error:
             raise UsageError(
                 f"cannot write checkpoints in {self.directory} ({error.strerror or error}); "
                 "choose a writable --ckpt-dir"
             ) from None
+        folder = None
         try:
+            folder = _lock_folder(self.directory)
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             owner = _read(handle)
             handle.close()
+            if folder is not None:
+                os.close(folder)
             raise UsageError(
                 f"{self.directory} is in use by another run ({_describe(owner)}); wait for it "
                 "to end, or choose another --ckpt-dir"
@@ -91,11 +135,12 @@ class DirectoryLock:
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "token": token,
         }
+        self._record = json.dumps(record) + "\n"
         handle.seek(0)
         handle.truncate()
-        handle.write(json.dumps(record) + "\n")
+        handle.write(self._record)
         handle.flush()
-        self._handle = handle
+        self._handle, self._folder = handle, folder
         if previous:
             print(
                 f"jdp: took over the lock on {self.directory} from a run that is gone "
@@ -104,6 +149,53 @@ class DirectoryLock:
                 flush=True,
             )
         return token
+
+    def check(self) -> None:
+        """Before a save: the lock is still this run's (see the module).
+
+        Raises:
+            UsageError: the directory was removed or replaced, or another process
+                made its lock file.
+        """
+        if self._handle is None:
+            return
+        gone = f"{self.directory} was removed or replaced while this run wrote to it"
+        try:
+            now = os.stat(self.directory)
+        except OSError:
+            now = None
+        if self._folder is not None and (now is None or not _same_file(now, self._folder)):
+            raise UsageError(f"{gone}; nothing more is saved there: restore it, or resume "
+                             "from another --ckpt-dir")  # fmt: skip
+        try:
+            mine = _same_file(os.stat(self.path), self._handle.fileno())
+        except FileNotFoundError:  # deleted: written again, this run still holding it
+            self._rewrite()
+            return
+        if not mine:
+            owner = _describe(_read_path(self.path))
+            raise UsageError(
+                f"another run took {self.directory} ({owner}) while this one held it (its "
+                "lock file was deleted); this run stops without saving there, so that two "
+                "runs never write one directory: resume one of them in another --ckpt-dir"
+            )
+
+    def _rewrite(self) -> None:
+        handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise UsageError(
+                f"another run took {self.directory} while this one held it (its lock file "
+                "was deleted); this run stops without saving there"
+            ) from None
+        handle.write(self._record)
+        handle.flush()
+        self._handle.close()
+        self._handle = handle
+        print(f"jdp: {self.path} was deleted under this run; written again", file=sys.stderr,
+              flush=True)  # fmt: skip
 
     def token(self) -> str | None:
         """The token the lock file holds now (what another process of the run checks)."""
@@ -121,3 +213,6 @@ class DirectoryLock:
             self._handle.flush()
         self._handle.close()  # closing the file releases the flock
         self._handle = None
+        if self._folder is not None:
+            os.close(self._folder)
+            self._folder = None

@@ -1,0 +1,91 @@
+"""The lock holds for the whole run: a deleted lock file never lets a second run in, nor
+lets it clean up the owner's save in flight; a lock another process made stops the owner."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import run_cli, subprocess_env
+
+import jdp
+from jdp.checkpoint import Checkpointer, lock
+from jdp.checkpoint.lock import LOCK_NAME, DirectoryLock
+
+
+@pytest.mark.slow
+def test_a_deleted_lock_file_lets_no_second_run_in(tmp_path):
+    flags = ["--mesh", "data=1", "--steps", "6000", "--ckpt-every", "100", "--ckpt-dir", tmp_path]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "jdp.train", *map(str, flags)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not [name for name in os.listdir(tmp_path) if name.isdigit()]:
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "the first run saved nothing"
+            time.sleep(0.05)
+        (tmp_path / LOCK_NAME).unlink()
+        # The same command again, and one with another --lr: both refused, before either
+        # cleans anything up in the directory (a save in flight included).
+        for more in ([], ["--lr", "1e-2"]):
+            second = run_cli(*flags, *more, timeout=120)
+            assert second.returncode == 2, second.stderr
+            assert "is in use by another run" in second.stderr.strip().splitlines()[-1]
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.send_signal(signal.SIGKILL)
+            first.communicate()
+    assert first.returncode == 0, err
+    assert f"jdp: {tmp_path / LOCK_NAME} was deleted under this run; written again" in err
+    assert "jdp.train: steps=6000 " in out
+    with Checkpointer(tmp_path) as checkpoints:
+        assert checkpoints.steps()[-1] == 6000
+
+
+def test_where_directories_cannot_be_locked_a_lock_taken_by_another_stops_the_owner(
+    tmp_path, monkeypatch, mesh8
+):
+    monkeypatch.setattr(lock, "_lock_folder", lambda directory: None)  # some network filesystems
+    owner = Checkpointer(tmp_path)
+    try:
+        (tmp_path / LOCK_NAME).unlink()
+        intruder = DirectoryLock(str(tmp_path))
+        intruder.acquire()  # the lock file alone protected the directory, and it was gone
+        with pytest.raises(
+            jdp.UsageError,
+            match=r"another run took .* \(pid \d+ on .*\) while this "
+            r"one held it \(its lock file was deleted\); this run stops without",
+        ):
+            owner.save(jdp.create_train_state({"w": jnp.ones((2,))}, optax.sgd(0.1), mesh8),
+                       loader_step=0)  # fmt: skip
+        intruder.release()
+    finally:
+        owner.close()
+
+
+def test_a_lock_file_that_is_a_directory_is_named(tmp_path):
+    (tmp_path / LOCK_NAME).mkdir()
+    with pytest.raises(jdp.UsageError, match=rf"{LOCK_NAME} is a directory, where jdp keeps the "):
+        DirectoryLock(str(tmp_path)).acquire()
+
+
+def test_a_removed_directory_stops_the_owner_before_it_writes(tmp_path):
+    held = DirectoryLock(str(tmp_path / "run"))
+    held.acquire()
+    (tmp_path / "run" / LOCK_NAME).unlink()
+    held.check()  # a deleted lock file is written again
+    assert json.loads((tmp_path / "run" / LOCK_NAME).read_text())["pid"] == os.getpid()
+    (tmp_path / "run" / LOCK_NAME).unlink()
+    (tmp_path / "run").rmdir()
+    (tmp_path / "run").mkdir()  # another directory where it was
+    with pytest.raises(jdp.UsageError, match=r"run was removed or replaced while this run wrote"):
+        held.check()
+    held.release()
