@@ -6,7 +6,8 @@ the coordinator listens on loopback only. Output lines carry the process id. The
 launcher exits with the first non-zero exit code; once a process fails, the
 others get ``--grace`` seconds to end on their own and are then killed.
 SIGTERM, SIGINT or SIGHUP sends SIGTERM to every process (a jdp run saves and
-stops); a second signal kills them.
+stops); a second signal kills them. On Linux the processes get SIGTERM when the
+launcher dies, however it dies: none is left training without it.
 """
 
 from __future__ import annotations
@@ -141,10 +142,29 @@ def launch(
     return _shell_code(code)
 
 
+# Run in front of a process's command on Linux: the kernel sends it SIGTERM when the
+# launcher dies, however it dies (kill -9 included), and a jdp run saves and stops as
+# for preemption; then the command itself replaces this (the signal stays set).
+_DIE_WITH_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(143)  # the launcher died before the signal was set\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _command(command: Sequence[str]) -> list[str]:
+    """``command``, set up to end with the launcher (where the kernel can do it: Linux)."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *command]
+
+
 def _start(command: Sequence[str], env: dict[str, str], rank: int, lock: threading.Lock):
     """Starts one process of the run, its output relayed with a ``[rank]`` prefix."""
     child = subprocess.Popen(
-        list(command),
+        _command(command),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -4,6 +4,7 @@ The runs are real: several processes on loopback, joined by JAX's distributed
 runtime, all-reducing with gloo.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -407,3 +408,35 @@ def test_settings_from_the_environment(monkeypatch):
     )  # fmt: skip
     assert distributed.resolve(process_id=1).process_id == 1  # a flag wins
     assert distributed.resolve(num_processes=1, process_id=0).num_processes == 1
+
+
+@pytest.mark.parametrize("says", [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n"])
+def test_a_port_another_program_holds_stops_a_process_at_once(says):
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    connections = []
+
+    def serve():  # a program that listens on the port: silent, or answering its own way
+        with contextlib.suppress(OSError):
+            connection, _ = server.accept()
+            connections.append(connection)
+            connection.sendall(says)
+
+    threading.Thread(target=serve, daemon=True).start()
+    (cluster,) = _clusters(2, [1], port)
+    started = time.monotonic()
+    try:
+        with pytest.raises(UsageError, match=rf"another program holds the coordinator's port "
+                           rf"127.0.0.1:{port} \(it said "):  # fmt: skip
+            handshake(cluster, 300)
+    finally:
+        for connection in connections:
+            connection.close()
+        server.close()
+    # Not the start-up timeout's 300 s: at most the 15 s a greeting may take.
+    assert time.monotonic() - started < 60
+    # Process 0 on that port says so as it did.
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        (zero,) = _clusters(2, [0], taken.getsockname()[1])
+        with pytest.raises(UsageError, match=r"process 0 cannot listen on port \d+"):
+            handshake(zero, 5)

@@ -80,3 +80,59 @@ EXPECTED = {
     "removed": r"jdp.train: error: {directory} was removed or replaced while this run wrote "
     r"to it; nothing more is saved there: restore it, or resume from another --ckpt-dir",
 }
+
+
+@pytest.mark.slow
+def test_workers_die_with_a_launcher_killed_with_sigkill(tmp_path):
+    import signal
+    import threading
+
+    directory = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "1", "--",
+         sys.executable, "-m", "jdp.train", "--mesh", "data=2", "--steps", "1000000",
+         "--ckpt-every", "200", "--ckpt-dir", str(directory)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(),
+    )  # fmt: skip
+    pids, lines = [], []
+
+    def read():
+        for line in launcher.stdout:
+            lines.append(line)
+            if found := re.search(r"started process \d of 2 \(pid (\d+)\)", line):
+                pids.append(int(found.group(1)))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    while not (directory.exists() and [n for n in os.listdir(directory) if n.isdigit()]):
+        assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.2)
+    assert len(pids) == 2, lines
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    reader.join(timeout=10)
+    launcher.stdout.close()
+    # The workers get SIGTERM from the kernel: they save at one step and end.
+    deadline = time.monotonic() + EXIT_SECONDS
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in pids if _alive(pid)]
+        time.sleep(0.2)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their launcher by {EXIT_SECONDS} s"
+    # The directory's lock went with them: a new run may take it.
+    from jdp.checkpoint.lock import DirectoryLock
+
+    lock = DirectoryLock(str(directory))
+    lock.acquire()
+    lock.release()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False

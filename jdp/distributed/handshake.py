@@ -18,7 +18,14 @@ import time
 from jdp.distributed.cluster import ENV_COORDINATOR_BIND, Cluster, split_address
 from jdp.errors import UsageError
 
-_HELLO = "jdp-hello/2"
+_HELLO = "jdp-hello/3"
+# Process 0's first words to each process that connects: what tells it from another
+# program that holds the port (which would leave the process waiting its whole
+# start-up timeout, and then blaming process 0).
+_GREETING = "jdp-coordinator/3"
+# How long a process waits for the greeting once connected: process 0 greets within a
+# second of a connection (its accept loop), or within one other process's hello (5 s).
+_GREETING_SECONDS = 15.0
 
 Settings = dict[str, object]
 _ERROR = "jdp_start_up_error"  # a key of the settings: this process's start-up error
@@ -85,6 +92,7 @@ def _gather(cluster: Cluster, timeout: float, settings: Settings) -> None:
                 except OSError:  # an aborted connection, or out of file descriptors
                     time.sleep(0.1)
                     continue
+                _send(connection, _GREETING)
                 message = _admit(connection, cluster, arrived, settings)
             message = own_error or message
             reply = f"error {message}" if message else "go"
@@ -178,6 +186,21 @@ def _missing_message(missing: list[int], cluster: Cluster, timeout: float) -> st
     )
 
 
+def _greeted(connection: socket.socket, reader, coordinator: str) -> None:
+    """UsageError unless what answered at ``coordinator`` greets as jdp's process 0."""
+    connection.settimeout(_GREETING_SECONDS)
+    try:
+        greeting = reader.readline().strip()
+    except OSError:  # silent: a server that waits for a request of its own kind
+        greeting = None
+    if greeting != _GREETING:
+        said = "said nothing" if not greeting else f"said {greeting[:40]!r}"
+        raise UsageError(
+            f"another program holds the coordinator's port {coordinator} (it {said} where "
+            "jdp's process 0 greets); choose a free port in --coordinator for every process"
+        )
+
+
 def _send(connection: socket.socket, text: str) -> None:
     with contextlib.suppress(OSError):
         connection.sendall(text.encode() + b"\n")
@@ -193,6 +216,8 @@ def _report(cluster: Cluster, timeout: float, settings: Settings) -> None:
             time.sleep(min(0.2, max(left, 0)))
             continue
         with connection:
+            reader = connection.makefile("r")
+            _greeted(connection, reader, cluster.coordinator)
             _send(
                 connection,
                 f"{_HELLO} {cluster.process_id} {cluster.num_processes} {json.dumps(settings)}",
@@ -202,7 +227,7 @@ def _report(cluster: Cluster, timeout: float, settings: Settings) -> None:
             # deadline, so that it is not counted and then lost.
             connection.settimeout(timeout + 10)
             try:
-                reply = connection.makefile("r").readline().strip()
+                reply = reader.readline().strip()
             except OSError:
                 reply = ""
         if reply == "go":
