@@ -42,6 +42,8 @@ def check_splits(splits: Mapping[str, object | None]) -> None:
     train = present.get("train")
     reference = in_memory(train) if train is not None else None
     classes = getattr(train, "num_classes", None)
+    if reference is not None and classes:
+        _check_sparse(reference.get(getattr(train, "label_key", None)), classes)
     for name, split in present.items():
         arrays = in_memory(split)
         if arrays is None:  # read from disk as it trains
@@ -91,6 +93,24 @@ def _check_labels(name: str, labels: np.ndarray | None, classes: int | None) -> 
             f"label {int(labels[index])} of example {index} of the {name} split is not {of} "
             f"({known}); {len(bad)} label(s) are outside: relabel them as class indices, "
             "leave those examples out, or give num_classes"
+        )
+
+
+# A classifier over more classes than this is built only for labels that use them.
+_MANY_CLASSES = 1 << 16
+
+
+def _check_sparse(labels: np.ndarray | None, classes: int) -> None:
+    """UsageError for labels that are ids, not class indices: a few values that run to a
+    huge number, which would make an output layer of that many classes."""
+    if labels is None or classes <= _MANY_CLASSES:
+        return
+    used = len(np.unique(labels))
+    if used * 100 < classes:
+        raise UsageError(
+            f"the training split's labels run to {int(labels.max())} (num_classes {classes}) "
+            f"but take {used} values: a classifier would have {classes:,} outputs; number "
+            "the classes 0 to K-1 (np.unique(labels, return_inverse=True))"
         )
 
 

@@ -289,15 +289,33 @@ def from_npz(path: str | os.PathLike, split: str = "train") -> ArraySplit | None
     """
     file = os.fspath(path)
     try:
-        with np.load(file) as arrays:
+        with open(file, "rb") as handle:
+            zipped = handle.read(4) == b"PK\x03\x04"  # what numpy.savez writes: a zip
+    except OSError as error:
+        raise UsageError(f"cannot read {file} as a NumPy .npz file ({error})") from None
+    if not zipped:
+        raise UsageError(
+            f"{file} is not a NumPy .npz file (not the zip archive numpy.savez writes); "
+            "save the arrays with numpy.savez(file, x_train=..., y_train=..., ...)"
+        )
+    try:
+        with np.load(file, allow_pickle=False) as arrays:
             suffix = f"_{split}"
             features = {
                 name[: -len(suffix)]: arrays[name] for name in arrays.files if name.endswith(suffix)
             }
     except (OSError, ValueError) as error:
-        raise UsageError(f"cannot read {file} as a NumPy .npz file ({error})") from None
+        reason = "it holds Python objects, which jdp never unpickles; save numeric arrays" \
+            if "pickle" in str(error) else str(error)  # fmt: skip
+        raise UsageError(f"cannot read {file} as a NumPy .npz file ({reason})") from None
     if not features:
         return None
+    if ("x" in features) != ("y" in features):  # Keras's layout, half of it
+        have, lack = ("x", "y") if "x" in features else ("y", "x")
+        raise UsageError(
+            f"{file} has {have}_{split} and no {lack}_{split}; save both (inputs and labels) "
+            "for each split it has"
+        )
     keras = "x" in features and "y" in features
     input_key, label_key = ("x", "y") if keras else (None, "label")
     transform = Transform() if features[input_key or "image"].dtype == np.uint8 else None

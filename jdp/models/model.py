@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.layout import Rules, param_specs
 from jdp.layout import shardings as layout_shardings
+from jdp.models.memory import check_fits
 from jdp.models.objectives import Batch, Objective
 
 
@@ -84,6 +85,7 @@ class Model:
         abstract, _ = jax.eval_shape(self.init, rng, batch)
         names = None if self.names is None else self.names(rng, batch)
         specs = param_specs(abstract, mesh, names=names, rules=rules)
+        check_fits(abstract, specs, mesh)
         replicated = NamedSharding(mesh, PartitionSpec())
         params, model_state = jax.jit(
             self.init, out_shardings=(layout_shardings(specs, mesh), replicated)

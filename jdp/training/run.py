@@ -104,6 +104,14 @@ def load_data(config: TrainConfig, given: Data | None = None) -> Data:
                 "give no validation split"
             )
         train, validation = holdout(data.train, config.validation_fraction, config.seed)
+        if len(train) < config.batch_size:
+            most = (len(data.train) - config.batch_size) / len(data.train)
+            fix = f"at most {math.floor(most * 1000) / 1000:g}" if most > 0 else "none"
+            raise UsageError(
+                f"--validation-fraction {config.validation_fraction:g} leaves {len(train)} of "
+                f"{len(data.train)} examples to train on, fewer than the global batch "
+                f"{config.batch_size}; hold out a smaller fraction ({fix} here)"
+            )
         data = dataclasses.replace(data, train=train, validation=validation)
     return data
 

@@ -1,0 +1,75 @@
+"""Whether a model can exist on its mesh at all, asked from shapes before its
+parameters are made: an input of 9 million features, or labels that run to 10**8,
+make a model of tens of gigabytes, which is one line, not the allocator's traceback."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jdp.errors import UsageError
+
+
+def device_bytes(mesh: Mesh) -> int | None:
+    """What one device of ``mesh`` holds: its memory, or on a CPU its share of this
+    machine's (simulated devices share it); None where neither can be read."""
+    device = mesh.devices.flat[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a backend that keeps no statistics
+        stats = {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    if device.platform != "cpu":
+        return None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())
+    return total // max(1, local)
+
+
+def check_fits(abstract: Any, specs: Any, mesh: Mesh) -> None:
+    """UsageError when the parameters (laid out by ``specs``) and their gradients alone
+    are more than a device holds: training needs that much at least, whatever the
+    optimizer (Adam's moments add twice the parameters again)."""
+    limit = device_bytes(mesh)
+    if limit is None:
+        return
+    leaves = jax.tree.leaves(abstract)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: x is None or _is_spec(x))
+    per_device = 0
+    for leaf, spec in zip(leaves, spec_leaves, strict=False):
+        per_device += leaf.size * leaf.dtype.itemsize // _shards(spec, mesh)
+    if 2 * per_device <= limit:
+        return
+    count = sum(leaf.size for leaf in leaves)
+    raise UsageError(
+        f"the model has {_count(count)} parameters, {per_device / 1e9:.1f} GB a device on "
+        f"this mesh; with their gradients that is more than the {limit / 1e9:.1f} GB a "
+        "device has here: use a smaller model or input (the inputs' size, the number of "
+        "classes), or shard the parameters (--mesh fsdp=N)"
+    )
+
+
+def _is_spec(value: Any) -> bool:
+    return type(value).__name__ == "PartitionSpec"
+
+
+def _shards(spec: Any, mesh: Mesh) -> int:
+    if spec is None:
+        return 1
+    axes = [a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))]
+    return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def _count(count: int) -> str:
+    for size, name in ((1e9, "billion"), (1e6, "million")):
+        if count >= size:
+            return f"{count / size:.1f} {name}"
+    return f"{count:,}"
