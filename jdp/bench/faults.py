@@ -1,4 +1,6 @@
-"""``python -m jdp.bench faults``: random kill -9 trials and random bit flips in checkpoints.
+"""``python -m jdp.bench faults``: random kill -9 trials and random bit flips in checkpoints,
+and the classes of `jdp.bench.fault_trials` (bad data, a stolen lock, a killed launcher,
+a checkpoint directory failing mid-run).
 
 Kills: a run is killed with SIGKILL at a random moment (any step, during a save
 or between saves), resumed with the same command, and its final checkpoint
@@ -30,6 +32,7 @@ import jax
 import numpy as np
 import optax
 
+from jdp.bench import fault_trials
 from jdp.bench.common import report_lines
 
 # A run long enough for kills to land anywhere in it, short enough for many trials.
@@ -173,13 +176,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kills", type=int, default=20, help="kill -9 trials (0: none)")
     parser.add_argument("--flips", type=int, default=20, help="bit-flip trials (0: none)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random choices")
+    for flag, count, what in NEW_CLASSES:
+        parser.add_argument(flag, type=int, default=count, help=f"{what} trials (0: none)")
+
+
+# The classes of fault_trials: flag, default trials, what a trial does, its function,
+# and the verdicts it counts (the last ones must stay 0).
+NEW_CLASSES = (
+    ("--data-faults", 8, "bad-data"),
+    ("--lock-thefts", 3, "lock-theft"),
+    ("--directory-failures", 4, "unwritable or removed checkpoint directory"),
+    ("--launcher-kills", 3, "launcher kill -9"),
+)
+_REPORTS = {
+    "data_faults": ("bad data trained on", fault_trials.data_faults,
+                    ("named", "silent", "hang", "other")),
+    "lock_thefts": ("lock file deleted under a live run, the command run again",
+                    fault_trials.lock_thefts, ("kept", "two writers", "lost", "hang")),
+    "directory_failures": ("checkpoint directory made immutable or removed mid-run",
+                           fault_trials.directory_failures, ("stopped", "hang", "other")),
+    "launcher_kills": ("jdp.launch of 2 processes killed with SIGKILL",
+                       fault_trials.launcher_kills, ("ended", "orphaned", "lost")),
+}  # fmt: skip
 
 
 def bench_faults(
-    *, kill_trials: int, flip_trials: int, seed: int, on_line: Callable[[str], None] = print
+    *,
+    kill_trials: int,
+    flip_trials: int,
+    seed: int,
+    on_line: Callable[[str], None] = print,
+    **classes: int,
 ) -> list[str]:
-    """Both kinds of trial; the report's lines, each passed to ``on_line`` as it comes."""
+    """Every kind of trial (``classes``: trials of `fault_trials`' by name, e.g.
+    ``data_faults=8``); the report's lines, each passed to ``on_line`` as it comes."""
     lines, emit = report_lines(on_line)
+    for name, trials in classes.items():
+        if trials:
+            what, trial, verdicts = _REPORTS[name]
+            emit(f"{what}:")
+            counts = trial(trials, seed, emit)
+            shown = " ".join(f"{verdict.replace(' ', '-')}={counts[verdict]}"
+                             for verdict in verdicts)  # fmt: skip
+            emit(f"{name.replace('_', ' ')}: trials={trials} {shown}")
     for data_only, where in ((False, "anywhere in a checkpoint"), (True, "in its array data")):
         if flip_trials:
             flips = bit_flips(flip_trials, seed, data_only=data_only)
@@ -199,4 +238,7 @@ def bench_faults(
 
 def run(args: argparse.Namespace) -> None:
     on_line = lambda line: print(line, flush=True)  # noqa: E731
-    bench_faults(kill_trials=args.kills, flip_trials=args.flips, seed=args.seed, on_line=on_line)
+    classes = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+               for flag, _, _ in NEW_CLASSES}  # fmt: skip
+    bench_faults(kill_trials=args.kills, flip_trials=args.flips, seed=args.seed,
+                 on_line=on_line, **classes)  # fmt: skip
