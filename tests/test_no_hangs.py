@@ -43,8 +43,15 @@ def _immutable(path, on: bool) -> bool:
 FAULTS = {
     # EPERM for any write, root's included (what a read-only mount does too).
     "made immutable": lambda path: _immutable(path, True),
-    "removed": lambda path: shutil.rmtree(path) or True,
+    "removed": lambda path: _remove(path),
 }
+
+
+def _remove(path) -> bool:
+    """Gone at once: ``rm -r`` races the run's writes, and may leave the directory there."""
+    gone = path.rename(f"{path}.gone")
+    shutil.rmtree(gone)
+    return True
 
 
 @pytest.mark.slow

@@ -157,8 +157,9 @@ def directory_failures(trials: int, seed: int, emit: Callable[[str], None]) -> C
             process = _start_until_saved(flags, directory, rng)
             if fault == "immutable" and not _chattr(directory, "+i"):
                 fault = "removed"  # this filesystem or user cannot
-            if fault == "removed":
-                shutil.rmtree(directory, ignore_errors=True)
+            if fault == "removed":  # at once: rm -r races the run's writes, and may leave it
+                os.rename(directory, f"{directory}.gone")
+                shutil.rmtree(f"{directory}.gone", ignore_errors=True)
             ended = _ended(process, HANG_SECONDS)
             if fault == "immutable":
                 _chattr(directory, "-i")

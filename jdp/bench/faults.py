@@ -34,6 +34,7 @@ import optax
 
 from jdp.bench import fault_trials
 from jdp.bench.common import report_lines
+from jdp.training.run import setup_devices
 
 # A run long enough for kills to land anywhere in it, short enough for many trials.
 KILL_RUN = "--mesh data=2 --steps 60 --warmup-steps 5 --batch-size 64 --ckpt-every 5"
@@ -237,6 +238,9 @@ def bench_faults(
 
 
 def run(args: argparse.Namespace) -> None:
+    # The flips save on 8 devices, and the kill trials' checkpoints (2 devices) are
+    # read back here: on a CPU, simulated before JAX starts.
+    setup_devices("data=8")
     on_line = lambda line: print(line, flush=True)  # noqa: E731
     classes = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
                for flag, _, _ in NEW_CLASSES}  # fmt: skip
