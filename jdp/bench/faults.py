@@ -186,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 NEW_CLASSES = (
     ("--data-faults", 8, "bad-data"),
     ("--lock-thefts", 3, "lock-theft"),
-    ("--directory-failures", 4, "unwritable or removed checkpoint directory"),
+    ("--directory-failures", 6, "unwritable or removed checkpoint directory"),
     ("--launcher-kills", 3, "launcher kill -9"),
 )
 _REPORTS = {

@@ -201,21 +201,7 @@ def from_folder(
         raise UsageError(
             f"{root} has no class subdirectories; put each class's images in a folder of its own"
         )
-    files, labels = [], []
-    for label, name in enumerate(classes):
-        folder = os.path.join(root, name)
-        if not os.path.isdir(folder):  # a split given the classes of another may lack one
-            continue
-        images = sorted(
-            file for file in os.listdir(folder) if file.lower().endswith(_IMAGE_SUFFIXES)
-        )
-        if not images:  # its class would be trained on as if it never occurred
-            raise UsageError(
-                f"class folder {folder} has no images (looked for {', '.join(_IMAGE_SUFFIXES)}); "
-                "add its images, or remove the folder"
-            )
-        files += [os.path.join(folder, file) for file in images]
-        labels += [label] * len(images)
+    files, labels = _class_files(root, classes)
     if not files:
         raise UsageError(
             f"no images in {root}'s class folders (looked for {', '.join(_IMAGE_SUFFIXES)})"
@@ -252,6 +238,27 @@ def from_folder(
         map=map,
     )
     return dataclasses.replace(split, classes=classes)
+
+
+def _class_files(root: str, classes: tuple[str, ...]) -> tuple[list[str], list[int]]:
+    """The image files under each class folder, and their labels; a class folder without
+    images is refused (its class would be trained on as if it never occurred)."""
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        folder = os.path.join(root, name)
+        if not os.path.isdir(folder):  # a split given the classes of another may lack one
+            continue
+        images = sorted(
+            file for file in os.listdir(folder) if file.lower().endswith(_IMAGE_SUFFIXES)
+        )
+        if not images:
+            raise UsageError(
+                f"class folder {folder} has no images (looked for {', '.join(_IMAGE_SUFFIXES)}); "
+                "add its images, or remove the folder"
+            )
+        files += [os.path.join(folder, file) for file in images]
+        labels += [label] * len(images)
+    return files, labels
 
 
 def holdout(split, fraction: float, seed: int):

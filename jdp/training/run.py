@@ -79,7 +79,8 @@ def setup_devices(mesh_spec: str, *, processes: int = 1) -> None:
 
 
 def load_data(config: TrainConfig, given: Data | None = None) -> Data:
-    """The run's splits: ``given`` (`jdp.fit`'s), else ``--dataset``'s; a held-out validation."""
+    """The run's splits: ``given`` (`jdp.fit`'s), else ``--dataset``'s; a held-out validation;
+    all checked (`jdp.data.check_splits`)."""
     if given is not None:
         data = given
     elif is_corpus(config.dataset):
@@ -103,17 +104,25 @@ def load_data(config: TrainConfig, given: Data | None = None) -> Data:
                 "the data has a validation split already; drop --validation-fraction, or "
                 "give no validation split"
             )
-        train, validation = holdout(data.train, config.validation_fraction, config.seed)
-        if len(train) < config.batch_size:
-            most = (len(data.train) - config.batch_size) / len(data.train)
-            fix = f"at most {math.floor(most * 1000) / 1000:g}" if most > 0 else "none"
-            raise UsageError(
-                f"--validation-fraction {config.validation_fraction:g} leaves {len(train)} of "
-                f"{len(data.train)} examples to train on, fewer than the global batch "
-                f"{config.batch_size}; hold out a smaller fraction ({fix} here)"
-            )
+        train, validation = _held_out(config, data.train)
         data = dataclasses.replace(data, train=train, validation=validation)
+    check_splits({"train": data.train, "validation": data.validation, "test": data.test})
     return data
+
+
+def _held_out(config: TrainConfig, train: Split) -> tuple[Split, Split]:
+    """``(train, validation)``: ``--validation-fraction`` of ``train`` held out, leaving
+    at least a global batch to train on."""
+    rest, validation = holdout(train, config.validation_fraction, config.seed)
+    if len(rest) < config.batch_size:
+        most = (len(train) - config.batch_size) / len(train)
+        fix = f"at most {math.floor(most * 1000) / 1000:g}" if most > 0 else "none"
+        raise UsageError(
+            f"--validation-fraction {config.validation_fraction:g} leaves {len(rest)} of "
+            f"{len(train)} examples to train on, fewer than the global batch "
+            f"{config.batch_size}; hold out a smaller fraction ({fix} here)"
+        )
+    return rest, validation
 
 
 def resolve(config: TrainConfig, train_examples: int, console: Console, *,
@@ -223,7 +232,6 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     data = None
     try:
         data = load_data(config, yours.data)
-        check_splits({"train": data.train, "validation": data.validation, "test": data.test})
         if model is None:  # a model that cannot read the data, before the data's size
             check_model(config.model, config.model_size, data.train.kind)
         check_train_batch(data.train, config.batch_size)
@@ -236,7 +244,6 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     train, validation, test = data.train, data.validation, data.test
     given = config
     config = resolve(config, len(train), console, own_optimizer=yours.optimizer is not None)
-    chose_warmup = config.warmup_steps != given.warmup_steps
     if jax.process_index() == 0:  # now, not after the model is made
         for flag, directory in (("--log-dir", config.log_dir), ("--ckpt-dir", config.ckpt_dir)):
             if directory:
@@ -266,18 +273,11 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
         shard_optimizer=config.shard_optimizer,
     )  # fmt: skip
     train_step = make_train_step(
-        model.loss_fn,
-        optimizer,
-        mesh,
-        backend=config.backend,
-        has_model_state=True,
-        precision=precision,
-        accumulate=config.accumulate,
-        lr_schedule=schedule,
-        steps_per_call=config.steps_per_call,
-        skip_nonfinite=config.nan_policy == "skip",
+        model.loss_fn, optimizer, mesh, backend=config.backend, has_model_state=True,
+        precision=precision, accumulate=config.accumulate, lr_schedule=schedule,
+        steps_per_call=config.steps_per_call, skip_nonfinite=config.nan_policy == "skip",
         grad_norm=config.grad_norm,
-    )
+    )  # fmt: skip
     eval_step = make_eval_step(model.metrics_fn, mesh, backend=config.backend, has_model_state=True)
     sync_step = make_sync_step(outer, mesh) if outer is not None else None
     num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
@@ -288,7 +288,8 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     say_layout(config, console, mesh, specs, named=model.names is not None)
     return Run(config, mesh, train, test, model, state, train_step, eval_step, schedule,
                optimizer, validation,
-               recorded_config(config, yours, train, chose_warmup=chose_warmup,
+               recorded_config(config, yours, train,
+                               chose_warmup=config.warmup_steps != given.warmup_steps,
                                fingerprints=fingerprints(config, data)),
                sync_step)  # fmt: skip
 

@@ -138,18 +138,21 @@ class Evaluate(PeriodicAction):
     An evaluation never costs the training before it: when one fails, or gives
     a metric that is not finite (never taken for the best checkpoint or an early
     stop), ``keep(progress)`` saves the state first (`Checkpoint.keep`) and the
-    run stops with one line naming what was kept.
+    run stops with one line naming what was kept. With ``stop_nonfinite=False``
+    (``--nan-policy ignore``) one that is not finite is logged, and still chooses
+    nothing.
     """
 
     def __init__(self, eval_step, split: Split, mesh, *, batch_size: int, every: int,
                  console: Console, logger: MetricLogger, prefix: str = "test",
                  chooses: bool = True, derived=None,
-                 keep: Callable[[Progress], str] | None = None):  # fmt: skip
+                 keep: Callable[[Progress], str] | None = None,
+                 stop_nonfinite: bool = True):  # fmt: skip
         super().__init__(every, at_end=True)
         self.eval_step, self.split, self.mesh, self.batch_size = eval_step, split, mesh, batch_size
         self.console, self.logger, self.prefix, self.chooses = console, logger, prefix, chooses
         self.derived = derived  # the objective's figures from the means (perplexity)
-        self.keep = keep
+        self.keep, self.stop_nonfinite = keep, stop_nonfinite
 
     @property
     def _name(self) -> str:
@@ -169,7 +172,7 @@ class Evaluate(PeriodicAction):
         if self.derived is not None:
             result |= self.derived(result)
         bad = [name for name, value in result.items() if not math.isfinite(value)]
-        if bad:
+        if bad and self.stop_nonfinite:
             raise NonFiniteError(
                 f"the {self._name} split's {bad[0]} is {result[bad[0]]} at step "
                 f"{progress.step}, though its inputs are finite and the training loss is: "
@@ -181,7 +184,7 @@ class Evaluate(PeriodicAction):
             + " ".join(f"{self.prefix}_{name}={result[name]:.4f}" for name in _eval_order(result))
         )
         self.logger.write("eval" if self.prefix == "test" else self.prefix, progress.step, result)
-        if self.chooses:
+        if self.chooses and not bad:  # with --nan-policy ignore: logged, never chosen
             progress.evaluated = result
         if self.prefix == "test":
             progress.tested = result

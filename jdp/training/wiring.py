@@ -165,7 +165,8 @@ def evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int,
     without one, the test split every ``every`` steps. Both at the end. ``keep`` saves the
     state when an evaluation fails (`Checkpoint.keep`)."""
     kwargs = dict(batch_size=run.config.batch_size, console=console, logger=logger,
-                  derived=run.model.objective.derived, keep=keep)  # fmt: skip
+                  derived=run.model.objective.derived, keep=keep,
+                  stop_nonfinite=run.config.nan_policy != "ignore")  # fmt: skip
     evaluations = []
     if run.validation is not None:
         evaluations.append(
