@@ -99,13 +99,19 @@ def _start_until_saved(flags: list[str], directory: str, rng: random.Random) -> 
     process = subprocess.Popen([sys.executable, "-m", "jdp.train", *flags],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=_env())  # fmt: skip
+    _until_saved(process, directory, rng)
+    return process
+
+
+def _until_saved(process: subprocess.Popen, directory: str, rng: random.Random) -> None:
+    """Returns once ``directory`` holds a checkpoint (or the process ended, or 240 s
+    passed), and a random while more: the fault's moment."""
     deadline = time.monotonic() + 240
     while not _checkpoints(directory) and process.poll() is None:
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
     time.sleep(rng.uniform(0.0, 1.5))
-    return process
 
 
 def _ended(process: subprocess.Popen, timeout: float) -> tuple[str, str] | None:
@@ -194,12 +200,7 @@ def launcher_kills(trials: int, seed: int, emit: Callable[[str], None]) -> Count
                        *_RUN, "--steps", "600", "--ckpt-every", "50",
                        "--ckpt-dir", directory]  # fmt: skip
             launcher, pids = _launch(command)
-            deadline = time.monotonic() + 240
-            while not _checkpoints(directory) and launcher.poll() is None:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            time.sleep(rng.uniform(0.0, 1.5))
+            _until_saved(launcher, directory, rng)
             launcher.send_signal(signal.SIGKILL)
             launcher.wait()
             alive = _wait_gone(pids, HANG_SECONDS)
