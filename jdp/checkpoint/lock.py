@@ -164,7 +164,7 @@ class DirectoryLock:
             now = os.stat(self.directory)
         except OSError:
             now = None
-        if self._folder is not None and (now is None or not _same_file(now, self._folder)):
+        if now is None or (self._folder is not None and not _same_file(now, self._folder)):
             raise UsageError(f"{gone}; nothing more is saved there: restore it, or resume "
                              "from another --ckpt-dir")  # fmt: skip
         try:
