@@ -1,4 +1,8 @@
-"""What a resume keeps and what it refuses: the warmup jdp chose, and the data trained on."""
+"""What a resume keeps and what it refuses (the warmup jdp chose, the data trained on), and
+what a kill loses (saves by the clock)."""
+
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -86,3 +90,47 @@ def test_fit_refuses_other_arrays_and_another_corpus(tmp_path):
     np.save(corpus / "train.npy", rng.integers(0, 256, 5000).astype(np.uint16))  # regenerated
     with pytest.raises(jdp.UsageError, match="holds a run trained on other data: the train"):
         jdp.fit(jdp.TrainConfig(**{**lm.__dict__, "steps": 4}), console=quiet)
+
+
+@pytest.mark.slow
+def test_a_run_saves_by_the_clock_and_a_kill_loses_at_most_that(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    from helpers import run_cli, subprocess_env
+
+    flags = ["--mesh", "data=2", "--steps", "1000000", "--ckpt-dir", str(tmp_path),
+             "--ckpt-every-minutes", "0.02"]  # fmt: skip
+    run = subprocess.Popen(
+        [sys.executable, "-m", "jdp.train", *flags], env=subprocess_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len([name for name in os.listdir(tmp_path) if name.isdigit()]) < 2:
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.1)
+    run.send_signal(signal.SIGKILL)
+    run.communicate()
+    saved = max(int(name) for name in os.listdir(tmp_path) if name.isdigit())
+    # No --ckpt-every: the clock alone saved. The same command resumes from there.
+    resumed = run_cli(*flags[:3], str(saved + 40), *flags[4:], timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"jdp: resuming from step {saved}" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_two_processes_save_by_the_clock_at_one_step(tmp_path):
+    from helpers import run_python
+
+    result = run_python(
+        "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "1", "--",
+        sys.executable, "-m", "jdp.train", "--mesh", "data=2", "--steps", "3000",
+        "--ckpt-dir", str(tmp_path), "--ckpt-every-minutes", "0.02", "--keep", "100",
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = sorted(int(name) for name in os.listdir(tmp_path) if name.isdigit())
+    # Saved by the clock (agreed every 20 steps) before the end, then at the end.
+    assert len(steps) >= 2 and steps[-1] == 3000, steps
+    assert all(step % 20 == 0 for step in steps), steps

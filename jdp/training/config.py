@@ -231,6 +231,12 @@ class TrainConfig:
     ckpt_every: int = _flag(
         CHECKPOINTS, 0, "save every N steps (0: only at the end and when preempted)"
     )
+    ckpt_every_minutes: float = _flag(
+        CHECKPOINTS,
+        10.0,
+        "with --ckpt-dir, also save once this many minutes have passed since the last save "
+        "(every process at one step; 0: off): a kill loses at most this much training",
+    )
     keep: int = _flag(
         CHECKPOINTS, 3, "latest checkpoints to keep (the best by --best-metric is kept too)"
     )

@@ -54,8 +54,9 @@ def fit(
     and before the checkpoint; one may stop the run. A validation split (or
     ``config.validation_fraction``) chooses the best checkpoint and early stopping,
     and the test split is reported at the end. With ``config.ckpt_dir`` the run
-    resumes from its latest checkpoint, saves every ``ckpt_every`` steps and at the
-    end, and on SIGTERM or SIGINT saves and returns early (``preempted``).
+    resumes from its latest checkpoint, saves every ``ckpt_every`` steps, every
+    ``ckpt_every_minutes`` and at the end, and on SIGTERM or SIGINT saves and
+    returns early (``preempted``).
 
     Raises:
         UsageError: a mesh, batch size, dataset, model or checkpoint directory that

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from jdp import checkpoint
 from jdp.actions import PeriodicAction, Progress
@@ -196,7 +198,12 @@ class Evaluate(PeriodicAction):
 
 
 class Checkpoint(PeriodicAction):
-    """Saves the state, where the loader stands and this step's test metrics.
+    """Saves the state, where the loader stands and this step's test metrics: every
+    ``every`` steps, at the end, and once ``minutes`` have passed since the last save.
+
+    The clock is read after each call; with several processes, process 0's reading
+    decides, sent to all every `AGREE_EVERY` steps (a collective as small as one
+    flag), so that every process saves the same step.
 
     Never a state that is not finite: without skipping, one whose call's loss
     was not, or whose parameters, optimizer or model state are not (a last
@@ -205,12 +212,30 @@ class Checkpoint(PeriodicAction):
     """
 
     def __init__(self, checkpointer: Checkpointer, loader, *, every: int, config: Mapping,
-                 skipping: bool):  # fmt: skip
+                 skipping: bool, minutes: float = 0.0):  # fmt: skip
         super().__init__(every, at_end=True)
         self.checkpointer, self.loader, self.config = checkpointer, loader, dict(config)
         self.skipping = skipping  # updates with a non-finite gradient are skipped: all finite
+        self.seconds = 60.0 * minutes
+        self._saved_at = time.monotonic()
+
+    def due(self, progress: Progress) -> bool:
+        return super().due(progress) or self._time_is_up(progress)
+
+    def _time_is_up(self, progress: Progress) -> bool:
+        if not self.seconds or progress.final or not progress.ran:
+            return False
+        up = time.monotonic() - self._saved_at >= self.seconds
+        if jax.process_count() == 1:
+            return up
+        if progress.step // AGREE_EVERY == (progress.step - progress.ran) // AGREE_EVERY:
+            return False  # processes agree only at these steps, all at once
+        from jax.experimental import multihost_utils
+
+        return bool(multihost_utils.broadcast_one_to_all(np.asarray(up)))
 
     def run(self, progress: Progress) -> None:
+        self._saved_at = time.monotonic()
         grouped = has_groups(progress.state)
         if grouped and not groups_finite(progress.state):  # every process alike
             why = "a DiLoCo group's parameters are not finite"
@@ -246,6 +271,10 @@ class Checkpoint(PeriodicAction):
         if not steps:
             return f"no checkpoint could be kept in {self.checkpointer.directory}"
         return f"the trained state is kept in {self.checkpointer.directory} (step {steps[-1]})"
+
+
+# With several processes, a time-based save is agreed on every this many steps.
+AGREE_EVERY = 20
 
 
 class Synchronize(PeriodicAction):

@@ -125,7 +125,8 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
     checkpoint = None
     if checkpoints is not None:
         checkpoint = Checkpoint(checkpoints, batches, every=config.ckpt_every,
-                                config=run.recorded, skipping=skipping)  # fmt: skip
+                                config=run.recorded, skipping=skipping,
+                                minutes=config.ckpt_every_minutes)  # fmt: skip
     keep = checkpoint.keep if checkpoint is not None else None
     actions.extend(evaluations(run, console, logger, every=config.eval_every, keep=keep))
     if config.early_stop_patience:
