@@ -27,6 +27,7 @@ from jdp.errors import NonFiniteError, UsageError
 from jdp.inference import LoadedModel, load_model, predict
 from jdp.layout import param_specs
 from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices
+from jdp.models.summary import Summary, summary
 from jdp.optim import make_optimizer, make_schedule
 from jdp.precision import LossScale, Precision, make_precision
 from jdp.report.console import Console
@@ -61,6 +62,7 @@ __all__ = [
     "Precision",
     "Progress",
     "Split",
+    "Summary",
     "SyncStep",
     "TrainConfig",
     "TrainState",
@@ -89,5 +91,6 @@ __all__ = [
     "predict",
     "shard_batch",
     "simulate_cpu_devices",
+    "summary",
     "train_batches",
 ]

@@ -295,6 +295,17 @@ def shardings(specs: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec)
 
 
+def bytes_per_device(tree: Any, specs: Any, mesh: Mesh | Mapping[str, int]) -> int:
+    """The bytes one device holds of ``tree`` (arrays or shapes) laid out by ``specs`` (a
+    tree of `PartitionSpec`, as `param_specs` and `optimizer_specs` make) on ``mesh``."""
+    sizes = _axis_sizes(mesh)
+    total = 0
+    for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=_is_spec),
+                          strict=True):  # fmt: skip
+        total += _nbytes(leaf) // math.prod(sizes[a] for e in _entries(spec, 0) for a in e)
+    return total
+
+
 def split_counts(specs: Any) -> dict[str, int]:
     """``{mesh axis: number of leaves split over it}``, in the mesh's axis order."""
     counts: dict[str, int] = {}

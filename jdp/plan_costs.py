@@ -84,7 +84,7 @@ def state_bytes(model, batch, mesh: Mapping[str, int], *, shard_optimizer: bool 
     import jax
     import optax
 
-    from jdp.layout import optimizer_specs, param_specs
+    from jdp.layout import bytes_per_device, optimizer_specs, param_specs
 
     optimizer = optimizer or optax.adamw(1e-3)
     params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
@@ -92,24 +92,12 @@ def state_bytes(model, batch, mesh: Mapping[str, int], *, shard_optimizer: bool 
     specs = param_specs(params, mesh, names=names, rules=rules)
     opt_specs = optimizer_specs(optimizer, params, specs, mesh, shard_optimizer=shard_optimizer)
     opt_state = jax.eval_shape(optimizer.init, params)
-
-    def per_device(tree, specs) -> int:
-        total = 0
-        leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-        for leaf, spec in zip(jax.tree.leaves(tree), leaves, strict=True):
-            split = 1
-            for entry in spec:
-                for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
-                    split *= mesh[axis]
-            total += math.prod(leaf.shape) * leaf.dtype.itemsize // split
-        return total
-
-    param_bytes = per_device(params, specs)
+    param_bytes = bytes_per_device(params, specs, mesh)
     return Plan(
         mesh=dict(mesh),
         params=param_bytes,
         grads=param_bytes,
-        optimizer=per_device(opt_state, opt_specs),
+        optimizer=bytes_per_device(opt_state, opt_specs, mesh),
         parameters=sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params)),
     )
 

@@ -20,6 +20,7 @@ def test_public_names_are_pinned():
         "Precision",
         "Progress",
         "Split",
+        "Summary",
         "SyncStep",
         "TrainConfig",
         "TrainState",
@@ -48,6 +49,7 @@ def test_public_names_are_pinned():
         "predict",
         "shard_batch",
         "simulate_cpu_devices",
+        "summary",
         "train_batches",
     ]
     for name in jdp.__all__:  # each documented where it is defined

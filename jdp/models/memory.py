@@ -4,7 +4,6 @@ make a model of tens of gigabytes, which is one line, not the allocator's traceb
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -12,6 +11,7 @@ import jax
 from jax.sharding import Mesh
 
 from jdp.errors import UsageError
+from jdp.layout import bytes_per_device
 
 
 def device_bytes(mesh: Mesh) -> int | None:
@@ -41,31 +41,16 @@ def check_fits(abstract: Any, specs: Any, mesh: Mesh) -> None:
     limit = device_bytes(mesh)
     if limit is None:
         return
-    leaves = jax.tree.leaves(abstract)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: x is None or _is_spec(x))
-    per_device = 0
-    for leaf, spec in zip(leaves, spec_leaves, strict=False):
-        per_device += leaf.size * leaf.dtype.itemsize // _shards(spec, mesh)
+    per_device = bytes_per_device(abstract, specs, mesh)
     if 2 * per_device <= limit:
         return
-    count = sum(leaf.size for leaf in leaves)
+    count = sum(leaf.size for leaf in jax.tree.leaves(abstract))
     raise UsageError(
         f"the model has {_count(count)} parameters, {per_device / 1e9:.1f} GB a device on "
         f"this mesh; with their gradients that is more than the {limit / 1e9:.1f} GB a "
         "device has here: use a smaller model or input (the inputs' size, the number of "
         "classes), or shard the parameters (--mesh fsdp=N)"
     )
-
-
-def _is_spec(value: Any) -> bool:
-    return type(value).__name__ == "PartitionSpec"
-
-
-def _shards(spec: Any, mesh: Mesh) -> int:
-    if spec is None:
-        return 1
-    axes = [a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))]
-    return math.prod(mesh.shape[axis] for axis in axes)
 
 
 def _count(count: int) -> str:

@@ -283,6 +283,12 @@ class TrainConfig:
     log_every: int = _flag(
         OBSERVABILITY, 20, "write train metrics (loss, lr, examples/s, MFU) every N steps"
     )
+    summary: bool = _flag(
+        OBSERVABILITY,
+        False,
+        "print the model's parameters by module, the bytes each device holds to train it "
+        "and its FLOPs per example before training (jdp.summary)",
+    )
     grad_norm: bool = _flag(
         OBSERVABILITY,
         False,

@@ -42,6 +42,7 @@ from jdp.mesh import (
 from jdp.mesh import parse_axis_rules as parse_rules
 from jdp.models import Model, get_model
 from jdp.models.registry import check_model, context
+from jdp.models.summary import summary
 from jdp.models.transformer import stack_layers
 from jdp.precision import make_precision
 from jdp.replica import check_accumulate
@@ -286,6 +287,9 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
         config, console, mesh, f"{name} ({num_params:,} params)", dataset, data, yours
     )
     say_layout(config, console, mesh, specs, named=model.names is not None)
+    if config.summary:
+        console.line(str(summary(model, sample, mesh, optimizer=optimizer, rules=rules,
+                                 shard_optimizer=config.shard_optimizer)))  # fmt: skip
     return Run(config, mesh, train, test, model, state, train_step, eval_step, schedule,
                optimizer, validation,
                recorded_config(config, yours, train,
