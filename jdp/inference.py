@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -25,6 +25,7 @@ from jdp.data.custom import from_arrays
 from jdp.data.facts import data_facts as data_facts  # importable here, as before
 from jdp.data.facts import split_shape
 from jdp.data.pipeline import eval_batches
+from jdp.data.raw import read_inputs
 from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY, batch_sharded, batch_split, make_mesh, replicated
 from jdp.models import Model, get_model
@@ -50,6 +51,45 @@ class LoadedModel:
     config: dict
     step: int
     metrics: dict
+
+    def predict(self, inputs: Any, *, mesh: Mesh | None = None, batch_size: int = 128
+                ) -> Predictions:  # fmt: skip
+        """Classes and probabilities for raw inputs, preprocessed as training did.
+
+        ``inputs``: image files (a path or a list of paths: decoded, made grey or RGB
+        and resized to the training images' size, as `jdp.data.from_folder` does) or
+        an array of raw examples (one, or a batch); then the split's preprocessing
+        (scaling, normalisation), recorded with the checkpoint.
+
+        Raises:
+            UsageError: a model of yours not given to `load_model`, a checkpoint of a
+                model that does not classify, or inputs it cannot read.
+        """
+        facts = self.config.get("data") or {}
+        if self.model is None:
+            raise UsageError("this checkpoint holds your own model: pass model= to load_model")
+        if not facts.get("num_classes"):
+            raise UsageError("LoadedModel.predict classifies; this model has no classes "
+                             "(use jdp.predict for its outputs)")  # fmt: skip
+        batch = {facts.get("input_key", "image"): read_inputs(inputs, facts)}
+        logits = predict(self.model, self.params, batch, model_state=self.model_state,
+                         mesh=mesh, batch_size=batch_size)  # fmt: skip
+        shifted = np.exp(logits - logits.max(-1, keepdims=True))
+        probabilities = shifted / shifted.sum(-1, keepdims=True)
+        labels = probabilities.argmax(-1)
+        names = facts.get("classes") or None
+        return Predictions(labels, probabilities,
+                           [names[i] for i in labels] if names else None)  # fmt: skip
+
+
+class Predictions(NamedTuple):
+    """What `LoadedModel.predict` gives: each input's most likely ``labels``, every
+    class's ``probabilities`` (rows sum to 1) and the class ``names`` of the labels
+    (a folder's class folders, TFDS's label names), when the checkpoint recorded them."""
+
+    labels: np.ndarray
+    probabilities: np.ndarray
+    names: list[str] | None
 
 
 def load_model(

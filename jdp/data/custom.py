@@ -141,16 +141,17 @@ def from_tfds(
                 f"{role} {key!r} is not a numeric feature of {builder.name}; its features "
                 f"are {', '.join(map(repr, arrays))}"
             )
-    num_classes = None
+    num_classes, names = None, None
     if label_key is not None:
         num_classes = getattr(features[label_key], "num_classes", None)
+        names = getattr(features[label_key], "names", None)
         arrays[label_key] = arrays[label_key].astype(np.int32)
     if transform is None:
         if known is not None:
             transform = known.transform
         elif arrays[input_key].dtype == np.uint8:
             transform = Transform()
-    return from_arrays(
+    split = from_arrays(
         arrays,
         input_key=input_key,
         label_key=label_key,
@@ -158,6 +159,7 @@ def from_tfds(
         transform=transform,
         map=map,
     )
+    return dataclasses.replace(split, classes=tuple(names)) if names else split
 
 
 def _plain(keys) -> bool:
@@ -226,7 +228,7 @@ def from_folder(
             raise UsageError(
                 f"images differ in size: {files[0]} is {images[0].size[0]}x{images[0].size[1]}, "
                 f"{file} is {image.size[0]}x{image.size[1]}; resize them, or pass "
-                "image_size=(height, width)"
+                "image_size=(height, width) (--image-size H,W)"
             )
         array = np.asarray(image, np.uint8)
         decoded.append(array[..., None] if grey else array)
@@ -331,14 +333,15 @@ def from_npz(path: str | os.PathLike, split: str = "train") -> ArraySplit | None
     return from_arrays(features, input_key=input_key, label_key=label_key, transform=transform)
 
 
-def load_named(dataset: str, split: str, data_dir: str | None = None):
+def load_named(dataset: str, split: str, data_dir: str | None = None, *,
+               image_size: tuple[int, int] | None = None):  # fmt: skip
     """``--dataset``'s ``split``: a built-in dataset, ``tfds:NAME``, ``folder:PATH`` or
     ``npz:FILE``.
 
     A folder with ``train`` and ``test`` subfolders gives those; a folder of
     class folders alone gives a seeded fifth of its images as ``test`` and the
-    rest as ``train``. Returns None for a split the dataset does not have
-    (``validation``, say).
+    rest as ``train``; ``image_size`` resizes a folder's images. Returns None for a
+    split the dataset does not have (``validation``, say).
     """
     if dataset.startswith(TFDS_PREFIX):
         name = dataset[len(TFDS_PREFIX) :]
@@ -346,7 +349,7 @@ def load_named(dataset: str, split: str, data_dir: str | None = None):
             return _tfds_validation(name, data_dir)
         return from_tfds(name, split, data_dir=data_dir)
     if dataset.startswith(FOLDER_PREFIX):
-        return _folder_split(dataset[len(FOLDER_PREFIX) :], split)
+        return _folder_split(dataset[len(FOLDER_PREFIX) :], split, image_size)
     if dataset.startswith(NPZ_PREFIX):
         found = from_npz(dataset[len(NPZ_PREFIX) :], split)
         if found is None and split != "validation":
@@ -367,7 +370,7 @@ def _tfds_validation(name: str, data_dir: str | None):
     return from_tfds(name, "validation", data_dir=data_dir)
 
 
-def _folder_split(root: str, split: str):
+def _folder_split(root: str, split: str, image_size: tuple[int, int] | None = None):
     parts = {part: os.path.join(root, part) for part in ("train", "test", "validation")}
     if os.path.isdir(parts["train"]):
         if not os.path.isdir(parts[split]):
@@ -375,8 +378,8 @@ def _folder_split(root: str, split: str):
                 return None
             raise UsageError(f"{root} has a train folder and no {split} folder; add {parts[split]}")
         classes = tuple(sorted(e.name for e in os.scandir(parts["train"]) if e.is_dir()))
-        return from_folder(parts[split], classes=classes)
+        return from_folder(parts[split], classes=classes, image_size=image_size)
     if split == "validation":
         return None
-    train, test = holdout(from_folder(root), 0.2, seed=0)
+    train, test = holdout(from_folder(root, image_size=image_size), 0.2, seed=0)
     return train if split == "train" else test

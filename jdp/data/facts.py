@@ -11,6 +11,8 @@ from __future__ import annotations
 import types
 from collections.abc import Mapping
 
+import numpy as np
+
 
 def data_facts(split) -> dict:
     """What a built-in model's shape depends on, for `load_model` to rebuild it."""
@@ -24,7 +26,25 @@ def data_facts(split) -> dict:
         "vocab_size": getattr(split, "vocab_size", None),
         "seq_len": getattr(split, "seq_len", None),
         "tokenizer": getattr(split, "tokenizer", None),
+        # What jdp.LoadedModel.predict needs to read raw inputs as training read them.
+        "classes": list(getattr(split, "classes", None) or ()),
+        "transform": _transform(getattr(split, "transform", None)),
+        "example_shape": _example_shape(split),
     }
+
+
+def _transform(transform) -> dict | None:
+    """The evaluation preprocessing of a `jdp.data.Transform` (never its augmentation)."""
+    if transform is None:
+        return None
+    return {"scale": transform.scale, "mean": transform.mean, "std": transform.std}
+
+
+def _example_shape(split) -> list[int] | None:
+    read = getattr(split, "read", None)
+    if read is None or split.kind != "image" or not len(split):
+        return None
+    return list(read(np.arange(1))[split.input_key].shape[1:])
 
 
 def split_shape(facts: Mapping) -> types.SimpleNamespace:

@@ -69,6 +69,7 @@ class Split:
     label: np.ndarray
     num_classes: int
     transform: Transform = AS_IS
+    classes: tuple[str, ...] | None = None  # class names, label order (TFDS's ClassLabel)
     kind = "image"
     input_key, label_key = "image", "label"  # what a built-in model reads and predicts
     map = None  # no per-example function (see `ArraySplit`)
@@ -209,9 +210,11 @@ def load_split(
 def _load_split(spec: DatasetSpec, name: str, split: str, data_dir: str | None) -> Split:
     builder = _open_builder(name, data_dir, spec)
     arrays, info = _read_builder_split(builder, split)
+    labels = info.features["label"]
     return Split(
         image=arrays["image"],
         label=arrays["label"].astype(np.int32),
-        num_classes=info.features["label"].num_classes,
+        num_classes=labels.num_classes,
         transform=spec.transform,
+        classes=tuple(labels.names) if getattr(labels, "names", None) else None,
     )

@@ -111,6 +111,12 @@ class TrainConfig:
         "or tokens:PATH (a token corpus: llm.c shards, raw .bin or .npy; a file, directory "
         "or glob, its val and test files by name)",
     )
+    image_size: str = _flag(
+        DATA,
+        "",
+        "H,W: resize a folder:PATH dataset's images to this size (for folders whose images "
+        "differ in size); '' keeps their own, which must then agree",
+    )
     seq_len: int = _flag(
         DATA,
         0,
@@ -358,6 +364,16 @@ class TrainConfig:
             for field in dataclasses.fields(self)
             if field.name not in _PER_PROCESS_FIELDS
         }
+
+    @property
+    def image_hw(self) -> tuple[int, int] | None:
+        """``--image-size`` as ``(height, width)``, or None."""
+        if not self.image_size:
+            return None
+        parts = self.image_size.replace("x", ",").split(",")
+        if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+            raise UsageError(f"--image-size {self.image_size!r}: give H,W, e.g. 64,64")
+        return int(parts[0]), int(parts[1])
 
     def resume_conflicts(self, saved: dict, recorded: dict | None = None) -> list[str]:
         """Flags whose values differ from the run that wrote a checkpoint, as ``--flag X (was Y)``.

@@ -39,6 +39,11 @@ def check(config) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     _check_numbers(config)
     _check_model_options(config)
+    if config.image_hw and not config.dataset.startswith("folder:"):
+        raise UsageError(
+            f"--image-size resizes a folder:PATH dataset's images; --dataset {config.dataset} "
+            "is not one"
+        )
     if config.accumulate < 1:
         raise UsageError("--accumulate must be at least 1")
     if config.eval_every < 0:

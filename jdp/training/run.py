@@ -94,11 +94,9 @@ def load_data(config: TrainConfig, given: Data | None = None) -> Data:
         )
         data = Data(splits["train"], splits["validation"], splits["test"])
     else:
-        data = Data(
-            train=load_named(config.dataset, "train", config.data_dir),
-            validation=load_named(config.dataset, "validation", config.data_dir),
-            test=load_named(config.dataset, "test", config.data_dir),
-        )
+        data = Data(*(load_named(config.dataset, split, config.data_dir,
+                                 image_size=config.image_hw)
+                      for split in ("train", "validation", "test")))  # fmt: skip
     if config.validation_fraction:
         if data.validation is not None:
             raise UsageError(
