@@ -1,9 +1,9 @@
 """``python -m jdp.plot RUN_DIR [RUN_DIR ...]``: curves of runs, side by side, as a PNG.
 
 Reads each run directory's ``metrics.jsonl`` (written with ``--log-dir``) and
-draws, against the step, one line per run: the train loss (with the validation
-and test loss as points), the evaluation's figure (a classifier's test accuracy;
-a language model's bits per byte or perplexity, validation's when it has one),
+draws, against the step, one line per run and split: the loss and the
+evaluation's figure (a classifier's accuracy; a language model's bits per byte
+or perplexity) for training, with the validation and test splits' as points,
 the learning rate, and examples/s (tokens/s for a language model).
 """
 
@@ -23,9 +23,11 @@ _PANELS = (
     ((("train", "val", "eval"), "loss", "Loss (train; val and test as points)",
       "cross-entropy", True),),
     (
-        (("eval",), "accuracy", "Test accuracy", "accuracy", False),
-        (("val", "eval"), "bits_per_byte", "Bits per byte", "bits / byte", False),
-        (("val", "eval"), "perplexity", "Perplexity", "perplexity", True),
+        (("train", "val", "eval"), "accuracy", "Accuracy (train; val and test as points)",
+         "accuracy", False),
+        (("train", "val", "eval"), "bits_per_byte", "Bits per byte (train; val and test)",
+         "bits / byte", False),
+        (("val", "eval"), "perplexity", "Perplexity (val and test)", "perplexity", True),
     ),
     ((("train",), "lr", "Learning rate", "learning rate", False),),
     (
@@ -34,6 +36,8 @@ _PANELS = (
     ),
 )  # fmt: skip
 _KIND_NAMES = {"train": "", "val": " val", "eval": " test"}
+# The train curve a line; the evaluations as points, each split its own marker.
+_STYLES = {"val": {"marker": "o", "linestyle": "--"}, "eval": {"marker": "s", "linestyle": ":"}}
 
 
 def read_run(run_dir: str) -> dict[str, dict[int, dict]]:
@@ -77,22 +81,10 @@ def plot_runs(run_dirs: Sequence[str], out: str) -> str:
 
     runs = {_label(run_dir, run_dirs): read_run(run_dir) for run_dir in run_dirs}
     figure, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, choices in zip(axes.flat, _PANELS, strict=True):
-        kinds, key, title, ylabel, log = _choose(choices, runs)
-        drawn = False
-        for color, (label, records) in enumerate(runs.items()):
-            for kind in kinds:
-                points = sorted(
-                    (step, record[key])
-                    for step, record in records.get(kind, {}).items()
-                    if key in record
-                )
-                if points:
-                    steps, values = zip(*points, strict=True)
-                    name = label + (_KIND_NAMES[kind] if len(kinds) > 1 else "")
-                    style = {"marker": "o", "linestyle": "--"} if kind != "train" else {}
-                    ax.plot(steps, values, color=f"C{color}", label=name, **style)
-                    drawn = True
+    for ax, (title, ylabel, log, key, lines) in zip(axes.flat, panels(runs), strict=True):
+        for color, kind, name, steps, values in lines:
+            ax.plot(steps, values, color=f"C{color}", label=name, **_STYLES.get(kind, {}))
+        drawn = bool(lines)
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         if log and drawn:
             ax.set_yscale("log")
@@ -112,6 +104,26 @@ def plot_runs(run_dirs: Sequence[str], out: str) -> str:
     figure.savefig(out, dpi=100)
     plt.close(figure)
     return out
+
+
+def panels(runs: dict[str, dict[str, dict[int, dict]]]) -> list[tuple]:
+    """What each of the four panels draws, for runs by label (`read_run`'s records):
+    ``(title, y label, log scale, key, lines)``, each line ``(run's color, record kind,
+    name, steps, values)``: the training curve and every split evaluated."""
+    drawn = []
+    for choices in _PANELS:
+        kinds, key, title, ylabel, log = _choose(choices, runs)
+        lines = []
+        for color, (label, records) in enumerate(runs.items()):
+            for kind in kinds:
+                logged = records.get(kind, {}).items()
+                points = sorted((step, record[key]) for step, record in logged if key in record)
+                if points:
+                    steps, values = zip(*points, strict=True)
+                    name = label + (_KIND_NAMES[kind] if len(kinds) > 1 else "")
+                    lines.append((color, kind, name, steps, values))
+        drawn.append((title, ylabel, log, key, lines))
+    return drawn
 
 
 def _choose(choices: tuple, runs: dict) -> tuple:

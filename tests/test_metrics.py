@@ -261,3 +261,20 @@ def test_event_file_holds_large_and_negative_steps(tmp_path):
     accumulator = EventAccumulator(str(tmp_path))
     accumulator.Reload()
     assert [e.step for e in accumulator.Scalars("train/loss")] == [-1, 0, 2**40]
+
+
+def test_the_plot_draws_every_split_a_run_evaluated(tmp_path):
+    from jdp.plot import panels
+
+    records = [{"kind": "train", "step": s, "loss": 1.0 / s, "accuracy": 0.5, "lr": 1e-3,
+                "examples_per_sec": 100.0} for s in (10, 20, 30)]  # fmt: skip
+    records += [{"kind": "val", "step": s, "loss": 0.5, "accuracy": 0.8} for s in (10, 20, 30)]
+    records.append({"kind": "eval", "step": 30, "loss": 0.6, "accuracy": 0.75})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    drawn = panels({"run": read_run(str(tmp_path))})
+    by_title = {title.split(" (")[0]: lines for title, _, _, _, lines in drawn}
+    for panel in ("Loss", "Accuracy"):
+        kinds = {kind: (list(steps), len(values)) for _, kind, _, steps, values in by_title[panel]}
+        assert kinds == {"train": ([10, 20, 30], 3), "val": ([10, 20, 30], 3),
+                         "eval": ([30], 1)}, panel  # fmt: skip
+    assert plot_main([str(tmp_path), "--out", str(tmp_path / "c.png")]) == 0
