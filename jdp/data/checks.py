@@ -55,6 +55,15 @@ def check_splits(splits: Mapping[str, object | None]) -> None:
             _check_shapes(name, arrays, reference)
 
 
+def check_batch(name: str, arrays: Mapping[str, np.ndarray], label_key: str | None,
+                classes: int | None) -> None:  # fmt: skip
+    """One batch's labels and float inputs, as `check_splits` checks a split's (a batch of
+    a stream, read as training goes: ``name`` says which)."""
+    _check_labels(name, arrays.get(label_key) if label_key else None, classes)
+    for key, array in arrays.items():
+        _check_finite(name, key, array)
+
+
 def _fill(name: str) -> str:
     if name == "train":
         return "give it examples (a folder of images, arrays with rows, a prepared dataset)"

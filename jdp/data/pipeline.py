@@ -19,7 +19,7 @@ import collections
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grain
 import jax
@@ -32,6 +32,7 @@ from jdp.data.readers import epoch_permutation as epoch_permutation
 from jdp.data.readers import global_batch_indices as global_batch_indices
 from jdp.data.readers import map_examples as map_examples
 from jdp.data.sources import Split
+from jdp.data.streams import BatchStream, stream_rows
 from jdp.errors import UsageError
 from jdp.mesh import process_rows, shard_batch
 
@@ -101,7 +102,8 @@ class Loader(Iterator[dict]):
     batches into one item; ``chunk`` has a `TrainReader` read, preprocess and
     place that many steps' batches at once, yielded one by one. ``prefetch``
     counts items (or chunks) placed ahead. ``place=False`` yields the host's
-    NumPy batches, for a step that places them itself (`places_ahead`).
+    NumPy batches, for a step that places them itself (`places_ahead`). ``stream``,
+    host batches already made (`jdp.data.streams.stream_rows`), replaces the reader.
     """
 
     def __init__(
@@ -116,13 +118,19 @@ class Loader(Iterator[dict]):
         steps_per_item: int = 1,
         chunk: int = 1,
         place: bool = True,
+        stream: Iterable[dict] | None = None,
     ):
         if workers < 0 or prefetch < 1 or steps_per_item < 1:
             raise UsageError(
                 f"need workers >= 0, prefetch >= 1 and steps_per_item >= 1, got "
                 f"workers={workers} prefetch={prefetch} steps_per_item={steps_per_item}"
             )
-        if steps_per_item > 1 or chunk > 1:
+        if stream is not None:  # your batches, in your order (jdp.data.streams)
+            if workers or steps_per_item > 1 or chunk > 1:
+                raise UsageError("a stream of batches is read in this process, a batch a "
+                                 "step: no --loader-workers or --steps-per-call")  # fmt: skip
+            host = stream
+        elif steps_per_item > 1 or chunk > 1:
             if stop is not None or not isinstance(reader, TrainReader):
                 raise UsageError(
                     "stacked (steps_per_item > 1) or chunked (chunk > 1) batches are for "
@@ -221,6 +229,14 @@ def _allow_grain_workers() -> None:
 
 def check_train_batch(split: Split, batch_size: int) -> None:
     """Raises UsageError when a global batch cannot be drawn from the split."""
+    if isinstance(split, BatchStream):
+        rows = len(split)  # the first batch's
+        if rows != batch_size:
+            raise UsageError(
+                f"your batches have {rows} rows and the global batch is {batch_size}; "
+                f"use --batch-size {rows}, or give batches of {batch_size}"
+            )
+        return
     if batch_size > len(split):
         raise UsageError(
             f"global batch {batch_size} is larger than the training split ({len(split)} "
@@ -267,6 +283,12 @@ def train_batches(
         ((128, 8, 8, 1), (128,))
     """
     check_train_batch(split, batch_size)
+    if isinstance(split, BatchStream):
+        rows = stream_rows(split, start=start_step, batch_size=batch_size,
+                           rows=process_rows(mesh, batch_size))  # fmt: skip
+        return Loader(None, mesh, start=start_step, stop=None, workers=workers,
+                      prefetch=prefetch, steps_per_item=steps_per_call, place=place,
+                      stream=rows)  # fmt: skip
     reader = TrainReader(
         split, batch_size=batch_size, seed=seed, rows=process_rows(mesh, batch_size)
     )

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from jdp import layout
 from jdp.data.pipeline import EvalReader
+from jdp.data.streams import BatchStream
 from jdp.distributed import Cluster
 from jdp.mesh import GROUP_AXIS, MODEL_AXIS, batch_split, data_size, group_size, is_sharded
 from jdp.report.console import Console
@@ -99,7 +100,7 @@ def say_what_was_built(config: TrainConfig, console: Console, mesh: Mesh, model:
     """The model on the data, the mesh and the batch; DiLoCo's groups; the optimizer."""
     per_replica = config.batch_size // batch_split(mesh)
     sizes = " / ".join(
-        f"{len(split)} {name}"
+        f"{'batches of your own,' if isinstance(split, BatchStream) else len(split)} {name}"
         for name, split in (
             ("train", data.train),
             ("validation", data.validation),

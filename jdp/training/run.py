@@ -27,6 +27,7 @@ from jdp.data.facts import data_facts
 from jdp.data.fingerprint import fingerprint
 from jdp.data.pipeline import EvalReader, check_train_batch
 from jdp.data.sources import Split
+from jdp.data.streams import BatchStream
 from jdp.diloco import Outer, outer_from_flags
 from jdp.errors import UsageError
 from jdp.mesh import (
@@ -97,6 +98,16 @@ def load_data(config: TrainConfig, given: Data | None = None) -> Data:
         data = Data(*(load_named(config.dataset, split, config.data_dir,
                                  image_size=config.image_hw)
                       for split in ("train", "validation", "test")))  # fmt: skip
+    for name, split in (("validation", data.validation), ("test", data.test)):
+        if isinstance(split, BatchStream):
+            raise UsageError(
+                f"jdp.data.from_batches is for training; give the {name} split as a split "
+                "(jdp.data.from_arrays, from_indexable, ...), which evaluation reads whole"
+            )
+    streamed = isinstance(data.train, BatchStream)
+    if streamed and (config.validation_fraction or config.epochs):
+        raise UsageError("--validation-fraction and --epochs need a training split of known "
+                         "size; with batches of your own give validation= and --steps")  # fmt: skip
     if config.validation_fraction:
         if data.validation is not None:
             raise UsageError(
