@@ -111,12 +111,8 @@ class TrainConfig:
         "or tokens:PATH (a token corpus: llm.c shards, raw .bin or .npy; a file, directory "
         "or glob, its val and test files by name)",
     )
-    image_size: str = _flag(
-        DATA,
-        "",
-        "H,W: resize a folder:PATH dataset's images to this size (for folders whose images "
-        "differ in size); '' keeps their own, which must then agree",
-    )
+    image_size: str = _flag(DATA, "", "H,W: resize a folder:PATH dataset's images (for "
+                            "images of several sizes)")  # fmt: skip
     seq_len: int = _flag(
         DATA,
         0,
@@ -237,12 +233,8 @@ class TrainConfig:
     ckpt_every: int = _flag(
         CHECKPOINTS, 0, "save every N steps (0: only at the end and when preempted)"
     )
-    ckpt_every_minutes: float = _flag(
-        CHECKPOINTS,
-        10.0,
-        "with --ckpt-dir, also save once this many minutes have passed since the last save "
-        "(every process at one step; 0: off): a kill loses at most this much training",
-    )
+    ckpt_every_minutes: float = _flag(CHECKPOINTS, 10.0, "also save once this many minutes "
+                                      "passed since the last save (0: off)")  # fmt: skip
     keep: int = _flag(
         CHECKPOINTS, 3, "latest checkpoints to keep (the best by --best-metric is kept too)"
     )
@@ -262,12 +254,8 @@ class TrainConfig:
     no_resume: bool = _flag(
         CHECKPOINTS, False, "start fresh; refused when --ckpt-dir holds checkpoints"
     )
-    allow_new_data: bool = _flag(
-        CHECKPOINTS,
-        False,
-        "resume on training data other than the run's checkpoints recorded (refused "
-        "otherwise): the same run goes on, on new data",
-    )
+    allow_new_data: bool = _flag(CHECKPOINTS, False, "resume on training data other than "
+                                 "the checkpoints recorded (refused otherwise)")  # fmt: skip
     init_from: str | None = _flag(
         LENGTH,
         None,
@@ -289,12 +277,8 @@ class TrainConfig:
     log_every: int = _flag(
         OBSERVABILITY, 20, "write train metrics (loss, lr, examples/s, MFU) every N steps"
     )
-    summary: bool = _flag(
-        OBSERVABILITY,
-        False,
-        "print the model's parameters by module, the bytes each device holds to train it "
-        "and its FLOPs per example before training (jdp.summary)",
-    )
+    summary: bool = _flag(OBSERVABILITY, False, "print the model's parameters, bytes per "
+                          "device and FLOPs per example first (jdp.summary)")  # fmt: skip
     grad_norm: bool = _flag(
         OBSERVABILITY,
         False,
@@ -364,16 +348,6 @@ class TrainConfig:
             for field in dataclasses.fields(self)
             if field.name not in _PER_PROCESS_FIELDS
         }
-
-    @property
-    def image_hw(self) -> tuple[int, int] | None:
-        """``--image-size`` as ``(height, width)``, or None."""
-        if not self.image_size:
-            return None
-        parts = self.image_size.replace("x", ",").split(",")
-        if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
-            raise UsageError(f"--image-size {self.image_size!r}: give H,W, e.g. 64,64")
-        return int(parts[0]), int(parts[1])
 
     def resume_conflicts(self, saved: dict, recorded: dict | None = None) -> list[str]:
         """Flags whose values differ from the run that wrote a checkpoint, as ``--flag X (was Y)``.

@@ -39,7 +39,7 @@ def check(config) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     _check_numbers(config)
     _check_model_options(config)
-    if config.image_hw and not config.dataset.startswith("folder:"):
+    if image_hw(config) and not config.dataset.startswith("folder:"):
         raise UsageError(
             f"--image-size resizes a folder:PATH dataset's images; --dataset {config.dataset} "
             "is not one"
@@ -235,3 +235,13 @@ def _check_model_options(config) -> None:
     for flag, given in own.items():
         if given and config.model != "gpt":
             raise UsageError(f"{flag} is for --model gpt; drop it for --model {config.model}")
+
+
+def image_hw(config) -> tuple[int, int] | None:
+    """``--image-size`` as ``(height, width)``, or None."""
+    if not config.image_size:
+        return None
+    parts = config.image_size.replace("x", ",").split(",")
+    if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+        raise UsageError(f"--image-size {config.image_size!r}: give H,W, e.g. 64,64")
+    return int(parts[0]), int(parts[1])

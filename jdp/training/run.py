@@ -52,6 +52,7 @@ from jdp.report.writers import check_writable
 from jdp.state import create_train_state
 from jdp.step import make_eval_step, make_sync_step, make_train_step
 from jdp.training.config import OPTIMIZER, TrainConfig, fields_of
+from jdp.training.config_checks import image_hw
 from jdp.training.messages import (
     describe_optimizer,
     say_layout,
@@ -96,7 +97,7 @@ def load_data(config: TrainConfig, given: Data | None = None) -> Data:
         data = Data(splits["train"], splits["validation"], splits["test"])
     else:
         data = Data(*(load_named(config.dataset, split, config.data_dir,
-                                 image_size=config.image_hw)
+                                 image_size=image_hw(config))
                       for split in ("train", "validation", "test")))  # fmt: skip
     for name, split in (("validation", data.validation), ("test", data.test)):
         if isinstance(split, BatchStream):
