@@ -308,3 +308,16 @@ def test_faults_benchmark_runs_the_new_classes_with_nothing_silent_lost_or_hung(
         "directory failures": "stopped=1 hang=0 other=0",
         "launcher kills": "ended=1 orphaned=0 lost=0",
     }, result.stdout
+
+
+@pytest.mark.slow
+def test_resume_benchmark_reads_the_programs_back_in_the_cached_arm():
+    result = _bench("resume", "--models resnet20 --rounds 1", timeout=300)
+    assert result.returncode == 0, result.stderr
+    (row,) = re.findall(r"^  resnet20 +([\d.]+) +([\d.]+) +([\d.]+)x  (.+)$", result.stdout, re.M)
+    cached, compiling, ratio, read = row
+    cached, compiling, ratio = float(cached), float(compiling), float(ratio)
+    # Seconds print to 0.05 and the ratio to 0.005: compiling / cached moves by at most
+    # 0.05 * (1 + ratio) / cached (to first order) from the unrounded ratio.
+    assert abs(compiling / cached - ratio) <= 0.05 * (1 + ratio) / cached * 1.1 + 0.005
+    assert re.fullmatch(r"\d+ programs?", read), read  # the cached arm read what it resumed

@@ -43,6 +43,9 @@ MFU, compile time, ratio; ``--remat`` and ``--attention`` sweeps (`jdp.bench.lm`
 the JAX backend: the same MLP, batches in the same order and Adam schedule, each
 run a process of its own on one CPU device, in interleaved rounds.
 
+``resume``: a resumed run's seconds to its first step with its programs read from
+the compilation cache against compiled again, for gpt and resnet20.
+
 ``faults``: random kill -9 trials (each resumed and compared bitwise with an
 uninterrupted run) and random bit flips in a checkpoint (each detected,
 unaffected, or restored silently).
@@ -67,6 +70,7 @@ from jdp.bench import (
     memory,
     multihost,
     readme,
+    resume,
     scaling,
     step,
 )
@@ -88,6 +92,7 @@ BENCHMARKS = {
     "memory": (memory, "bytes per device of a model on each layout (data, fsdp, model, ZeRO-1)"),
     "keras": (keras, "jdp.train --mesh data=1 vs Keras 3's model.fit: same model, data, Adam"),
     "readme": (readme, "run README.md's figures table's commands; rewrite or check its rows"),
+    "resume": (resume, "a resume's seconds to its first step: compilation cache vs compiling"),
     "lm": (lm, "gpt's step vs a hand-written JAX + Optax one: tokens/s, MFU, remat, attention"),
 }
 

@@ -300,6 +300,9 @@ class TrainConfig:
         PROCESS, None, "multi-process run: this process, 0..N-1 (or $JDP_PROCESS_ID)"
     )
     startup_timeout: float = _flag(PROCESS, 300.0, "seconds to wait for every process to start")
+    compile_cache: str = _flag(PROCESS, "auto", "directory of JAX's compilation cache, where a "
+                               "resumed run reads its compiled steps back: auto (in --ckpt-dir, "
+                               "when given), DIR or off")  # fmt: skip
     heartbeat_timeout: float = _flag(
         HEALTH, 60.0, "seconds after which a silent process counts as lost and the run stops"
     )
