@@ -89,9 +89,9 @@ def test_a_bad_compile_cache_is_one_line(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
     with pytest.raises(jdp.UsageError, match="is a file, not a directory"):
-        jdp.TrainConfig(compile_cache=str(afile))
+        cache_dir(str(afile), None)
     with pytest.raises(jdp.UsageError, match="give a directory, auto"):
-        jdp.TrainConfig(compile_cache=" ")
+        jdp.fit(jdp.TrainConfig(compile_cache=" "), console=jdp.Console(enabled=False))
     blocked = afile / "cache"  # under a file: cannot be made
     config = jdp.TrainConfig(mesh="data=1", steps=2, compile_cache=str(blocked))
     with pytest.raises(jdp.UsageError, match=r"cannot make .*; name a directory you can write"):

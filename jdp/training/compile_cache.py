@@ -54,18 +54,15 @@ def reads() -> tuple[int, float]:
 
 
 def cache_dir(setting: str, ckpt_dir: str | None) -> str | None:
-    """The directory ``--compile-cache`` names for a run, or None (no cache)."""
+    """The directory ``--compile-cache`` names for a run, or None (no cache).
+
+    Raises:
+        UsageError: an empty setting, or a file.
+    """
     if setting == "off":
         return None
     if setting == "auto":
         return os.path.join(ckpt_dir, DIRNAME) if ckpt_dir else None
-    return setting
-
-
-def check_cache_dir(setting: str) -> None:
-    """UsageError (one line) for a ``--compile-cache`` that is empty or a file."""
-    if setting in ("auto", "off"):
-        return
     if not setting.strip():
         raise UsageError("--compile-cache: give a directory, auto (in --ckpt-dir) or off")
     if os.path.exists(setting) and not os.path.isdir(setting):
@@ -73,6 +70,7 @@ def check_cache_dir(setting: str) -> None:
             f"--compile-cache {setting} is a file, not a directory; name a directory "
             "(it is made if missing) or use --compile-cache off"
         )
+    return setting
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ from typing import Literal
 
 from jdp.errors import UsageError
 from jdp.mesh import GROUP_AXIS, SHARDING_AXES, parse_axis_rules, parse_mesh_spec
-from jdp.training.compile_cache import check_cache_dir
 
 # The datasets known by name; --dataset also takes your own data by these prefixes
 # (jdp.data.custom reads them).
@@ -55,7 +54,6 @@ def check(config) -> None:
         raise UsageError("--ckpt-every and --no-resume need --ckpt-dir DIR")
     if config.loader_workers < 0 or config.prefetch < 1:
         raise UsageError("--loader-workers must be >= 0 and --prefetch at least 1")
-    check_cache_dir(config.compile_cache)
     if config.log_every < 1:
         raise UsageError("--log-every must be at least 1")
     _ = config.profile_window  # checks --profile-steps
