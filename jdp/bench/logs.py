@@ -18,7 +18,7 @@ from jdp.bench.step import (
 from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
 from jdp.report.throughput import Throughput
-from jdp.report.writers import open_writers
+from jdp.report.trackers import open_writers
 from jdp.training.config import TrainConfig
 from jdp.training.run import build
 

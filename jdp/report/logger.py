@@ -25,6 +25,7 @@ from jdp.report.writers import Writer
 # and how many it writes before letting the training loop have the GIL.
 _DRAIN_PAUSE = 0.2
 _WRITE_GROUP = 16
+_DESCRIBE, _TAG = "__describe__", "__tag__"  # queued beside records, for the trackers
 
 
 class MetricLogger:
@@ -74,6 +75,16 @@ class MetricLogger:
         if self._enabled and not self._closing.is_set():
             self._queue.put((kind, step, dict(scalars), None, time.time()))
 
+    def describe(self, config: Mapping[str, Any], facts: Mapping[str, Any]) -> None:
+        """Hands the run's config and facts to the trackers that take them, off the loop."""
+        if self._enabled and not self._closing.is_set():
+            self._queue.put((_DESCRIBE, 0, (dict(config), dict(facts)), None, time.time()))
+
+    def tag(self, name: str, value: str) -> None:
+        """Tags the run in the trackers that take tags (the final checkpoint's path)."""
+        if self._enabled and not self._closing.is_set():
+            self._queue.put((_TAG, 0, (name, value), None, time.time()))
+
     def close(self, *, timeout: float = 120.0) -> None:
         """Writes what is queued, closes the writers; raises what the thread raised.
 
@@ -116,6 +127,8 @@ class MetricLogger:
                 items.append(self._queue.get())
             done = any(item is None for item in items)
             items = [item for item in items if item is not None]
+            self._hand_over([item for item in items if item[0] in (_DESCRIBE, _TAG)])
+            items = [item for item in items if item[0] not in (_DESCRIBE, _TAG)]
             for start in range(0, len(items), _WRITE_GROUP):
                 if self._error is not None:
                     break
@@ -133,6 +146,14 @@ class MetricLogger:
                     writer.flush()
             except OSError as error:
                 self._stop_writing(error)
+
+    def _hand_over(self, items: list[tuple]) -> None:
+        """A description or a tag, to each writer that has the method for it."""
+        for kind, _, payload, _, _ in items:
+            for writer in self._writers:
+                method = getattr(writer, "describe" if kind == _DESCRIBE else "tag", None)
+                if method is not None:
+                    method(*payload)
 
     def _stop_writing(self, error: OSError) -> None:
         """Says once that the metric files can no longer be written, and stops writing them."""

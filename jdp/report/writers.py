@@ -18,8 +18,18 @@ from jdp.report.events import event, masked_crc32c
 _PERF_KEYS = ("examples_per_sec", "tokens_per_sec", "steps_per_sec", "flops_per_sec", "mfu")
 
 # Record keys that are facts about a record, not curves: the evaluation's example
-# count stays in metrics.jsonl and out of TensorBoard.
+# count stays in metrics.jsonl and out of TensorBoard and the trackers.
 _NOT_CURVES = ("kind", "step", "time", "count")
+
+
+def curves(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A record's scalars under the names TensorBoard and the trackers show: ``KIND/NAME``
+    (``train/loss``, ``test/accuracy``), speed as ``perf/NAME``."""
+    return {
+        f"{'perf' if key in _PERF_KEYS else record['kind']}/{key}": value
+        for key, value in record.items()
+        if key not in _NOT_CURVES
+    }
 
 
 class Writer(Protocol):
@@ -78,12 +88,7 @@ class TensorBoardWriter:
         self._append(event(time.time(), 0, file_version="brain.Event:2"))
 
     def write(self, record: Mapping[str, Any]) -> None:
-        scalars = {
-            f"{'perf' if key in _PERF_KEYS else record['kind']}/{key}": value
-            for key, value in record.items()
-            if key not in _NOT_CURVES
-        }
-        self._append(event(record["time"], record["step"], scalars=scalars))
+        self._append(event(record["time"], record["step"], scalars=curves(record)))
 
     def _append(self, data: bytes) -> None:
         header = struct.pack("<Q", len(data))
@@ -120,9 +125,3 @@ def check_writable(directory: str, flag: str) -> None:
             f"cannot write in {flag} {directory} ({error.strerror or error}); choose a "
             "writable directory"
         ) from None
-
-
-def open_writers(log_dir: str) -> list[Writer]:
-    """The JSONL and TensorBoard writers of a run directory."""
-    os.makedirs(log_dir, exist_ok=True)
-    return [JsonlWriter(os.path.join(log_dir, "metrics.jsonl")), TensorBoardWriter(log_dir)]

@@ -277,6 +277,12 @@ class TrainConfig:
     log_every: int = _flag(
         OBSERVABILITY, 20, "write train metrics (loss, lr, examples/s, MFU) every N steps"
     )
+    tracker: str = _flag(
+        OBSERVABILITY,
+        "tensorboard",
+        "where --log-dir's metrics also go: "
+        "tensorboard, mlflow (MLFLOW_TRACKING_URI), comma-separated, or none",
+    )
     summary: bool = _flag(OBSERVABILITY, False, "print the model's parameters, bytes per "
                           "device and FLOPs per example first (jdp.summary)")  # fmt: skip
     grad_norm: bool = _flag(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Sequence
 
@@ -143,6 +144,11 @@ def _train(run: Run, state: TrainState, start: int, stack: contextlib.ExitStack,
         console.line(f"jdp: {progress.stop_reason}; stopping at step {progress.step}")
     progress.final = True
     _call_each(actions, progress)
+    if checkpoints is not None:  # the final checkpoint's path, for the trackers
+        checkpoints.wait()
+        if saved := checkpoints.steps():
+            logger.tag("jdp.checkpoint", os.path.join(os.path.abspath(checkpoints.directory),
+                                                      str(saved[-1])))  # fmt: skip
     if run.sync_step is not None and run.model.update is not None:
         run.model.update(progress.state.params, progress.state.model_state)  # synced at end
     return progress, timer, logger.history

@@ -45,17 +45,15 @@ def describe_run(
     logger.throughput = dataclasses.replace(
         logger.throughput, flops_per_step=flops, peak_flops=peak * devices if peak else None
     )
-    write_run_info(
-        config.log_dir,
-        run.recorded or dataclasses.asdict(config),
-        {
-            "mesh": dict(run.mesh.shape),
-            "backend": config.backend,
-            "flops_per_step": flops,
-            "hardware_flops_per_step": hardware,
-            "peak_flops_per_device": peak,
-        },
-    )
+    facts = {
+        "mesh": dict(run.mesh.shape),
+        "backend": config.backend,
+        "flops_per_step": flops,
+        "hardware_flops_per_step": hardware,
+        "peak_flops_per_device": peak,
+    }
+    write_run_info(config.log_dir, run.recorded or dataclasses.asdict(config), facts)
+    logger.describe(run.recorded or dataclasses.asdict(config), facts)  # to the trackers
     against = (
         f"MFU against {peak:.3g} {config.precision} FLOP/s per {kind}"
         if peak

@@ -48,6 +48,7 @@ from jdp.models.transformer import stack_layers
 from jdp.precision import make_precision
 from jdp.replica import check_accumulate
 from jdp.report.console import Console
+from jdp.report.trackers import check_trackers
 from jdp.report.writers import check_writable
 from jdp.state import create_train_state
 from jdp.step import make_eval_step, make_sync_step, make_train_step
@@ -236,6 +237,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     Raises:
         UsageError: a mesh, batch size, dataset or model that cannot work here.
     """
+    check_trackers(config.tracker, config.log_dir)  # before the data: a typo fails at once
     yours = yours or Yours()
     model = yours.model
     # The data first, before the processes join: a process that cannot read its

@@ -17,7 +17,7 @@ from jdp.mesh import process_rows
 from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
 from jdp.report.throughput import Throughput
-from jdp.report.writers import open_writers
+from jdp.report.trackers import open_writers, tracker_names
 from jdp.training.config import TrainConfig
 from jdp.training.finite import GuardFinite
 from jdp.training.run import Run
@@ -40,7 +40,8 @@ def metric_logger(config: TrainConfig, tokens_per_example: int | None = None) ->
     """Process 0's metric logger: writers in ``--log-dir`` when given, else just the display;
     ``tokens_per_example`` (a language model's window) adds tokens/s and tokens seen."""
     enabled = jax.process_index() == 0
-    writers = open_writers(config.log_dir) if config.log_dir and enabled else []
+    trackers = tracker_names(config.tracker)
+    writers = open_writers(config.log_dir, trackers) if config.log_dir and enabled else []
     return MetricLogger(
         writers,
         every=1,  # the loop picks the steps: with several per call, the calls' last ones
