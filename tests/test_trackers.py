@@ -152,6 +152,15 @@ def test_the_server_killed_mid_run_is_one_warning_and_the_run_finishes(server, t
     assert _records(log_dir)[-1]["step"] == 30000 or _records(log_dir)[-2]["step"] == 30000
 
 
+@pytest.mark.slow
+def test_no_server_at_the_start_is_one_warning_and_the_run_trains(tmp_path):
+    result = _run(f"http://127.0.0.1:{_free_port()}", tmp_path / "log", "--steps", "20")
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "tracker failed" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("jdp: warning: the mlflow tracker")
+    assert _records(tmp_path / "log")[-1]["step"] == 20  # metrics.jsonl is whole
+
+
 def test_a_failing_tracker_warns_once_and_is_dropped(capsys):
     class Failing:
         calls = 0

@@ -80,17 +80,17 @@ class Guarded:
                 return call(*args, **kwargs)
             except Exception as error:  # any failure of a third party's client
                 self.tracker = None
-                print(f"jdp: warning: the {self.name} tracker failed ({type(error).__name__}: "
-                      f"{_first_line(error)}); training goes on without it", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                _warn(self.name, error)
             return None
 
         return guarded
 
 
-def _first_line(error: Exception) -> str:
+def _warn(name: str, error: Exception) -> None:
     text = str(error).strip().splitlines()
-    return text[0][:200] if text else "no message"
+    said = text[0][:200] if text else "no message"
+    print(f"jdp: warning: the {name} tracker failed ({type(error).__name__}: {said}); "
+          "training goes on without it", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def open_writers(log_dir: str, trackers: Sequence[str] = ("tensorboard",)) -> list[Writer]:
@@ -100,7 +100,10 @@ def open_writers(log_dir: str, trackers: Sequence[str] = ("tensorboard",)) -> li
     if "tensorboard" in trackers:
         writers.append(TensorBoardWriter(log_dir))
     if "mlflow" in trackers:
-        writers.append(Guarded("mlflow", MlflowTracker(log_dir)))
+        try:  # a server that is not there at the start is a warning too
+            writers.append(Guarded("mlflow", MlflowTracker(log_dir)))
+        except Exception as error:  # any failure of a third party's client
+            _warn("mlflow", error)
     return writers
 
 
