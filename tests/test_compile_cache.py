@@ -4,11 +4,13 @@ that cannot be read is compiled again; a bad ``--compile-cache`` is one line."""
 
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
-from helpers import run_cli
+from helpers import subprocess_env
 
 import jdp
 from jdp.checkpoint import read_params
@@ -18,6 +20,16 @@ from jdp.training.compile_cache import DIRNAME, cache_dir, compile_cache
 # resumes from step 3 with the very program the first run compiled.
 FLAGS = ["--mesh", "data=1", "--steps", "6", "--ckpt-every", "3", "--warmup-steps", "2"]
 READ = "read from the compilation cache"
+
+
+def run_cli(*flags, timeout):
+    """``python -m jdp.train`` in a fresh process without the tests' session cache (a JAX
+    cache of yours takes the place of ``auto``'s)."""
+    env = subprocess_env()
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "jdp.train", *flags], capture_output=True,
+                          text=True, timeout=timeout, env=env)  # fmt: skip
 
 
 def _resume(ckpt, *flags):
@@ -68,21 +80,28 @@ def test_a_shared_cache_directory_serves_another_run(tmp_path):
 
 
 def test_fit_leaves_jax_cache_setting_as_it_was(tmp_path):
-    before = jax.config.jax_compilation_cache_dir
-    config = jdp.TrainConfig(mesh="data=1", steps=2, warmup_steps=1, ckpt_dir=str(tmp_path))
+    before = jax.config.jax_compilation_cache_dir  # the tests' session cache
+    assert before
+    mine = tmp_path / "mine"
+    config = jdp.TrainConfig(mesh="data=1", steps=2, warmup_steps=1, compile_cache=str(mine))
     jdp.fit(config, console=jdp.Console(enabled=False))
-    assert os.listdir(tmp_path / DIRNAME)  # written during the run
+    assert os.listdir(mine)  # written during the run
     assert jax.config.jax_compilation_cache_dir == before
-    with compile_cache(str(tmp_path / "other")):
-        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "other")
+    with compile_cache("off", None):  # a cache of yours is off too
+        assert jax.config.jax_compilation_cache_dir is None
     assert jax.config.jax_compilation_cache_dir == before
 
 
-def test_where_the_cache_goes():
-    assert cache_dir("auto", "/runs/a") == f"/runs/a/{DIRNAME}"
-    assert cache_dir("auto", None) is None  # no checkpoint directory: no cache
+def test_where_the_cache_goes(tmp_path):
+    assert cache_dir("auto", "/runs/a") is None  # JAX has a cache of yours: it stays
+    with compile_cache("off", None):  # as without one
+        assert cache_dir("auto", "/runs/a") == f"/runs/a/{DIRNAME}"
+        assert cache_dir("auto", None) is None  # no checkpoint directory: no cache
     assert cache_dir("off", "/runs/a") is None
     assert cache_dir("/cache", None) == "/cache"
+    refused = pytest.raises(jdp.UsageError, match=r"cannot write in --ckpt-dir /proc/jdp \(")
+    with compile_cache("off", None), refused, compile_cache("auto", "/proc/jdp"):
+        pass  # --ckpt-dir's own line comes first
 
 
 def test_a_bad_compile_cache_is_one_line(tmp_path):

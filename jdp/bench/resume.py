@@ -87,7 +87,10 @@ def _command(model: str, ckpt_dir: str) -> list[str]:
 
 
 def _environment() -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    # No cache of yours (it would take the place of CKPT_DIR/compile_cache), no device count.
+    dropped = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR",
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key not in dropped}
     env["JAX_PLATFORMS"] = "cpu"
     return env
 

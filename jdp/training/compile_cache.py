@@ -2,7 +2,8 @@
 program) reads its compiled train and evaluation steps back instead of compiling them.
 
 ``--compile-cache auto`` (the default) keeps the cache in ``CKPT_DIR/compile_cache``
-when the run has a checkpoint directory, and none without one; ``--compile-cache DIR``
+when the run has a checkpoint directory and JAX has no cache directory of yours
+(``JAX_COMPILATION_CACHE_DIR``, which then stays in use); ``--compile-cache DIR``
 shares one between runs; ``off`` compiles every time. JAX keys each program by its
 computation, devices, compiler options and versions, so a changed model, mesh or JAX
 compiles anew; only process 0 writes, the others read. An entry that cannot be read is
@@ -19,6 +20,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from jdp.errors import UsageError
+from jdp.report.writers import check_writable
 
 DIRNAME = "compile_cache"  # in the checkpoint directory, with --compile-cache auto
 
@@ -54,7 +56,8 @@ def reads() -> tuple[int, float]:
 
 
 def cache_dir(setting: str, ckpt_dir: str | None) -> str | None:
-    """The directory ``--compile-cache`` names for a run, or None (no cache).
+    """The directory ``--compile-cache`` names for a run, or None: no cache of the run's own
+    (``off``, or ``auto`` without a checkpoint directory or with a JAX cache of yours).
 
     Raises:
         UsageError: an empty setting, or a file.
@@ -62,7 +65,9 @@ def cache_dir(setting: str, ckpt_dir: str | None) -> str | None:
     if setting == "off":
         return None
     if setting == "auto":
-        return os.path.join(ckpt_dir, DIRNAME) if ckpt_dir else None
+        if not ckpt_dir or jax.config.jax_compilation_cache_dir:
+            return None
+        return os.path.join(ckpt_dir, DIRNAME)
     if not setting.strip():
         raise UsageError("--compile-cache: give a directory, auto (in --ckpt-dir) or off")
     if os.path.exists(setting) and not os.path.isdir(setting):
@@ -74,19 +79,24 @@ def cache_dir(setting: str, ckpt_dir: str | None) -> str | None:
 
 
 @contextlib.contextmanager
-def compile_cache(directory: str | None) -> Iterator[None]:
-    """JAX's persistent compilation cache in ``directory`` for the block, then JAX's own
-    setting again; None leaves JAX's setting as it is (a cache you set stays in use).
+def compile_cache(setting: str, ckpt_dir: str | None) -> Iterator[None]:
+    """JAX's persistent compilation cache as ``--compile-cache`` says, for the block, then
+    JAX's own setting again (`cache_dir`; ``off`` turns a cache of yours off too).
 
     Raises:
-        UsageError: the directory cannot be made.
+        UsageError: the directory cannot be made (for ``auto``: the checkpoint
+            directory cannot be written).
     """
     _reads.update(programs=0, seconds=0.0)
-    if directory is None:
+    directory = cache_dir(setting, ckpt_dir)
+    if directory is None and setting != "off":  # JAX's setting, as it is
         yield
         return
+    if setting == "auto":  # the checkpoint directory's own line, before the cache's
+        check_writable(ckpt_dir, "--ckpt-dir")
     try:
-        os.makedirs(directory, exist_ok=True)
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)
     except OSError as error:
         raise UsageError(
             f"--compile-cache: cannot make {directory} ({error.strerror}); name a directory "
@@ -94,7 +104,7 @@ def compile_cache(directory: str | None) -> Iterator[None]:
         ) from None
     before = (jax.config.jax_compilation_cache_dir,
               jax.config.jax_persistent_cache_min_compile_time_secs)  # fmt: skip
-    _use(directory, MIN_COMPILE_SECONDS)
+    _use(directory, MIN_COMPILE_SECONDS if directory else before[1])
     try:
         yield
     finally:

@@ -18,7 +18,7 @@ from jdp.errors import UsageError
 from jdp.models import Model
 from jdp.report.console import Console
 from jdp.state import TrainState
-from jdp.training.compile_cache import cache_dir, compile_cache
+from jdp.training.compile_cache import compile_cache
 from jdp.training.config import TrainConfig
 from jdp.training.messages import describe_run
 from jdp.training.results import (
@@ -72,7 +72,7 @@ def fit(
     """
     started, console = time.perf_counter(), console or Console()
     yours = Yours(model, _your_data(train, validation, test), optimizer, lr_schedule)
-    with compile_cache(cache_dir(config.compile_cache, config.ckpt_dir)):
+    with compile_cache(config.compile_cache, config.ckpt_dir):
         return _fit(config, console, yours, callbacks, started)
 
 
