@@ -148,6 +148,7 @@ def _builtin(config: Mapping, data: Mapping) -> Model | None:
         remat=config.get("remat", "none"),
         attention=config.get("attention", "auto"),
         unroll=config.get("unroll_layers", True),  # unrecorded: written before scanned layers
+        architecture=config.get("architecture"),  # gpt's shape where weights set it
     )
 
 

@@ -15,7 +15,9 @@ import jax
 
 from jdp.data.corpora import is_corpus, load_corpus
 from jdp.errors import UsageError
+from jdp.models import hf
 from jdp.models.registry import context
+from jdp.models.transformer import EPSILON
 from jdp.sampling import load_sampler, sample_line
 from jdp.training.config import TrainConfig
 from jdp.training.results import FitResult
@@ -73,7 +75,9 @@ def training_sample(config: TrainConfig, result: FitResult) -> str | None:
             vocab_size=config.vocab_size or None,
             dtype=config.token_dtype or None,
         )
-        return sample_line(result.state.params, splits)
+        directory = hf.directory_of(config.init_from)  # GPT-2's weights: their epsilon
+        epsilon = hf.read_architecture(directory)["epsilon"] if directory else EPSILON
+        return sample_line(result.state.params, splits, epsilon=epsilon)
     except Exception as error:  # the run is done and saved: a sample is not worth failing it
         sys.stderr.write(f"jdp: no sample: {type(error).__name__}: {error}\n")
         return None

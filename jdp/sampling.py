@@ -25,7 +25,7 @@ from jdp.data.tokens import TOKENS_PREFIX, TokenSplit
 from jdp.errors import UsageError
 from jdp.inference import load_model
 from jdp.models.generate import generate, gpt_for
-from jdp.models.transformer import GPT
+from jdp.models.transformer import EPSILON, GPT
 
 BYTES = "bytes"
 DEFAULT_NEW_TOKENS = 64
@@ -193,10 +193,15 @@ def load_sampler(path: str | os.PathLike, step: str | int = "latest", *,
     config = loaded.config
     data = config.get("data") or {}
     check_language_model(config)
-    places = [_corpus_directory(config.get("dataset", "")), os.fspath(path)]
+    places = [corpus_directory(config.get("dataset", "")), os.fspath(path)]
     codec = find_codec(data.get("tokenizer"), [p for p in places if p], tokenizer)
-    module = gpt_for(loaded.params)
+    module = gpt_for(loaded.params, epsilon=_epsilon(config))
     return Sampler(module, loaded.params, codec, int(data.get("vocab_size") or module.vocab_size))
+
+
+def _epsilon(config: dict) -> float:
+    """The LayerNorms' epsilon of a recorded run's gpt: its weights' (GPT-2's: 1e-5)."""
+    return (config.get("architecture") or {}).get("epsilon", EPSILON)
 
 
 def check_language_model(config: dict) -> None:
@@ -226,7 +231,7 @@ def check_language_model(config: dict) -> None:
     raise UsageError(f"the checkpoint holds {what}, not a language model; sample from {where}")
 
 
-def _corpus_directory(dataset: str) -> str | None:
+def corpus_directory(dataset: str) -> str | None:
     """The directory of ``tokens:PATH``'s corpus (its ``tokens.json``), or None."""
     if not dataset.startswith(TOKENS_PREFIX):
         return None
@@ -234,11 +239,12 @@ def _corpus_directory(dataset: str) -> str | None:
     return path if os.path.isdir(path) else os.path.dirname(path) or "."
 
 
-def sample_line(params: Any, splits: dict[str, TokenSplit | None]) -> str | None:
+def sample_line(params: Any, splits: dict[str, TokenSplit | None], *,
+                epsilon: float = EPSILON) -> str | None:  # fmt: skip
     """A run's closing sample, ``jdp: sample: "PROMPT" -> "CONTINUATION"`` (newlines
     escaped): the first tokens of the held-out split (validation, else test, else
     train), continued at temperature 0.8 among the 40 most likely tokens, seed 0.
-    None when the corpus's tokenizer is not found.
+    None when the corpus's tokenizer is not found. ``epsilon``: the model's LayerNorms'.
 
     Raises:
         UsageError: parameters that this process cannot read whole (sharded over processes).
@@ -258,7 +264,7 @@ def sample_line(params: Any, splits: dict[str, TokenSplit | None]) -> str | None
         codec = find_codec(split.tokenizer, [os.path.dirname(split.shards[0].path)])
     except UsageError:
         return None  # a corpus without its tokenizer: nothing to decode with
-    module = gpt_for(params)
+    module = gpt_for(params, epsilon=epsilon)
     sampler = Sampler(module, jax.tree.map(_local, params), codec, split.vocab_size)
     length = min(END_PROMPT_TOKENS, module.max_len // 4, split.seq_len)
     prompt = split.read(np.array([0]))["tokens"][0, : max(1, length)]

@@ -16,6 +16,7 @@ from jdp.mesh import DATA_AXIS
 from jdp.models.adapters import from_linen, from_nnx
 from jdp.models.cnn import CNN
 from jdp.models.generate import generate, gpt_for
+from jdp.models.hf import Pretrained, from_hf
 from jdp.models.mlp import MLP
 from jdp.models.model import Model
 from jdp.models.objectives import Objective, classification, language_model, sequence
@@ -48,9 +49,11 @@ __all__ = [
     "MLP",
     "Model",
     "Objective",
+    "Pretrained",
     "ResNet",
     "Seq2SeqTransformer",
     "classification",
+    "from_hf",
     "from_linen",
     "from_nnx",
     "generate",

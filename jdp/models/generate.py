@@ -25,7 +25,7 @@ import numpy as np
 from flax.core import meta
 
 from jdp.errors import UsageError
-from jdp.models.transformer import GPT, FeedForward, layer_norm, stack_layers
+from jdp.models.transformer import EPSILON, GPT, FeedForward, layer_norm, stack_layers
 
 _ATTENTION = "MultiHeadDotProductAttention_0"
 
@@ -38,6 +38,7 @@ class _Spec(NamedTuple):
     vocab_size: int
     greedy: bool
     with_logits: bool
+    epsilon: float  # the LayerNorms' (`GPT.epsilon`)
 
 
 def generate(
@@ -102,15 +103,17 @@ def generate(
         vocab_size=vocab_size,
         greedy=greedy,
         with_logits=with_logits,
+        epsilon=module.epsilon,
     )
     # The temperature is an argument, not a constant: another one reuses the program.
     tokens, logits = _decode(params, prompt.astype(jnp.int32), keys, np.float32(temperature), spec)
     return (tokens, logits) if with_logits else tokens
 
 
-def gpt_for(params: Any) -> GPT:
+def gpt_for(params: Any, *, epsilon: float = EPSILON) -> GPT:
     """The `GPT` (evaluation only: no dropout) whose parameters ``params`` are, read
     from their shapes: a checkpoint's parameters are enough to `generate` from.
+    ``epsilon``, the LayerNorms' (not in the shapes): GPT-2's weights' is 1e-5.
 
     Examples:
         >>> gpt = jdp.models.GPT(vocab_size=16, width=16, heads=2, layers=3, hidden=32,
@@ -135,6 +138,7 @@ def gpt_for(params: Any) -> GPT:
             dropout=0.0,
             max_len=params["Embed_1"]["embedding"].shape[0],
             unroll=unroll,
+            epsilon=epsilon,
         )
     except (KeyError, TypeError, ValueError):
         raise UsageError(f"the parameters ({', '.join(sorted(params))}) are not a GPT's") from None
@@ -196,16 +200,16 @@ def _decode(params, prompt, keys, temperature, spec: _Spec):
     length = prompt.shape[1]
     total = length + spec.new_tokens  # the caches' length: every position this run holds
     x = _embed(params, prompt, jnp.arange(length))
-    x, caches = _layers(params["blocks"], x, None, 0, total)
-    first_logits = _logits(params, x[:, -1])
+    x, caches = _layers(params["blocks"], x, None, 0, total, spec.epsilon)
+    first_logits = _logits(params, x[:, -1], spec.epsilon)
     first = _choose(first_logits, keys[0], temperature, spec)
 
     def step(carry, inputs):
         caches, token = carry
         position, key = inputs
         x = _embed(params, token[:, None], position[None])
-        x, caches = _layers(params["blocks"], x, caches, position, total)
-        logits = _logits(params, x[:, 0])
+        x, caches = _layers(params["blocks"], x, caches, position, total, spec.epsilon)
+        logits = _logits(params, x[:, 0], spec.epsilon)
         token = _choose(logits, key, temperature, spec)
         return (caches, token), (token, logits if spec.with_logits else None)
 
@@ -224,28 +228,28 @@ def _embed(params, tokens, positions):
     return embedded + _apply(nn.Embed(*position_table.shape), params["Embed_1"], positions)[None]
 
 
-def _logits(params, x):
+def _logits(params, x, epsilon: float):
     """The final LayerNorm, then the output projection tied to the token embedding."""
     table = params["Embed_0"]["embedding"]
-    normed = _apply(layer_norm(), params["LayerNorm_0"], x)
+    normed = _apply(layer_norm(epsilon), params["LayerNorm_0"], x)
     return nn.Embed(*table.shape).apply({"params": params["Embed_0"]}, normed, method="attend")
 
 
-def _layers(blocks, x, caches, start, total: int):
+def _layers(blocks, x, caches, start, total: int, epsilon: float):
     """Every layer on ``x`` (at positions ``start``...), a scan over the stacked
     parameters; returns ``x`` and each layer's (keys, values) cache, stacked."""
 
     def layer(x, inputs):
-        return _layer(*inputs, x, start, total)
+        return _layer(*inputs, x, start, total, epsilon)
 
     return jax.lax.scan(layer, x, (blocks, caches))
 
 
-def _layer(params, cache, x, start, total: int):
+def _layer(params, cache, x, start, total: int, epsilon: float):
     """One `CausalLayer` on ``x`` (rows, tokens, width) at positions ``start``...,
     attending to the cache of keys and values (None: a new one of ``total`` positions)."""
     attention = params[_ATTENTION]
-    normed = _apply(layer_norm(), params["LayerNorm_0"], x)
+    normed = _apply(layer_norm(epsilon), params["LayerNorm_0"], x)
     q, k, v = (_project(attention[name], normed) for name in ("query", "key", "value"))
     if cache is None:
         cache = (jnp.zeros((k.shape[0], total, *k.shape[2:]), k.dtype),) * 2
@@ -260,7 +264,7 @@ def _layer(params, cache, x, start, total: int):
     x = x + _apply(nn.DenseGeneral(out.shape[-1], axis=(-2, -1)), attention["out"], attended)
     feed = params["FeedForward_0"]
     hidden = feed["Dense_0"]["kernel"].shape[-1]
-    normed = _apply(layer_norm(), params["LayerNorm_1"], x)
+    normed = _apply(layer_norm(epsilon), params["LayerNorm_1"], x)
     return x + FeedForward(hidden, 0.0).apply({"params": feed}, normed, train=False), (keys, values)
 
 

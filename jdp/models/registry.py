@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -122,14 +122,16 @@ def _window_inputs(batch):
 
 
 def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat: str = "none",
-              attention: str = "auto", unroll: bool = False) -> Model:  # fmt: skip
+              attention: str = "auto", unroll: bool = False,
+              architecture: Mapping[str, Any] | None = None) -> Model:  # fmt: skip
     """The built-in model ``name`` at ``size``, shaped for ``split`` (classes or vocabulary).
 
     ``seq_len`` sets the positions ``gpt`` has (``--seq-len``; a token corpus's
     windows set it by default); ``remat`` and ``unroll`` its layers (`GPT`);
     ``attention`` the implementation of gpt's and seq2seq's attention. At the
     published sizes (``124m`` ...) gpt's vocabulary is the data's padded to a
-    multiple of 128.
+    multiple of 128. ``architecture``: gpt's `GPT` fields in place of the size's (a
+    model loaded from weights, `jdp.models.from_hf`), its vocabulary unpadded.
 
     Examples:
         >>> train = jdp.load_split("digits", "train", data_dir=tmp)
@@ -158,6 +160,8 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
     options["max_len"] = seq_len or getattr(split, "seq_len", 0) or options["max_len"]
     options.update(remat=remat, unroll=unroll)
     pad = VOCAB_MULTIPLE if size in LM_SIZES else 1
+    if architecture is not None:
+        return _loaded_gpt(split, architecture, options)
     if split.kind == "text":
         if split.seq_len > options["max_len"]:
             raise UsageError(
@@ -176,6 +180,31 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
         )
     module = builtin.module(vocab_size=_padded(len(split.vocab), pad), **options)
     model = from_linen(module, sequence(), inputs=_lm_inputs)
+    return dataclasses.replace(model, flops=_lm_flops(module))
+
+
+def _loaded_gpt(split, architecture: Mapping[str, Any], options: dict) -> Model:
+    """gpt as ``architecture`` makes it (its positions and vocabulary), for ``split``."""
+    vocab = split.vocab_size if split.kind == "text" else len(split.vocab)
+    if vocab > architecture["vocab_size"]:
+        raise UsageError(
+            f"the data's vocabulary is {vocab} tokens and the loaded model's "
+            f"{architecture['vocab_size']}; tokenize the data with the model's tokenizer"
+        )
+    window = split.seq_len if split.kind == "text" else (
+        split.source.shape[1] + split.target.shape[1] - 1)  # fmt: skip
+    if window > architecture["max_len"]:
+        raise UsageError(
+            f"the data's windows are {window} tokens and the loaded model has "
+            f"{architecture['max_len']} positions; make the windows shorter"
+        )
+    options = {key: value for key, value in options.items() if key != "max_len"}
+    module = GPT(**{**options, **architecture})
+    if split.kind == "text":
+        objective = language_model(split.input_key, bits_per_byte=split.tokenizer == "bytes")
+        model = from_linen(module, objective, inputs=_window_inputs)
+    else:
+        model = from_linen(module, sequence(), inputs=_lm_inputs)
     return dataclasses.replace(model, flops=_lm_flops(module))
 
 

@@ -38,9 +38,13 @@ def sinusoids(length: int, width: int) -> np.ndarray:
     return table
 
 
-def layer_norm() -> nn.LayerNorm:
+# Flax's LayerNorm epsilon; GPT-2's is 1e-5 (a model loaded from its weights keeps it).
+EPSILON = 1e-6
+
+
+def layer_norm(epsilon: float = EPSILON) -> nn.LayerNorm:
     """``nn.LayerNorm`` over the model width (``embed``)."""
-    return nn.LayerNorm(**norm_inits("embed"))
+    return nn.LayerNorm(epsilon=epsilon, **norm_inits("embed"))
 
 
 class FeedForward(nn.Module):
@@ -153,6 +157,7 @@ class Block(nn.Module):
     dropout: float
     attention_dropout: float | None = None  # on the attention weights; None: ``dropout``
     attention: AttentionImplementation = "auto"
+    epsilon: float = EPSILON  # the LayerNorms'
 
     @nn.compact
     def __call__(
@@ -178,11 +183,14 @@ class Block(nn.Module):
             attended = module(queries, keys, train=train, **masks)
             return nn.Dropout(self.dropout, deterministic=not train)(attended)
 
-        normed = layer_norm()(x)
+        normed = layer_norm(self.epsilon)(x)
         x = x + attend(0, normed, normed, causal=causal, key_mask=mask, query_mask=mask)
         if memory is not None:
-            x = x + attend(1, layer_norm()(x), memory, key_mask=memory_mask, query_mask=target_mask)
-        return x + FeedForward(self.hidden, self.dropout)(layer_norm()(x), train=train)
+            x = x + attend(
+                1, layer_norm(self.epsilon)(x), memory, key_mask=memory_mask,
+                query_mask=target_mask,
+            )  # fmt: skip
+        return x + FeedForward(self.hidden, self.dropout)(layer_norm(self.epsilon)(x), train=train)
 
 
 class CausalLayer(Block):
@@ -263,7 +271,8 @@ class GPT(nn.Module):
     each layer's activations in the backward pass: ``dots`` keeps the products
     with the weights, ``full`` keeps only each layer's input. Dropout is on the
     embeddings and residual branches, not the attention weights, so attention
-    is fused (``attention``: ``auto``, ``xla`` or ``cudnn``).
+    is fused (``attention``: ``auto``, ``xla`` or ``cudnn``). ``epsilon`` is the
+    LayerNorms' (GPT-2's weights were trained with 1e-5: `jdp.models.from_hf`).
     """
 
     vocab_size: int
@@ -276,6 +285,7 @@ class GPT(nn.Module):
     unroll: bool = False
     remat: Remat = "none"
     attention: AttentionImplementation = "auto"
+    epsilon: float = EPSILON
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -299,6 +309,7 @@ class GPT(nn.Module):
             "dropout": self.dropout,
             "attention_dropout": 0.0,
             "attention": self.attention,
+            "epsilon": self.epsilon,
             "train": train,
         }
         if self.unroll:
@@ -313,7 +324,7 @@ class GPT(nn.Module):
                 metadata_params={nn.PARTITION_NAME: STACKED},
             )
             x, _ = stack(**options, name=SCANNED_LAYERS)(x, None)
-        return tokens_embed.attend(layer_norm()(x))
+        return tokens_embed.attend(layer_norm(self.epsilon)(x))
 
 
 def stack_layers(params: dict, layers: int) -> dict:

@@ -259,8 +259,8 @@ class TrainConfig:
     init_from: str | None = _flag(
         LENGTH,
         None,
-        "start from the parameters (and model state) of another run's checkpoint: its "
-        "--ckpt-dir or one step directory; the optimizer starts fresh (fine-tuning)",
+        "start from the parameters (and model state) of a run's --ckpt-dir or step directory, "
+        "or hf:DIR, a Hugging Face GPT-2 (--model gpt takes its shape); a fresh optimizer",
     )
     eval_only: bool = _flag(
         LENGTH,

@@ -16,7 +16,7 @@ from jdp.report.console import Console
 from jdp.state import TrainState
 from jdp.training.compile_cache import reads
 from jdp.training.config import DILOCO_FIELDS, TOPOLOGY_FIELDS, TrainConfig
-from jdp.training.run import Run, Yours, build
+from jdp.training.run import ARCHITECTURE, Run, Yours, build
 from jdp.training.wiring import evaluations, metric_logger, tokens_per_example
 
 # A curve's split as `History` names it -> the kind of record it is logged as.
@@ -216,10 +216,10 @@ def evaluate_only(config: TrainConfig, console: Console, yours: Yours, started: 
         name: value
         for name, value in saved.items()
         if name in fields and name not in TOPOLOGY_FIELDS and value != "yours"
-        and not str(value).startswith("yours")
+        and not str(value).startswith("yours") and name != "init_from"
     }  # fmt: skip
     config = dataclasses.replace(config, **made_with, ckpt_dir=config.ckpt_dir)
-    run = build(config, console, yours)
+    run = build(config, console, yours, architecture=saved.get(ARCHITECTURE))
     params, model_state = read_params(step_dir, like=(run.state.params, run.state.model_state))
     state = run.state.replace(params=params, model_state=model_state)
     step = record.step

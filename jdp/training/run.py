@@ -41,7 +41,7 @@ from jdp.mesh import (
     simulate_cpu_devices,
 )
 from jdp.mesh import parse_axis_rules as parse_rules
-from jdp.models import Model, get_model
+from jdp.models import Model, get_model, hf
 from jdp.models.registry import check_model, context
 from jdp.models.summary import summary
 from jdp.models.transformer import stack_layers
@@ -189,8 +189,8 @@ WARMUP_CHOSEN = "warmup_steps_chosen_by_jdp"
 
 
 def recorded_config(config: TrainConfig, yours: Yours, train: Split, *,
-                    chose_warmup: bool = False, fingerprints: dict | None = None
-                    ) -> dict:  # fmt: skip
+                    chose_warmup: bool = False, fingerprints: dict | None = None,
+                    architecture: dict | None = None) -> dict:  # fmt: skip
     """The config as checkpoints and run files record it: what the user brought is named
     ``yours`` and the config fields it replaced are left out, never logged as if used."""
     recorded = dataclasses.asdict(config)
@@ -209,11 +209,14 @@ def recorded_config(config: TrainConfig, yours: Yours, train: Split, *,
         recorded[WARMUP_CHOSEN] = True
     if fingerprints:
         recorded[DATA_FINGERPRINT] = fingerprints
+    if architecture:  # gpt's shape as weights set it (--init-from hf:DIR)
+        recorded[ARCHITECTURE] = architecture
     return recorded
 
 
 # What the run trained on (`jdp.data.fingerprint`), recorded with its checkpoints.
 DATA_FINGERPRINT = "data_fingerprint"
+ARCHITECTURE = "architecture"
 
 
 def fingerprints(config: TrainConfig, data: Data) -> dict[str, str]:
@@ -229,10 +232,13 @@ def fingerprints(config: TrainConfig, data: Data) -> dict[str, str]:
 _OPTIMIZER_FIELDS = fields_of(section=OPTIMIZER)
 
 
-def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> Run:
+def build(config: TrainConfig, console: Console, yours: Yours | None = None, *,
+          architecture: dict | None = None) -> Run:  # fmt: skip
     """Sets up devices, mesh, data, model, optimizer and steps; says what it built.
 
-    ``yours`` brings a model, data or an optimizer in place of the config's (see `fit`).
+    ``yours`` brings a model, data or an optimizer in place of the config's (see `fit`);
+    ``architecture`` the built-in gpt's shape where weights set it (a checkpoint's, or
+    ``--init-from hf:DIR``'s).
 
     Raises:
         UsageError: a mesh, batch size, dataset or model that cannot work here.
@@ -240,17 +246,10 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
     check_trackers(config.tracker, config.log_dir)  # before the data: a typo fails at once
     yours = yours or Yours()
     model = yours.model
-    # The data first, before the processes join: a process that cannot read its
-    # data stops every process at start-up, not a collective's timeout later.
-    data = None
-    try:
-        data = load_data(config, yours.data)
-        if model is None:  # a model that cannot read the data, before the data's size
-            check_model(config.model, config.model_size, data.train.kind)
-        check_train_batch(data.train, config.batch_size)
-        problem = None
-    except UsageError as error:
-        problem = error
+    if model is None and (weights := hf.directory_of(config.init_from)) and not config.seq_len:
+        positions = hf.read_architecture(weights)["max_len"]  # windows of GPT-2's context
+        config = dataclasses.replace(config, seq_len=positions)
+    data, architecture, problem = _checked_data(config, yours, architecture)
     mesh = _mesh(config, console, str(problem) if problem else None)
     if problem:
         raise problem
@@ -262,8 +261,9 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
             if directory:
                 check_writable(directory, flag)
     name = f"{config.model} {config.model_size}" if model is None else "your model"
+    name = name if architecture is None else f"{config.model} of {config.init_from or 'weights'}"
     if model is None:
-        model = _builtin_model(config, train)
+        model = _builtin_model(config, train, architecture)
 
     init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
     sample = EvalReader(train, batch_size=1, rows=slice(None))(0)
@@ -277,7 +277,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
         schedule, optimizer = config_optimizer(config)
     precision = make_precision(config.precision, reduce=config.reduce_dtype)
     if config.init_from:  # before the optimizer's state is made from the parameters
-        params, model_state = _initial(config.init_from, params, model_state)
+        params, model_state = _initial(config.init_from, params, model_state, architecture)
         console.line(f"jdp: parameters and model state from {config.init_from}")
     outer = _outer(config, mesh)
     state = create_train_state(
@@ -306,8 +306,26 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None) -> 
                optimizer, validation,
                recorded_config(config, yours, train,
                                chose_warmup=config.warmup_steps != given.warmup_steps,
-                               fingerprints=fingerprints(config, data)),
+                               fingerprints=fingerprints(config, data), architecture=architecture),
                sync_step)  # fmt: skip
+
+
+def _checked_data(config: TrainConfig, yours: Yours, architecture: dict | None
+                  ) -> tuple[Data | None, dict | None, UsageError | None]:  # fmt: skip
+    """The run's data and gpt's shape where weights set it, checked against the model
+    before the processes join (a process that cannot read its data stops every
+    process at start-up, not a collective's timeout later); or the problem."""
+    data = None
+    try:
+        data = load_data(config, yours.data)
+        if yours.model is None:  # a model that cannot read the data, before the data's size
+            check_model(config.model, config.model_size, data.train.kind)
+            loaded = hf.architecture_for(config.init_from, config.model, data.train)
+            architecture = loaded or architecture
+        check_train_batch(data.train, config.batch_size)
+        return data, architecture, None
+    except UsageError as error:
+        return data, architecture, error
 
 
 def _outer(config: TrainConfig, mesh: Mesh) -> Outer | None:
@@ -344,16 +362,22 @@ def _mesh(config: TrainConfig, console: Console, error: str | None = None) -> Me
     return mesh
 
 
-def _builtin_model(config: TrainConfig, train: Split) -> Model:
-    """The built-in model the config names, shaped for ``train``."""
+def _builtin_model(config: TrainConfig, train: Split, architecture: dict | None) -> Model:
+    """The built-in model the config names, shaped for ``train`` (and ``architecture``)."""
     return get_model(config.model, train, config.model_size, seq_len=config.seq_len,
                      remat=config.remat, attention=config.attention,
-                     unroll=config.unroll_layers)  # fmt: skip
+                     unroll=config.unroll_layers, architecture=architecture)  # fmt: skip
 
 
-def _initial(path: str, params, model_state):
-    """``--init-from``'s parameters laid out as ``params``; a language model's unrolled
-    layers (``Block_0``, ...: written before scanned layers) stacked for the scan."""
+def _initial(path: str, params, model_state, architecture: dict | None):
+    """``--init-from``'s parameters laid out as ``params``: GPT-2's weights (``hf:DIR``),
+    or a checkpoint's, a language model's unrolled layers (``Block_0``, ...: written
+    before scanned layers) stacked for the scan."""
+    if hf.directory_of(path) is not None:
+        if "blocks" not in params:
+            raise UsageError(f"--init-from {path} loads scanned layers; drop --unroll-layers")
+        weights = hf.read_weights(hf.directory_of(path), architecture)
+        return jax.device_put(weights, jax.tree.map(lambda x: x.sharding, params)), model_state
     if "blocks" in params and "Block_0" in saved_param_names(path):
         saved, model_state = read_params(path)
         stacked = stack_layers(saved, len([name for name in saved if name.startswith("Block_")]))
