@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.resources
 import math
 import os
 import re
@@ -29,6 +30,8 @@ import subprocess
 import sys
 
 import jax
+
+from jdp.training.recipes import load_recipe, recipe_names
 
 HEADER = "| command | test accuracy | on another CPU | wall | examples/s |"
 ROW = re.compile(
@@ -248,6 +251,29 @@ def _print_spread(rows: list[Row], chosen, text: str) -> str:
     return text
 
 
+def synced_recipe(text: str, row: Row, hardware: str) -> str:
+    """A recipe file's text (`jdp.training.recipes`) stating ``row``'s figures: the
+    expected value, its tolerance, the wall time and the hardware, comments kept."""
+    values = {"expected": row.accuracy, "tolerance": row.tolerance,
+              "wall": f'"{row.wall} s"', "hardware": f'"{hardware}"'}  # fmt: skip
+    head, tables = text.split("[flags]", 1) if "[flags]" in text else (text, None)
+    for key, value in values.items():
+        head = re.sub(rf"^{key} = [^#\n]*?(?=\s*(#|$))", f"{key} = {value}", head, flags=re.M)
+    return head if tables is None else f"{head}[flags]{tables}"
+
+
+def _sync_recipes(rows: list[Row], key: str) -> None:
+    """Each measured recipe's stated figures, from the row that checks it."""
+    hardware = settings(key).split(", ")[1]
+    by_command = {row.command: row for row in rows}
+    for name in recipe_names():
+        recipe = load_recipe(name)
+        row = by_command.get(recipe.statement.get("checked_by", ""))
+        if row is not None:
+            path = importlib.resources.files("jdp") / "recipes" / f"{name}.toml"
+            path.write_text(synced_recipe(path.read_text(), row, hardware))
+
+
 def run(args: argparse.Namespace) -> int:
     with open(args.readme) as file:
         text = file.read()
@@ -267,7 +293,9 @@ def run(args: argparse.Namespace) -> int:
     if args.write:
         with open(args.readme, "w") as file:
             file.write(rewrite(text, rows, measured, key))
-        print(f"jdp.bench readme: {len(chosen)} rows rewritten in {args.readme}")
+        _sync_recipes(measured, key)
+        print(f"jdp.bench readme: {len(chosen)} rows rewritten in {args.readme}, and the recipes "
+              "they check")  # fmt: skip
     if args.check:
         exact = recorded_numerics(text) == key
         how = "exactly" if exact else "within each row's tolerance on another CPU"

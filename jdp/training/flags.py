@@ -3,7 +3,8 @@
 Every field is a flag (``batch_size`` -> ``--batch-size``), parsed by its type:
 ``int``, ``float``, ``str``, a ``Literal`` of choices, ``bool`` (a switch), or
 one of those or ``None`` (an empty value). ``--preset NAME`` starts from a named
-configuration (`jdp.training.presets`); flags given with it override its values.
+configuration (`jdp.training.presets`), ``--recipe NAME`` from a recipe, a run with
+its expected result (`jdp.training.recipes`); flags given with either override it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from jdp.errors import UsageError
 from jdp.training.config import TrainConfig
 from jdp.training.presets import PRESETS
+from jdp.training.recipes import load_recipe, recipe_names
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -49,6 +52,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         metavar="{" + ",".join(PRESETS) + "}",
         help="start from a named configuration; the other flags override it",
     )
+    parser.add_argument(
+        "--recipe",
+        metavar="{" + ",".join(recipe_names()) + "}|PATH.toml",
+        help="start from a recipe, a run with its expected result (see docs/recipes.md); "
+        "the other flags override it",
+    )
     hints = typing.get_type_hints(TrainConfig)
     sections = {}  # --help lists the flags by section
     for field in dataclasses.fields(TrainConfig):
@@ -78,11 +87,18 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "jdp.train") -
     """
     parser = _parser(prog)
     args = vars(parser.parse_args(argv))
-    preset = args.pop("preset")
+    preset, recipe = args.pop("preset"), args.pop("recipe")
     if preset is not None and preset not in PRESETS:
         parser.error(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    if preset is not None and recipe is not None:
+        parser.error("give --preset or --recipe, not both")
     given = {name: value for name, value in args.items() if value is not None}
     if given.get("epochs") and "steps" in given:
         parser.error("give --epochs or --steps, not both")
     base = PRESETS[preset]() if preset else TrainConfig()
+    if recipe is not None:
+        try:
+            base = load_recipe(recipe).config()
+        except UsageError as error:
+            parser.error(str(error))
     return dataclasses.replace(base, **given)

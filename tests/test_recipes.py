@@ -1,0 +1,123 @@
+"""Recipes (``--recipe NAME``): each states its expected result, a measured one is its
+README figures row (whose figure the suite checks by running it), and every recipe's
+smoke form runs, on stand-in data where the recipe's needs a download."""
+
+from __future__ import annotations
+
+import pathlib
+import shlex
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from catalog import prepare
+from helpers import run_cli
+
+import jdp
+from jdp.bench import readme
+from jdp.data.shards import write_llmc, write_meta
+from jdp.errors import UsageError
+from jdp.training.flags import parse_flags
+from jdp.training.recipes import STATEMENT, load_recipe, recipe_names
+
+README = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+# The recipes the wave promised: the digits MLP, the CIFAR ResNet, the reference
+# Transformer, GPT-2 124M on a token corpus and the small LM on the bundled corpus.
+PROMISED = {"digits-mlp", "cifar10-resnet20", "numbers2words-seq2seq", "gpt2-124m",
+            "python-stdlib-gpt"}  # fmt: skip
+
+
+def test_every_recipe_states_its_result():
+    assert set(recipe_names()) >= PROMISED
+    for name in recipe_names():
+        recipe = load_recipe(name)
+        assert set(STATEMENT) <= set(recipe.statement), name
+        text = (pathlib.Path(jdp.__file__).parent / "recipes" / f"{name}.toml").read_text()
+        tables = [line for line in text.splitlines() if line.startswith("[")]
+        assert tables[0] == "[recipe]", name  # the statement comes first
+        assert recipe.statement["command"].startswith(f"python -m jdp.train --recipe {name}")
+        recipe.config(), recipe.config(smoke=True)  # both are valid configurations
+
+
+@pytest.mark.parametrize("name", [n for n in recipe_names() if load_recipe(n).measured])
+def test_a_measured_recipe_is_the_readme_row_that_checks_it(name):
+    recipe = load_recipe(name)
+    rows = {row.command: row for row in readme.table(README)}
+    row = rows[recipe.statement["checked_by"]]
+    words = shlex.split(row.command)
+    assert words[:3] == ["python", "-m", "jdp.train"]
+    assert parse_flags(["--recipe", name]) == parse_flags(words[3:])
+    # The figures it states are the row's, and the row's are what its command prints
+    # (tests/test_readme.py runs it): `python -m jdp.bench readme --write` keeps both.
+    assert f"{recipe.statement['expected']:.4f}" == row.accuracy
+    assert f"{recipe.statement['tolerance']:.4f}" == row.tolerance
+    assert recipe.statement["wall"] == f"{row.wall} s"
+    assert f", {recipe.statement['hardware']}, numerics" in README
+
+
+def test_the_readme_lists_every_recipe_with_its_result():
+    for name in recipe_names():
+        statement = load_recipe(name).statement
+        line = next((l for l in README.splitlines() if f"`{name}`" in l), "")  # noqa: E741
+        assert str(statement["expected"]) in line or f"{statement['expected']:.4f}" in line, name
+
+
+def _stand_in_data(recipe, tmp_path) -> list[str]:
+    """Flags that point a recipe whose data is a download at data made here."""
+    dataset = recipe.config().dataset
+    if dataset == "cifar10":
+        prepare(tfds.image_classification.Cifar10, tmp_path, {"train": 64, "test": 16}, (32, 32, 3))
+        return ["--data-dir", str(tmp_path)]
+    if dataset.startswith("tokens:"):  # GPT-2's vocabulary: the model at its real size
+        rng = np.random.default_rng(0)
+        for split, count in (("train", 20_000), ("val", 2_000)):
+            write_llmc(tmp_path / f"corpus_{split}_000000.bin", rng.integers(0, 50257, count))
+        write_meta(tmp_path, {"vocab_size": 50257})
+        return ["--dataset", f"tokens:{tmp_path}"]
+    return []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", recipe_names())
+def test_every_recipes_smoke_form_runs(name, tmp_path):
+    recipe = load_recipe(name)
+    smoke = [f"--{key.replace('_', '-')}={value}" for key, value in recipe.smoke.items()]
+    result = run_cli("--recipe", name, *smoke, *_stand_in_data(recipe, tmp_path), timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert summary.startswith("jdp.train: steps=") and f"{recipe.statement['metric']}=" in summary
+
+
+def test_a_recipe_of_your_own_and_bad_ones(tmp_path):
+    mine = tmp_path / "mine.toml"
+    statement = "\n".join(f'{key} = "x"' for key in STATEMENT if key != "status")
+    mine.write_text(f'[recipe]\n{statement}\nstatus = "open: mine"\n[flags]\nsteps = 7\n')
+    assert parse_flags(["--recipe", str(mine), "--lr", "0.1"]).steps == 7
+    bad = [
+        ('[recipe]\ncommand = "x"\n', "states no metric, expected, wall, hardware, status"),
+        (f'[recipe]\n{statement}\nstatus = "maybe"\n', "status 'maybe'; give measured or open"),
+        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nbatch = 3\n',
+         "[flags] sets batch, which no flag is"),
+        ("[recipe\n", "not TOML"),
+    ]  # fmt: skip
+    for text, needle in bad:
+        mine.write_text(text)
+        with pytest.raises(UsageError) as error:
+            load_recipe(str(mine))
+        assert needle in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(UsageError, match="unknown recipe 'nope'; choose one of: cifar10"):
+        load_recipe("nope")
+    assert load_recipe("digits-mlp").config() == jdp.TrainConfig(mesh="data=8")  # the default run
+
+
+def test_rewriting_the_readme_rows_rewrites_the_recipes_they_check(tmp_path):
+    text = (pathlib.Path(jdp.__file__).parent / "recipes" / "digits-mlp.toml").read_text()
+    row = readme.Row("python -m jdp.train --mesh data=8", "0.9700", "", "0.0112", "3.1", "1")
+    mine = tmp_path / "digits-mlp.toml"
+    mine.write_text(readme.synced_recipe(text, row, "2 x AMD EPYC"))
+    recipe = load_recipe(str(mine))
+    stated = {key: recipe.statement[key] for key in ("expected", "tolerance", "wall", "hardware")}
+    assert stated == {"expected": 0.97, "tolerance": 0.0112, "wall": "3.1 s",
+                      "hardware": "2 x AMD EPYC"}  # fmt: skip
+    assert recipe.flags == load_recipe("digits-mlp").flags  # the rest as it was, comments too
+    assert mine.read_text().count("#") == text.count("#")
