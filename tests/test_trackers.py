@@ -1,6 +1,8 @@
 """Experiment trackers: an MLflow tracking server started here on 127.0.0.1 (and a local
 store) gets what metrics.jsonl gets, read back with MLflow's own client; a resume logs on
-in the same MLflow run; the server killed mid-run is one warning and the run finishes."""
+in the same MLflow run; the server killed mid-run is one warning and the run finishes.
+Weights & Biases in offline mode writes the same, read back with W&B's own reader
+(``wandb leet inspect --json``)."""
 
 import json
 import os
@@ -183,7 +185,7 @@ def test_a_failing_tracker_warns_once_and_is_dropped(capsys):
 
 
 def test_bad_tracker_settings_are_one_line(monkeypatch):
-    with pytest.raises(jdp.UsageError, match=r"choose from tensorboard, mlflow"):
+    with pytest.raises(jdp.UsageError, match=r"choose from tensorboard, mlflow, wandb"):
         check_trackers("tensorboard,comet", "log")
     with pytest.raises(jdp.UsageError, match="add --log-dir DIR"):
         jdp.fit(jdp.TrainConfig(tracker="mlflow"), console=jdp.Console(enabled=False))
@@ -191,3 +193,83 @@ def test_bad_tracker_settings_are_one_line(monkeypatch):
     with pytest.raises(jdp.UsageError, match=r"needs mlflow: pip install 'jdp\[mlflow\]'"):
         check_trackers("mlflow", "log")
     check_trackers("none", None)  # metrics.jsonl alone
+
+
+def _wandb_records(run_dir) -> list[dict]:
+    """The records of a W&B offline run, as W&B's own reader prints them."""
+    wandb_cli = os.path.join(os.path.dirname(sys.executable), "wandb")
+    result = subprocess.run([wandb_cli, "leet", "inspect", "--json", str(run_dir)],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def _wandb_run(log_dir, *flags):
+    env = subprocess_env() | {"WANDB_MODE": "offline", "WANDB_PROJECT": "tests"}
+    command = [sys.executable, "-m", "jdp.train", *FLAGS[:-1], "wandb", "--log-dir",
+               str(log_dir), *flags]  # fmt: skip
+    return subprocess.run(command, env=env, text=True, capture_output=True, timeout=240)
+
+
+def _check_wandb_history(records, log_dir, steps):
+    """W&B's history rows (a step's records merged into one row) hold every curve of
+    metrics.jsonl's records at ``steps``, value for value."""
+    from jdp.report.writers import curves
+
+    expected: dict[int, dict[str, float]] = {}
+    for record in _records(log_dir):
+        if record["step"] in steps:
+            expected.setdefault(record["step"], {}).update(curves(record))
+    rows = {r["history"]["step"]["num"]: r["history"]["item"] for r in records
+            if r["type"] == "history"}  # fmt: skip
+    assert set(rows) == set(expected)
+    for step, values in expected.items():
+        logged = {name: value for name, value in rows[step].items() if not name.startswith("_")}
+        assert logged == values, step  # JSON's doubles both ways: exact
+
+
+@pytest.mark.slow
+def test_wandb_offline_gets_the_runs_metrics_config_and_checkpoint(tmp_path):
+    pytest.importorskip("wandb")
+    log_dir, ckpt = tmp_path / "log", tmp_path / "ckpt"
+    first = _wandb_run(log_dir, "--steps", "40", "--ckpt-dir", str(ckpt))
+    assert first.returncode == 0 and "warning" not in first.stderr, first.stderr
+    (run_dir,) = (log_dir / "wandb").glob("offline-run-*")
+    records = _wandb_records(run_dir)
+    (run,) = (r["run"] for r in records if r["type"] == "run")
+    run_id = json.loads((log_dir / "trackers.json").read_text())["wandb"]
+    assert run["run_id"] == run_id and run["project"] == "tests" and run["display_name"] == "log"
+    config = {}
+    for record in records:
+        if record["type"] == "config":
+            config.update(record["config"]["update"])
+    assert config["lr"] == 0.003 and config["mesh"] == {"data": 1}
+    summary = {}
+    for record in records:
+        if record["type"] == "summary":
+            summary.update(record["summary"]["update"])
+    assert summary["jdp.checkpoint"] == str(ckpt / "40")
+    _check_wandb_history(records, log_dir, steps=range(41))
+
+    resumed = _wandb_run(log_dir, "--steps", "60", "--ckpt-dir", str(ckpt))
+    assert resumed.returncode == 0, resumed.stderr
+    later = [d for d in (log_dir / "wandb").glob("offline-run-*") if d != run_dir]
+    (again,) = later  # the same run id, logged on from step 41 (wandb sync joins them)
+    records = _wandb_records(again)
+    assert next(r["run"] for r in records if r["type"] == "run")["run_id"] == run_id
+    _check_wandb_history(records, log_dir, steps=range(41, 61))
+
+
+@pytest.mark.slow
+def test_wandb_online_without_a_key_is_one_warning_never_a_prompt(tmp_path):
+    pytest.importorskip("wandb")
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("WANDB_")}
+    command = [sys.executable, "-m", "jdp.train", *FLAGS[:-1], "wandb", "--log-dir",
+               str(tmp_path / "log"), "--steps", "20"]  # fmt: skip
+    result = subprocess.run(command, env=env | {"HOME": str(tmp_path)}, text=True,
+                            capture_output=True, timeout=240, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert warnings == ["jdp: warning: the wandb tracker failed (RuntimeError: no W&B API key: "
+                        "run wandb login, or set WANDB_MODE=offline); training goes on without "
+                        "it"]  # fmt: skip

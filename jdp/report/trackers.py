@@ -1,4 +1,4 @@
-"""Experiment trackers behind the writer interface: ``--tracker tensorboard,mlflow``.
+"""Experiment trackers behind the writer interface: ``--tracker tensorboard,mlflow,wandb``.
 
 Every tracker gets what ``metrics.jsonl`` gets, under the names TensorBoard shows
 (``train/loss``, ``test/accuracy``, ``perf/examples_per_sec``); a tracker with
@@ -10,6 +10,12 @@ MLflow (``pip install 'jdp[mlflow]'``) logs to ``MLFLOW_TRACKING_URI`` (MLflow's
 default otherwise), in the experiment ``MLFLOW_EXPERIMENT_NAME`` (default ``jdp``),
 a run named after ``--log-dir``; the run's id is kept in ``LOG_DIR/trackers.json``,
 so a resumed run logs on in the same MLflow run.
+
+Weights & Biases (``pip install 'jdp[wandb]'``) logs to the project ``WANDB_PROJECT``
+(default ``jdp``), a run named after ``--log-dir`` whose files W&B keeps in
+``LOG_DIR/wandb``; ``WANDB_MODE=offline`` writes there only (``wandb sync`` uploads
+it later). Its id is kept in ``trackers.json`` too: a resume logs on in the same run.
+Without a key (``wandb login``) an online run is one warning, never a prompt.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ import json
 import os
 import sys
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jdp.errors import UsageError
 from jdp.report.writers import JsonlWriter, TensorBoardWriter, Writer, curves
 
-TRACKERS = {"tensorboard": None, "mlflow": "mlflow"}  # name -> the module it needs
+TRACKERS = {"tensorboard": None, "mlflow": "mlflow", "wandb": "wandb"}  # name -> its module
 _IDS = "trackers.json"  # in the run directory: each tracker's run, for a resume
 # Seconds an MLflow request may take, and its retries, unless you set MLflow's own
 # variables: a tracking server that went away costs the writer thread seconds, not
@@ -99,11 +106,12 @@ def open_writers(log_dir: str, trackers: Sequence[str] = ("tensorboard",)) -> li
     writers: list[Writer] = [JsonlWriter(os.path.join(log_dir, "metrics.jsonl"))]
     if "tensorboard" in trackers:
         writers.append(TensorBoardWriter(log_dir))
-    if "mlflow" in trackers:
-        try:  # a server that is not there at the start is a warning too
-            writers.append(Guarded("mlflow", MlflowTracker(log_dir)))
-        except Exception as error:  # any failure of a third party's client
-            _warn("mlflow", error)
+    for name, tracker in (("mlflow", MlflowTracker), ("wandb", WandbTracker)):
+        if name in trackers:
+            try:  # a server that is not there at the start is a warning too
+                writers.append(Guarded(name, tracker(log_dir)))
+            except Exception as error:  # any failure of a third party's client
+                _warn(name, error)
     return writers
 
 
@@ -174,3 +182,46 @@ class MlflowTracker:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id, end_time=int(time.time() * 1000))
+
+
+class WandbTracker:
+    """One W&B run per run directory (``wandb.init`` with the kept id, ``resume="allow"``)."""
+
+    def __init__(self, log_dir: str):
+        import wandb
+
+        offline = os.environ.get("WANDB_MODE", "") in ("offline", "disabled", "dryrun")
+        if not offline and not wandb.login(prompt=False):
+            raise RuntimeError("no W&B API key: run wandb login, or set WANDB_MODE=offline")
+        self.run_id = _run_ids(log_dir).get("wandb")
+        self.resumed = self.run_id is not None
+        if self.run_id is None:
+            self.run_id = uuid.uuid4().hex[:12]  # letters and digits, as W&B ids are
+            _keep_run_id(log_dir, "wandb", self.run_id)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "jdp"),
+            name=os.path.basename(os.path.abspath(log_dir)),
+            id=self.run_id,
+            resume="allow",
+            dir=log_dir,
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def describe(self, config: Mapping[str, Any], facts: Mapping[str, Any]) -> None:
+        if self.resumed:
+            self.run.summary["jdp.resumed"] = True
+        self.run.config.update({**config, **facts}, allow_val_change=True)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        values = {key: float(value) for key, value in curves(record).items()
+                  if value is not None and not isinstance(value, str)}  # fmt: skip
+        self.run.log(values, step=record["step"])
+
+    def tag(self, name: str, value: str) -> None:
+        self.run.summary[name] = value
+
+    def flush(self) -> None:
+        pass  # W&B's own process writes and uploads
+
+    def close(self) -> None:
+        self.run.finish()

@@ -281,7 +281,7 @@ class TrainConfig:
         OBSERVABILITY,
         "tensorboard",
         "where --log-dir's metrics also go: "
-        "tensorboard, mlflow (MLFLOW_TRACKING_URI), comma-separated, or none",
+        "tensorboard, mlflow (MLFLOW_TRACKING_URI), wandb (WANDB_MODE), comma-separated, or none",
     )
     summary: bool = _flag(OBSERVABILITY, False, "print the model's parameters, bytes per "
                           "device and FLOPs per example first (jdp.summary)")  # fmt: skip
