@@ -53,10 +53,17 @@ def process_env(
             "PYTHONUNBUFFERED": "1",
         }
     )
-    if devices_per_process:
-        flags = _CPU_COUNT.sub("", env.get("XLA_FLAGS", "")).strip()
-        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_process}"
+    env.update(device_flags(devices_per_process))
     return env
+
+
+def device_flags(devices_per_process: int | None) -> dict[str, str]:
+    """``XLA_FLAGS`` simulating ``devices_per_process`` CPU devices (this process's other
+    flags kept); nothing when None."""
+    if not devices_per_process:
+        return {}
+    flags = _CPU_COUNT.sub("", os.environ.get("XLA_FLAGS", "")).strip()
+    return {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_process}"}
 
 
 def describe_exit(code: int) -> str:
@@ -154,8 +161,9 @@ _DIE_WITH_LAUNCHER = (
 )
 
 
-def _command(command: Sequence[str]) -> list[str]:
-    """``command``, set up to end with the launcher (where the kernel can do it: Linux)."""
+def command_ending_with_parent(command: Sequence[str]) -> list[str]:
+    """``command``, set up to end with the process that starts it (the launcher, a Ray
+    actor) where the kernel can do it: Linux."""
     if not sys.platform.startswith("linux"):
         return list(command)
     return [sys.executable, "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *command]
@@ -164,7 +172,7 @@ def _command(command: Sequence[str]) -> list[str]:
 def _start(command: Sequence[str], env: dict[str, str], rank: int, lock: threading.Lock):
     """Starts one process of the run, its output relayed with a ``[rank]`` prefix."""
     child = subprocess.Popen(
-        _command(command),
+        command_ending_with_parent(command),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
