@@ -4,7 +4,11 @@ What a cluster scheduler does, on one host: each process gets ``JDP_COORDINATOR`
 (127.0.0.1 and a free port), ``JDP_NUM_PROCESSES`` and ``JDP_PROCESS_ID``, and
 the coordinator listens on loopback only. Output lines carry the process id. The
 launcher exits with the first non-zero exit code; once a process fails, the
-others get ``--grace`` seconds to end on their own and are then killed.
+others get ``--grace`` seconds to end on their own and are then killed. With
+``--max-restarts K`` the group is started again instead, up to K times (a jdp run
+resumes from its last complete checkpoint: torchrun's elastic semantics), and
+``--min-nproc M`` leaves out a process that fails twice in a row while more than
+M remain: the run finishes on fewer, its global batch and data order unchanged.
 SIGTERM, SIGINT or SIGHUP sends SIGTERM to every process (a jdp run saves and
 stops); a second signal kills them. On Linux the processes get SIGTERM when the
 launcher dies, however it dies: none is left training without it.
@@ -94,12 +98,19 @@ def launch(
     devices_per_process: int | None = None,
     port: int | None = None,
     grace: float = 10.0,
+    max_restarts: int = 0,
+    min_nproc: int | None = None,
 ) -> int:
-    """Runs ``command`` as ``nproc`` processes of one run; returns the launcher's exit code."""
-    port = port or free_port()
+    """Runs ``command`` as ``nproc`` processes of one run; returns the launcher's exit code.
+
+    When a process fails, the group is stopped and started again, up to
+    ``max_restarts`` times (a jdp run resumes from its last complete checkpoint);
+    a process that fails twice in a row is left out while more than ``min_nproc``
+    remain (the run goes on with fewer, its global batch and order unchanged). An
+    exit code of 2 (bad input) and a stop asked by a signal are never restarted.
+    """
     lock = threading.Lock()
     children: list[subprocess.Popen] = []
-    relays: list[threading.Thread] = []
     signals: list[int] = []
 
     def stop(number, frame):
@@ -118,7 +129,41 @@ def launch(
         number: signal.signal(number, stop)
         for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     }
-    failed = None
+    failed_before, restarts, min_nproc = None, 0, min(min_nproc or nproc, nproc)
+    try:
+        while True:
+            children.clear()
+            failed = _group(command, nproc, devices_per_process, port, grace, lock,
+                            children, signals)  # fmt: skip
+            if failed is None:
+                return 0
+            rank, code = failed
+            line = f"process {rank} of {nproc} failed first ({describe_exit(code)})"
+            if signals or code == 2 or restarts == max_restarts:
+                _say(lock, f"{line}; exit code {_shell_code(code)}")
+                if max_restarts and restarts == max_restarts and not signals and code != 2:
+                    _say(lock, f"--max-restarts {max_restarts} spent; the last complete "
+                               "checkpoint is where a rerun resumes")  # fmt: skip
+                return _shell_code(code)
+            _say(lock, line)
+            restarts, port = restarts + 1, None  # a fresh port: the old one may linger
+            if rank == failed_before and nproc > min_nproc:
+                nproc -= 1
+                _say(lock, f"process {rank} failed twice in a row; going on with {nproc} "
+                           f"processes (--min-nproc {min_nproc})")  # fmt: skip
+            failed_before = rank
+            _say(lock, f"restart {restarts} of {max_restarts}: {nproc} processes, resuming "
+                       "from the last complete checkpoint")  # fmt: skip
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _group(command, nproc, devices_per_process, port, grace, lock, children, signals
+           ) -> tuple[int, int] | None:  # fmt: skip
+    """Starts the ``nproc`` processes once and waits for them: the first failure, or None."""
+    port = port or free_port()
+    relays: list[threading.Thread] = []
     try:
         for rank in range(nproc):
             if signals:
@@ -128,25 +173,14 @@ def launch(
             children.append(child)
             relays.extend(child_relays)
             _say(lock, f"started process {rank} of {nproc} (pid {child.pid})")
-        failed = _supervise(children, grace, lock)
+        return _supervise(children, grace, lock)
     finally:
         for child in children:  # nothing outlives the launcher
             if child.poll() is None:
                 _signal_group(child, signal.SIGKILL)
                 child.wait()
-        for number, handler in previous.items():
-            signal.signal(number, handler)
         for relay in relays:
             relay.join(timeout=5)
-    if failed is None:
-        return 0
-    rank, code = failed
-    _say(
-        lock,
-        f"process {rank} of {nproc} failed first ({describe_exit(code)}); exit code "
-        f"{_shell_code(code)}",
-    )
-    return _shell_code(code)
 
 
 # Run in front of a process's command on Linux: the kernel sends it SIGTERM when the
@@ -253,6 +287,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=10.0,
         help="seconds the other processes get to stop after one fails (default: 10)",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="start the processes again this many times when one fails; a jdp run resumes "
+        "from its last complete checkpoint (default: 0)",
+    )
+    parser.add_argument(
+        "--min-nproc",
+        type=int,
+        default=None,
+        help="leave out a process that fails twice in a row while more than this many remain "
+        "(default: --nproc: never)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -264,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     if not 0 <= args.grace < float("inf"):  # also false for NaN
         parser.error(f"--grace must be a finite number of seconds >= 0, got {args.grace}")
+    if args.max_restarts < 0 or not 1 <= (args.min_nproc or args.nproc) <= args.nproc:
+        parser.error("--max-restarts must be at least 0, and --min-nproc in 1..--nproc")
     if shutil.which(command[0]) is None:
         parser.error(f"command not found: {command[0]}")
     return launch(
@@ -272,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         devices_per_process=args.devices_per_process,
         port=args.port,
         grace=args.grace,
+        max_restarts=args.max_restarts,
+        min_nproc=args.min_nproc,
     )
 
 

@@ -1,6 +1,7 @@
 """What several test modules share: fresh-process runs and a small regression problem."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -104,3 +105,12 @@ def saves_after(directory, broken, good, metrics) -> tuple[list[int], list[int],
             checkpointer.wait()
             saved.append(checkpointer.steps())
     return *saved, progress
+
+
+def launched_pids(stderr_lines) -> dict[int, int]:
+    """Each process's pid, by rank, from ``jdp.launch``'s lines (the latest start's)."""
+    return {
+        int(m.group(1)): int(m.group(2))
+        for line in stderr_lines
+        if (m := re.search(r"started process (\d+) of \d+ \(pid (\d+)\)", line))
+    }

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 from closeness import assert_drift_within, assert_sequences_close
-from helpers import subprocess_env
+from helpers import launched_pids, subprocess_env
 
 from jdp import distributed
 from jdp.checkpoint import load_params
@@ -99,14 +99,6 @@ def test_two_processes_match_one(single, tmp_path, backend):
     _assert_same_params(tmp_path / "ckpt", single / "ckpt")
 
 
-def _launched_pids(stderr_lines):
-    return {
-        int(m.group(1)): int(m.group(2))
-        for line in stderr_lines
-        if (m := re.search(r"started process (\d+) of \d+ \(pid (\d+)\)", line))
-    }
-
-
 def _read_lines(stream, into):
     for line in iter(stream.readline, ""):
         into.append(line)
@@ -151,7 +143,7 @@ def test_a_lost_process_stops_the_others_within_the_heartbeat_timeout():
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     code, _, text, stopped_after = _interrupt_mid_run(
-        launcher, lambda err: os.kill(_launched_pids(err)[1], signal.SIGKILL), timeout=90
+        launcher, lambda err: os.kill(launched_pids(err)[1], signal.SIGKILL), timeout=90
     )
     assert code != 0
     assert "jdp.launch: process 1 killed by SIGKILL" in text

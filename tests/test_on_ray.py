@@ -3,28 +3,53 @@ and a worker node started here (Ray's own ``cluster_utils``; Ray gives a node on
 machine its own address, not 127.0.0.1, and nothing leaves the machine)."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
 import pytest
 from helpers import subprocess_env
 
-ray_cluster_utils = pytest.importorskip("ray.cluster_utils")
+pytest.importorskip("ray")
 
 TRAIN = ["python", "-m", "jdp.train", "--mesh", "data=8", "--steps", "40"]
 
 
+# The cluster lives in a process of its own: Ray forks, and this test process may hold
+# JAX's threads (JAX warns of a fork there; a deadlock is possible).
+CLUSTER = """
+import sys
+from ray.cluster_utils import Cluster
+nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+try:
+    nodes.add_node(num_cpus=2)
+    nodes.wait_for_nodes()
+    print(nodes.address, flush=True)
+    sys.stdin.read()  # until the test closes it
+finally:
+    nodes.shutdown()
+"""
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    nodes = ray_cluster_utils.Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
-    )
+    """A Ray cluster of a head and a worker node, as ``ray start`` makes them."""
+    process = subprocess.Popen([sys.executable, "-c", CLUSTER], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env=subprocess_env(),
+                               start_new_session=True)  # fmt: skip
     try:
-        nodes.add_node(num_cpus=2)
-        nodes.wait_for_nodes()
-        yield nodes.address
+        address = process.stdout.readline().strip()
+        assert address, "the Ray cluster did not start"
+        yield address
     finally:
-        nodes.shutdown()
+        process.stdin.close()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        process.stdout.close()
 
 
 def _run(*command, timeout=240):

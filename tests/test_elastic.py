@@ -1,0 +1,143 @@
+"""Elastic restarts (``jdp.launch --max-restarts K --min-nproc M``): a process killed with
+SIGKILL mid-run, or while a checkpoint is being written, and the launcher starts the
+group again from the last complete checkpoint; the run finishes with the parameters
+of one that never failed (bitwise on the same processes; to float32 rounding when it
+goes on with fewer). Real runs: processes on loopback, JAX's distributed runtime."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from closeness import assert_drift_within
+from helpers import assert_bitwise_equal, launched_pids, subprocess_env
+
+from jdp.checkpoint import load_params
+
+STEPS = 600
+TRAIN = [sys.executable, "-m", "jdp.train", "--mesh", "data=-1", "--steps", str(STEPS),
+         "--ckpt-every", "100", "--eval-every", "0"]  # fmt: skip
+# Process 1 exits at once once this file exists: a process that cannot come back.
+FAILS_AGAIN = (
+    "import os, sys\n"
+    "if os.environ['JDP_PROCESS_ID'] == '1' and os.path.exists(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _launcher(ckpt_dir, *launch_flags, wrapper=()):
+    command = [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process",
+               "4", "--grace", "3", *launch_flags, "--", *wrapper, *TRAIN,
+               "--ckpt-dir", str(ckpt_dir)]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env())  # fmt: skip
+
+
+def _kill_when(launcher, ready, then=lambda: None, timeout=240):
+    """Kills process 1 with SIGKILL once ``ready()``; returns the exit code and output."""
+    out, err = [], []
+    readers = [threading.Thread(target=lambda s=s, into=into: into.extend(iter(s.readline, "")),
+                                daemon=True)
+               for s, into in ((launcher.stdout, out), (launcher.stderr, err))]  # fmt: skip
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    with launcher:
+        try:
+            while not ready():
+                assert launcher.poll() is None, "".join(out + err)[-3000:]
+                assert time.monotonic() < deadline
+                time.sleep(0.002)
+            os.kill(launched_pids(err)[1], signal.SIGKILL)
+            then()
+            code = launcher.wait(timeout=timeout)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+        for reader in readers:
+            reader.join(timeout=10)
+    return code, "".join(out), "".join(err)
+
+
+def _params(ckpt_dir) -> dict:
+    """The final checkpoint's parameters by leaf path (restored here, on one device)."""
+    params = load_params(str(ckpt_dir / str(STEPS)))
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in flat}
+
+
+def _saved(ckpt_dir, step):
+    return lambda: (ckpt_dir / str(step)).is_dir()
+
+
+def _saving_after(ckpt_dir, step):
+    """True while a checkpoint after ``step``'s is being written (Orbax's temporary
+    directory is there): the restart then resumes from ``step``'s."""
+
+    def saving():
+        if not (ckpt_dir / str(step)).is_dir():
+            return False
+        with os.scandir(ckpt_dir) as entries:
+            return any("tmp" in entry.name for entry in entries)
+
+    return saving
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The run on 2 processes of 4 devices that nothing interrupts."""
+    directory = tmp_path_factory.mktemp("whole")
+    launcher = _launcher(directory)
+    _, err = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, err[-3000:]
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("when", ["mid-run", "during a save"])
+def test_a_killed_process_is_restarted_and_the_run_ends_bitwise(whole, tmp_path, when):
+    ready = _saved(tmp_path, 100) if when == "mid-run" else _saving_after(tmp_path, 100)
+    code, out, err = _kill_when(_launcher(tmp_path, "--max-restarts", "2"), ready)
+    assert code == 0, err[-3000:]
+    assert "jdp.launch: process 1 of 2 failed first (killed by SIGKILL)" in err
+    assert "jdp.launch: restart 1 of 2: 2 processes, resuming from the last complete" in err
+    assert "[0] jdp: resuming from step" in out, out[-3000:]
+    assert_bitwise_equal(_params(tmp_path), _params(whole))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_process_that_cannot_come_back_is_left_out(whole, tmp_path):
+    """--min-nproc 1: process 1 is killed, then fails at once; process 0 finishes alone
+    on its 4 devices, the same global batches in the same order."""
+    mark = tmp_path / "fails-again"
+    wrapper = [sys.executable, "-c", FAILS_AGAIN, str(mark)]
+    launcher = _launcher(tmp_path / "ckpt", "--max-restarts", "3", "--min-nproc", "1",
+                         wrapper=wrapper)  # fmt: skip
+    code, _, err = _kill_when(launcher, _saved(tmp_path / "ckpt", 100), then=mark.touch)
+    assert code == 0, err[-3000:]
+    assert "process 1 failed twice in a row; going on with 1 processes (--min-nproc 1)" in err
+    assert "restart 2 of 3: 1 processes" in err
+    # 4 devices instead of 8 sum the gradients in another order: equal to rounding.
+    assert_drift_within(load_params(str(tmp_path / "ckpt")), load_params(str(whole)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_spent_restarts_end_in_one_line_with_the_last_checkpoint_intact(tmp_path):
+    mark = tmp_path / "fails-again"
+    wrapper = [sys.executable, "-c", FAILS_AGAIN, str(mark)]
+    launcher = _launcher(tmp_path / "ckpt", "--max-restarts", "1", wrapper=wrapper)
+    code, _, err = _kill_when(launcher, _saved(tmp_path / "ckpt", 100), then=mark.touch)
+    assert code == 1
+    assert err.strip().splitlines()[-1] == (
+        "jdp.launch: --max-restarts 1 spent; the last complete checkpoint is where a rerun resumes"
+    )
+    load_params(str(tmp_path / "ckpt"))  # the latest complete checkpoint, digests checked
