@@ -146,6 +146,7 @@ def test_a_config_that_is_not_gpt2_is_refused(toy, tmp_path):
     for key, value, needle in [
         ("model_type", "llama", "is a 'llama' model"),
         ("activation_function", "relu", "activation_function 'relu'"),
+        ("n_head", None, "states no n_head; GPT-2's config.json has them"),
     ]:
         (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(UsageError, match=needle):

@@ -49,6 +49,7 @@ _TOP = (
     (("LayerNorm_0", "bias"), "ln_f.bias"),
 )
 _ATTENTION = "MultiHeadDotProductAttention_0"
+_SHAPE_KEYS = ("vocab_size", "n_embd", "n_head", "n_layer", "n_positions")  # config.json's
 _QKV = ("query", "key", "value")
 
 
@@ -113,6 +114,9 @@ def read_architecture(directory: str) -> dict:
             raise UsageError(
                 f"{path}: {name} {config.get(name)!r} is not GPT-2's, which jdp's gpt computes"
             )
+    missing = [key for key in _SHAPE_KEYS if not isinstance(config.get(key), int)]
+    if missing:
+        raise UsageError(f"{path} states no {', '.join(missing)}; GPT-2's config.json has them")
     width = config["n_embd"]
     return {
         "vocab_size": config["vocab_size"],
