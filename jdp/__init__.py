@@ -23,7 +23,7 @@ from jdp.checkpoint import Checkpointer, load_params
 from jdp.data.pipeline import Loader, eval_batches, train_batches
 from jdp.data.sources import Split, load_split
 from jdp.diloco import Outer, diloco  # the function; the package is jdp/diloco/
-from jdp.errors import NonFiniteError, UsageError
+from jdp.errors import DataLedgerError, NonFiniteError, UsageError
 from jdp.inference import LoadedModel, load_model, predict
 from jdp.layout import param_specs
 from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices
@@ -50,6 +50,7 @@ __all__ = [
     "Checkpointer",
     "CompiledStep",
     "Console",
+    "DataLedgerError",
     "EarlyStopping",
     "FitResult",
     "GroupState",

@@ -16,6 +16,13 @@ class NonFiniteError(RuntimeError):
     """
 
 
+class DataLedgerError(RuntimeError):
+    """A global batch was not the one the run's seed and step give (`jdp.data.ledger`):
+    a process read other rows, or the loader skipped or repeated a batch. The CLI
+    prints it and exits with code 1; nothing trained on that batch was saved.
+    """
+
+
 # What the operating system says when a write fails, as it appears (nested) in the
 # errors of Orbax, tensorstore and TFDS.
 _OS_FAILURES = (

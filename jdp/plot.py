@@ -4,7 +4,9 @@ Reads each run directory's ``metrics.jsonl`` (written with ``--log-dir``) and
 draws, against the step, one line per run and split: the loss and the
 evaluation's figure (a classifier's accuracy; a language model's bits per byte
 or perplexity) for training, with the validation and test splits' as points,
-the learning rate, and examples/s (tokens/s for a language model).
+the learning rate, and examples/s (tokens/s for a language model). A run's label
+gives its goodput (`jdp.report.goodput`), and a line for each says where its wall time
+went.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from jdp.errors import UsageError
+from jdp.report.goodput import describe
 
 # (record kinds, key, panel title, y label, log scale): each panel draws the first
 # of its choices that some run logged.
@@ -79,7 +82,8 @@ def plot_runs(run_dirs: Sequence[str], out: str) -> str:
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
-    runs = {_label(run_dir, run_dirs): read_run(run_dir) for run_dir in run_dirs}
+    runs = {_label(run_dir, run_dirs) + _goodput(run_dir): read_run(run_dir)
+            for run_dir in run_dirs}  # fmt: skip
     figure, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (title, ylabel, log, key, lines) in zip(axes.flat, panels(runs), strict=True):
         for color, kind, name, steps, values in lines:
@@ -142,6 +146,22 @@ def _label(run_dir: str, run_dirs: Sequence[str]) -> str:
     return name if names.count(name) == 1 else os.path.normpath(run_dir)
 
 
+def read_goodput(run_dir: str) -> dict | None:
+    """The run's goodput accounting from its ``run.json`` (`jdp.report.goodput`), or None."""
+    try:
+        with open(os.path.join(run_dir, "run.json")) as file:
+            accounting = json.load(file)["goodput"]
+        return accounting if isinstance(accounting.get("goodput"), float) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _goodput(run_dir: str) -> str:
+    """`` (goodput 91.2%)``, a run's legend label's end, when it has the figure."""
+    accounting = read_goodput(run_dir)
+    return f" (goodput {accounting['goodput']:.1%})" if accounting else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     description = __doc__.splitlines()[0].replace("``", "")
     parser = argparse.ArgumentParser(prog="jdp.plot", description=description)
@@ -153,6 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         print(f"jdp.plot: error: {error}", file=sys.stderr)
         return 2
+    for run_dir in args.run_dirs:
+        if accounting := read_goodput(run_dir):
+            print(f"jdp.plot: {run_dir}: {describe(accounting)}")
     print(f"jdp.plot: wrote {path}")
     return 0
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from jdp.distributed import ReplicaMismatchError
-from jdp.errors import NonFiniteError, UsageError
+from jdp.errors import DataLedgerError, NonFiniteError, UsageError
 from jdp.report.console import Console
 from jdp.sample import training_sample
 from jdp.training.flags import parse_flags
@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         sys.stderr.write(f"jdp.train: error: {error}\n")
         return 2
-    except (ReplicaMismatchError, NonFiniteError) as error:
+    except (ReplicaMismatchError, NonFiniteError, DataLedgerError) as error:
         sys.stderr.write(f"jdp.train: error: {error}\n")
         return 1
     finally:

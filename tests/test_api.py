@@ -8,6 +8,7 @@ def test_public_names_are_pinned():
         "Checkpointer",
         "CompiledStep",
         "Console",
+        "DataLedgerError",
         "EarlyStopping",
         "FitResult",
         "GroupState",

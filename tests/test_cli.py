@@ -8,7 +8,7 @@ from helpers import run_cli
 
 SUMMARY = re.compile(
     r"^jdp\.train: steps=(\d+) train_loss=\S+ test_loss=\S+ test_accuracy=([\d.]+) "
-    r"examples/s=\d+ input_wait=([\d.]+)% wall=[\d.]+s$",
+    r"examples/s=\d+ input_wait=([\d.]+)% goodput=[\d.]+% wall=[\d.]+s$",
     re.M,
 )
 

@@ -4,7 +4,9 @@ group again from the last complete checkpoint; the run finishes with the paramet
 of one that never failed (bitwise on the same processes; to float32 rounding when it
 goes on with fewer). Real runs: processes on loopback, JAX's distributed runtime."""
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +23,10 @@ from jdp.checkpoint import load_params
 
 STEPS = 600
 TRAIN = [sys.executable, "-m", "jdp.train", "--mesh", "data=-1", "--steps", str(STEPS),
-         "--ckpt-every", "100", "--eval-every", "0"]  # fmt: skip
+         "--ckpt-every", "100", "--eval-every", "0", "--log-every", "20"]  # fmt: skip
+# Seconds a run's processes may take to exit after its summary line (Orbax's and the
+# distributed runtime's threads), and the launcher to start: outside the ledger's wall.
+EXIT_SECONDS = 5.0
 # Process 1 exits at once once this file exists: a process that cannot come back.
 FAILS_AGAIN = (
     "import os, sys\n"
@@ -34,7 +39,7 @@ FAILS_AGAIN = (
 def _launcher(ckpt_dir, *launch_flags, wrapper=()):
     command = [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process",
                "4", "--grace", "3", *launch_flags, "--", *wrapper, *TRAIN,
-               "--ckpt-dir", str(ckpt_dir)]  # fmt: skip
+               "--ckpt-dir", str(ckpt_dir), "--log-dir", _log_dir(ckpt_dir)]  # fmt: skip
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=subprocess_env())  # fmt: skip
 
@@ -72,6 +77,42 @@ def _params(ckpt_dir) -> dict:
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in flat}
 
 
+def _log_dir(ckpt_dir) -> str:
+    return f"{ckpt_dir}-log"
+
+
+def _ledger(ckpt_dir) -> dict:
+    """Each logged step's data ledger digests (`jdp.data.ledger`), every attempt's
+    records of a step agreeing (a restart logs again the steps a kill lost)."""
+    ledger = {}
+    with open(os.path.join(_log_dir(ckpt_dir), "metrics.jsonl")) as file:
+        for record in map(json.loads, file):
+            if record["kind"] == "train":
+                digests = (record["batch_digest"], record["data_ledger"])
+                assert ledger.setdefault(record["step"], digests) == digests, record["step"]
+    return ledger
+
+
+def _goodput(ckpt_dir) -> dict:
+    with open(os.path.join(_log_dir(ckpt_dir), "run.json")) as file:
+        return json.load(file)["goodput"]
+
+
+def _logged(ckpt_dir, step):
+    """True once the run's metrics hold a train record of ``step`` or later."""
+
+    def logged():
+        try:
+            with open(os.path.join(_log_dir(ckpt_dir), "metrics.jsonl")) as file:
+                lines = file.read().splitlines()
+        except OSError:
+            return False
+        return any(f'"kind": "train", "step": {logged},' in line for line in lines
+                   for logged in range(step, STEPS + 1, 20))  # fmt: skip
+
+    return logged
+
+
 def _saved(ckpt_dir, step):
     return lambda: (ckpt_dir / str(step)).is_dir()
 
@@ -103,13 +144,27 @@ def whole(tmp_path_factory):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("when", ["mid-run", "during a save"])
 def test_a_killed_process_is_restarted_and_the_run_ends_bitwise(whole, tmp_path, when):
-    ready = _saved(tmp_path, 100) if when == "mid-run" else _saving_after(tmp_path, 100)
+    ready = _logged(tmp_path, 140) if when == "mid-run" else _saving_after(tmp_path, 100)
+    began = time.monotonic()
     code, out, err = _kill_when(_launcher(tmp_path, "--max-restarts", "2"), ready)
+    stopwatch = time.monotonic() - began
     assert code == 0, err[-3000:]
     assert "jdp.launch: process 1 of 2 failed first (killed by SIGKILL)" in err
     assert "jdp.launch: restart 1 of 2: 2 processes, resuming from the last complete" in err
-    assert "[0] jdp: resuming from step" in out, out[-3000:]
+    resumed = re.search(r"\[0\] jdp: resuming from step (\d+)", out)
+    assert resumed, out[-3000:]
     assert_bitwise_equal(_params(tmp_path), _params(whole))
+    # The restart trained on the uninterrupted run's batches, step for step.
+    assert _ledger(tmp_path) == _ledger(whole)
+    # The goodput ledger: the killed attempt's steps after the checkpoint were computed
+    # again and are counted; the parts add up to the wall time, which the test's own
+    # stopwatch bounds (less the launcher's start and the last process's exit).
+    goodput = _goodput(tmp_path)
+    assert goodput["restarts"] == 1
+    assert goodput["recomputed_steps"] >= 140 - int(resumed[1]) > 0
+    assert goodput["parts"]["recomputed"] > 0 and goodput["parts"]["restart"] > 0
+    assert abs(sum(goodput["parts"].values()) - goodput["wall"]) <= 0.02 * goodput["wall"]
+    assert stopwatch - EXIT_SECONDS <= goodput["wall"] <= stopwatch
 
 
 @pytest.mark.slow
@@ -127,6 +182,7 @@ def test_a_process_that_cannot_come_back_is_left_out(whole, tmp_path):
     assert "restart 2 of 3: 1 processes" in err
     # 4 devices instead of 8 sum the gradients in another order: equal to rounding.
     assert_drift_within(load_params(str(tmp_path / "ckpt")), load_params(str(whole)))
+    assert _ledger(tmp_path / "ckpt") == _ledger(whole)  # the same batches on 1 process
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ LAYERS = {
     "inference": "services", "collectives": "services", "sampling": "services",
     "training": "training",
     "train": "tools", "plan": "tools", "plan_costs": "tools", "launch": "tools", "plot": "tools",
-    "bench": "tools", "sample": "tools", "export": "tools", "on_ray": "tools",
+    "bench": "tools", "sample": "tools", "export": "tools", "on_ray": "tools", "replay": "tools",
     "data.__main__": "tools", "": "tools",
 }  # fmt: skip
 # Units that read in one sitting: a module of at most 400 lines, a function of at most

@@ -41,7 +41,8 @@ ROW = re.compile(
 SUMMARY = re.compile(
     r"^(?:\[0\] )?jdp\.train: steps=\d+ train_loss=\S+ (?:test_loss=\S+ "
     r"test_accuracy=(?P<accuracy>[\d.]+)|val_loss=\S+ val_bits_per_byte=(?P<bits>[\d.]+)) "
-    r"examples/s=(?P<rate>\d+) (?:tokens/s=\d+ )?input_wait=\S+ wall=(?P<wall>[\d.]+)s$",
+    r"examples/s=(?P<rate>\d+) (?:tokens/s=\d+ )?input_wait=\S+ (?:goodput=\S+ )?"
+    r"wall=(?P<wall>[\d.]+)s$",
     re.M,
 )
 # The evaluated split's size, from the line saying what was built; a language

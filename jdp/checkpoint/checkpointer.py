@@ -134,8 +134,10 @@ class Checkpointer:
         loader_step: int,
         config: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
+        ledger: Mapping[str, Any] | None = None,
     ) -> bool:
-        """Saves ``state`` at its step, unless a checkpoint of that step exists.
+        """Saves ``state`` at its step, unless a checkpoint of that step exists; ``ledger``
+        is the run's data ledger through it (`jdp.data.ledger`).
 
         Returns:
             Whether a save was started.
@@ -150,7 +152,7 @@ class Checkpointer:
         }
         meta = Record(
             step, loader_step, config=dict(config or {}), arrays=arrays,
-            metrics=dict(metrics or {}),
+            metrics=dict(metrics or {}), ledger=dict(ledger or {}),
         ).to_json()  # fmt: skip
         record = _PendingRecord(meta)
         if not self._async:  # the commit happens inside the save: the digests go first
@@ -208,9 +210,14 @@ class Checkpointer:
         )
 
     def restore(
-        self, like: TrainState, *, check: Callable[[dict], None] | None = None
+        self,
+        like: TrainState,
+        *,
+        check: Callable[[dict], None] | None = None,
+        at_most: int | None = None,
     ) -> tuple[TrainState, dict] | None:
-        """Restores the latest good checkpoint onto ``like``'s shardings.
+        """Restores the latest good checkpoint (of a step ``at_most`` or before, when given)
+        onto ``like``'s shardings.
 
         ``like`` is a state of the same model and optimizer on the mesh to restore
         onto (any mesh, either backend); only its structure and shardings are used,
@@ -232,7 +239,7 @@ class Checkpointer:
         """
         target = _on_disk(_abstract(like))
         expected = _leaf_names(target)
-        for step in reversed(self.steps()):
+        for step in reversed([s for s in self.steps() if at_most is None or s <= at_most]):
             try:
                 meta, saved = self._read_record(step)
             except _Damaged as damage:

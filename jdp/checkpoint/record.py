@@ -25,6 +25,8 @@ class Record:
         arrays: each array by its name in the state (``params/Dense_0/kernel``):
             ``{"shape": [...], "dtype": "float32", "digest": ...}``.
         metrics: what chose the best checkpoint, if anything did.
+        ledger: the data ledger through this step (`jdp.data.ledger`): ``{"step",
+            "since", "indices"[, "bytes"]}``, or {} (none kept, or an older jdp's).
     """
 
     step: int
@@ -32,6 +34,7 @@ class Record:
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     arrays: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    ledger: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def read(cls, meta: Mapping[str, Any], *, step: int = 0) -> Record:
@@ -45,6 +48,7 @@ class Record:
             config=dict(config) if isinstance(config, Mapping) else {},
             arrays=dict(arrays) if isinstance(arrays, Mapping) else {},
             metrics=dict(meta.get("metrics") or {}),
+            ledger=dict(meta.get("ledger") or {}),
         )
 
     def to_json(self) -> dict[str, Any]:

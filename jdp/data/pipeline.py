@@ -25,6 +25,7 @@ import grain
 import jax
 from jax.sharding import Mesh
 
+from jdp.data.ledger import LEDGER_KEY, MARKS
 from jdp.data.readers import ChunkedReader, EvalReader, StackedReader, TrainReader
 
 # Each `name as name` re-exports a name that lived here before readers.py.
@@ -147,6 +148,8 @@ class Loader(Iterator[dict]):
         self._steps_per_item = steps_per_item
         self._chunk: collections.deque = collections.deque()  # placed batches not yet taken
         self.wait_seconds = 0.0
+        self._marks_last, self._marks_total = (0, 0, 0, start), [0, 0, 0]
+        self._given, self._order = 0, 0
         self._mesh, self._place = mesh, place
         # A deque and two semaphores rather than a queue.Queue: the consumer's
         # side is on the training loop's path every step, and Queue.get's
@@ -163,9 +166,10 @@ class Loader(Iterator[dict]):
         try:
             iterator = iter(host)
             for item in iterator:
+                marks = _take_marks(item)
                 if self._place:  # a chunk (a list of batches) is placed in one transfer call
                     item = shard_batch(item, self._mesh, stacked=self._steps_per_item > 1)
-                if not self._put(item):
+                if not self._put((item, marks)):
                     return
             self._put(_END)
         except BaseException as error:  # handed to the consumer, raised there
@@ -188,23 +192,39 @@ class Loader(Iterator[dict]):
             raise StopIteration
         waited = time.perf_counter()
         if self._chunk:
-            item = self._chunk.popleft()
+            item, marks = self._chunk.popleft()
         else:
             self._filled.acquire()
             item = self._ready.popleft()
             self._free.release()
+            if item is _END:
+                self._stop.set()
+                raise StopIteration
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            item, marks = item
             if isinstance(item, list):  # a chunk of batches
-                self._chunk.extend(item)
-                item = self._chunk.popleft()
+                self._chunk.extend(zip(item, marks or [None] * len(item), strict=True))
+                item, marks = self._chunk.popleft()
         self.wait_seconds += time.perf_counter() - waited
-        if item is _END:
-            self._stop.set()
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
         self.position += self._steps_per_item
+        if marks is not None:  # the digests of the step (or steps) just given
+            total = self._marks_total
+            for mark in marks:
+                self._given += 1
+                self._order += self._given * mark[3]
+                for column in range(3):
+                    total[column] = (total[column] + mark[column]) & _MASK64
+            self._marks_last = marks[-1]
         return item
+
+    def marks(self) -> tuple[tuple[int, ...], list[int], int, int]:
+        """The data ledger's marks (`jdp.data.ledger`) of the batches given: the last
+        step's ``(rows' digest, their bytes', the global batch's, step)``, the sums of
+        the first three over every step given, how many steps it gave, and the sum of
+        ``i * step`` over the i-th step given (their order)."""
+        return self._marks_last, list(self._marks_total), self._given, self._order
 
     def close(self) -> None:
         """Stops the thread and any Grain workers; the loader yields nothing more."""
@@ -216,6 +236,20 @@ class Loader(Iterator[dict]):
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _take_marks(item):
+    """The ledger's marks (`jdp.data.ledger`) taken out of a host item, as Python ints
+    (cheaper to add on the loop's path than NumPy's): a list of its step's (or stacked
+    steps') marks; for a chunk, a list of them; None without."""
+    if isinstance(item, list):
+        marks = [_take_marks(batch) for batch in item]
+        return None if marks[0] is None else marks
+    marks = item.pop(LEDGER_KEY, None)
+    return None if marks is None else marks.reshape(-1, MARKS).tolist()
+
+
+_MASK64 = (1 << 64) - 1
 
 
 def _allow_grain_workers() -> None:
@@ -255,6 +289,7 @@ def train_batches(
     prefetch: int = 2,
     steps_per_call: int = 1,
     place: bool = True,
+    ledger: str = "off",
 ) -> Loader:
     """Global training batches (sharded on ``data``) from ``start_step`` on, forever.
 
@@ -290,7 +325,7 @@ def train_batches(
                       prefetch=prefetch, steps_per_item=steps_per_call, place=place,
                       stream=rows)  # fmt: skip
     reader = TrainReader(
-        split, batch_size=batch_size, seed=seed, rows=process_rows(mesh, batch_size)
+        split, batch_size=batch_size, seed=seed, rows=process_rows(mesh, batch_size), ledger=ledger
     )
     return Loader(
         reader,

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jdp.data.ledger import LEDGER_KEY
+from jdp.data.ledger import marks as ledger_marks
 from jdp.data.sources import Split
 from jdp.data.transforms import Augmentation
 from jdp.mesh import MASK_KEY
@@ -69,11 +71,15 @@ def _stream(seed: int, start: int, stop: int, num_examples: int) -> np.ndarray:
 class TrainReader:
     """Step -> this process's rows of that step's global batch, preprocessed and augmented.
 
-    A plain picklable callable, so Grain can run it in worker processes.
+    A plain picklable callable, so Grain can run it in worker processes. With
+    ``ledger`` ``indices`` or ``bytes`` each batch carries its rows' digests under
+    `jdp.data.ledger.LEDGER_KEY`, for the loader to take out (`jdp.data.ledger`).
     """
 
-    def __init__(self, split: Split, *, batch_size: int, seed: int, rows: slice):
+    def __init__(self, split: Split, *, batch_size: int, seed: int, rows: slice,
+                 ledger: str = "off"):  # fmt: skip
         self.split, self.batch_size, self.seed, self.rows = split, batch_size, seed, rows
+        self.ledger = ledger
 
     def indices(self, step: int) -> np.ndarray:
         """The example indices this process reads at ``step``."""
@@ -94,6 +100,10 @@ class TrainReader:
         stream = _stream(self.seed, first * size, (first + count) * size, len(self.split))
         indices = stream.reshape(count, size)[:, self.rows]  # this process's rows of each
         batch = self.split.read(indices.reshape(-1))
+        marks = None
+        if self.ledger != "off":  # over the rows as read, before any augmentation
+            marks = ledger_marks(first + 1, size, self.rows, stream.reshape(count, size),
+                                 batch if self.ledger == "bytes" else None)  # fmt: skip
         transform = self.split.transform
         if transform is not None:  # token sequences have nothing to preprocess
             augmentation = None
@@ -117,10 +127,14 @@ class TrainReader:
             ]
             batch = map_examples(self.split.map, batch, rngs)
         rows = indices.shape[1]
-        return [
+        batches = [
             {key: value[i * rows : (i + 1) * rows] for key, value in batch.items()}
             for i in range(count)
         ]
+        if marks is not None:
+            for one, mark in zip(batches, marks, strict=True):
+                one[LEDGER_KEY] = mark
+        return batches
 
 
 class ChunkedReader:

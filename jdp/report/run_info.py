@@ -54,6 +54,14 @@ def write_run_info(log_dir: str, config: Mapping[str, Any], facts: Mapping[str, 
     write_json(run_path, run)
 
 
+def record_goodput(log_dir: str, accounting: Mapping[str, Any]) -> None:
+    """Puts the run's goodput accounting (`jdp.report.goodput.summarize`) in ``run.json``."""
+    path = os.path.join(log_dir, "run.json")
+    run = _read_or_set_aside(path) or {}
+    run["goodput"] = dict(accounting)
+    write_json(path, run)
+
+
 def write_json(path: str, value: Any) -> None:
     """Writes ``path`` whole or not at all: into a temporary file, then renamed over it."""
     temporary = f"{path}.tmp-{os.getpid()}"

@@ -28,7 +28,7 @@ def curves(record: Mapping[str, Any]) -> dict[str, Any]:
     return {
         f"{'perf' if key in _PERF_KEYS else record['kind']}/{key}": value
         for key, value in record.items()
-        if key not in _NOT_CURVES
+        if key not in _NOT_CURVES and not isinstance(value, str)  # the data ledger's digests
     }
 
 

@@ -25,6 +25,7 @@ EarlyStopMetric = Literal["loss", "accuracy"]
 TokenDtype = Literal["", "uint16", "uint32", "int32"]
 BestMode = Literal["auto", "max", "min"]
 NanPolicy = Literal["stop", "skip", "ignore"]
+DataLedger = Literal["indices", "bytes", "off"]
 OuterOptimizerName = Literal["nesterov", "sgd"]
 # DiLoCo's synchronisation interval when a mesh has a group axis and --sync-every is 0.
 DEFAULT_SYNC_EVERY = 50
@@ -72,12 +73,9 @@ class TrainConfig:
         "every --sync-every steps)",
     )
     backend: Backend = _flag(LAYOUT, "jit", "step backend: jit (jit over shard_map) or pmap")
-    remat: Remat = _flag(
-        LAYOUT,
-        "none",
-        "gpt: recompute each layer's activations in the backward pass to save memory: none, "
-        "dots (keep the products with the weights) or full (keep only each layer's input)",
-    )
+    remat: Remat = _flag(LAYOUT, "none", "gpt: recompute each layer's activations in the "
+                         "backward pass to save memory: none, dots (keep the products with the "
+                         "weights) or full (keep only each layer's input)")  # fmt: skip
     attention: Attention = _flag(
         LAYOUT,
         "auto",
@@ -119,9 +117,8 @@ class TrainConfig:
         "tokens a language model reads at once: a token corpus's window, and the gpt model's "
         "positions (0: the model's own, 256 for gpt small, 1024 for standard)",
     )
-    vocab_size: int = _flag(
-        DATA, 0, "a token corpus's vocabulary size (0: from the tokens.json beside it)"
-    )
+    vocab_size: int = _flag(DATA, 0, "a token corpus's vocabulary size (0: from the "
+                            "tokens.json beside it)")  # fmt: skip
     token_dtype: TokenDtype = _flag(
         DATA,
         "",
@@ -315,6 +312,9 @@ class TrainConfig:
     check_replicas_every: int = _flag(
         HEALTH, 0, "compare a checksum of the parameters on every device every N steps (0: off)"
     )
+    data_ledger: DataLedger = _flag(HEALTH, "indices", "digests of the global batches, in "
+                                    "metrics.jsonl and the checkpoints and checked against the "
+                                    "seed: indices, bytes (of the rows too) or off")  # fmt: skip
     early_stop_patience: int = _flag(
         EVALUATION, 0, "stop when --early-stop-metric has not improved for N evaluations (0: off)"
     )

@@ -17,6 +17,8 @@ from jdp.data.sources import Split
 from jdp.errors import UsageError
 from jdp.models import Model
 from jdp.report.console import Console
+from jdp.report.goodput import Clock, Goodput
+from jdp.report.run_info import record_goodput
 from jdp.state import TrainState
 from jdp.training.compile_cache import compile_cache
 from jdp.training.config import TrainConfig
@@ -31,7 +33,13 @@ from jdp.training.results import (
 )
 from jdp.training.resume import resume
 from jdp.training.run import Data, Run, Yours, build
-from jdp.training.wiring import actions_for, checkpointer, metric_logger, tokens_per_example
+from jdp.training.wiring import (
+    actions_for,
+    checkpointer,
+    data_ledger,
+    metric_logger,
+    tokens_per_example,
+)
 
 
 def fit(
@@ -70,34 +78,41 @@ def fit(
         >>> result.steps, result.test_accuracy > 0.5
         (40, True)
     """
-    started, console = time.perf_counter(), console or Console()
+    started, clock, console = time.perf_counter(), Clock(), console or Console()
     yours = Yours(model, _your_data(train, validation, test), optimizer, lr_schedule)
     with compile_cache(config.compile_cache, config.ckpt_dir):
-        return _fit(config, console, yours, callbacks, started)
+        return _fit(config, console, yours, callbacks, started, clock)
 
 
 def _fit(config: TrainConfig, console: Console, yours: Yours, callbacks: Sequence[Action],
-         started: float) -> FitResult:  # fmt: skip
+         started: float, clock: Clock) -> FitResult:  # fmt: skip
     if config.eval_only:
         return evaluate_only(config, console, yours, started)
     run = build(config, console, yours)
     config = run.config  # resolved: --epochs as steps, a clamped warmup
+    goodput = Goodput(clock, config.log_dir, every=config.log_every,
+                      enabled=jax.process_index() == 0)  # fmt: skip
     with contextlib.ExitStack() as stack:
-        state, start, checkpoints = run.state, 0, None
+        state, start, checkpoints, ledger = run.state, 0, None, {}
         if config.ckpt_dir:
             checkpoints = stack.enter_context(checkpointer(config, run))
-            state, start = resume(config, checkpoints, state, console, run.recorded)
+            state, start, ledger = resume(config, checkpoints, state, console, run.recorded)
             if start >= config.steps:
                 console.line(
                     f"jdp: {checkpoints.directory} holds the finished run (step {start} of "
                     f"{config.steps}); evaluating it (raise --steps to train on)"
                 )
                 return evaluated(run, state, start, console, started)
-        progress, timer, history = _train(run, state, start, stack, console, checkpoints,
-                                          callbacks)  # fmt: skip
-        if not progress.finish:  # preempted, and saved if it could
-            return stopped(progress, started)
-    return finished(run, progress, timer, started, start, history)
+        goodput.start(start)
+        progress, timer, history = _train(run, state, start, ledger, stack, console,
+                                          checkpoints, callbacks, goodput)  # fmt: skip
+        clock.switch("other")  # closing the loader, the metric files, the checkpointer
+    accounting = goodput.finish("finished" if progress.finish else "preempted")
+    if config.log_dir and jax.process_index() == 0:
+        record_goodput(config.log_dir, accounting)
+    if not progress.finish:  # preempted, and saved if it could
+        return stopped(progress, started)
+    return finished(run, progress, timer, started, start, history, accounting)
 
 
 def _your_data(train: Split | None, validation: Split | None, test: Split | None
@@ -109,29 +124,37 @@ def _your_data(train: Split | None, validation: Split | None, test: Split | None
     return None
 
 
-def _train(run: Run, state: TrainState, start: int, stack: contextlib.ExitStack,
-           console: Console, checkpoints: Checkpointer | None, callbacks: Sequence[Action]
-           ) -> tuple[Progress, SteadyTimer, list]:  # fmt: skip
+def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: contextlib.ExitStack,
+           console: Console, checkpoints: Checkpointer | None, callbacks: Sequence[Action],
+           goodput: Goodput) -> tuple[Progress, SteadyTimer, list]:  # fmt: skip
     """The loop from step ``start``: a call of the train step, then the actions, until
     the last step or a stop; then the actions once more, at the end, unless the stop
-    skips it (preemption). Returns the progress, the steady loop's timer and the
-    records logged."""
+    skips it (preemption). ``ledger``: the data ledger through ``start``, as its
+    checkpoint kept it; ``goodput`` is given each moment's part. Returns the progress,
+    the steady loop's timer and the records logged."""
     config, calls = run.config, run.config.steps_per_call  # steps per call of the step
     batches = stack.enter_context(_train_loader(config, run, start))
     logger = stack.enter_context(metric_logger(config, tokens_per_example(run)))
-    actions = actions_for(config, run, stack, console, logger, batches, checkpoints, callbacks)
+    ledger = data_ledger(config, run, batches, start, ledger)
+    actions = actions_for(config, run, stack, console, logger, batches, checkpoints, callbacks,
+                          ledger)  # fmt: skip
     progress = Progress(step=start, steps=config.steps, state=state)
-    _call_each(actions, progress)  # before the first call: a profile may start there
+    clock = goodput.clock
+    _call_each(actions, progress, clock)  # before the first call: a profile may start there
     console.start_progress(config.steps - start)
     timer = SteadyTimer(batches, console)
     for step in range(start + calls, config.steps + 1, calls):
+        clock.switch("input")
         batch = next(batches)
+        clock.switch("compile" if step == start + calls else
+                     "recomputed" if step <= goodput.redo_until else "step")  # fmt: skip
         if step == start + calls and config.log_dir and jax.process_index() == 0:
             lowered = run.train_step.lower(progress.state, batch)
             describe_run(config, run, logger, lowered, console)
         progress.after_call(step, calls, *run.train_step(progress.state, batch))
         timer.after_call(progress.call_metrics)
-        _call_each(actions, progress)
+        _call_each(actions, progress, clock)
+        goodput.progress(step)
         if progress.stop_reason:
             break
     timer.stop()
@@ -143,9 +166,11 @@ def _train(run: Run, state: TrainState, start: int, stack: contextlib.ExitStack,
     if progress.stop_reason:
         console.line(f"jdp: {progress.stop_reason}; stopping at step {progress.step}")
     progress.final = True
-    _call_each(actions, progress)
+    _call_each(actions, progress, clock)
     if checkpoints is not None:  # the final checkpoint's path, for the trackers
+        clock.switch("checkpoint")
         checkpoints.wait()
+        clock.switch("other")
         if saved := checkpoints.steps():
             logger.tag("jdp.checkpoint", os.path.join(os.path.abspath(checkpoints.directory),
                                                       str(saved[-1])))  # fmt: skip
@@ -154,9 +179,15 @@ def _train(run: Run, state: TrainState, start: int, stack: contextlib.ExitStack,
     return progress, timer, logger.history
 
 
-def _call_each(actions: Sequence[Action], progress: Progress) -> None:
+def _call_each(actions: Sequence[Action], progress: Progress, clock: Clock) -> None:
+    """Each action in turn, its time given to its part of the goodput ledger (``part``:
+    a checkpoint's, an evaluation's) or to the step's."""
     for action in actions:
+        part = getattr(action, "part", None)
+        previous = clock.switch(part) if part else None
         action(progress)
+        if previous:
+            clock.switch(previous)
         if not progress.finish:  # a stop that skips the end skips the rest of this pass too
             return
 
@@ -172,4 +203,5 @@ def _train_loader(config: TrainConfig, run: Run, start: int):
         prefetch=config.prefetch,
         steps_per_call=config.steps_per_call,
         place=places_ahead(run.mesh),
+        ledger=config.data_ledger,
     )

@@ -60,8 +60,8 @@ class History(list):
             f"{names[record['kind']]}/{name}"
             for record in self
             if record["kind"] in names
-            for name in record
-            if name not in ("kind", "step", "time", "count")
+            for name, value in record.items()
+            if name not in ("kind", "step", "time", "count") and not isinstance(value, str)
         )
         return {key: self[key] for key in keys}
 
@@ -94,6 +94,8 @@ class FitResult:
     evaluated_only: bool = False  # --eval-only: a checkpoint evaluated, nothing trained
     test: dict[str, float] | None = None  # the last test metrics, when the run has a test split
     tokens_per_sec: float | None = None  # a language model's, from examples/s and its window
+    # Where the run's wall time went, over its restarts (`jdp.report.goodput.summarize`).
+    goodput: dict | None = None
 
     def summary_line(self) -> str:
         if self.preempted:
@@ -102,10 +104,11 @@ class FitResult:
         if self.evaluated_only:
             return f"jdp.train: evaluated step={self.steps} {figures}".rstrip()
         tokens = f"tokens/s={self.tokens_per_sec:.0f} " if self.tokens_per_sec is not None else ""
+        goodput = f"goodput={self.goodput['goodput']:.1%} " if self.goodput else ""
         return (
             f"jdp.train: steps={self.steps} train_loss={self.train_loss:.4f} {figures}"
             f"examples/s={self.examples_per_sec:.0f} {tokens}input_wait={self.input_wait:.1%} "
-            f"wall={self.wall_seconds:.1f}s"
+            f"{goodput}wall={self.wall_seconds:.1f}s"
         )
 
     def _figures(self) -> str:
@@ -161,7 +164,7 @@ class SteadyTimer:
 
 
 def finished(run: Run, progress: Progress, timer: SteadyTimer, started: float, start: int,
-             history: list) -> FitResult:  # fmt: skip
+             history: list, goodput: dict | None = None) -> FitResult:  # fmt: skip
     config, last = run.config, progress.metrics
     tested = progress.tested or {}
     validated = progress.evaluated if progress.evaluated is not progress.tested else None
@@ -183,6 +186,7 @@ def finished(run: Run, progress: Progress, timer: SteadyTimer, started: float, s
         input_wait=timer.waited / timer.seconds if timer.seconds else 0.0,
         wall_seconds=time.perf_counter() - started,
         stopped=progress.stop_reason,
+        goodput=goodput,
     )
 
 

@@ -17,9 +17,10 @@ from jdp.training.run import DATA_FINGERPRINT
 
 
 def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, console: Console,
-           recorded: dict | None = None) -> tuple[TrainState, int]:  # fmt: skip
-    """The state and first step to continue from: a restored checkpoint's, or the fresh
-    ones. ``recorded``: the run's settings as its checkpoints record them."""
+           recorded: dict | None = None) -> tuple[TrainState, int, dict]:  # fmt: skip
+    """The state and first step to continue from, and the data ledger through that step
+    (`jdp.data.ledger`): a restored checkpoint's, or the fresh ones (and {}).
+    ``recorded``: the run's settings as its checkpoints record them."""
     existing = checkpoints.steps()
     if existing and config.no_resume:
         raise UsageError(
@@ -41,7 +42,7 @@ def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, co
 
     restored = checkpoints.restore(state, check=same_run) if existing else None
     if restored is None:
-        return state, 0
+        return state, 0, {}
     state, record = restored[0], Record.read(restored[1])
     start = record.loader_step
     _say_how_steps_changed(config, record.config, start, checkpoints.directory, console)
@@ -51,7 +52,7 @@ def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, co
             f"{config.steps_per_call}; resume with a --steps-per-call that divides {start}"
         )
     console.line(f"jdp: resuming from step {record.step} in {checkpoints.directory}")
-    return state, start
+    return state, start, record.ledger
 
 
 def _same_data(saved: dict, recorded: dict, directory: str) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from jdp import checkpoint
 from jdp.actions import PeriodicAction, Progress
 from jdp.checkpoint import Checkpointer
+from jdp.data.ledger import Ledger
 from jdp.data.pipeline import eval_batches
 from jdp.data.sources import Split
 from jdp.diloco import has_groups
@@ -83,14 +84,18 @@ class Display(PeriodicAction):
 
 
 class LogMetrics(PeriodicAction):
-    """Queues the last step's train metrics to the metric logger (never waits)."""
+    """Queues the last step's train metrics to the metric logger (never waits), with the
+    data ledger's digests of the step when the run keeps one (`jdp.data.ledger`)."""
 
-    def __init__(self, logger: MetricLogger, *, every: int):
+    def __init__(self, logger: MetricLogger, *, every: int, ledger: Ledger | None = None):
         super().__init__(every)
-        self.logger = logger
+        self.logger, self.ledger = logger, ledger
 
     def run(self, progress: Progress) -> None:
-        self.logger.record(progress.step, progress.metrics)
+        metrics = progress.metrics
+        if self.ledger is not None:
+            metrics = {**metrics, **self.ledger.at(progress.step)}
+        self.logger.record(progress.step, metrics)
 
 
 class Profile:
@@ -144,6 +149,8 @@ class Evaluate(PeriodicAction):
     (``--nan-policy ignore``) one that is not finite is logged, and still chooses
     nothing.
     """
+
+    part = "evaluate"  # of the goodput ledger (`jdp.report.goodput`)
 
     def __init__(self, eval_step, split: Split, mesh, *, batch_size: int, every: int,
                  console: Console, logger: MetricLogger, prefix: str = "test",
@@ -211,10 +218,14 @@ class Checkpoint(PeriodicAction):
     save waits for the step anyway, and the check reads the state once.
     """
 
+    part = "checkpoint"  # of the goodput ledger (`jdp.report.goodput`)
+
     def __init__(self, checkpointer: Checkpointer, loader, *, every: int, config: Mapping,
-                 skipping: bool, minutes: float = 0.0):  # fmt: skip
+                 skipping: bool, minutes: float = 0.0,
+                 ledger: Ledger | None = None):  # fmt: skip
         super().__init__(every, at_end=True)
         self.checkpointer, self.loader, self.config = checkpointer, loader, dict(config)
+        self.ledger = ledger
         self.skipping = skipping  # updates with a non-finite gradient are skipped: all finite
         self.seconds = 60.0 * minutes
         self._saved_at = time.monotonic()
@@ -255,6 +266,7 @@ class Checkpoint(PeriodicAction):
             loader_step=self.loader.position,
             config=self.config,
             metrics=progress.evaluated,
+            ledger=self.ledger.record(progress.step) if self.ledger is not None else None,
         )
 
     def save_now(self, progress: Progress) -> None:
@@ -310,6 +322,8 @@ class StopOnPreemption:
     Asked after every call: with several processes, JAX's sync point wants a
     counter that rises by one per call.
     """
+
+    part = "checkpoint"  # mostly its save, when it asks for one
 
     def __init__(self, preemption: Preemption, *, steps_per_call: int,
                  checkpoint: Checkpoint | None, ckpt_dir: str | None):  # fmt: skip

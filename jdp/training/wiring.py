@@ -10,7 +10,9 @@ import jax
 
 from jdp.actions import Action, EarlyStopping
 from jdp.checkpoint import Checkpointer
+from jdp.data.ledger import Ledger
 from jdp.data.pipeline import EvalReader, Loader, TrainReader
+from jdp.data.streams import BatchStream
 from jdp.distributed.preemption import Preemption
 from jdp.errors import UsageError
 from jdp.mesh import process_rows
@@ -109,14 +111,24 @@ def eval_metric_names(run: Run) -> set[str] | None:
     return names
 
 
+def data_ledger(config: TrainConfig, run: Run, batches: Loader, start: int,
+                base: dict) -> Ledger | None:  # fmt: skip
+    """The run's data ledger (`jdp.data.ledger`), continuing ``base`` (a checkpoint's);
+    None with ``--data-ledger off`` or your own stream of batches (no indices)."""
+    if config.data_ledger == "off" or isinstance(run.train, BatchStream):
+        return None
+    return Ledger(batches, start=start, base=base, with_bytes=config.data_ledger == "bytes")
+
+
 def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, console: Console,
                 logger: MetricLogger, batches: Loader, checkpoints: Checkpointer | None,
-                callbacks: Sequence[Action]) -> list[Action]:  # fmt: skip
+                callbacks: Sequence[Action], ledger: Ledger | None = None
+                ) -> list[Action]:  # fmt: skip
     """The run's actions in the order they are called after each call of the step."""
     actions: list[Action] = [Synchronize(run.sync_step)] if run.sync_step else []
     actions += [
         Display(console, logger, every=DISPLAY_EVERY),
-        LogMetrics(logger, every=config.log_every),
+        LogMetrics(logger, every=config.log_every, ledger=ledger),
     ]
     if config.profile_window and jax.process_index() == 0:
         profile = Profile(*config.profile_window, os.path.join(config.log_dir, "profile"))
@@ -127,7 +139,7 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
     if checkpoints is not None:
         checkpoint = Checkpoint(checkpoints, batches, every=config.ckpt_every,
                                 config=run.recorded, skipping=skipping,
-                                minutes=config.ckpt_every_minutes)  # fmt: skip
+                                minutes=config.ckpt_every_minutes, ledger=ledger)  # fmt: skip
     keep = checkpoint.keep if checkpoint is not None else None
     actions.extend(evaluations(run, console, logger, every=config.eval_every, keep=keep))
     if config.early_stop_patience:

@@ -1,0 +1,179 @@
+"""The data ledger: which examples each step's global batch held, as digests a run records.
+
+Every row a process reads gets a 64-bit hash of its place in the run's stream of
+examples (the step and its place in the global batch) and its example index; a
+step's digest is the sum of its rows' hashes (mod 2^64), and the ledger the sum of
+every step's since step 1. Sums do not care which process read a row, so a run on
+1 process and one on 2, a resumed run and a replayed one, record the same digests
+when they trained on the same batches; a row that moved, repeated or went missing
+changes them. ``bytes`` adds a second pair of digests over the rows' bytes as read
+(before augmentation), for data that may change under the same indices.
+
+The readers hash their rows as they read them, in the loader's thread or workers,
+and with them the whole global batch as ``(seed, step)`` gives it (they draw its
+indices anyway); the loader sums both as it hands the batches over (`Loader.marks`).
+At a logged or saved step the processes' sums are added up (one small all-gather
+with several processes) and checked: the rows read must add up to the global
+batches, and the loader must have given exactly the steps up to this one. Either
+failing stops the run (`DataLedgerError`) before it trains on more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+from jdp.errors import DataLedgerError
+
+LEDGER_KEY = "__ledger__"  # a host batch's digests, taken out before it goes to the devices
+MODES = ("indices", "bytes", "off")
+
+# The record keys: the step's digests, and the sums since step 1 (the ledger).
+BATCH, TOTAL = "batch_digest", "data_ledger"
+BATCH_BYTES, TOTAL_BYTES = "batch_bytes_digest", "data_ledger_bytes"
+# A step's marks, as the readers attach them: its rows' index and bytes digests, the
+# whole global batch's index digest, and the step (1-based, as logged).
+MARKS = 4
+
+_MASK = (1 << 64) - 1
+_MIX = (np.uint64(30), np.uint64(0xBF58476D1CE4E5B9), np.uint64(27),
+        np.uint64(0x94D049BB133111EB), np.uint64(31))  # fmt: skip
+_PLACE = np.uint64(0x9E3779B97F4A7C15)  # keeps place 0's hash from being mix(0) = 0
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, in place on a fresh uint64 array: every input bit moves
+    about half the output bits."""
+    first, times, second, again, third = _MIX
+    x ^= x >> first
+    x *= times
+    x ^= x >> second
+    x *= again
+    x ^= x >> third
+    return x
+
+
+def step_digests(first: int, batch_size: int, places: np.ndarray, values: np.ndarray
+                 ) -> np.ndarray:  # fmt: skip
+    """The digests of steps ``first, first + 1, ...`` (1-based) over rows at ``places``
+    of their global batches with ``values`` (example indices or bytes hashes)
+    ``(steps, rows)``: each step's sum of ``mix(mix(place in the run's stream) ^ value)``."""
+    steps = np.arange(first - 1, first - 1 + len(values), dtype=np.uint64)[:, None]
+    stream = steps * np.uint64(batch_size) + np.asarray(places, np.uint64)[None, :]
+    hashes = _mix(_mix(stream + _PLACE) ^ np.asarray(values).astype(np.uint64))
+    return hashes.sum(axis=1, dtype=np.uint64)
+
+
+def bytes_hashes(batch: Mapping[str, np.ndarray], rows: int) -> np.ndarray:
+    """A 64-bit hash of each row's bytes over every array of ``batch`` (by name)."""
+    hashes = np.zeros(rows, np.uint64)
+    for name in sorted(batch):
+        flat = np.ascontiguousarray(batch[name]).reshape(rows, -1).view(np.uint8)
+        column = np.array(
+            [int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=8).digest(), "little")
+             for row in flat],
+            np.uint64,
+        )  # fmt: skip
+        hashes = _mix(hashes ^ column)
+    return hashes
+
+
+def marks(first: int, batch_size: int, rows: slice, stream: np.ndarray,
+          batch: Mapping[str, np.ndarray] | None) -> np.ndarray:  # fmt: skip
+    """What a reader attaches to each step's host batch, ``(steps, MARKS)`` uint64: for
+    steps ``first ..`` (1-based) of the global batches ``stream`` ``(steps, batch)``,
+    the digest of this process's ``rows`` of each, of their bytes (with ``batch``, the
+    rows as read, step by step; else 0), of the whole global batch, and the step."""
+    count, places = len(stream), np.arange(batch_size)
+    out = np.zeros((count, MARKS), np.uint64)
+    out[:, 2] = step_digests(first, batch_size, places, stream)
+    if places[rows].size == batch_size:
+        out[:, 0] = out[:, 2]  # one process reads every row
+    else:
+        out[:, 0] = step_digests(first, batch_size, places[rows], stream[:, rows])
+    if batch is not None:
+        local = stream[:, rows]
+        hashes = bytes_hashes(batch, local.size).reshape(local.shape)
+        out[:, 1] = step_digests(first, batch_size, places[rows], hashes)
+    out[:, 3] = np.arange(first, first + count)
+    return out
+
+
+def hex64(value: int) -> str:
+    return f"{int(value) & _MASK:016x}"
+
+
+class Ledger:
+    """The run's ledger at its logged and saved steps, checked as it is read.
+
+    Args:
+        loader: the training `Loader`, whose ``marks`` are this process's sums.
+        start: the step the run starts after (a resume's).
+        base: the ledger as the checkpoint resumed from recorded it
+            (``{"step", "since", "indices"[, "bytes"]}``), or None or {} (a fresh run,
+            or a checkpoint that kept none: then the ledger counts from ``start``).
+        with_bytes: whether the readers digest the rows' bytes too.
+    """
+
+    def __init__(self, loader, *, start: int, base: Mapping | None, with_bytes: bool):
+        self.loader, self.start, self.with_bytes = loader, start, with_bytes
+        if not base or base.get("step") != start:
+            base = {"since": start}  # a fresh run, or a checkpoint that kept no ledger
+        self.since = int(base.get("since", 0))  # the ledger sums the steps after this one
+        self._base = [int(base.get(name, "0"), 16) for name in ("indices", "bytes")]
+        self._at: tuple[int, dict[str, str]] | None = None
+
+    def at(self, step: int) -> dict[str, str]:
+        """The digests of ``step`` and the ledger through it.
+
+        Raises:
+            DataLedgerError: the rows the processes read do not add up to the global
+                batches ``(seed, step)`` gives, or the loader did not give exactly
+                the steps up to ``step``.
+        """
+        if self._at is not None and self._at[0] == step:
+            return self._at[1]
+        last, total, count, order = self.loader.marks()
+        read = _summed(np.array([last[:2], total[:2]], np.uint64))
+        (batch, batch_bytes), (rows, rows_bytes) = (map(int, pair) for pair in read)
+        problem = None
+        # The steps given, in order: the i-th batch given must be step start + i.
+        steps = step - self.start
+        want = self.start * steps * (steps + 1) // 2 + steps * (steps + 1) * (2 * steps + 1) // 6
+        if count != steps or last[3] != step or order != want:
+            problem = (f"the loader gave {count} batches since step {self.start}, not those "
+                       f"steps in order; the last was step {last[3]}'s")  # fmt: skip
+        elif batch != last[2] or rows != total[2]:
+            problem = "the processes' rows do not add up to it: a process read other rows"
+        if problem:
+            raise DataLedgerError(
+                f"the data ledger: step {step}'s global batch is not the one the run's seed "
+                f"and step give ({problem}); stopping at step {step} rather than train on "
+                "it; the checkpoints saved before it are kept"
+            )
+        values = {BATCH: hex64(batch), TOTAL: hex64(rows + self._base[0])}
+        if self.with_bytes:
+            values |= {BATCH_BYTES: hex64(batch_bytes),
+                       TOTAL_BYTES: hex64(rows_bytes + self._base[1])}  # fmt: skip
+        self._at = (step, values)
+        return values
+
+    def record(self, step: int) -> dict[str, object]:
+        """What a checkpoint of ``step`` records: the ledger through it."""
+        values = self.at(step)
+        return {"step": step, "since": self.since, "indices": values[TOTAL],
+                **({"bytes": values[TOTAL_BYTES]} if self.with_bytes else {})}  # fmt: skip
+
+
+def _summed(local: np.ndarray) -> np.ndarray:
+    """The processes' sums added up, mod 2^64 (one all-gather with several processes)."""
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+
+    # 64-bit integers are not JAX's without x64: they travel as pairs of 32-bit words.
+    gathered = np.asarray(multihost_utils.process_allgather(local.view(np.uint32)))
+    return gathered.view(np.uint64).sum(axis=0, dtype=np.uint64)

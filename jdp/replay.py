@@ -1,0 +1,307 @@
+"""``python -m jdp.replay RUN_DIR --step N``: a run's step N again, bit for bit, and what it held.
+
+A run's global batch of step ``s`` depends only on ``(seed, s)``, and its checkpoints
+restore exactly; so step ``N`` can be computed again. Replay builds the run from its
+``config.json``, restores its latest checkpoint before ``N`` (or initialises it as
+the run did, when none is left), trains on to ``N`` on the run's mesh, and checks
+each step the run logged on the way: the loss bit for bit, and the data ledger's
+digests (`jdp.data.ledger`). Then it writes step ``N`` into ``OUT`` (default
+``RUN_DIR/replay-N``): ``step.json`` (the loss, each parameter's gradient and update
+norm, the examples by loss, largest first) and ``batch.npz`` (the global batch as
+the model saw it, each row's example index and loss). The tool for "why did the loss
+spike at step N".
+
+The update norms are the run's own step's (parameters after less before). The
+per-example losses and the gradient norms come from one more pass over the whole
+global batch in float32 (with dropout, its own draws), whose mean loss agrees with
+the step's to rounding.
+
+A run of several processes replays under ``python -m jdp.launch`` with as many.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jdp.checkpoint import Checkpointer, Record
+from jdp.data.ledger import BATCH, TOTAL, Ledger
+from jdp.data.pipeline import global_batch_indices, places_ahead, train_batches
+from jdp.data.readers import TrainReader
+from jdp.errors import UsageError
+from jdp.report.console import Console
+from jdp.training.config import TrainConfig
+from jdp.training.run import ARCHITECTURE, DATA_FINGERPRINT, Run, build
+
+
+class ReplayMismatch(RuntimeError):
+    """A replayed step is not what the run logged: its loss or its batch differ."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Replayed:
+    """What `replay` found: step ``step``'s loss, the logged steps it checked on the way
+    (``checked``), the checkpoint it started from (0: the run's initialisation), the
+    examples with the largest losses (``[(index, loss), ...]``) and where it wrote."""
+
+    step: int
+    loss: float
+    checked: list[int]
+    started_from: int
+    largest: list[tuple[int, float]]
+    out: str
+
+
+def replay(run_dir: str, step: int, *, ckpt_dir: str | None = None, out: str | None = None,
+           top: int = 10, console: Console | None = None) -> Replayed:  # fmt: skip
+    """Replays step ``step`` of the run logged in ``run_dir`` (see the module's doc).
+
+    Raises:
+        UsageError: no such run or step, or a run replay cannot rebuild.
+        ReplayMismatch: a logged loss or batch digest that the replay does not reproduce.
+    """
+    saved, logged = _run_files(run_dir)
+    config = _config(saved, run_dir, ckpt_dir, step)
+    console = console or Console(enabled=False)
+    run = build(config, console, architecture=saved.get(ARCHITECTURE))
+    _same_data(saved, run, run_dir)
+    where = _topology(run_dir, run)
+    state, start, base = _restore(run, step)
+    checked, place = [], places_ahead(run.mesh)
+    loader = train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=config.seed,
+                           start_step=start, place=place, ledger=config.data_ledger)  # fmt: skip
+    with loader as batches:
+        ledger = _ledger(config, batches, start, base)
+        for number in range(start + 1, step + 1):
+            batch = next(batches)
+            if number == step:
+                seen = _diagnose(run, state, batch)
+                before = jax.tree.map(jnp.copy, state.params)
+            state, metrics = run.train_step(state, batch)
+            if number in logged:
+                _check(number, float(metrics["loss"]), logged[number], ledger, where)
+                checked.append(number)
+    updates = jax.tree.map(lambda new, old: _norm(new - old), state.params, before)
+    loss = float(metrics["loss"])
+    out = out or os.path.join(run_dir, f"replay-{step}")
+    largest = _write(out, run, step, loss, seen, updates, start, checked, top)
+    return Replayed(step, loss, checked, start, largest, out)
+
+
+def _run_files(run_dir: str) -> tuple[dict, dict[int, dict]]:
+    """The run's recorded config and its logged train records by step (a step logged by
+    two attempts of a restarted run keeps the last)."""
+    paths = [os.path.join(run_dir, name) for name in ("config.json", "metrics.jsonl")]
+    if not all(os.path.isfile(path) for path in paths):
+        raise UsageError(f"{run_dir} holds no config.json and metrics.jsonl; give the "
+                         "--log-dir of a run")  # fmt: skip
+    with open(paths[0]) as file:
+        saved = json.load(file)
+    logged = {}
+    with open(paths[1]) as file:
+        for line in file:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line a kill cut short
+            if record.get("kind") == "train":
+                logged[record["step"]] = record
+    return saved, logged
+
+
+def _config(saved: dict, run_dir: str, ckpt_dir: str | None, step: int) -> TrainConfig:
+    """The run's config, to replay with: its checkpoints, no files of its own written."""
+    if any(str(saved.get(name, "")).startswith("yours") for name in ("model", "dataset")):
+        raise UsageError(f"{run_dir} trained your own model or data; replay rebuilds runs "
+                         "of the built-in ones")  # fmt: skip
+    fields = {field.name for field in dataclasses.fields(TrainConfig)}
+    made_with = {name: value for name, value in saved.items() if name in fields}
+    config = TrainConfig(**made_with | {"log_dir": None, "eval_only": False,
+                                        "no_resume": False, "tracker": "none"})  # fmt: skip
+    config = dataclasses.replace(config, ckpt_dir=ckpt_dir or config.ckpt_dir)
+    if config.steps_per_call > 1:
+        raise UsageError(
+            f"the run scanned --steps-per-call {config.steps_per_call} steps per call, "
+            "and replay computes a step at a time; replay a run trained with "
+            "--steps-per-call 1"
+        )
+    if not 1 <= step <= config.steps:
+        raise UsageError(f"--step {step}: the run has steps 1 to {config.steps}")
+    if config.ckpt_dir and not os.path.isdir(config.ckpt_dir):
+        raise UsageError(f"the run's checkpoints were in {config.ckpt_dir}, which is not "
+                         "here; give their directory with --ckpt-dir")  # fmt: skip
+    return config
+
+
+def _same_data(saved: dict, run: Run, run_dir: str) -> None:
+    before = (saved.get(DATA_FINGERPRINT) or {}).get("train")
+    now = (run.recorded.get(DATA_FINGERPRINT) or {}).get("train")
+    if before and now and before != now:
+        raise UsageError(f"the training data here is not the data {run_dir}'s run trained "
+                         "on (its fingerprint differs); replay on that data")  # fmt: skip
+
+
+def _topology(run_dir: str, run: Run) -> str:
+    """Where the run ran against where this replay runs, in words, for a mismatch."""
+    try:
+        with open(os.path.join(run_dir, "run.json")) as file:
+            facts = json.load(file)
+        ran = (facts["devices"], facts["processes"], facts["device_kinds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another topology, device kind or jdp version than the run's?"
+    here = (jax.device_count(), jax.process_count(), sorted({d.device_kind for d in jax.devices()}))
+    if ran == here:
+        return "the same devices and processes; another jdp or JAX version than the run's?"
+    return (f"the run ran on {ran[0]} {'/'.join(ran[2])} devices in {ran[1]} processes, this "
+            f"replay on {here[0]} in {here[1]}: replay where it ran, under python -m "
+            f"jdp.launch --nproc {ran[1]} for several processes")  # fmt: skip
+
+
+def _restore(run: Run, step: int) -> tuple:
+    """The state before ``step``: the latest checkpoint before it, else the run's start
+    as ``build`` made it; its step and its data ledger."""
+    if not run.config.ckpt_dir:
+        return run.state, 0, {}
+    with Checkpointer(run.config.ckpt_dir, keep=max(run.config.keep, 1)) as checkpoints:
+        restored = checkpoints.restore(run.state, at_most=step - 1)
+    if restored is None:
+        return run.state, 0, {}
+    record = Record.read(restored[1])
+    return restored[0], record.loader_step, record.ledger
+
+
+def _ledger(config: TrainConfig, batches, start: int, base: dict) -> Ledger | None:
+    if config.data_ledger == "off":
+        return None
+    return Ledger(batches, start=start, base=base, with_bytes=config.data_ledger == "bytes")
+
+
+def _check(step: int, loss: float, record: dict, ledger: Ledger | None, where: str) -> None:
+    logged = record.get("loss")
+    if logged is not None and loss != logged:
+        raise ReplayMismatch(
+            f"step {step}'s loss is {loss!r} replayed and {logged!r} logged: the run's "
+            f"steps are not reproduced here ({where})"
+        )
+    if ledger is not None and BATCH in record:
+        digests = ledger.at(step)
+        if (digests[BATCH], digests[TOTAL]) != (record[BATCH], record.get(TOTAL)):
+            raise ReplayMismatch(
+                f"step {step}'s global batch is not the one the run logged (data ledger "
+                f"{digests[TOTAL]}, logged {record.get(TOTAL)}): the data changed since"
+            )
+
+
+def _norm(x: jax.Array) -> jax.Array:
+    return jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32))))
+
+
+def _diagnose(run: Run, state, batch) -> tuple[np.ndarray, dict]:
+    """Per-example losses and each parameter's gradient norm on the global batch."""
+    model = run.model
+
+    def diagnose(params, model_state, batch, rng):
+        def losses(params):
+            outputs, _ = model.apply(params, model_state, batch, train=True, rng=rng)
+            per_example = model.objective.loss(outputs, batch).astype(jnp.float32)
+            return per_example.mean(), per_example
+
+        (_, per_example), grads = jax.value_and_grad(losses, has_aux=True)(params)
+        return per_example, jax.tree.map(_norm, grads)
+
+    replicated = NamedSharding(run.mesh, PartitionSpec())
+    rng = jax.random.fold_in(jax.random.fold_in(state.key, state.step), 0)
+    per_example, norms = jax.jit(diagnose, out_shardings=replicated)(
+        state.params, state.model_state, batch, rng
+    )
+    host = lambda x: np.asarray(x.addressable_data(0))  # noqa: E731 (replicated everywhere)
+    return host(per_example), jax.tree.map(host, norms)
+
+
+def _names(tree) -> dict[str, float]:
+    """``{"Dense_0/kernel": value, ...}`` for a tree of scalars."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path):
+            float(np.asarray(value.addressable_data(0) if isinstance(value, jax.Array)
+                             else value))
+            for path, value in flat}  # fmt: skip
+
+
+def _write(out: str, run: Run, step: int, loss: float, seen, updates, start: int,
+           checked: list[int], top: int) -> list[tuple[int, float]]:  # fmt: skip
+    """Writes ``step.json`` and ``batch.npz`` in ``out`` (process 0); the examples with the
+    ``top`` largest losses."""
+    config, (per_example, grads) = run.config, seen
+    indices = global_batch_indices(config.seed, step - 1, config.batch_size, len(run.train))
+    order = np.argsort(-per_example, kind="stable")
+    largest = [(int(indices[row]), float(per_example[row])) for row in order[:top]]
+    if jax.process_index() != 0:
+        return largest
+    os.makedirs(out, exist_ok=True)
+    batch = TrainReader(run.train, batch_size=config.batch_size, seed=config.seed,
+                        rows=slice(None))(step - 1)  # fmt: skip
+    np.savez(os.path.join(out, "batch.npz"), index=indices, loss=per_example,
+             **{f"batch.{name}": value for name, value in batch.items()})  # fmt: skip
+    grad_norms = _names(grads)
+    summary = {
+        "step": step,
+        "loss": loss,
+        "started_from": start,
+        "checked_steps": checked,
+        "grad_norm": float(np.sqrt(sum(v * v for v in grad_norms.values()))),
+        "grad_norms": grad_norms,
+        "update_norms": _names(updates),
+        "largest_losses": [{"index": index, "row": int(row), "loss": value}
+                           for (index, value), row in zip(largest, order, strict=False)],
+    }  # fmt: skip
+    with open(os.path.join(out, "step.json"), "w") as file:
+        json.dump(summary, file, indent=1)
+    return largest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    description = __doc__.splitlines()[0].replace("``", "")
+    parser = argparse.ArgumentParser(prog="jdp.replay", description=description)
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's --log-dir")
+    parser.add_argument("--step", type=int, required=True, help="the step to replay")
+    parser.add_argument("--ckpt-dir", help="the run's checkpoints (default: as it recorded)")
+    parser.add_argument("--out", help="where to write step.json and batch.npz "
+                        "(default: RUN_DIR/replay-N)")  # fmt: skip
+    parser.add_argument("--top", type=int, default=10, help="examples to name by loss")
+    args = parser.parse_args(argv)
+    try:
+        replayed = replay(args.run_dir, args.step, ckpt_dir=args.ckpt_dir, out=args.out,
+                          top=args.top)  # fmt: skip
+    except UsageError as error:
+        print(f"jdp.replay: error: {error}", file=sys.stderr)
+        return 2
+    except ReplayMismatch as error:
+        print(f"jdp.replay: error: {error}", file=sys.stderr)
+        return 1
+    if jax.process_index() == 0:
+        _say(replayed)
+    return 0
+
+
+def _say(replayed: Replayed) -> None:
+    source = (f"checkpoint {replayed.started_from}" if replayed.started_from
+              else "the run's initialisation")  # fmt: skip
+    checked = (f"; the logged loss and batch of {len(replayed.checked)} steps reproduced bit "
+               "for bit" if replayed.checked else "; no step on the way was logged")  # fmt: skip
+    print(f"jdp.replay: step {replayed.step} from {source}: loss {replayed.loss:.6g}{checked}")
+    for index, loss in replayed.largest:
+        print(f"  example {index}: loss {loss:.6g}")
+    print(f"jdp.replay: wrote {os.path.join(replayed.out, 'step.json')} and batch.npz")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The goodput ledger (`jdp.report.goodput`): a run's wall time in parts that add up to it,
+across restarts, in run.json, the summary line and the plot. A killed and restarted run's
+recomputed steps are counted in tests/test_elastic.py."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+import jdp
+from jdp.plot import main as plot_main
+from jdp.report.goodput import PARTS, Clock, summarize
+
+
+def _attempt(started, seconds, *, step=0.0, ended=None, recomputed=0):
+    parts = dict.fromkeys(PARTS, 0.0) | {"startup": seconds - step, "step": step}
+    attempt = {"started": started, "updated": started + seconds, "parts": parts,
+               "recomputed_steps": recomputed}  # fmt: skip
+    return attempt | ({"ended": ended} if ended else {})
+
+
+def test_a_failed_attempts_gap_is_restart_time_and_a_finished_ones_is_not():
+    killed = _attempt(100.0, 10.0, step=8.0)
+    restarted = _attempt(115.0, 20.0, step=16.0, ended="finished", recomputed=30)
+    later = _attempt(1000.0, 10.0, step=9.0, ended="finished")  # resumed with more steps
+    accounting = summarize([killed, restarted, later])
+    assert accounting["wall"] == pytest.approx(10 + 5 + 20 + 10)
+    assert accounting["parts"]["restart"] == pytest.approx(5.0)
+    assert accounting["restarts"] == 1 and accounting["recomputed_steps"] == 30
+    assert accounting["goodput"] == pytest.approx(33 / 45)
+    assert sum(accounting["parts"].values()) == pytest.approx(accounting["wall"])
+
+
+def test_the_clock_gives_each_moment_to_one_part():
+    clock = Clock()
+    began = time.perf_counter()
+    assert clock.switch("step") == "startup"
+    time.sleep(0.05)
+    assert clock.switch("input") == "step"
+    parts = clock.parts()
+    elapsed = time.perf_counter() - began
+    assert parts["step"] >= 0.05
+    assert sum(parts.values()) - parts["startup"] <= elapsed + 1e-3
+
+
+QUIET = jdp.Console(enabled=False)
+
+
+def _fit(log_dir, steps):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 6)).astype(np.float32)
+    config = jdp.TrainConfig(model="mlp", mesh="data=2", steps=steps, batch_size=32,
+                             warmup_steps=2, log_every=4, log_dir=str(log_dir),
+                             ckpt_dir=str(log_dir / "ckpt"))  # fmt: skip
+    return jdp.fit(config, train=jdp.data.from_arrays(x, (x[:, 0] > 0).astype(np.int32)),
+                   console=QUIET)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_run_accounts_its_wall_time_in_run_json_the_summary_and_the_plot(tmp_path, capsys):
+    result = _fit(tmp_path, 12)
+    accounting = result.goodput
+    assert accounting == json.loads((tmp_path / "run.json").read_text())["goodput"]
+    parts = accounting["parts"]
+    assert parts["step"] > 0 and parts["compile"] > 0 and parts["checkpoint"] > 0
+    # From the process's start: the wall holds this test process's start-up too.
+    assert abs(sum(parts.values()) - accounting["wall"]) <= 0.02 * accounting["wall"]
+    assert f"goodput={accounting['goodput']:.1%} " in result.summary_line()
+    # Resumed later with more steps: the time between the two is nobody's.
+    time.sleep(1.0)
+    again = _fit(tmp_path, 20).goodput
+    assert again["restarts"] == 0 and again["recomputed_steps"] == 0
+    assert again["parts"]["step"] > parts["step"]
+    assert plot_main([str(tmp_path), "--out", str(tmp_path / "curves.png")]) == 0
+    assert f"goodput {again['goodput']:.1%} of {again['wall']:.1f}s: startup" in (
+        capsys.readouterr().out
+    )
