@@ -79,7 +79,8 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _shell_code(code: int) -> int:
+def shell_code(code: int) -> int:
+    """A process's exit code as a shell gives it: 128 + N for a death by signal N."""
     return 128 - code if code < 0 else code
 
 
@@ -140,11 +141,11 @@ def launch(
             rank, code = failed
             line = f"process {rank} of {nproc} failed first ({describe_exit(code)})"
             if signals or code == 2 or restarts == max_restarts:
-                _say(lock, f"{line}; exit code {_shell_code(code)}")
+                _say(lock, f"{line}; exit code {shell_code(code)}")
                 if max_restarts and restarts == max_restarts and not signals and code != 2:
                     _say(lock, f"--max-restarts {max_restarts} spent; the last complete "
                                "checkpoint is where a rerun resumes")  # fmt: skip
-                return _shell_code(code)
+                return shell_code(code)
             _say(lock, line)
             restarts, port = restarts + 1, None  # a fresh port: the old one may linger
             if rank == failed_before and nproc > min_nproc:
@@ -267,12 +268,9 @@ def _say(lock: threading.Lock, text: str) -> None:
         sys.stderr.flush()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="jdp.launch",
-        description="Run COMMAND as N processes of one multi-process run on this machine.",
-        usage="python -m jdp.launch --nproc N [options] -- COMMAND [ARGS ...]",
-    )
+def add_process_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every launcher of a run's processes takes: ``--nproc``,
+    ``--devices-per-process``, ``--grace`` and the command after ``--``."""
     parser.add_argument("--nproc", type=int, required=True, help="number of processes")
     parser.add_argument(
         "--devices-per-process",
@@ -280,13 +278,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="simulated CPU devices per process (sets XLA_FLAGS; default: as the command asks)",
     )
-    parser.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
     parser.add_argument(
         "--grace",
         type=float,
         default=10.0,
         help="seconds the other processes get to stop after one fails (default: 10)",
     )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+
+
+def checked_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The command after ``--``, once `add_process_flags`' values are checked (else the
+    parser's one-line error, exit code 2)."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to run after --, e.g. -- python -m jdp.train")
+    if args.nproc < 1 or (args.devices_per_process is not None and args.devices_per_process < 1):
+        parser.error("--nproc and --devices-per-process must be at least 1")
+    if not 0 <= args.grace < float("inf"):  # also false for NaN
+        parser.error(f"--grace must be a finite number of seconds >= 0, got {args.grace}")
+    return command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="jdp.launch",
+        description="Run COMMAND as N processes of one multi-process run on this machine.",
+        usage="python -m jdp.launch --nproc N [options] -- COMMAND [ARGS ...]",
+    )
+    add_process_flags(parser)
+    parser.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
     parser.add_argument(
         "--max-restarts",
         type=int,
@@ -301,17 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="leave out a process that fails twice in a row while more than this many remain "
         "(default: --nproc: never)",
     )
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("give the command to run after --, e.g. -- python -m jdp.train")
-    if args.nproc < 1 or (args.devices_per_process is not None and args.devices_per_process < 1):
-        parser.error("--nproc and --devices-per-process must be at least 1")
+    command = checked_command(parser, args)
     if args.port is not None and not 1 <= args.port <= 65535:
         parser.error(f"--port must be in 1..65535, got {args.port}")
-    if not 0 <= args.grace < float("inf"):  # also false for NaN
-        parser.error(f"--grace must be a finite number of seconds >= 0, got {args.grace}")
     if args.max_restarts < 0 or not 1 <= (args.min_nproc or args.nproc) <= args.nproc:
         parser.error("--max-restarts must be at least 0, and --min-nproc in 1..--nproc")
     if shutil.which(command[0]) is None:

@@ -26,7 +26,14 @@ import time
 from collections.abc import Sequence
 
 from jdp.distributed import cluster
-from jdp.launch import command_ending_with_parent, describe_exit, device_flags
+from jdp.launch import (
+    add_process_flags,
+    checked_command,
+    command_ending_with_parent,
+    describe_exit,
+    device_flags,
+    shell_code,
+)
 
 # Ray collapses lines repeated across workers into one by default; each process's
 # lines are its own here (the same summary from two processes is two lines).
@@ -135,7 +142,7 @@ def _supervise(runs: dict, actors: list, grace: float) -> int:
         return 0
     rank, code = failed
     say(f"process {rank} of {len(actors)} failed first ({describe_exit(code)})")
-    return 128 - code if code < 0 else code
+    return shell_code(code)
 
 
 def say(text: str) -> None:
@@ -149,17 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Run COMMAND as N processes of one multi-process run on a Ray cluster.",
         usage="python -m jdp.on_ray --nproc N [options] -- COMMAND [ARGS ...]",
     )
-    parser.add_argument("--nproc", type=int, required=True, help="number of processes")
+    add_process_flags(parser)
     parser.add_argument(
         "--address",
         default=None,
         help="the Ray cluster (default: RAY_ADDRESS, or the one on this node)",
-    )
-    parser.add_argument(
-        "--devices-per-process",
-        type=int,
-        default=None,
-        help="simulated CPU devices per process (sets XLA_FLAGS)",
     )
     parser.add_argument(
         "--cpus-per-process",
@@ -173,19 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         help="Ray GPUs each process's actor holds (CUDA_VISIBLE_DEVICES)",
     )
-    parser.add_argument(
-        "--grace",
-        type=float,
-        default=10.0,
-        help="seconds the others get to stop after one fails (default: 10)",
-    )
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
-    args = parser.parse_args(argv)  # fmt: skip
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("give the command to run after --, e.g. -- python -m jdp.train")
-    if args.nproc < 1:
-        parser.error("--nproc must be at least 1")
+    args = parser.parse_args(argv)
+    command = checked_command(parser, args)
     try:
         import ray  # noqa: F401
     except ImportError:
