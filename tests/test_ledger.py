@@ -91,9 +91,12 @@ def test_a_skipped_batch_stops_the_run_before_it_is_saved(tmp_path, monkeypatch)
         return step_once(self)
 
     monkeypatch.setattr(Loader, "__next__", skipping)
-    with pytest.raises(jdp.DataLedgerError, match=r"^the data ledger: step 6's global batch .*"
-                       r"the loader gave 7 batches since step 0, not those steps in order; "
-                       r"the last was step 7's"):
+    with pytest.raises(
+        jdp.DataLedgerError,
+        match=r"^the data ledger: step 6's global batch .*"
+        r"the loader gave 7 batches since step 0, not those steps in order; "
+        r"the last was step 7's",
+    ):
         _fit(mesh="data=2", ckpt_every=4, ckpt_dir=str(tmp_path))
     assert read_record(step_directory(str(tmp_path))).step == 4  # saved before it, kept
 
