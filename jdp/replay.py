@@ -14,7 +14,7 @@ spike at step N".
 The update norms are the run's own step's (parameters after less before). The
 per-example losses and the gradient norms come from one more pass over the whole
 global batch in float32 (with dropout, its own draws), whose mean loss agrees with
-the step's to rounding.
+the step's to rounding in float32 (not under a bf16 compute policy).
 
 A run of several processes replays under ``python -m jdp.launch`` with as many.
 """
@@ -33,11 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdp.checkpoint import Checkpointer, Record
+from jdp.checkpoint import Checkpointer, Record, read_record
 from jdp.data.ledger import BATCH, TOTAL, Ledger
 from jdp.data.pipeline import global_batch_indices, places_ahead, train_batches
 from jdp.data.readers import TrainReader
 from jdp.errors import UsageError
+from jdp.mesh import DATA_AXIS, GROUP_AXIS, parse_mesh_spec, process_rows
 from jdp.report.console import Console
 from jdp.training.config import TrainConfig
 from jdp.training.run import ARCHITECTURE, DATA_FINGERPRINT, Run, build
@@ -76,11 +77,13 @@ def replay(run_dir: str, step: int, *, ckpt_dir: str | None = None, out: str | N
     _same_data(saved, run, run_dir)
     where = _topology(run_dir, run)
     state, start, base = _restore(run, step)
+    if start >= step:  # a checkpoint's loader position past its step: not one to replay from
+        raise UsageError(f"the checkpoint before step {step} resumes at step {start}")
     checked, place = [], places_ahead(run.mesh)
     loader = train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=config.seed,
                            start_step=start, place=place, ledger=config.data_ledger)  # fmt: skip
     with loader as batches:
-        ledger = _ledger(config, batches, start, base)
+        ledger = _ledger(config, run, batches, start, base)
         for number in range(start + 1, step + 1):
             batch = next(batches)
             if number == step:
@@ -119,15 +122,25 @@ def _run_files(run_dir: str) -> tuple[dict, dict[int, dict]]:
 
 
 def _config(saved: dict, run_dir: str, ckpt_dir: str | None, step: int) -> TrainConfig:
-    """The run's config, to replay with: its checkpoints, no files of its own written."""
+    """The config that trained ``step``, to replay with: as the first checkpoint at or
+    after it recorded it (a resumed run's start may have changed ``--steps``, and with
+    it the schedule), else the latest, else ``config.json``; no files of its own
+    written."""
+    ckpt_dir = ckpt_dir or saved.get("ckpt_dir")
+    if ckpt_dir and not os.path.isdir(ckpt_dir):
+        raise UsageError(f"the run's checkpoints were in {ckpt_dir}, which is not here; give "
+                         "their directory with --ckpt-dir")  # fmt: skip
+    saved = _recorded(ckpt_dir, step) or saved
     if any(str(saved.get(name, "")).startswith("yours") for name in ("model", "dataset")):
         raise UsageError(f"{run_dir} trained your own model or data; replay rebuilds runs "
                          "of the built-in ones")  # fmt: skip
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
     made_with = {name: value for name, value in saved.items() if name in fields}
-    config = TrainConfig(**made_with | {"log_dir": None, "eval_only": False,
-                                        "no_resume": False, "tracker": "none"})  # fmt: skip
-    config = dataclasses.replace(config, ckpt_dir=ckpt_dir or config.ckpt_dir)
+    config = TrainConfig(**made_with | {"log_dir": None, "eval_only": False, "no_resume": False,
+                                        "tracker": "none", "ckpt_dir": ckpt_dir})  # fmt: skip
+    if GROUP_AXIS in dict(parse_mesh_spec(config.mesh)):
+        raise UsageError(f"the run trained DiLoCo groups (--mesh {config.mesh}), whose "
+                         "synchronisations replay does not repeat")  # fmt: skip
     if config.steps_per_call > 1:
         raise UsageError(
             f"the run scanned --steps-per-call {config.steps_per_call} steps per call, "
@@ -136,10 +149,18 @@ def _config(saved: dict, run_dir: str, ckpt_dir: str | None, step: int) -> Train
         )
     if not 1 <= step <= config.steps:
         raise UsageError(f"--step {step}: the run has steps 1 to {config.steps}")
-    if config.ckpt_dir and not os.path.isdir(config.ckpt_dir):
-        raise UsageError(f"the run's checkpoints were in {config.ckpt_dir}, which is not "
-                         "here; give their directory with --ckpt-dir")  # fmt: skip
     return config
+
+
+def _recorded(ckpt_dir: str | None, step: int) -> dict:
+    """The config recorded by the first whole checkpoint at or after ``step``, else by the
+    latest; {} when there is none."""
+    if not ckpt_dir:
+        return {}
+    steps = sorted(int(name) for name in os.listdir(ckpt_dir) if name.isdigit()
+                   and os.path.isdir(os.path.join(ckpt_dir, name, "state")))  # fmt: skip
+    chosen = next((saved for saved in steps if saved >= step), steps[-1] if steps else None)
+    return read_record(os.path.join(ckpt_dir, str(chosen))).config if chosen is not None else {}
 
 
 def _same_data(saved: dict, run: Run, run_dir: str) -> None:
@@ -179,10 +200,12 @@ def _restore(run: Run, step: int) -> tuple:
     return restored[0], record.loader_step, record.ledger
 
 
-def _ledger(config: TrainConfig, batches, start: int, base: dict) -> Ledger | None:
+def _ledger(config: TrainConfig, run: Run, batches, start: int, base: dict) -> Ledger | None:
     if config.data_ledger == "off":
         return None
-    return Ledger(batches, start=start, base=base, with_bytes=config.data_ledger == "bytes")
+    return Ledger(batches, rows=process_rows(run.mesh, config.batch_size), start=start,
+                  base=base, with_bytes=config.data_ledger == "bytes",
+                  timeout=config.heartbeat_timeout)  # fmt: skip
 
 
 def _check(step: int, loss: float, record: dict, ledger: Ledger | None, where: str) -> None:
@@ -216,12 +239,20 @@ def _diagnose(run: Run, state, batch) -> tuple[np.ndarray, dict]:
             return per_example.mean(), per_example
 
         (_, per_example), grads = jax.value_and_grad(losses, has_aux=True)(params)
-        return per_example, jax.tree.map(_norm, grads)
+        return per_example, grads
+
+    def whole_batch(params, model_state, batch, rng):
+        # BatchNorm averages over the data axis in training: one "replica" holding the
+        # whole global batch binds it (its mean is the identity).
+        one = jax.vmap(diagnose, in_axes=(None, None, 0, None), axis_name=DATA_AXIS)
+        per_example, grads = one(params, model_state, batch, rng)
+        return per_example[0], jax.tree.map(lambda g: _norm(g[0]), grads)
 
     replicated = NamedSharding(run.mesh, PartitionSpec())
     rng = jax.random.fold_in(jax.random.fold_in(state.key, state.step), 0)
-    per_example, norms = jax.jit(diagnose, out_shardings=replicated)(
-        state.params, state.model_state, batch, rng
+    stacked = jax.tree.map(lambda x: x[None], batch)
+    per_example, norms = jax.jit(whole_batch, out_shardings=replicated)(
+        state.params, state.model_state, stacked, rng
     )
     host = lambda x: np.asarray(x.addressable_data(0))  # noqa: E731 (replicated everywhere)
     return host(per_example), jax.tree.map(host, norms)

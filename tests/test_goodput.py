@@ -10,7 +10,7 @@ import pytest
 
 import jdp
 from jdp.plot import main as plot_main
-from jdp.report.goodput import PARTS, Clock, summarize
+from jdp.report.goodput import PARTS, Clock, Goodput, summarize
 
 
 def _attempt(started, seconds, *, step=0.0, ended=None, recomputed=0):
@@ -64,7 +64,7 @@ def test_a_run_accounts_its_wall_time_in_run_json_the_summary_and_the_plot(tmp_p
     assert accounting == json.loads((tmp_path / "run.json").read_text())["goodput"]
     parts = accounting["parts"]
     assert parts["step"] > 0 and parts["compile"] > 0 and parts["checkpoint"] > 0
-    # From the process's start: the wall holds this test process's start-up too.
+    # From fit's call (a jdp command's would start at its process's start).
     assert abs(sum(parts.values()) - accounting["wall"]) <= 0.02 * accounting["wall"]
     assert f"goodput={accounting['goodput']:.1%} " in result.summary_line()
     # Resumed later with more steps: the time between the two is nobody's.
@@ -76,3 +76,22 @@ def test_a_run_accounts_its_wall_time_in_run_json_the_summary_and_the_plot(tmp_p
     assert f"goodput {again['goodput']:.1%} of {again['wall']:.1f}s: startup" in (
         capsys.readouterr().out
     )
+
+
+def test_a_new_run_in_a_finished_runs_directory_starts_a_new_ledger(tmp_path):
+    finished = Goodput(Clock(), str(tmp_path))
+    finished.start(0)
+    finished.progress(50)
+    finished.finish("finished")
+    again = Goodput(Clock(), str(tmp_path))
+    again.start(0)  # from scratch (no checkpoint): nothing is computed again, nothing before
+    assert again.before == [] and again.redo_until == 0
+    killed = Goodput(Clock(), str(tmp_path))
+    killed.start(0)
+    killed.progress(30)
+    killed._write()  # as a live run does, then never finishes
+    restarted = Goodput(Clock(), str(tmp_path))
+    restarted.start(20)
+    restarted.progress(25)  # killed again before it reached step 30: 5 steps again so far
+    accounting = restarted.finish("preempted")
+    assert restarted.redo_until == 30 and accounting["recomputed_steps"] == 5

@@ -2,6 +2,7 @@
 since step 1, the same on any mesh, loader and resume, kept with the checkpoints, and a
 batch that is not the one ``(seed, step)`` gives caught before it is saved."""
 
+import json
 import sys
 
 import numpy as np
@@ -125,6 +126,30 @@ def test_a_process_reading_shifted_rows_is_caught(tmp_path):
         "20", "--ckpt-dir", tmp_path / "ckpt", "--ckpt-every", "20", timeout=240,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-3000:]
-    assert ("jdp.train: error: the data ledger: step 20's global batch is not the one the "
-            "run's seed and step give") in result.stderr  # fmt: skip
+    for process in (0, 1):  # every process stops, neither left waiting in a collective
+        assert (f"[{process}] jdp.train: error: the data ledger: step 20's global batch is "
+                "not the one the run's order gives (the processes' rows do not add up to it: "
+                "a process read other rows)") in result.stderr  # fmt: skip
     assert not (tmp_path / "ckpt" / "20").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_processes_that_read_the_same_rows_count_them_once(tmp_path):
+    """--mesh model=4 over 2 processes of 2 devices: the batch is not split, both read
+    every row, and the ledger is the one process's."""
+    flags = ["--steps", "20", "--log-every", "10", "--eval-every", "0"]
+    two = run_python("-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "2", "--",
+                     sys.executable, "-m", "jdp.train", "--mesh", "model=4", *flags,
+                     "--log-dir", tmp_path / "two", timeout=240)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = run_python("-m", "jdp.train", "--mesh", "data=1", *flags, "--log-dir",
+                     tmp_path / "one", devices=1, timeout=240)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert _logged(tmp_path / "two") == _logged(tmp_path / "one")
+
+
+def _logged(log_dir):
+    with open(log_dir / "metrics.jsonl") as file:
+        return {r["step"]: (r[BATCH], r[TOTAL]) for r in map(json.loads, file)
+                if r["kind"] == "train"}  # fmt: skip

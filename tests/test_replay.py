@@ -152,3 +152,34 @@ def test_a_two_process_run_replays_on_two_processes_and_says_where_it_ran(tmp_pa
         "(the run ran on 4 cpu devices in 2 processes, this replay on 8 in 1: replay where "
         "it ran, under python -m jdp.launch --nproc 2 for several processes)"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_a_batchnorm_model_after_a_longer_resume_replays(tmp_path):
+    """The cnn's BatchNorm averages over the data axis; the run was resumed with more
+    --steps, which moved its schedule: replay takes the config that trained the step."""
+    flags = ["--model", "cnn", "--mesh", "data=2", "--batch-size", "32", "--warmup-steps", "2",
+             "--log-every", "1", "--eval-every", "0", "--ckpt-every", "5",
+             "--log-dir", tmp_path / "log", "--ckpt-dir", tmp_path / "ckpt"]  # fmt: skip
+    assert run_cli(*flags, "--steps", "10", timeout=240).returncode == 0
+    assert run_cli(*flags, "--steps", "20", timeout=240).returncode == 0
+    result = run_python("-m", "jdp.replay", tmp_path / "log", "--step", 13, "--out",
+                        tmp_path / "out", timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "step.json").read_text())
+    assert summary["started_from"] == 10 and summary["checked_steps"] == [11, 12, 13]
+    assert summary["loss"] == _logged(tmp_path / "log")[13]["loss"]
+
+
+@pytest.mark.slow
+def test_a_diloco_run_is_refused_in_one_line(tmp_path):
+    result = run_cli("--mesh", "group=2,data=2", "--steps", "4", "--log-every", "1",
+                     "--eval-every", "0", "--log-dir", tmp_path, timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    replay = run_python("-m", "jdp.replay", tmp_path, "--step", 2)
+    assert replay.returncode == 2
+    assert replay.stderr.strip() == (
+        "jdp.replay: error: the run trained DiLoCo groups (--mesh group=2,data=2), whose "
+        "synchronisations replay does not repeat"
+    )

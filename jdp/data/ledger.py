@@ -12,15 +12,18 @@ changes them. ``bytes`` adds a second pair of digests over the rows' bytes as re
 The readers hash their rows as they read them, in the loader's thread or workers,
 and with them the whole global batch as ``(seed, step)`` gives it (they draw its
 indices anyway); the loader sums both as it hands the batches over (`Loader.marks`).
-At a logged or saved step the processes' sums are added up (one small all-gather
-with several processes) and checked: the rows read must add up to the global
-batches, and the loader must have given exactly the steps up to this one. Either
-failing stops the run (`DataLedgerError`) before it trains on more.
+At a logged or saved step the processes' sums are added up (with several
+processes, through the coordinator's key-value store) and checked: the rows read
+must add up to the global batches, and each loader must have given each step once,
+in order. Either failing stops every process (`DataLedgerError`) before it trains
+on more. The global batch's digest comes from the same order the readers draw
+from: the check finds rows read wrongly, not a wrong seed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 
 import jax
@@ -111,18 +114,25 @@ class Ledger:
 
     Args:
         loader: the training `Loader`, whose ``marks`` are this process's sums.
+        rows: the rows of each global batch this process reads (`process_rows`):
+            processes that read the same rows (a ``model`` axis across processes)
+            count them once.
         start: the step the run starts after (a resume's).
         base: the ledger as the checkpoint resumed from recorded it
-            (``{"step", "since", "indices"[, "bytes"]}``), or None or {} (a fresh run,
-            or a checkpoint that kept none: then the ledger counts from ``start``).
+            (``{"step", "since", "indices"[, "bytes", "bytes_since"]}``), or None or {}
+            (a fresh run, or a checkpoint that kept none: the ledger counts from
+            ``start``).
         with_bytes: whether the readers digest the rows' bytes too.
+        timeout: seconds to wait for the other processes' sums.
     """
 
-    def __init__(self, loader, *, start: int, base: Mapping | None, with_bytes: bool):
+    def __init__(self, loader, *, rows: slice, start: int, base: Mapping | None,
+                 with_bytes: bool, timeout: float = 300.0):  # fmt: skip
         self.loader, self.start, self.with_bytes = loader, start, with_bytes
-        if not base or base.get("step") != start:
-            base = {"since": start}  # a fresh run, or a checkpoint that kept no ledger
-        self.since = int(base.get("since", 0))  # the ledger sums the steps after this one
+        self.rows, self.timeout = (rows.start, rows.stop), timeout
+        base = dict(base or {}) if (base or {}).get("step") == start else {}
+        self.since = int(base.get("since", start))  # the ledger sums the steps after this
+        self.bytes_since = int(base.get("bytes_since", self.since)) if "bytes" in base else start
         self._base = [int(base.get(name, "0"), 16) for name in ("indices", "bytes")]
         self._at: tuple[int, dict[str, str]] | None = None
 
@@ -130,29 +140,29 @@ class Ledger:
         """The digests of ``step`` and the ledger through it.
 
         Raises:
-            DataLedgerError: the rows the processes read do not add up to the global
-                batches ``(seed, step)`` gives, or the loader did not give exactly
-                the steps up to ``step``.
+            DataLedgerError: in every process, when the rows the processes read do not
+                add up to the global batches the run's order gives, or a loader did not
+                give each step up to ``step`` once, in order.
         """
         if self._at is not None and self._at[0] == step:
             return self._at[1]
-        last, total, count, order = self.loader.marks()
-        read = _summed(np.array([last[:2], total[:2]], np.uint64))
-        (batch, batch_bytes), (rows, rows_bytes) = (map(int, pair) for pair in read)
-        problem = None
-        # The steps given, in order: the i-th batch given must be step start + i.
-        steps = step - self.start
-        want = self.start * steps * (steps + 1) // 2 + steps * (steps + 1) * (2 * steps + 1) // 6
-        if count != steps or last[3] != step or order != want:
-            problem = (f"the loader gave {count} batches since step {self.start}, not those "
-                       f"steps in order; the last was step {last[3]}'s")  # fmt: skip
-        elif batch != last[2] or rows != total[2]:
-            problem = "the processes' rows do not add up to it: a process read other rows"
-        if problem:
+        previous = self._at[0] if self._at is not None else None
+        reports = _exchange(step, self._report(step), self.timeout, forget=previous)
+        problems = [f"process {number}: {report['problem']}" if len(reports) > 1 else
+                    report["problem"] for number, report in enumerate(reports)
+                    if report["problem"]]  # fmt: skip
+        distinct = {tuple(report["rows"]): report for report in reports}.values()
+        batch, batch_bytes, rows, rows_bytes = (
+            sum(report[key][column] for report in distinct) & _MASK
+            for key, column in (("last", 0), ("last", 1), ("total", 0), ("total", 1))
+        )
+        if not problems and (batch != reports[0]["last"][2] or rows != reports[0]["total"][2]):
+            problems = ["the processes' rows do not add up to it: a process read other rows"]
+        if problems:
             raise DataLedgerError(
-                f"the data ledger: step {step}'s global batch is not the one the run's seed "
-                f"and step give ({problem}); stopping at step {step} rather than train on "
-                "it; the checkpoints saved before it are kept"
+                f"the data ledger: step {step}'s global batch is not the one the run's order "
+                f"gives ({'; '.join(problems)}); stopping at step {step}, before training on "
+                "more; the checkpoints saved before it are kept"
             )
         values = {BATCH: hex64(batch), TOTAL: hex64(rows + self._base[0])}
         if self.with_bytes:
@@ -161,19 +171,49 @@ class Ledger:
         self._at = (step, values)
         return values
 
+    def _report(self, step: int) -> dict:
+        """This process's sums, and what is wrong with its loader's steps, if anything."""
+        last, total, count, order = self.loader.marks()
+        # The i-th batch given must be step start + i: their count, the last, and the
+        # sum of i * step (a skipped, repeated or swapped batch changes it).
+        steps = step - self.start
+        want = self.start * steps * (steps + 1) // 2 + steps * (steps + 1) * (2 * steps + 1) // 6
+        problem = None
+        if count != steps or last[3] != step or order != want:
+            problem = (f"the loader gave {count} batches since step {self.start}, not those "
+                       f"steps in order; the last was step {last[3]}'s")  # fmt: skip
+        return {"rows": self.rows, "last": list(last), "total": total, "problem": problem}
+
     def record(self, step: int) -> dict[str, object]:
         """What a checkpoint of ``step`` records: the ledger through it."""
         values = self.at(step)
         return {"step": step, "since": self.since, "indices": values[TOTAL],
-                **({"bytes": values[TOTAL_BYTES]} if self.with_bytes else {})}  # fmt: skip
+                **({"bytes": values[TOTAL_BYTES], "bytes_since": self.bytes_since}
+                   if self.with_bytes else {})}  # fmt: skip
 
 
-def _summed(local: np.ndarray) -> np.ndarray:
-    """The processes' sums added up, mod 2^64 (one all-gather with several processes)."""
+def _exchange(step: int, report: dict, timeout: float, *, forget: int | None) -> list[dict]:
+    """Every process's report of ``step``, in process order. With several processes they
+    travel through the coordinator's key-value store: host to host, never waiting for
+    the devices (a collective would queue behind the step in flight). This process's
+    report of step ``forget`` is deleted: every process read it before reporting
+    ``step``."""
     if jax.process_count() == 1:
-        return local
-    from jax.experimental import multihost_utils
+        return [report]
+    from jax._src import distributed
 
-    # 64-bit integers are not JAX's without x64: they travel as pairs of 32-bit words.
-    gathered = np.asarray(multihost_utils.process_allgather(local.view(np.uint32)))
-    return gathered.view(np.uint64).sum(axis=0, dtype=np.uint64)
+    client, me = distributed.global_state.client, jax.process_index()
+    client.key_value_set(f"jdp/ledger/{step}/{me}", json.dumps(report))
+    reports = []
+    for number in range(jax.process_count()):
+        key = f"jdp/ledger/{step}/{number}"
+        try:
+            reports.append(json.loads(client.blocking_key_value_get(key, int(timeout * 1000))))
+        except Exception as error:  # the runtime's deadline: a process that stopped
+            raise DataLedgerError(
+                f"the data ledger: process {number} did not report step {step} within "
+                f"{timeout:.0f} s ({str(error).splitlines()[0][:200]})"
+            ) from None
+    if forget is not None:
+        client.key_value_delete(f"jdp/ledger/{forget}/{me}")
+    return reports

@@ -112,9 +112,11 @@ class Goodput:
 
     def start(self, step: int) -> None:
         self.before = _read(self.path) if self.path else []
+        if step == 0 and self.before and self.before[-1].get("ended") == "finished":
+            self.before = []  # a new run from scratch in a finished run's directory
         self.redo_until = max([attempt["last_step"] for attempt in self.before] + [0])
         self.attempt = {"started": self.clock.started, "start_step": step, "last_step": step,
-                        "recomputed_steps": max(0, self.redo_until - step)}  # fmt: skip
+                        "recomputed_steps": 0}  # fmt: skip
 
     def progress(self, step: int) -> None:
         last, self.attempt["last_step"] = self.attempt["last_step"], step
@@ -134,8 +136,11 @@ class Goodput:
         return summarize([*self.before, self.attempt])
 
     def _stamp(self) -> None:
-        self.attempt["updated"] = time.time()
-        self.attempt["parts"] = self.clock.parts()
+        attempt = self.attempt
+        attempt["updated"] = time.time()
+        attempt["parts"] = self.clock.parts()
+        redone = min(attempt["last_step"], self.redo_until) - attempt["start_step"]
+        attempt["recomputed_steps"] = max(0, redone)  # those it reached
 
     def _write(self) -> None:
         self._stamp()

@@ -313,8 +313,8 @@ class TrainConfig:
         HEALTH, 0, "compare a checksum of the parameters on every device every N steps (0: off)"
     )
     data_ledger: DataLedger = _flag(HEALTH, "indices", "digests of the global batches, in "
-                                    "metrics.jsonl and the checkpoints and checked against the "
-                                    "seed: indices, bytes (of the rows too) or off")  # fmt: skip
+                                    "metrics.jsonl and the checkpoints and checked as they are "
+                                    "read: indices, bytes (of the rows too) or off")  # fmt: skip
     early_stop_patience: int = _flag(
         EVALUATION, 0, "stop when --early-stop-metric has not improved for N evaluations (0: off)"
     )

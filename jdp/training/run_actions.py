@@ -323,8 +323,6 @@ class StopOnPreemption:
     counter that rises by one per call.
     """
 
-    part = "checkpoint"  # mostly its save, when it asks for one
-
     def __init__(self, preemption: Preemption, *, steps_per_call: int,
                  checkpoint: Checkpoint | None, ckpt_dir: str | None):  # fmt: skip
         self.preemption, self.steps_per_call = preemption, steps_per_call

@@ -117,7 +117,9 @@ def data_ledger(config: TrainConfig, run: Run, batches: Loader, start: int,
     None with ``--data-ledger off`` or your own stream of batches (no indices)."""
     if config.data_ledger == "off" or isinstance(run.train, BatchStream):
         return None
-    return Ledger(batches, start=start, base=base, with_bytes=config.data_ledger == "bytes")
+    return Ledger(batches, rows=process_rows(run.mesh, config.batch_size), start=start, base=base,
+                  with_bytes=config.data_ledger == "bytes",
+                  timeout=config.heartbeat_timeout)  # fmt: skip
 
 
 def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, console: Console,
