@@ -33,7 +33,7 @@ def test_help_shows_the_choices(capsys):
     with pytest.raises(SystemExit):
         parse_flags(["--help"])
     out = capsys.readouterr().out
-    assert "--model {cnn,gpt,mlp,resnet18,resnet20,seq2seq}" in out
+    assert "--model {cnn,gpt,mlp,resnet18,resnet20,resnet50,seq2seq}" in out
     assert "--preset {digits-mlp,digits-cnn," in out
 
 

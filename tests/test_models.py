@@ -203,7 +203,7 @@ def _sequence_split(rows=16):
 
 
 # The sequence models and ResNets compile for 8-11 s each: the fast lane keeps mlp and cnn.
-_SLOW_TO_COMPILE = {"gpt", "resnet18", "resnet20", "seq2seq"}
+_SLOW_TO_COMPILE = {"gpt", "resnet18", "resnet20", "resnet50", "seq2seq"}
 
 
 @pytest.mark.parametrize(
@@ -241,6 +241,9 @@ def test_standard_sizes_are_the_published_ones():
     assert _count(resnet18, image) == 11_173_962  # ResNet-18 for CIFAR-10
     resnet20 = ResNet(num_classes=10, **MODELS["resnet20"].sizes["standard"])
     assert 0.26e6 < _count(resnet20, image) < 0.28e6  # He et al.: 0.27M
+    resnet50 = ResNet(num_classes=1000, **MODELS["resnet50"].sizes["standard"])
+    # torchvision's resnet50(): sum(p.numel() for p in model.parameters()).
+    assert _count(resnet50, jnp.zeros((1, 224, 224, 3))) == 25_557_032
 
 
 def test_numbers2words_is_generated_by_seed():
@@ -315,3 +318,55 @@ def test_fit_trains_and_resumes_an_nnx_model(tmp_path):
         jax.device_get(resumed.state.params),
         jax.device_get(first.state.params),
     )
+
+
+def test_label_smoothing_is_szegedy_et_als():
+    logits = jnp.array([[2.0, 0.5, -1.0], [0.0, 0.0, 3.0]])
+    batch = {"label": jnp.array([0, 1])}
+    smoothed = jdp.models.classification(smoothing=0.1).loss(logits, batch)
+    log_p = jax.nn.log_softmax(logits)
+    target = np.full((2, 3), 0.1 / 3) + 0.9 * np.eye(3)[[0, 1]]
+    np.testing.assert_allclose(smoothed, -(target * log_p).sum(-1), rtol=1e-6)
+    plain = jdp.models.classification().loss(logits, batch)
+    np.testing.assert_allclose(plain, -log_p[np.arange(2), [0, 1]], rtol=1e-6)
+    with pytest.raises(jdp.UsageError, match="--label-smoothing is for the image classifiers"):
+        get_model("seq2seq", _sequence_split(), label_smoothing=0.1)
+    with pytest.raises(jdp.UsageError, match=r"--label-smoothing must be in \[0, 1\), got 1"):
+        jdp.TrainConfig(label_smoothing=1.0)
+
+
+def _jpeg_folders(root, per_class=48, size=48):
+    """Two classes of RGB JPEGs (quality 90): light rising left to right, or top to bottom,
+    under noise; train/ and test/."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    ramp = np.linspace(0, 200, size)
+    for label, pattern in enumerate((ramp[None, :, None], ramp[:, None, None])):
+        for index in range(per_class):
+            pixels = pattern + rng.normal(0, 25, (size, size, 3)).clip(-55, 55)
+            part = "test" if index < 8 else "train"
+            folder = root / part / f"class{label}"
+            folder.mkdir(parents=True, exist_ok=True)
+            image = Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+            image.save(folder / f"{index}.jpg", quality=90)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_resnet50_in_bf16_with_smoothed_labels_learns_from_jpegs(tmp_path):
+    import json
+
+    from helpers import run_cli
+
+    _jpeg_folders(tmp_path / "images")
+    result = run_cli(
+        "--model", "resnet50", "--dataset", f"folder:{tmp_path / 'images'}", "--mesh", "data=2",
+        "--steps", "24", "--batch-size", "16", "--optimizer", "momentum", "--lr", "0.02",
+        "--warmup-steps", "2", "--label-smoothing", "0.1", "--precision", "bf16",
+        "--log-every", "1", "--eval-every", "0", "--log-dir", tmp_path / "log", timeout=360,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "log" / "metrics.jsonl") as file:
+        losses = [r["loss"] for r in map(json.loads, file) if r["kind"] == "train"]
+    assert len(losses) == 24 and np.mean(losses[-6:]) < 0.8 * np.mean(losses[:6]), losses

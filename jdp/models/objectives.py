@@ -46,8 +46,12 @@ def _perplexity(means: dict[str, float]) -> dict[str, float]:
     return {"perplexity": math.exp(min(means["loss"], 700.0))}  # exp(710) overflows a float
 
 
-def classification(label: str = "label") -> Objective:
+def classification(label: str = "label", *, smoothing: float = 0.0) -> Objective:
     """Softmax cross-entropy on logits ``(rows, classes)``; metric ``accuracy``.
+
+    ``smoothing`` trains towards labels smoothed as Szegedy et al. (2016) did: the
+    true class ``1 - smoothing + smoothing / classes``, every other ``smoothing /
+    classes`` (the loss an evaluation reports is the same, smoothed).
 
     Examples:
         >>> objective = jdp.models.classification()
@@ -57,9 +61,11 @@ def classification(label: str = "label") -> Objective:
     """
 
     def loss(logits, batch):
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), batch[label]
-        )
+        logits = logits.astype(jnp.float32)
+        if not smoothing:
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[label])
+        labels = jax.nn.one_hot(batch[label], logits.shape[-1], dtype=jnp.float32)
+        return optax.softmax_cross_entropy(logits, optax.smooth_labels(labels, smoothing))
 
     def metrics(logits, batch):
         return {"accuracy": (jnp.argmax(logits, -1) == batch[label]).astype(jnp.float32)}

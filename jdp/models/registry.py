@@ -35,6 +35,8 @@ class Builtin:
     sizes: dict[str, dict[str, Any]]
 
 
+_BOTTLENECKS = {"bottleneck": True, "imagenet_stem": True}  # ImageNet's ResNets from 50 layers
+
 MODELS: dict[str, Builtin] = {
     "mlp": Builtin(
         ("image",), MLP, {"small": {"hidden": (512,)}, "standard": {"hidden": (1024, 1024)}}
@@ -56,6 +58,15 @@ MODELS: dict[str, Builtin] = {
         {
             "small": {"stages": (2, 2, 2, 2), "widths": (16, 32, 64, 128)},
             "standard": {"stages": (2, 2, 2, 2), "widths": (64, 128, 256, 512)},
+        },
+    ),
+    # standard: torchvision's ResNet-50 (v1.5), 25,557,032 parameters for 1,000 classes.
+    "resnet50": Builtin(
+        ("image",),
+        ResNet,
+        {
+            "small": {"stages": (3, 4, 6, 3), "widths": (16, 32, 64, 128), **_BOTTLENECKS},
+            "standard": {"stages": (3, 4, 6, 3), "widths": (64, 128, 256, 512), **_BOTTLENECKS},
         },
     ),
     # small: the reference DDP Transformer (d_model 128, 4 heads, 2 + 2 layers);
@@ -123,7 +134,8 @@ def _window_inputs(batch):
 
 def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat: str = "none",
               attention: str = "auto", unroll: bool = False,
-              architecture: Mapping[str, Any] | None = None) -> Model:  # fmt: skip
+              architecture: Mapping[str, Any] | None = None,
+              label_smoothing: float = 0.0) -> Model:  # fmt: skip
     """The built-in model ``name`` at ``size``, shaped for ``split`` (classes or vocabulary).
 
     ``seq_len`` sets the positions ``gpt`` has (``--seq-len``; a token corpus's
@@ -132,6 +144,7 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
     published sizes (``124m`` ...) gpt's vocabulary is the data's padded to a
     multiple of 128. ``architecture``: gpt's `GPT` fields in place of the size's (a
     model loaded from weights, `jdp.models.from_hf`), its vocabulary unpadded.
+    ``label_smoothing``: an image classifier's (`jdp.models.classification`).
 
     Examples:
         >>> train = jdp.load_split("digits", "train", data_dir=tmp)
@@ -150,9 +163,12 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
             )
         return from_linen(
             builtin.module(num_classes=split.num_classes, **options),
-            classification(split.label_key),
+            classification(split.label_key, smoothing=label_smoothing),
             inputs=split.input_key,
         )
+    if label_smoothing:
+        raise UsageError(f"--label-smoothing is for the image classifiers; {name} predicts "
+                         "tokens: leave it out")  # fmt: skip
     options["attention"] = attention
     if name != "gpt":
         module = builtin.module(vocab_size=len(split.vocab), **options)

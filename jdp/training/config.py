@@ -12,7 +12,7 @@ from jdp.training import config_checks
 # (tests/test_api.py): the step's backends, the built-in models and sizes, the
 # datasets, optimizers, schedules, LR scaling rules and precisions.
 Backend = Literal["jit", "pmap"]
-ModelName = Literal["cnn", "gpt", "mlp", "resnet18", "resnet20", "seq2seq"]
+ModelName = Literal["cnn", "gpt", "mlp", "resnet18", "resnet20", "resnet50", "seq2seq"]
 ModelSize = Literal["small", "standard", "124m", "350m", "774m", "1.3b"]
 Remat = Literal["none", "dots", "full"]
 Attention = Literal["auto", "xla", "cudnn"]
@@ -85,7 +85,8 @@ class TrainConfig:
     model: ModelName = _flag(
         MODEL,
         "mlp",
-        "built-in model: mlp, cnn, resnet20, resnet18 (images), seq2seq or gpt (sequences)",
+        "built-in model: mlp, cnn, resnet20, resnet18, resnet50 (images), seq2seq or gpt "
+        "(sequences)",
     )
     model_size: ModelSize = _flag(
         MODEL,
@@ -93,6 +94,8 @@ class TrainConfig:
         "small (trains in minutes on a CPU) or standard (published); gpt also 124m, 350m, "
         "774m (GPT-2's) and 1.3b (GPT-3 XL's), their vocabulary padded to a multiple of 128",
     )
+    label_smoothing: float = _flag(MODEL, 0.0, "a built-in image classifier's loss on labels "
+                                   "smoothed by this much (0: none)")  # fmt: skip
     unroll_layers: bool = _flag(
         MODEL,
         False,
@@ -119,12 +122,9 @@ class TrainConfig:
     )
     vocab_size: int = _flag(DATA, 0, "a token corpus's vocabulary size (0: from the "
                             "tokens.json beside it)")  # fmt: skip
-    token_dtype: TokenDtype = _flag(
-        DATA,
-        "",
-        "the ids of raw .bin token files (no llm.c header): uint16, uint32 or int32 "
-        "(default: from tokens.json; never guessed)",
-    )
+    token_dtype: TokenDtype = _flag(DATA, "", "the ids of raw .bin token files (no llm.c "
+                                    "header): uint16, uint32 or int32 (default: from "
+                                    "tokens.json; never guessed)")  # fmt: skip
     validation_fraction: float = _flag(
         DATA,
         0.0,

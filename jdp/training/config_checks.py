@@ -114,6 +114,7 @@ def _check_numbers(config) -> None:
         "lr_decay_factor": (0.0, False, math.inf, False),
         "max_skipped_fraction": (0.0, False, 1.0, True),
         "validation_fraction": (0.0, True, 1.0, False),
+        "label_smoothing": (0.0, True, 1.0, False),
         "startup_timeout": (0.0, False, math.inf, False),
         "heartbeat_timeout": (0.0, False, math.inf, False),
         "ckpt_every_minutes": (0.0, True, math.inf, False),

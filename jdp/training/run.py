@@ -366,7 +366,8 @@ def _builtin_model(config: TrainConfig, train: Split, architecture: dict | None)
     """The built-in model the config names, shaped for ``train`` (and ``architecture``)."""
     return get_model(config.model, train, config.model_size, seq_len=config.seq_len,
                      remat=config.remat, attention=config.attention,
-                     unroll=config.unroll_layers, architecture=architecture)  # fmt: skip
+                     unroll=config.unroll_layers, architecture=architecture,
+                     label_smoothing=config.label_smoothing)  # fmt: skip
 
 
 def _initial(path: str, params, model_state, architecture: dict | None):
