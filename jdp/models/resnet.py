@@ -27,6 +27,14 @@ from jdp.models.names import conv as named_conv
 from jdp.models.names import dense, norm_inits
 
 
+def _batch_norm(*, train: bool, scale=nn.initializers.ones) -> nn.BatchNorm:
+    """BatchNorm over the channels; in training, its statistics averaged over ``data``
+    (the global batch's)."""
+    return nn.BatchNorm(use_running_average=not train, momentum=0.9,
+                        axis_name=DATA_AXIS if train else None,
+                        **norm_inits("conv_out", scale))  # fmt: skip
+
+
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions with a residual; a 1x1 projection where the shape changes."""
 
@@ -35,20 +43,13 @@ class BasicBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
-        norm = partial(
-            nn.BatchNorm,
-            use_running_average=not train,
-            momentum=0.9,
-            axis_name=DATA_AXIS if train else None,
-        )
+        norm = partial(_batch_norm, train=train)
         conv = partial(named_conv, use_bias=False)
-        y = nn.relu(
-            norm(**norm_inits("conv_out"))(conv(self.features, (3, 3), strides=self.stride)(x))
-        )
+        y = nn.relu(norm()(conv(self.features, (3, 3), strides=self.stride)(x)))
         # Zero-initialised last scale: each block starts as the identity (Goyal et al.).
-        y = norm(**norm_inits("conv_out", nn.initializers.zeros))(conv(self.features, (3, 3))(y))
+        y = norm(scale=nn.initializers.zeros)(conv(self.features, (3, 3))(y))
         if x.shape[-1] != self.features or self.stride != 1:
-            x = norm(**norm_inits("conv_out"))(conv(self.features, (1, 1), strides=self.stride)(x))
+            x = norm()(conv(self.features, (1, 1), strides=self.stride)(x))
         return nn.relu(x + y)
 
 
@@ -62,21 +63,16 @@ class Bottleneck(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
-        norm = partial(
-            nn.BatchNorm,
-            use_running_average=not train,
-            momentum=0.9,
-            axis_name=DATA_AXIS if train else None,
-        )
+        norm = partial(_batch_norm, train=train)
         conv = partial(named_conv, use_bias=False)
         out = 4 * self.features
-        y = nn.relu(norm(**norm_inits("conv_out"))(conv(self.features, (1, 1))(x)))
+        y = nn.relu(norm()(conv(self.features, (1, 1))(x)))
         y = conv(self.features, (3, 3), strides=self.stride)(y)
-        y = nn.relu(norm(**norm_inits("conv_out"))(y))
+        y = nn.relu(norm()(y))
         # Zero-initialised last scale: each block starts as the identity (Goyal et al.).
-        y = norm(**norm_inits("conv_out", nn.initializers.zeros))(conv(out, (1, 1))(y))
+        y = norm(scale=nn.initializers.zeros)(conv(out, (1, 1))(y))
         if x.shape[-1] != out or self.stride != 1:
-            x = norm(**norm_inits("conv_out"))(conv(out, (1, 1), strides=self.stride)(x))
+            x = norm()(conv(out, (1, 1), strides=self.stride)(x))
         return nn.relu(x + y)
 
 
@@ -100,10 +96,7 @@ class ResNet(nn.Module):
             x = named_conv(self.widths[0], (7, 7), strides=2, use_bias=False)(x)
         else:
             x = named_conv(self.widths[0], (3, 3), use_bias=False)(x)
-        x = nn.BatchNorm(
-            use_running_average=not train, momentum=0.9, axis_name=DATA_AXIS if train else None,
-            **norm_inits("conv_out"),
-        )(x)  # fmt: skip
+        x = _batch_norm(train=train)(x)
         x = nn.relu(x)
         if self.imagenet_stem:
             x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
