@@ -38,10 +38,11 @@ from jdp.data.ledger import BATCH, TOTAL, Ledger
 from jdp.data.pipeline import global_batch_indices, places_ahead, train_batches
 from jdp.data.readers import TrainReader
 from jdp.errors import UsageError
-from jdp.mesh import DATA_AXIS, GROUP_AXIS, parse_mesh_spec, process_rows
+from jdp.mesh import DATA_AXIS, GROUP_AXIS, parse_mesh_spec
 from jdp.report.console import Console
 from jdp.training.config import TrainConfig
 from jdp.training.run import ARCHITECTURE, DATA_FINGERPRINT, Run, build
+from jdp.training.wiring import data_ledger
 
 
 class ReplayMismatch(RuntimeError):
@@ -83,7 +84,7 @@ def replay(run_dir: str, step: int, *, ckpt_dir: str | None = None, out: str | N
     loader = train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=config.seed,
                            start_step=start, place=place, ledger=config.data_ledger)  # fmt: skip
     with loader as batches:
-        ledger = _ledger(config, run, batches, start, base)
+        ledger = data_ledger(config, run, batches, start, base)
         for number in range(start + 1, step + 1):
             batch = next(batches)
             if number == step:
@@ -198,14 +199,6 @@ def _restore(run: Run, step: int) -> tuple:
         return run.state, 0, {}
     record = Record.read(restored[1])
     return restored[0], record.loader_step, record.ledger
-
-
-def _ledger(config: TrainConfig, run: Run, batches, start: int, base: dict) -> Ledger | None:
-    if config.data_ledger == "off":
-        return None
-    return Ledger(batches, rows=process_rows(run.mesh, config.batch_size), start=start,
-                  base=base, with_bytes=config.data_ledger == "bytes",
-                  timeout=config.heartbeat_timeout)  # fmt: skip
 
 
 def _check(step: int, loss: float, record: dict, ledger: Ledger | None, where: str) -> None:
