@@ -1,6 +1,7 @@
 """``python -m jdp.bench input``: how fast the loader makes batches (with and without
 Grain workers), how fast the train step consumes them on the same batch shape, and
-the share of a real training run's loop spent waiting for input."""
+the share of a real training run's loop spent waiting for input. ``--images``: JPEGs
+streamed at ImageNet's shape into ResNet-50 instead (`jdp.bench.images`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 
 import jax
 
+from jdp.bench import images
 from jdp.bench.common import add_run_flags, batches_per_sec, config_from, steps_per_sec
 from jdp.data.pipeline import TrainReader, host_batches, train_batches
 from jdp.mesh import process_rows
@@ -53,15 +55,30 @@ def bench_input(config: TrainConfig, *, workers: int, batches: int, steps: int) 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_flags(parser, mesh="data=8", dataset=True)
-    parser.add_argument("--steps", type=int, default=400, help="length of the training run")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="length of the training run (default: 400; --images: 6)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="Grain workers to compare with 0")
-    parser.add_argument("--batches", type=int, default=1000, help="batches timed per loader")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        default=None,
+        help="batches timed per loader (default: 1000; --images: 8)",
+    )
     parser.add_argument("--step-repeats", type=int, default=200, help="train steps timed")
+    parser.add_argument(
+        "--model-size", default=None, help="with --images: resnet50's size (default: standard)"
+    )
+    images.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> None:
-    config = config_from(
-        args, steps=args.steps, warmup_steps=min(TrainConfig.warmup_steps, args.steps // 2)
-    )
-    lines = bench_input(config, workers=args.workers, batches=args.batches, steps=args.step_repeats)
+    if args.images:
+        return images.run(args)
+    steps, batches = args.steps or 400, args.batches or 1000
+    config = config_from(args, steps=steps, warmup_steps=min(TrainConfig.warmup_steps, steps // 2))
+    lines = bench_input(config, workers=args.workers, batches=batches, steps=args.step_repeats)
     print("\n".join(lines))

@@ -10,11 +10,16 @@ as windows for a language model, memory-mapped. `from_indexable` reads any sourc
 with ``len()`` and ``[i]`` (a Hugging Face dataset, a Grain ``MapDataset``) in
 jdp's order; `from_batches` takes any iterable of batches (a generator, a
 ``tf.data.Dataset``, a ``DataLoader``) for training, in its own order.
+`from_images` streams a class-folder tree of any size, or the array_record
+shards `pack` writes of it, decoding and cropping each batch in the loader
+(`ImageTransform`).
 `check_splits` is what a run checks of its splits before it builds the model.
 """
 
 from jdp.data.checks import check_splits
 from jdp.data.custom import from_arrays, from_folder, from_npz, from_tfds, holdout
+from jdp.data.image_sources import from_images, pack
+from jdp.data.images import ImageSplit, ImageTransform
 from jdp.data.sources import ArraySplit, Split
 from jdp.data.streams import BatchStream, IndexedSplit, from_batches, from_indexable
 from jdp.data.tokens import TokenSplit, from_tokens
@@ -23,6 +28,8 @@ from jdp.data.transforms import Transform
 __all__ = [
     "ArraySplit",
     "BatchStream",
+    "ImageSplit",
+    "ImageTransform",
     "IndexedSplit",
     "Split",
     "TokenSplit",
@@ -31,9 +38,11 @@ __all__ = [
     "from_arrays",
     "from_batches",
     "from_folder",
+    "from_images",
     "from_indexable",
     "from_npz",
     "from_tfds",
     "from_tokens",
     "holdout",
+    "pack",
 ]

@@ -1,4 +1,4 @@
-"""``python -m jdp.data prepare|tokenize``: prepare a dataset, or tokenize text into shards.
+"""``python -m jdp.data prepare|tokenize|pack``: prepare a dataset, tokenize text, pack images.
 
 ``prepare NAME [--data-dir DIR]`` downloads and prepares a catalog dataset once:
 run it where the network reaches the dataset's host (a login node, a laptop),
@@ -7,6 +7,11 @@ then point ``--data-dir`` of training runs at the same directory, or a copy.
 ``tokenize FILE_OR_DIR... --out DIR`` writes the text files' tokens as llm.c
 shards, a training and a validation split (`jdp.data.tokenize`); train on them
 with ``--dataset tokens:DIR``.
+
+``pack FOLDER --out DIR`` writes a class-folder tree's images (its train,
+validation and test folders when it has them) into array_record shards, bytes
+unchanged and in the same order (`jdp.data.image_sources`); train on them with
+``--dataset images:DIR``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from jdp.data.corpora import CORPORA, prepare_stdlib
+from jdp.data.image_sources import pack
 from jdp.data.sources import DATASETS, prepare
 from jdp.data.tokenize import tokenize
 from jdp.errors import UsageError
@@ -31,8 +37,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--data-dir", default=None, help="TFDS data directory (default: $TFDS_DATA_DIR)"
     )
     _add_tokenize(commands)
+    pack_parser = commands.add_parser("pack", help="pack a class-folder tree of images")
+    pack_parser.add_argument("folder", help="class folders, or train/ (validation/, test/) of them")
+    pack_parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    shard_help = "the most megabytes of images in one shard (default: 1024)"
+    pack_parser.add_argument("--shard-mb", type=float, default=1024, metavar="MB", help=shard_help)
     args = parser.parse_args(argv)
     try:
+        if args.command == "pack":
+            packed = pack(args.folder, args.out, shard_bytes=int(args.shard_mb * 2**20))
+            for split, facts in packed.items():
+                megabytes = facts["bytes"] / 2**20
+                print(f"jdp.data: {split or 'images'}: {facts['count']:,} images, "
+                      f"{megabytes:,.1f} MB in {facts['shards']} shard(s)")  # fmt: skip
+            print(f"jdp.data: packed into {args.out}; train with --dataset images:{args.out}")
+            return 0
         if args.command == "tokenize":
             meta = tokenize(
                 args.inputs,

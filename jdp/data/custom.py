@@ -23,14 +23,15 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from jdp.data.builders import open_builder, read_builder_split
+from jdp.data.image_sources import from_images
+from jdp.data.images import IMAGE_SUFFIXES, PACKED_META, class_files
 from jdp.data.sources import DATASETS, ArraySplit, check_dataset, load_split
 from jdp.data.transforms import Transform
 from jdp.errors import UsageError
 
 # The prefixes of --dataset that name your own data.
-TFDS_PREFIX, FOLDER_PREFIX, NPZ_PREFIX = "tfds:", "folder:", "npz:"
-PREFIXES = (TFDS_PREFIX, FOLDER_PREFIX, NPZ_PREFIX)
-_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+TFDS_PREFIX, FOLDER_PREFIX, NPZ_PREFIX, IMAGES_PREFIX = "tfds:", "folder:", "npz:", "images:"
+PREFIXES = (TFDS_PREFIX, FOLDER_PREFIX, NPZ_PREFIX, IMAGES_PREFIX)
 # Mixed into a holdout's seed so its order never coincides with an epoch's.
 _HOLDOUT_STREAM = 0x686F6C64
 
@@ -203,10 +204,10 @@ def from_folder(
         raise UsageError(
             f"{root} has no class subdirectories; put each class's images in a folder of its own"
         )
-    files, labels = _class_files(root, classes)
+    files, labels = class_files(root, classes)
     if not files:
         raise UsageError(
-            f"no images in {root}'s class folders (looked for {', '.join(_IMAGE_SUFFIXES)})"
+            f"no images in {root}'s class folders (looked for {', '.join(IMAGE_SUFFIXES)})"
         )
     images = []
     for file in files:
@@ -240,27 +241,6 @@ def from_folder(
         map=map,
     )
     return dataclasses.replace(split, classes=classes)
-
-
-def _class_files(root: str, classes: tuple[str, ...]) -> tuple[list[str], list[int]]:
-    """The image files under each class folder, and their labels; a class folder without
-    images is refused (its class would be trained on as if it never occurred)."""
-    files, labels = [], []
-    for label, name in enumerate(classes):
-        folder = os.path.join(root, name)
-        if not os.path.isdir(folder):  # a split given the classes of another may lack one
-            continue
-        images = sorted(
-            file for file in os.listdir(folder) if file.lower().endswith(_IMAGE_SUFFIXES)
-        )
-        if not images:
-            raise UsageError(
-                f"class folder {folder} has no images (looked for {', '.join(_IMAGE_SUFFIXES)}); "
-                "add its images, or remove the folder"
-            )
-        files += [os.path.join(folder, file) for file in images]
-        labels += [label] * len(images)
-    return files, labels
 
 
 def holdout(split, fraction: float, seed: int):
@@ -350,6 +330,9 @@ def load_named(dataset: str, split: str, data_dir: str | None = None, *,
         return from_tfds(name, split, data_dir=data_dir)
     if dataset.startswith(FOLDER_PREFIX):
         return _folder_split(dataset[len(FOLDER_PREFIX) :], split, image_size)
+    if dataset.startswith(IMAGES_PREFIX):  # streamed, at --image-size (224 by default)
+        return _folder_split(dataset[len(IMAGES_PREFIX) :], split, image_size or (224, 224),
+                             opener=from_images)  # fmt: skip
     if dataset.startswith(NPZ_PREFIX):
         found = from_npz(dataset[len(NPZ_PREFIX) :], split)
         if found is None and split != "validation":
@@ -370,7 +353,10 @@ def _tfds_validation(name: str, data_dir: str | None):
     return from_tfds(name, "validation", data_dir=data_dir)
 
 
-def _folder_split(root: str, split: str, image_size: tuple[int, int] | None = None):
+def _folder_split(root: str, split: str, image_size: tuple[int, int] | None = None,
+                  opener: Callable = from_folder):  # fmt: skip
+    """``split`` of a tree of splits, or of one class tree (a seeded fifth as ``test``),
+    opened by ``from_folder`` (decoded into memory) or ``from_images`` (streamed)."""
     parts = {part: os.path.join(root, part) for part in ("train", "test", "validation")}
     if os.path.isdir(parts["train"]):
         if not os.path.isdir(parts[split]):
@@ -378,8 +364,10 @@ def _folder_split(root: str, split: str, image_size: tuple[int, int] | None = No
                 return None
             raise UsageError(f"{root} has a train folder and no {split} folder; add {parts[split]}")
         classes = tuple(sorted(e.name for e in os.scandir(parts["train"]) if e.is_dir()))
-        return from_folder(parts[split], classes=classes, image_size=image_size)
+        if os.path.isfile(os.path.join(parts["train"], PACKED_META)):
+            classes = None  # packed together: `from_images` checks they agree
+        return opener(parts[split], classes=classes, image_size=image_size)
     if split == "validation":
         return None
-    train, test = holdout(from_folder(root, image_size=image_size), 0.2, seed=0)
+    train, test = holdout(opener(root, image_size=image_size), 0.2, seed=0)
     return train if split == "train" else test

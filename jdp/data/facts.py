@@ -30,17 +30,28 @@ def data_facts(split) -> dict:
         "classes": list(getattr(split, "classes", None) or ()),
         "transform": _transform(getattr(split, "transform", None)),
         "example_shape": _example_shape(split),
+        "normalize": _normalize(getattr(split, "normalize", None)),
     }
 
 
+def _normalize(normalize) -> dict | None:
+    """The per-channel mean and std a model of uint8 images applies on the devices."""
+    return None if normalize is None else {"mean": normalize.mean, "std": normalize.std}
+
+
 def _transform(transform) -> dict | None:
-    """The evaluation preprocessing of a `jdp.data.Transform` (never its augmentation)."""
+    """The evaluation preprocessing of a `jdp.data.Transform` (never its augmentation); for
+    streamed images, their centre crop (normalised by the model, `normalize`)."""
     if transform is None:
         return None
+    if hasattr(transform, "center"):
+        return {"scale": 1.0, "mean": None, "std": None, "center": transform.center}
     return {"scale": transform.scale, "mean": transform.mean, "std": transform.std}
 
 
 def _example_shape(split) -> list[int] | None:
+    if hasattr(split, "example_shape"):  # streamed images: the crops' shape
+        return list(split.example_shape)
     read = getattr(split, "read", None)
     if read is None or split.kind != "image" or not len(split):
         return None
@@ -59,4 +70,15 @@ def split_shape(facts: Mapping) -> types.SimpleNamespace:
         vocab_size=facts.get("vocab_size"),
         seq_len=facts.get("seq_len") or 0,
         tokenizer=facts.get("tokenizer"),
+        normalize=_normalizer(facts),
     )
+
+
+def _normalizer(facts: Mapping):
+    from jdp.data.images import Normalize
+
+    recorded = facts.get("normalize")
+    if not recorded:
+        return None
+    key = facts.get("input_key", "image")
+    return Normalize(key, tuple(recorded["mean"]), tuple(recorded["std"]))

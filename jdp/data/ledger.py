@@ -74,9 +74,13 @@ def bytes_hashes(batch: Mapping[str, np.ndarray], rows: int) -> np.ndarray:
     """A 64-bit hash of each row's bytes over every array of ``batch`` (by name)."""
     hashes = np.zeros(rows, np.uint64)
     for name in sorted(batch):
-        flat = np.ascontiguousarray(batch[name]).reshape(rows, -1).view(np.uint8)
+        array = batch[name]
+        if array.dtype == object:  # encoded images: one bytes object a row
+            flat = [bytes(row) for row in array.reshape(-1)]
+        else:
+            flat = [row.tobytes() for row in np.ascontiguousarray(array).reshape(rows, -1)]
         column = np.array(
-            [int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=8).digest(), "little")
+            [int.from_bytes(hashlib.blake2b(row, digest_size=8).digest(), "little")
              for row in flat],
             np.uint64,
         )  # fmt: skip

@@ -27,7 +27,11 @@ def read_inputs(inputs: Any, facts: Mapping) -> np.ndarray:
         isinstance(inputs, Sequence) and inputs and isinstance(inputs[0], str | os.PathLike)
     ):
         paths = [inputs] if isinstance(inputs, str | os.PathLike) else list(inputs)
-        examples = np.stack([_decode(os.fspath(path), shape) for path in paths])
+        center = (facts.get("transform") or {}).get("center")
+        if center is not None:  # streamed images: evaluation's centre crop
+            examples = _center_crops(paths, shape, center)
+        else:
+            examples = np.stack([_decode(os.fspath(path), shape) for path in paths])
     else:
         examples = np.asarray(inputs)
         if shape and examples.shape == shape:
@@ -62,3 +66,22 @@ def _decode(path: str, shape: tuple[int, ...]) -> np.ndarray:
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot read image {path} ({error})") from None
     return array[..., None] if array.ndim == 2 else array
+
+
+def _center_crops(paths: list, shape: tuple[int, ...], center: float) -> np.ndarray:
+    """Image files as a streamed image split evaluates them (`jdp.data.images`)."""
+    from jdp.data.images import ImageTransform
+
+    transform = ImageTransform(size=tuple(shape[:2]), center=center)
+    encoded = []
+    for path in paths:
+        try:
+            with open(path, "rb") as handle:
+                encoded.append(handle.read())
+        except OSError as error:
+            raise UsageError(f"cannot read image {path} ({error})") from None
+    try:
+        return transform(encoded)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot read an image of {', '.join(map(str, paths))} ({error})") \
+            from None  # fmt: skip

@@ -21,7 +21,6 @@ import numpy as np
 from jdp.data.ledger import LEDGER_KEY
 from jdp.data.ledger import marks as ledger_marks
 from jdp.data.sources import Split
-from jdp.data.transforms import Augmentation
 from jdp.mesh import MASK_KEY
 
 # Mixed into the augmentation seeds so their streams never coincide with an epoch order's.
@@ -114,7 +113,7 @@ class TrainReader:
                     ).take(self.rows)
                     for step in steps
                 ]
-                augmentation = Augmentation(
+                augmentation = type(draws[0])(  # an Augmentation, or an image split's Crops
                     *(np.concatenate(parts) for parts in zip(*draws, strict=True))
                 )
             batch[self.split.input_key] = transform(batch[self.split.input_key], augmentation)

@@ -164,7 +164,7 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
         return from_linen(
             builtin.module(num_classes=split.num_classes, **options),
             classification(split.label_key, smoothing=label_smoothing),
-            inputs=split.input_key,
+            inputs=getattr(split, "normalize", None) or split.input_key,  # uint8 images' too
         )
     if label_smoothing:
         raise UsageError(f"--label-smoothing is for the image classifiers; {name} predicts "

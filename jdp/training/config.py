@@ -108,12 +108,13 @@ class TrainConfig:
         "digits (bundled), numbers2words (generated), mnist, fashion_mnist, cifar10, "
         "python_stdlib (text: the Python standard library's sources as bytes, prepared on first "
         "use), tfds:NAME (any TFDS dataset prepared as array_record), folder:PATH (images in "
-        "class folders), npz:FILE (NumPy arrays named like x_train, y_train, x_test, y_test) "
+        "class folders, in memory), images:PATH (class folders or their packed form, streamed "
+        "and decoded per batch, Inception crops), npz:FILE (arrays named like x_train, y_train) "
         "or tokens:PATH (a token corpus: llm.c shards, raw .bin or .npy; a file, directory "
         "or glob, its val and test files by name)",
     )
-    image_size: str = _flag(DATA, "", "H,W: resize a folder:PATH dataset's images (for "
-                            "images of several sizes)")  # fmt: skip
+    image_size: str = _flag(DATA, "", "H,W: resize folder:PATH's images (of several sizes), "
+                            "images:PATH's crops (default 224,224)")  # fmt: skip
     seq_len: int = _flag(
         DATA,
         0,

@@ -16,7 +16,7 @@ from jdp.mesh import GROUP_AXIS, SHARDING_AXES, parse_axis_rules, parse_mesh_spe
 DatasetName = Literal[
     "cifar10", "digits", "fashion_mnist", "mnist", "numbers2words", "python_stdlib"
 ]
-DATASET_PREFIXES = ("tfds:", "folder:", "npz:", "tokens:")
+DATASET_PREFIXES = ("tfds:", "folder:", "images:", "npz:", "tokens:")
 
 
 def check(config) -> None:
@@ -39,10 +39,10 @@ def check(config) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     _check_numbers(config)
     _check_model_options(config)
-    if image_hw(config) and not config.dataset.startswith("folder:"):
+    if image_hw(config) and not config.dataset.startswith(("folder:", "images:")):
         raise UsageError(
-            f"--image-size resizes a folder:PATH dataset's images; --dataset {config.dataset} "
-            "is not one"
+            f"--image-size resizes a folder:PATH or images:PATH dataset's images; --dataset "
+            f"{config.dataset} is not one"
         )
     if config.accumulate < 1:
         raise UsageError("--accumulate must be at least 1")
@@ -97,7 +97,7 @@ def _check_dataset(config) -> None:
         raise UsageError(
             f"unknown dataset {config.dataset!r}; choose one of: "
             f"{', '.join(typing.get_args(DatasetName))}, or tfds:NAME (any TFDS dataset), "
-            "folder:PATH (images in class folders), npz:FILE (arrays named like x_train, "
+            "folder:PATH or images:PATH (images in class folders), npz:FILE (arrays like x_train, "
             "y_train) or tokens:PATH (a token corpus)"
         )
 

@@ -1,0 +1,171 @@
+"""Where streamed images come from: a class-folder tree of any size, or its packed form.
+
+`from_images` opens either as an `jdp.data.images.ImageSplit` (nothing decoded,
+nothing read but the names); `pack` writes a tree's encoded images, unchanged and
+in the same order, into a few array_record files (``python -m jdp.data pack``), so
+a cluster's hosts read a few large files rather than a million small ones. A
+packed split is a folder of ``images-NNNNN.array_record`` shards, ``labels.npy``
+and ``images.json`` (its classes, count and shards), written last: a folder
+without it is not a packed split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from jdp.data.images import (
+    PACKED_META,
+    FileStore,
+    ImageSplit,
+    ImageTransform,
+    PackedStore,
+    class_files,
+)
+from jdp.data.images import image_size as header_size
+from jdp.errors import UsageError
+
+FORMAT = "jdp-packed-images"
+SPLITS = ("train", "validation", "test")
+
+
+def from_images(
+    path: str | os.PathLike,
+    *,
+    image_size: tuple[int, int] = (224, 224),
+    classes: tuple[str, ...] | None = None,
+    transform: ImageTransform | None = None,
+) -> ImageSplit:
+    """The images under ``path`` streamed: a folder with one subfolder per class (class
+    ``i`` the ``i``-th in sorted order, or in ``classes``), or a split `pack` wrote.
+
+    Images of any size and format Pillow reads; ``image_size`` is the crops' ``(height,
+    width)`` (``transform`` sets the rest, `ImageTransform`).
+
+    Raises:
+        UsageError: a missing folder, no class folders, a class folder without images,
+            or a packed split of other classes than ``classes``.
+    """
+    root = os.fspath(path)
+    transform = transform or ImageTransform(size=tuple(image_size))
+    meta_path = os.path.join(root, PACKED_META)
+    if os.path.isfile(meta_path):
+        meta = _meta(meta_path)
+        found = tuple(meta["classes"])
+        if classes is not None and tuple(classes) != found:
+            raise UsageError(
+                f"{root} was packed with other classes than the training split's; "
+                "pack every split of one tree together (python -m jdp.data pack)"
+            )
+        store = PackedStore([os.path.join(root, shard) for shard in meta["shards"]])
+        labels = np.load(os.path.join(root, "labels.npy")).astype(np.int32)
+        if len(labels) != len(store) or len(labels) != meta["count"]:
+            raise UsageError(
+                f"{root} holds {len(store)} images and {len(labels)} labels, "
+                f"not the {meta['count']} it was packed with; pack it again"
+            )
+        return ImageSplit(store, labels, len(found), transform, found)
+    files, labels, classes = _tree(root, classes)
+    names = [file[len(root) :].lstrip(os.sep) for file in files]
+    return ImageSplit(
+        FileStore(root, names), np.asarray(labels, np.int32), len(classes), transform, classes
+    )
+
+
+def _tree(root: str, classes) -> tuple[list[str], list[int], tuple[str, ...]]:
+    if not os.path.isdir(root):
+        raise UsageError(
+            f"image folder {root} does not exist; give a folder of class folders "
+            "or one python -m jdp.data pack wrote"
+        )
+    found = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    classes = tuple(classes) if classes is not None else tuple(found)
+    if not classes:
+        raise UsageError(
+            f"{root} has no class subdirectories; put each class's images in a folder of its own"
+        )
+    files, labels = class_files(root, classes)
+    if not files:
+        raise UsageError(f"no images in {root}'s class folders")
+    return files, labels, classes
+
+
+def _meta(path: str) -> dict:
+    try:
+        with open(path) as handle:
+            meta = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot read {path} ({error}); pack the images again") from None
+    if meta.get("format") != FORMAT:
+        raise UsageError(
+            f"{path} is not a packed split of images; pack them with python -m jdp.data pack"
+        )
+    return meta
+
+
+def pack(
+    source: str | os.PathLike, out: str | os.PathLike, *, shard_bytes: int = 1 << 30
+) -> dict[str, dict]:
+    """Packs the class-folder tree ``source`` into ``out``: its ``train``, ``validation``
+    and ``test`` folders (with the training split's classes) when it has them, else
+    the tree as one split; each image's bytes unchanged, in `from_images`'s order.
+
+    Every image's header is read, so a file no decoder reads is named here, not
+    mid-run. Returns ``{split: {"count", "bytes", "shards"}}`` (``""`` for a lone tree).
+    """
+    source, out = os.fspath(source), os.fspath(out)
+    if shard_bytes < 1:
+        raise UsageError("--shard-mb must be positive")
+    if os.path.isdir(os.path.join(source, "train")):
+        classes = _tree(os.path.join(source, "train"), None)[2]
+        parts = [split for split in SPLITS if os.path.isdir(os.path.join(source, split))]
+        return {
+            split: _pack_split(
+                os.path.join(source, split), os.path.join(out, split), classes, shard_bytes
+            )
+            for split in parts
+        }
+    return {"": _pack_split(source, out, None, shard_bytes)}
+
+
+def _pack_split(source: str, out: str, classes, shard_bytes: int) -> dict:
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    files, labels, classes = _tree(source, classes)
+    os.makedirs(out, exist_ok=True)
+    meta_path = os.path.join(out, PACKED_META)
+    if os.path.exists(meta_path):
+        os.remove(meta_path)  # until every shard is written again, this is not a split
+    shards, writer, size, total = [], None, 0, 0
+    for file in files:
+        with open(file, "rb") as handle:
+            data = handle.read()
+        try:
+            header_size(data)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot read image {file} ({error}); remove or replace it") from None
+        if writer is None or (size and size + len(data) > shard_bytes):
+            if writer is not None:
+                writer.close()
+            shards.append(f"images-{len(shards):05d}.array_record")
+            writer = ArrayRecordWriter(os.path.join(out, shards[-1]), "group_size:1")
+            size = 0
+        writer.write(data)
+        size += len(data)
+        total += len(data)
+    writer.close()
+    np.save(os.path.join(out, "labels.npy"), np.asarray(labels, np.int32))
+    meta = {
+        "format": FORMAT,
+        "version": 1,
+        "classes": list(classes),
+        "count": len(files),
+        "bytes": total,
+        "shards": shards,
+    }
+    with open(meta_path + ".tmp", "w") as handle:
+        json.dump(meta, handle, indent=1)
+    os.replace(meta_path + ".tmp", meta_path)
+    return {"count": len(files), "bytes": total, "shards": len(shards)}

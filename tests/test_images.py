@@ -1,0 +1,181 @@
+"""Streamed images (`jdp.data.images`): a JPEG tree and its packed form read alike, in
+jdp's order; Inception crops drawn from (seed, step, example), the same on every
+topology; evaluation counts each image once; resume is bitwise; memory stays flat."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from closeness import EARLY_STEPS, assert_drift_within, assert_sequences_close
+from helpers import assert_bitwise_equal, run_cli, run_python, saved_arrays, subprocess_env
+
+import jdp
+from jdp.bench.images import write_tree
+from jdp.data.images import ImageTransform, Normalize
+from jdp.data.readers import EvalReader, TrainReader
+from jdp.mesh import MASK_KEY
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    """A tree of JPEGs of ImageNet's sizes (train 48, test 12, 3 classes) and its pack."""
+    root = tmp_path_factory.mktemp("images")
+    write_tree(str(root / "tree"), {"train": 48, "test": 12}, classes=3)
+    packed = jdp.data.pack(root / "tree", root / "packed", shard_bytes=1 << 20)
+    assert set(packed) == {"train", "test"} and packed["train"]["shards"] > 1
+    return root / "tree", root / "packed"
+
+
+def _batches(split, steps, rows=slice(None), batch_size=16):
+    reader = TrainReader(split, batch_size=batch_size, seed=3, rows=rows)
+    return [reader(step) for step in range(steps)]
+
+
+def test_a_packed_tree_holds_the_same_images_in_the_same_order(tree):
+    folder, packed = (jdp.data.from_images(path / "train", image_size=(32, 32)) for path in tree)
+    assert folder.classes == packed.classes == ("class_000", "class_001", "class_002")
+    everything = np.arange(len(folder))
+    read = folder.read(everything), packed.read(everything)
+    assert list(read[0]["image"]) == list(read[1]["image"])  # the files' bytes, unchanged
+    np.testing.assert_array_equal(read[0]["label"], read[1]["label"])
+    # Training batches: the same images, crops and flips, bit for bit (4 steps: 1+ epochs).
+    for one, other in zip(_batches(folder, 4), _batches(packed, 4), strict=True):
+        assert one["image"].dtype == np.uint8 and one["image"].shape == (16, 32, 32, 3)
+        np.testing.assert_array_equal(one["image"], other["image"])
+        np.testing.assert_array_equal(one["label"], other["label"])
+
+
+def test_crops_do_not_depend_on_the_topology(tree):
+    split = jdp.data.from_images(tree[1] / "train", image_size=(24, 24))
+    whole = _batches(split, 3)
+    for processes in (2, 8):  # each process reads its rows: together, the whole batch
+        size = 16 // processes
+        parts = [_batches(split, 3, slice(p * size, (p + 1) * size)) for p in range(processes)]
+        for step, batch in enumerate(whole):
+            joined = np.concatenate([part[step]["image"] for part in parts])
+            np.testing.assert_array_equal(joined, batch["image"])
+    # Steps read in bulk (--steps-per-call) are the steps read one by one.
+    reader = TrainReader(split, batch_size=16, seed=3, rows=slice(None))
+    for one, bulk in zip(whole, reader.steps(0, 3), strict=True):
+        np.testing.assert_array_equal(one["image"], bulk["image"])
+    # Another seed draws other crops of other images.
+    other = TrainReader(split, batch_size=16, seed=4, rows=slice(None))(0)
+    assert not np.array_equal(other["image"], whole[0]["image"])
+
+
+def test_inception_crops_keep_to_their_area_and_aspect_ratio():
+    transform = ImageTransform()
+    rng = np.random.default_rng(0)
+    height, width = 350, 400
+    for uniforms in transform.draw(rng, 500).uniforms:
+        left, top, right, bottom = transform.random_box((height, width), uniforms)
+        assert 0 <= left < right <= width and 0 <= top < bottom <= height
+        w, h = right - left, bottom - top
+        # Rounding each side to a pixel moves the area by at most (w + h + 1) pixels
+        # and the ratio by about 1/h + 1/w of itself.
+        slack = (w + h + 1) / (height * width)
+        assert 0.08 - slack <= w * h / (height * width) <= 1.0 + slack
+        assert 3 / 4 * (1 - 1 / h - 1 / w) <= w / h <= 4 / 3 * (1 + 1 / h + 1 / w)
+    # No attempt fits (the whole area at the widest ratio, in a tall image): the centre.
+    tall = (400, 100)
+    assert transform.random_box(tall, np.array([[1.0, 1.0, 0.5, 0.5]] * 10)) is None
+    assert transform.center_box(tall) == (6, 156, 93, 243)  # 87.5% of the shorter side
+    assert transform.center_box((350, 400)) == (47, 22, 353, 328)
+
+
+def test_evaluation_reads_each_image_once_as_a_centre_crop(tree):
+    split = jdp.data.from_images(tree[0] / "test", image_size=(32, 32))
+    batches = [EvalReader(split, batch_size=8, rows=slice(None))(n) for n in range(2)]
+    assert sum(batch[MASK_KEY].sum() for batch in batches) == len(split) == 12
+    first = split.transform(split.read(np.arange(8))["image"])  # no draws: the centre
+    np.testing.assert_array_equal(batches[0]["image"], first)
+    again = EvalReader(split, batch_size=8, rows=slice(4, 8))(0)  # a process's rows
+    np.testing.assert_array_equal(again["image"], first[4:8])
+
+
+def test_images_reach_the_devices_as_uint8_and_are_normalised_there():
+    transform = ImageTransform()
+    pixels = np.random.default_rng(0).integers(0, 256, (2, 4, 4, 3), dtype=np.uint8)
+    (x,) = jax.jit(Normalize("image", transform.mean, transform.std))({"image": pixels})
+    want = (pixels / 255.0 - np.array(transform.mean)) / np.array(transform.std)
+    # float32 arithmetic on values up to |2.7|: a few ulps.
+    np.testing.assert_allclose(np.asarray(x), want, rtol=0, atol=8 * 2.7 * 1.2e-7)
+
+
+def _fit(dataset, mesh, tmp_path, **more):
+    config = jdp.TrainConfig(
+        dataset=f"images:{dataset}", model="cnn", image_size="32,32", mesh=mesh,
+        batch_size=16, steps=6, warmup_steps=3, eval_every=0, log_every=1, log_dir=str(tmp_path),
+        **more,
+    )  # fmt: skip
+    result = jdp.fit(config)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return result, [r for r in records if r["kind"] == "train"]
+
+
+def test_a_streamed_run_on_data8_matches_data1_and_the_packed_form_bitwise(tree, tmp_path):
+    one, one_log = _fit(tree[0], "data=1", tmp_path / "1")
+    eight, eight_log = _fit(tree[0], "data=8", tmp_path / "8", data_ledger="bytes")
+    packed, packed_log = _fit(tree[1], "data=8", tmp_path / "p", data_ledger="bytes")
+    assert_sequences_close([r["loss"] for r in eight_log],
+                           [r["loss"] for r in one_log], rtol=EARLY_STEPS)  # fmt: skip
+    assert_drift_within(eight.state.params, one.state.params)
+    assert [r["data_ledger"] for r in eight_log] == [r["data_ledger"] for r in one_log]
+    # The packed form: the same bytes, so the same digests and the same run, bit for bit.
+    assert [r["data_ledger_bytes"] for r in packed_log] == [
+        r["data_ledger_bytes"] for r in eight_log
+    ]
+    assert [r["loss"] for r in packed_log] == [r["loss"] for r in eight_log]
+    jax.tree.map(np.testing.assert_array_equal, packed.state.params, eight.state.params)
+
+
+def test_a_damaged_image_is_one_line_and_exit_2(tree, tmp_path):
+    bad = tmp_path / "bad"
+    write_tree(str(bad), {"train": 6, "test": 2}, classes=2)
+    broken = bad / "train" / "class_001" / "000001.jpg"
+    broken.write_bytes(b"\xff\xd8 not a JPEG")
+    packed = run_python("-m", "jdp.data", "pack", bad, "--out", tmp_path / "out")
+    assert packed.returncode == 2, packed.stderr
+    assert f"cannot read image {broken}" in packed.stderr
+    assert not (tmp_path / "out" / "train" / "images.json").exists()  # no half a pack
+    trained = run_cli("--dataset", f"images:{bad}", "--image-size", "16,16", "--steps", "4",
+                      "--batch-size", "6", "--mesh", "data=2", "--model", "cnn")  # fmt: skip
+    assert trained.returncode == 2, trained.stderr
+    assert "cannot decode an image of the batch" in trained.stderr
+
+
+def _cli(dataset, ckpt_dir):
+    flags = ["--dataset", f"images:{dataset}", "--model", "resnet50", "--model-size", "small",
+             "--image-size", "32,32", "--mesh", "data=4", "--batch-size", "8", "--steps", "24",
+             "--warmup-steps", "4", "--ckpt-every", "4", "--eval-every", "0",
+             "--loader-workers", "1", "--ckpt-dir", str(ckpt_dir)]  # fmt: skip
+    return [sys.executable, "-m", "jdp.train", *flags]
+
+
+@pytest.mark.slow
+def test_kill_9_and_resume_is_bitwise_with_batchnorm_and_workers(tree, tmp_path):
+    reference = subprocess.run(_cli(tree[1], tmp_path / "whole"), capture_output=True,
+                               text=True, timeout=400, env=subprocess_env())  # fmt: skip
+    assert reference.returncode == 0, reference.stderr
+    process = subprocess.Popen(_cli(tree[1], tmp_path / "killed"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=subprocess_env())  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "killed" / "8").is_dir():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no checkpoint at step 8"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    assert process.returncode == -signal.SIGKILL, "the run ended before it was killed"
+    resumed = subprocess.run(_cli(tree[1], tmp_path / "killed"), capture_output=True,
+                             text=True, timeout=400, env=subprocess_env())  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert re.search(r"^jdp: resuming from step \d+ in ", resumed.stdout, re.M)
+    assert_bitwise_equal(saved_arrays(tmp_path / "killed", 24),
+                         saved_arrays(tmp_path / "whole", 24))  # fmt: skip
