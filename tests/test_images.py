@@ -3,7 +3,9 @@ jdp's order; Inception crops drawn from (seed, step, example), the same on every
 topology; evaluation counts each image once; resume is bitwise; memory stays flat."""
 
 import json
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -179,3 +181,52 @@ def test_kill_9_and_resume_is_bitwise_with_batchnorm_and_workers(tree, tmp_path)
     assert re.search(r"^jdp: resuming from step \d+ in ", resumed.stdout, re.M)
     assert_bitwise_equal(saved_arrays(tmp_path / "killed", 24),
                          saved_arrays(tmp_path / "whole", 24))  # fmt: skip
+
+
+# A training process's memory after its first step and the most it holds while it
+# reads a whole epoch of the split, each step (`jdp.bench.corpus.status`).
+_MEASURE = """
+import json, sys
+import jdp
+from jdp.actions import Callback
+from jdp.bench.corpus import status
+figures = {}
+def sample(progress):
+    now = status()["VmRSS"]
+    figures.setdefault("first", now)
+    figures["most"] = max(figures.get("most", 0), now)
+config = jdp.TrainConfig(dataset="images:" + sys.argv[1], model="cnn", image_size="16,16",
+                         mesh="data=2", batch_size=64, steps=int(sys.argv[2]), eval_every=0)
+jdp.fit(config, callbacks=[Callback(sample, every=1)])
+print(json.dumps(figures))
+"""
+
+
+@pytest.mark.slow
+def test_a_5_gb_split_trains_an_epoch_in_flat_memory(tmp_path):
+    """5.2 GB of encoded images (8 distinct 2 MB JPEGs of noise, hard-linked 2,688 times,
+    then packed into array_record shards: 5.2 GB on disk) train for a whole epoch
+    while the process grows by less than 1 GiB: the split is read per batch, never held."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    sources = []
+    for index in range(8):
+        pixels = rng.integers(0, 256, (1100, 1500, 3), dtype=np.uint8)
+        sources.append(tmp_path / f"source{index}.jpg")
+        Image.fromarray(pixels).save(sources[-1], quality=95)
+    tree, packed = tmp_path / "tree", tmp_path / "packed"
+    try:
+        for split, count in (("train", 2688), ("test", 8)):
+            for index in range(count):
+                folder = tree / split / f"class_{index % 2}"
+                folder.mkdir(parents=True, exist_ok=True)
+                os.link(sources[index % 8], folder / f"{index:05d}.jpg")
+        facts = jdp.data.pack(tree, packed)
+        assert facts["train"]["bytes"] >= 5e9 and facts["train"]["shards"] >= 5
+        done = run_python("-c", _MEASURE, packed, 2688 // 64, timeout=900, devices=2)
+        assert done.returncode == 0, done.stderr
+        figures = json.loads(done.stdout.strip().splitlines()[-1])
+        assert figures["most"] - figures["first"] < 2**30, figures
+    finally:
+        shutil.rmtree(packed, ignore_errors=True)
