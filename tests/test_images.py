@@ -183,18 +183,17 @@ def test_kill_9_and_resume_is_bitwise_with_batchnorm_and_workers(tree, tmp_path)
                          saved_arrays(tmp_path / "whole", 24))  # fmt: skip
 
 
-# A training process's memory after its first step and the most it holds while it
-# reads a whole epoch of the split, each step (`jdp.bench.corpus.status`).
+# A training process's memory before the run and the most it holds while it reads a
+# whole epoch of the split, read each step (`jdp.bench.corpus.status`): the growth
+# includes starting the devices and compiling (a few hundred MB for this cnn).
 _MEASURE = """
 import json, sys
 import jdp
 from jdp.actions import Callback
 from jdp.bench.corpus import status
-figures = {}
+figures = {"before": status()["VmRSS"]}
 def sample(progress):
-    now = status()["VmRSS"]
-    figures.setdefault("first", now)
-    figures["most"] = max(figures.get("most", 0), now)
+    figures["most"] = max(figures.get("most", 0), status()["VmRSS"])
 config = jdp.TrainConfig(dataset="images:" + sys.argv[1], model="cnn", image_size="16,16",
                          mesh="data=2", batch_size=64, steps=int(sys.argv[2]), eval_every=0)
 jdp.fit(config, callbacks=[Callback(sample, every=1)])
@@ -227,6 +226,6 @@ def test_a_5_gb_split_trains_an_epoch_in_flat_memory(tmp_path):
         done = run_python("-c", _MEASURE, packed, 2688 // 64, timeout=900, devices=2)
         assert done.returncode == 0, done.stderr
         figures = json.loads(done.stdout.strip().splitlines()[-1])
-        assert figures["most"] - figures["first"] < 2**30, figures
+        assert figures["most"] - figures["before"] < 2**30, figures
     finally:
         shutil.rmtree(packed, ignore_errors=True)

@@ -15,6 +15,7 @@ from helpers import run_cli
 
 import jdp
 from jdp.bench import readme
+from jdp.bench.images import write_tree
 from jdp.data.shards import write_llmc, write_meta
 from jdp.errors import UsageError
 from jdp.training.flags import parse_flags
@@ -68,6 +69,9 @@ def _stand_in_data(recipe, tmp_path) -> list[str]:
     if dataset == "cifar10":
         prepare(tfds.image_classification.Cifar10, tmp_path, {"train": 64, "test": 16}, (32, 32, 3))
         return ["--data-dir", str(tmp_path)]
+    if dataset.startswith("images:"):  # JPEGs of ImageNet's sizes, in class folders
+        write_tree(str(tmp_path / "images"), {"train": 32, "test": 16}, classes=4)
+        return ["--dataset", f"images:{tmp_path / 'images'}"]
     if dataset.startswith("tokens:"):  # GPT-2's vocabulary: the model at its real size
         rng = np.random.default_rng(0)
         for split, count in (("train", 20_000), ("val", 2_000)):

@@ -8,7 +8,8 @@ extensions, 1.2 GB/s measured against BLAKE2b's 0.3), paid only by runs that
 save checkpoints. A token corpus is read from disk as it trains and may be far larger
 than memory: its fingerprint is each file's name and size and a SHA-256 of 16
 blocks of 64 KiB spread over it, read in milliseconds whatever the corpus's
-size. A corpus replaced, regenerated, grown or cut is seen; a change of a few
+size; so are packed images' shards (`jdp.data.images`), and a folder of images by its
+files' names. A corpus replaced, regenerated, grown or cut is seen; a change of a few
 bytes between the sampled blocks is not (a full read of 100 GB at each start
 would cost minutes).
 """
@@ -36,6 +37,8 @@ def fingerprint(split) -> str:
         for name in sorted(arrays):
             _hash_array(digest, name, arrays[name])
         return digest.hexdigest()[:24]
+    if getattr(split, "decodes", False):  # streamed images (`jdp.data.images`)
+        return _images(digest, split)
     shards = getattr(split, "shards", None)
     if shards is None:
         return ""
@@ -44,6 +47,18 @@ def fingerprint(split) -> str:
         _hash_array(digest, "windows", np.asarray(split.windows))
     for shard in shards:
         _hash_file(digest, shard.path)
+    return digest.hexdigest()[:24]
+
+
+def _images(digest, split) -> str:
+    """Streamed images: their labels, and their packed shards sampled as a corpus's
+    files are, or the names of a folder's files."""
+    _hash_array(digest, "labels", split.labels)
+    if split.rows is not None:  # a subset of the store's images
+        _hash_array(digest, "rows", np.asarray(split.rows))
+    for path in getattr(split.store, "paths", ()):
+        _hash_file(digest, path)
+    digest.update(getattr(split.store, "names", b""))
     return digest.hexdigest()[:24]
 
 

@@ -203,6 +203,11 @@ class FileStore:
     def __len__(self) -> int:
         return len(self._ends)
 
+    @property
+    def names(self) -> bytes:
+        """Every file's name, end to end, and where each ends."""
+        return self._blob + self._ends.tobytes()
+
     def name(self, index: int) -> str:
         start = int(self._ends[index - 1]) if index else 0
         return self._blob[start : int(self._ends[index])].decode()
@@ -253,6 +258,7 @@ class ImageSplit:
     kind = "image"
     input_key, label_key = "image", "label"
     map = None
+    decodes = True  # read a batch at a time (`jdp.data.pipeline`)
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -359,7 +359,11 @@ def places_ahead(mesh: Mesh) -> bool:
 
 
 def _chunk_steps(reader: TrainReader, step: int) -> int:
-    """How many steps' batches to read and place at once (see TRAIN_CHUNK)."""
+    """How many steps' batches to read and place at once (see TRAIN_CHUNK); one for a
+    split that decodes each batch (`jdp.data.images`), whose encoded bytes read in bulk
+    would be 16 batches' worth held at once, for an overhead that decoding dwarfs."""
+    if getattr(reader.split, "decodes", False):
+        return 1
     nbytes = sum(value.nbytes for value in reader(step).values())
     return max(1, min(TRAIN_CHUNK, CHUNK_BYTES // max(1, nbytes)))
 
