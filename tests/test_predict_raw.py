@@ -72,7 +72,7 @@ def test_a_folder_of_mixed_sizes_trains_with_image_size(tmp_path):
 
 
 def test_image_size_is_for_folders_and_says_its_form():
-    with pytest.raises(jdp.UsageError, match=r"--image-size resizes a folder:PATH or images:PATH dataset"):
+    with pytest.raises(jdp.UsageError, match=r"--image-size resizes a folder:PATH or images:PATH"):
         jdp.TrainConfig(image_size="16,16")
     with pytest.raises(jdp.UsageError, match=r"--image-size '16': give H,W"):
         jdp.TrainConfig(dataset="folder:x", image_size="16")
