@@ -146,6 +146,11 @@ def test_a_damaged_image_is_one_line_and_exit_2(tree, tmp_path):
     assert packed.returncode == 2, packed.stderr
     assert f"cannot read image {broken}" in packed.stderr
     assert not (tmp_path / "out" / "train" / "images.json").exists()  # no half a pack
+    packed = tmp_path / "packed"
+    jdp.data.pack(tree[0] / "test", packed)
+    np.save(packed / "labels.npy", np.full(12, 3, np.int32))  # 3 classes: 0, 1, 2
+    with pytest.raises(jdp.UsageError, match="labels outside its 3 classes"):
+        jdp.data.from_images(packed)
     trained = run_cli("--dataset", f"images:{bad}", "--image-size", "16,16", "--steps", "4",
                       "--batch-size", "6", "--mesh", "data=2", "--model", "cnn")  # fmt: skip
     assert trained.returncode == 2, trained.stderr

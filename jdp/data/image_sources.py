@@ -66,6 +66,9 @@ def from_images(
                 f"{root} holds {len(store)} images and {len(labels)} labels, "
                 f"not the {meta['count']} it was packed with; pack it again"
             )
+        if len(labels) and not 0 <= labels.min() <= labels.max() < len(found):
+            raise UsageError(f"{root}'s labels.npy holds labels outside its {len(found)} "
+                             "classes; pack the images again")  # fmt: skip
         return ImageSplit(store, labels, len(found), transform, found)
     files, labels, classes = _tree(root, classes)
     names = [file[len(root) :].lstrip(os.sep) for file in files]
