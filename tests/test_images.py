@@ -234,3 +234,24 @@ def test_a_5_gb_split_trains_an_epoch_in_flat_memory(tmp_path):
         assert figures["most"] - figures["before"] < 2**30, figures
     finally:
         shutil.rmtree(packed, ignore_errors=True)
+
+
+def test_the_trained_model_names_image_files_as_evaluation_saw_them(tree, tmp_path):
+    """load_model reads a streamed run's facts: centre crops of image files, normalised by
+    the model; its predictions on the test files give the run's own test accuracy."""
+    config = jdp.TrainConfig(
+        dataset=f"images:{tree[1]}", model="cnn", image_size="32,32", mesh="data=2",
+        batch_size=16, steps=8, warmup_steps=2, ckpt_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    result = jdp.fit(config)
+    loaded = jdp.load_model(tmp_path / "run")
+    files = sorted((tree[0] / "test").glob("*/*.jpg"))
+    found = loaded.predict([str(path) for path in files])
+    labels = [int(path.parent.name.split("_")[1]) for path in files]
+    right = sum(int(got) == want for got, want in zip(found.labels, labels, strict=True))
+    # The same 12 crops and model as the run's evaluation: its accuracy, to a twelfth.
+    assert right / len(files) == pytest.approx(result.test_accuracy, abs=1e-6)
+    # And its loss: a mean of 12 cross-entropies of about 1, each from a float32 softmax
+    # computed apart (in numpy here, in the step there): a few ulps of 1 each.
+    picked = found.probabilities[np.arange(len(files)), labels]
+    assert -np.log(picked).mean() == pytest.approx(result.test_loss, rel=1e-5)
