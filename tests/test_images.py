@@ -255,3 +255,51 @@ def test_the_trained_model_names_image_files_as_evaluation_saw_them(tree, tmp_pa
     # computed apart (in numpy here, in the step there): a few ulps of 1 each.
     picked = found.probabilities[np.arange(len(files)), labels]
     assert -np.log(picked).mean() == pytest.approx(result.test_loss, rel=1e-5)
+
+
+def _imagenette(data_dir, splits):
+    """TFDS's own imagenette builder, its download replaced by JPEGs of ImageNet's sizes
+    (``splits``: name -> count); prepared as array_record, offline."""
+    import io
+
+    import tensorflow_datasets as tfds
+
+    from jdp.bench.images import imagenet_jpeg
+
+    rng = np.random.default_rng(1)
+    written = {split: [imagenet_jpeg(rng, i % 3) for i in range(n)] for split, n in splits.items()}
+
+    class Generated(tfds.builder_cls("imagenette"), skip_registration=True):
+        name = "imagenette"
+
+        def _split_generators(self, dl_manager):
+            return {split: self._generate(split) for split in splits}
+
+        def _generate(self, split):
+            for index, data in enumerate(written[split]):
+                yield index, {"image": io.BytesIO(data), "label": index % 3}
+
+    Generated(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
+    return written
+
+
+def test_tfds_imagenette_streams_its_jpegs_undecoded(tmp_path):
+    written = _imagenette(tmp_path, {"train": 24, "validation": 8})
+    split = jdp.data.from_tfds_images("imagenette", "train", data_dir=str(tmp_path),
+                                      image_size=(32, 32))  # fmt: skip
+    assert len(split) == 24 and len(split.classes) == 10 and split.labels is None
+    batch = split.read(np.arange(24))
+    # TFDS keeps the files' bytes (in its own shuffled order) and the labels with them.
+    assert sorted(batch["image"]) == sorted(written["train"])
+    for data, label in zip(batch["image"], batch["label"], strict=True):
+        assert label == written["train"].index(data) % 3
+    crops = TrainReader(split, batch_size=8, seed=0, rows=slice(None))(0)["image"]
+    assert crops.shape == (8, 32, 32, 3) and crops.dtype == np.uint8
+    # On the command line: tfds:NAME streams a dataset of images of many sizes, its
+    # validation split evaluated (imagenet2012 and imagenette have no test split).
+    result = run_cli("--dataset", "tfds:imagenette", "--data-dir", tmp_path, "--image-size",
+                     "32,32", "--model", "cnn", "--mesh", "data=2", "--batch-size", "8",
+                     "--steps", "4", "--eval-every", "2", "--loader-workers", "1")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "(24 train / 8 validation)" in result.stdout, result.stdout
+    assert re.search(r"step 4: val_loss=\S+ val_accuracy=", result.stdout), result.stdout

@@ -12,13 +12,13 @@ jdp's order; `from_batches` takes any iterable of batches (a generator, a
 ``tf.data.Dataset``, a ``DataLoader``) for training, in its own order.
 `from_images` streams a class-folder tree of any size, or the array_record
 shards `pack` writes of it, decoding and cropping each batch in the loader
-(`ImageTransform`).
+(`ImageTransform`); `from_tfds_images` a TFDS dataset of images of many sizes.
 `check_splits` is what a run checks of its splits before it builds the model.
 """
 
 from jdp.data.checks import check_splits
 from jdp.data.custom import from_arrays, from_folder, from_npz, from_tfds, holdout
-from jdp.data.image_sources import from_images, pack
+from jdp.data.image_sources import from_images, from_tfds_images, pack
 from jdp.data.images import ImageSplit, ImageTransform
 from jdp.data.sources import ArraySplit, Split
 from jdp.data.streams import BatchStream, IndexedSplit, from_batches, from_indexable
@@ -42,6 +42,7 @@ __all__ = [
     "from_indexable",
     "from_npz",
     "from_tfds",
+    "from_tfds_images",
     "from_tokens",
     "holdout",
     "pack",

@@ -191,17 +191,9 @@ def _open_builder(name_or_builder, data_dir: str | None, spec: DatasetSpec | Non
     return builder
 
 
-def read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], object]:
-    """Every example of a prepared builder's ``split``, stacked per numeric feature.
-
-    Returns:
-        ``({feature: array}, builder.info)``; string and nested features are left out.
-    """
-    with _quiet():
-        return _read_builder_split(builder, split)
-
-
-def _read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], object]:
+def check_readable(builder, split: str) -> None:
+    """UsageError for a split the builder lacks, or one prepared in a format that needs
+    TensorFlow to read."""
     name, info = builder.name, builder.info
     if split not in info.splits:
         raise UsageError(
@@ -213,6 +205,21 @@ def _read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], obj
             "needs TensorFlow to read; prepare it as array_record (file_format='array_record') "
             "into another data directory"
         )
+
+
+def read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], object]:
+    """Every example of a prepared builder's ``split``, stacked per numeric feature.
+
+    Returns:
+        ``({feature: array}, builder.info)``; string and nested features are left out.
+    """
+    with _quiet():
+        return _read_builder_split(builder, split)
+
+
+def _read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], object]:
+    check_readable(builder, split)
+    name, info = builder.name, builder.info
     source = builder.as_data_source(split=split)
     try:
         examples = source.__getitems__(range(len(source)))

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from jdp.data.builders import open_builder, read_builder_split
-from jdp.data.image_sources import from_images
+from jdp.data.image_sources import from_images, from_tfds_images, streamed_image_key
 from jdp.data.images import IMAGE_SUFFIXES, PACKED_META, class_files
 from jdp.data.sources import DATASETS, ArraySplit, check_dataset, load_split
 from jdp.data.transforms import Transform
@@ -325,6 +325,11 @@ def load_named(dataset: str, split: str, data_dir: str | None = None, *,
     """
     if dataset.startswith(TFDS_PREFIX):
         name = dataset[len(TFDS_PREFIX) :]
+        builder = open_builder(name, data_dir, DATASETS.get(name))
+        if streamed_image_key(builder.info.features):  # images of many sizes: streamed
+            if split != "train" and split not in builder.info.splits:
+                return None  # imagenet2012 has train and validation
+            return from_tfds_images(builder, split, image_size=image_size or (224, 224))
         if split == "validation":
             return _tfds_validation(name, data_dir)
         return from_tfds(name, split, data_dir=data_dir)

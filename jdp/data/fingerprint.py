@@ -53,7 +53,8 @@ def fingerprint(split) -> str:
 def _images(digest, split) -> str:
     """Streamed images: their labels, and their packed shards sampled as a corpus's
     files are, or the names of a folder's files."""
-    _hash_array(digest, "labels", split.labels)
+    if split.labels is not None:  # else read with the images, from the files hashed below
+        _hash_array(digest, "labels", split.labels)
     if split.rows is not None:  # a subset of the store's images
         _hash_array(digest, "rows", np.asarray(split.rows))
     for path in getattr(split.store, "paths", ()):

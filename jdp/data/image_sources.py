@@ -1,10 +1,12 @@
-"""Where streamed images come from: a class-folder tree of any size, or its packed form.
+"""Where streamed images come from: a class-folder tree of any size, its packed form, or
+a prepared TFDS dataset of images of many sizes (``imagenet2012``, ``imagenette``).
 
-`from_images` opens either as an `jdp.data.images.ImageSplit` (nothing decoded,
-nothing read but the names); `pack` writes a tree's encoded images, unchanged and
-in the same order, into a few array_record files (``python -m jdp.data pack``), so
-a cluster's hosts read a few large files rather than a million small ones. A
-packed split is a folder of ``images-NNNNN.array_record`` shards, ``labels.npy``
+`from_images` opens a tree or a pack as an `jdp.data.images.ImageSplit` (nothing
+decoded, nothing read but the names), `from_tfds_images` a TFDS split; `pack`
+writes a tree's encoded images, unchanged and in the same order, into a few
+array_record files (``python -m jdp.data pack``), so a cluster's hosts read a few
+large files rather than a million small ones. A packed split is a folder of
+``images-NNNNN.array_record`` shards, ``labels.npy``
 and ``images.json`` (its classes, count and shards), written last: a folder
 without it is not a packed split.
 """
@@ -16,12 +18,14 @@ import os
 
 import numpy as np
 
+from jdp.data.builders import check_readable, open_builder
 from jdp.data.images import (
     PACKED_META,
     FileStore,
     ImageSplit,
     ImageTransform,
     PackedStore,
+    TfdsStore,
     class_files,
 )
 from jdp.data.images import image_size as header_size
@@ -75,6 +79,44 @@ def from_images(
     return ImageSplit(
         FileStore(root, names), np.asarray(labels, np.int32), len(classes), transform, classes
     )
+
+
+def from_tfds_images(name_or_builder, split: str = "train", *, data_dir: str | None = None,
+                     image_size: tuple[int, int] = (224, 224),
+                     transform: ImageTransform | None = None) -> ImageSplit:  # fmt: skip
+    """A prepared TFDS dataset's images streamed: its image feature's encoded bytes read
+    per batch (never decoded by TFDS, never all in memory), its class label with them.
+
+    ``name_or_builder`` as `jdp.data.from_tfds` takes it; ImageNet is
+    ``imagenet2012``, prepared once from its manual download (TFDS's ``manual_dir``).
+
+    Raises:
+        UsageError: a dataset that is not prepared, a split it lacks, or one without
+            an image feature and a class label.
+    """
+    builder = open_builder(name_or_builder, data_dir)
+    check_readable(builder, split)
+    features = builder.info.features
+    image_key = streamed_image_key(features)
+    labels = [key for key in features if type(features[key]).__name__ == "ClassLabel"]
+    if image_key is None or len(labels) != 1:
+        raise UsageError(f"{builder.name} is not a dataset of images of many sizes and one "
+                         "class label; read it with jdp.data.from_tfds")  # fmt: skip
+    classes = tuple(features[labels[0]].names)
+    store = TfdsStore(builder, split, image_key, labels[0])
+    transform = transform or ImageTransform(size=tuple(image_size))
+    return ImageSplit(store, None, len(classes), transform, classes)
+
+
+def streamed_image_key(features) -> str | None:
+    """The image feature of a TFDS dataset whose images differ in size (height or width
+    unknown): those are streamed; None when it has none."""
+    for key in features:
+        feature = features[key]
+        shape = getattr(feature, "shape", ())
+        if type(feature).__name__ == "Image" and None in tuple(shape)[:2]:
+            return key
+    return None
 
 
 def _tree(root: str, classes) -> tuple[list[str], list[int], tuple[str, ...]]:

@@ -243,14 +243,37 @@ class PackedStore:
         return list(self._source.__getitems__(keys))
 
 
+class TfdsStore:
+    """A prepared TFDS split's encoded images and labels, read without decoding (TFDS's
+    own array_record data source, which Grain's workers take as it is)."""
+
+    def __init__(self, builder, split: str, image_key: str, label_key: str):
+        import tensorflow_datasets as tfds
+
+        self.image_key, self.label_key = image_key, label_key
+        self.paths = [os.fspath(path) for path in builder.info.splits[split].filepaths]
+        decoders = {image_key: tfds.decode.SkipDecoding()}
+        self._source = builder.as_data_source(split=split, decoders=decoders)
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def read_with_labels(self, indices: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+        keys = [int(index) for index in np.asarray(indices).reshape(-1)]
+        examples = self._source.__getitems__(keys)
+        labels = np.array([example[self.label_key] for example in examples], np.int32)
+        return [example[self.image_key] for example in examples], labels
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ImageSplit:
-    """A split of encoded images read per batch: ``store`` (`FileStore`, `PackedStore`)
-    and ``labels``; ``read`` returns the batch's encoded bytes (an object array) under
-    ``image``, which ``transform`` decodes into uint8 crops."""
+    """A split of encoded images read per batch: ``store`` (`FileStore`, `PackedStore`,
+    `TfdsStore`) and ``labels`` (None: the store reads them with the images); ``read``
+    returns the batch's encoded bytes (an object array) under ``image``, which
+    ``transform`` decodes into uint8 crops."""
 
-    store: FileStore | PackedStore
-    labels: np.ndarray
+    store: FileStore | PackedStore | TfdsStore
+    labels: np.ndarray | None
     num_classes: int
     transform: ImageTransform = ImageTransform()
     classes: tuple[str, ...] | None = None
@@ -261,7 +284,9 @@ class ImageSplit:
     decodes = True  # read a batch at a time (`jdp.data.pipeline`)
 
     def __len__(self) -> int:
-        return len(self.labels)
+        if self.labels is not None:
+            return len(self.labels)
+        return len(self.store) if self.rows is None else len(self.rows)
 
     @property
     def example_shape(self) -> tuple[int, ...]:
@@ -275,13 +300,20 @@ class ImageSplit:
         indices = np.asarray(indices).reshape(-1)
         records = indices if self.rows is None else self.rows[indices]
         encoded = np.empty(len(indices), object)
-        encoded[:] = self.store.read(records)
-        return {"image": encoded, "label": self.labels[indices]}
+        if self.labels is None:
+            encoded[:], labels = self.store.read_with_labels(records)
+            if len(labels) and not 0 <= labels.min() <= labels.max() < self.num_classes:
+                raise UsageError(f"a label of this batch is outside the {self.num_classes} "
+                                 "classes; prepare the dataset again")  # fmt: skip
+        else:
+            encoded[:], labels = self.store.read(records), self.labels[indices]
+        return {"image": encoded, "label": labels}
 
     def take(self, indices: np.ndarray) -> ImageSplit:
         """The split of these examples, in this order."""
         rows = np.asarray(indices) if self.rows is None else self.rows[indices]
-        return dataclasses.replace(self, labels=self.labels[indices], rows=rows)
+        labels = None if self.labels is None else self.labels[indices]
+        return dataclasses.replace(self, labels=labels, rows=rows)
 
 
 def class_files(root: str, classes: tuple[str, ...]) -> tuple[list[str], list[int]]:

@@ -39,7 +39,7 @@ def check(config) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     _check_numbers(config)
     _check_model_options(config)
-    if image_hw(config) and not config.dataset.startswith(("folder:", "images:")):
+    if image_hw(config) and not config.dataset.startswith(("folder:", "images:", "tfds:")):
         raise UsageError(
             f"--image-size resizes a folder:PATH or images:PATH dataset's images; --dataset "
             f"{config.dataset} is not one"
