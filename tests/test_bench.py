@@ -44,7 +44,8 @@ def test_bench_bad_input_is_one_line_and_exit_2():
     assert result.stderr.strip().splitlines() == [
         "jdp.bench: error: unknown dataset 'imagenet'; choose one of: cifar10, digits, "
         "fashion_mnist, mnist, numbers2words, python_stdlib, or tfds:NAME (any TFDS dataset), "
-        "folder:PATH (images in class folders), npz:FILE (arrays named like x_train, y_train) "
+        "folder:PATH or images:PATH (images in class folders), npz:FILE (arrays like x_train, "
+        "y_train) "
         "or tokens:PATH (a token corpus)"
     ]
 
