@@ -16,7 +16,7 @@ from jdp.mesh import GROUP_AXIS, SHARDING_AXES, parse_axis_rules, parse_mesh_spe
 DatasetName = Literal[
     "cifar10", "digits", "fashion_mnist", "mnist", "numbers2words", "python_stdlib"
 ]
-DATASET_PREFIXES = ("tfds:", "folder:", "images:", "npz:", "tokens:")
+DATASET_PREFIXES = ("tfds:", "folder:", "npz:", "images:", "tokens:")
 
 
 def check(config) -> None:
