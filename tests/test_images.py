@@ -326,3 +326,31 @@ def test_the_imagenet_recipe_learns_from_jpegs_on_the_cpu_mesh(tmp_path):
     # Knowing nothing, a model's smoothed cross-entropy over 4 classes is ln 4 = 1.386
     # at best; seen 0.87. A model that learned nothing stays above 1.3.
     assert loss < 1.2, summary
+
+
+@pytest.mark.slow
+def test_two_processes_read_their_rows_and_train_as_one(tree, tmp_path):
+    """Each process decodes only its rows of each global batch; together they train on
+    the very bytes and crops one process does (the byte ledger), to float rounding, and
+    evaluate each test image once."""
+    flags = ["--dataset", f"images:{tree[1]}", "--model", "cnn", "--image-size", "32,32",
+             "--mesh", "data=4", "--batch-size", "16", "--steps", "6", "--warmup-steps", "3",
+             "--log-every", "1", "--data-ledger", "bytes", "--loader-workers", "1"]  # fmt: skip
+    one = run_cli(*flags, "--log-dir", tmp_path / "one", devices=4)
+    assert one.returncode == 0, one.stderr
+    launch = ["-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "2", "--",
+              sys.executable, "-m", "jdp.train", *flags, "--log-dir", tmp_path / "two"]  # fmt: skip
+    two = run_python(*launch, timeout=300)
+    assert two.returncode == 0, two.stderr
+
+    def logged(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    train = [[r for r in logged(name) if r["kind"] == "train"] for name in ("one", "two")]
+    assert [r["data_ledger_bytes"] for r in train[1]] == [r["data_ledger_bytes"] for r in train[0]]
+    assert_sequences_close([r["loss"] for r in train[1]], [r["loss"] for r in train[0]],
+                           rtol=EARLY_STEPS)  # fmt: skip
+    accuracy = [re.search(r"test_accuracy=([\d.]+)", out).group(1)
+                for out in (one.stdout, two.stdout)]  # fmt: skip
+    assert accuracy[0] == accuracy[1]  # of 12 images: a difference would be a twelfth
