@@ -144,8 +144,12 @@ def test_a_damaged_image_is_one_line_and_exit_2(tree, tmp_path):
     broken.write_bytes(b"\xff\xd8 not a JPEG")
     packed = run_python("-m", "jdp.data", "pack", bad, "--out", tmp_path / "out")
     assert packed.returncode == 2, packed.stderr
-    assert f"cannot read image {broken}" in packed.stderr
+    assert f"cannot read image {broken} (not an image Pillow" in packed.stderr
     assert not (tmp_path / "out" / "train" / "images.json").exists()  # no half a pack
+    # A header that reads and data cut short: caught as it is decoded, in one line.
+    whole = (bad / "train" / "class_000" / "000000.jpg").read_bytes()
+    with pytest.raises(jdp.UsageError, match=r"cannot decode an image of the batch \(image file"):
+        ImageTransform(size=(16, 16))(np.array([whole[: len(whole) // 2]], object))
     packed = tmp_path / "packed"
     jdp.data.pack(tree[0] / "test", packed)
     np.save(packed / "labels.npy", np.full(12, 3, np.int32))  # 3 classes: 0, 1, 2
@@ -154,7 +158,10 @@ def test_a_damaged_image_is_one_line_and_exit_2(tree, tmp_path):
     trained = run_cli("--dataset", f"images:{bad}", "--image-size", "16,16", "--steps", "4",
                       "--batch-size", "6", "--mesh", "data=2", "--model", "cnn")  # fmt: skip
     assert trained.returncode == 2, trained.stderr
-    assert "cannot decode an image of the batch" in trained.stderr
+    assert trained.stderr.strip().splitlines()[-1] == (
+        f"jdp.train: error: cannot read image {broken} (not an image Pillow or libjpeg-turbo "
+        "reads); remove or replace it"
+    )
 
 
 def _cli(dataset, ckpt_dir):

@@ -27,6 +27,7 @@ from jdp.data.images import (
     PackedStore,
     TfdsStore,
     class_files,
+    why_unreadable,
 )
 from jdp.data.images import image_size as header_size
 from jdp.errors import UsageError
@@ -189,8 +190,9 @@ def _pack_split(source: str, out: str, classes, shard_bytes: int) -> dict:
             data = handle.read()
         try:
             header_size(data)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"cannot read image {file} ({error}); remove or replace it") from None
+        except (OSError, ValueError, SyntaxError) as error:
+            raise UsageError(f"cannot read image {file} ({why_unreadable(error)}); remove or "
+                             "replace it") from None  # fmt: skip
         if writer is None or (size and size + len(data) > shard_bytes):
             if writer is not None:
                 writer.close()

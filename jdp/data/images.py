@@ -80,9 +80,10 @@ class ImageTransform:
             try:
                 out[row] = self.one(data, draws)
             except (OSError, ValueError, SyntaxError) as error:
+                why = why_unreadable(error)
                 raise UsageError(
-                    f"cannot decode an image of the batch ({error}); remove or replace the "
-                    "damaged file (python -m jdp.data pack reads every file's header)"
+                    f"cannot decode an image of the batch ({why}); its header reads but its "
+                    "data is damaged: find and replace it"
                 ) from None
             if crops is not None and crops.flips[row]:
                 out[row] = out[row, :, ::-1]
@@ -165,6 +166,12 @@ def _decode_jpeg(data: bytes, min_height: int, min_width: int) -> np.ndarray | N
         return None
 
 
+def why_unreadable(error: Exception) -> str:
+    """A decoder's complaint without Pillow's ``<_io.BytesIO object at ...>``."""
+    text = str(error).split(" <_io.BytesIO", 1)[0]
+    return "not an image Pillow or libjpeg-turbo reads" if "cannot identify" in text else text
+
+
 def _bytes_io(data: bytes):
     import io
 
@@ -212,6 +219,9 @@ class FileStore:
         start = int(self._ends[index - 1]) if index else 0
         return self._blob[start : int(self._ends[index])].decode()
 
+    def describe(self, index: int) -> str:
+        return os.path.join(self.root, self.name(index))
+
     def read(self, indices: np.ndarray) -> list[bytes]:
         out = []
         for index in np.asarray(indices).reshape(-1):
@@ -238,6 +248,9 @@ class PackedStore:
     def __len__(self) -> int:
         return len(self._source)
 
+    def describe(self, index: int) -> str:
+        return f"record {index} of the images packed in {os.path.dirname(self.paths[0])}"
+
     def read(self, indices: np.ndarray) -> list[bytes]:
         keys = [int(index) for index in np.asarray(indices).reshape(-1)]
         return list(self._source.__getitems__(keys))
@@ -257,6 +270,9 @@ class TfdsStore:
 
     def __len__(self) -> int:
         return len(self._source)
+
+    def describe(self, index: int) -> str:
+        return f"example {index} of {os.path.dirname(self.paths[0])}"
 
     def read_with_labels(self, indices: np.ndarray) -> tuple[list[bytes], np.ndarray]:
         keys = [int(index) for index in np.asarray(indices).reshape(-1)]
@@ -307,6 +323,13 @@ class ImageSplit:
                                  "classes; prepare the dataset again")  # fmt: skip
         else:
             encoded[:], labels = self.store.read(records), self.labels[indices]
+        for record, data in zip(records, encoded, strict=True):  # named here, not mid-decode
+            try:
+                image_size(data)
+            except (OSError, ValueError, SyntaxError) as error:
+                where, why = self.store.describe(int(record)), why_unreadable(error)
+                raise UsageError(f"cannot read image {where} ({why}); remove or replace it") \
+                    from None  # fmt: skip
         return {"image": encoded, "label": labels}
 
     def take(self, indices: np.ndarray) -> ImageSplit:
