@@ -24,7 +24,7 @@ import numpy as np
 
 from jdp.data.builders import open_builder, read_builder_split
 from jdp.data.image_sources import from_images, from_tfds_images, streamed_image_key
-from jdp.data.images import IMAGE_SUFFIXES, PACKED_META, class_files
+from jdp.data.images import PACKED_META, class_tree
 from jdp.data.sources import DATASETS, ArraySplit, check_dataset, load_split
 from jdp.data.transforms import Transform
 from jdp.errors import UsageError
@@ -196,19 +196,7 @@ def from_folder(
     from PIL import Image
 
     root = os.fspath(path)
-    if not os.path.isdir(root):
-        raise UsageError(f"image folder {root} does not exist; give a folder of class folders")
-    found = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
-    classes = tuple(classes) if classes is not None else tuple(found)
-    if not classes:
-        raise UsageError(
-            f"{root} has no class subdirectories; put each class's images in a folder of its own"
-        )
-    files, labels = class_files(root, classes)
-    if not files:
-        raise UsageError(
-            f"no images in {root}'s class folders (looked for {', '.join(IMAGE_SUFFIXES)})"
-        )
+    files, labels, classes = class_tree(root, classes)
     images = []
     for file in files:
         try:

@@ -26,7 +26,7 @@ from jdp.data.images import (
     ImageTransform,
     PackedStore,
     TfdsStore,
-    class_files,
+    class_tree,
     why_unreadable,
 )
 from jdp.data.images import image_size as header_size
@@ -121,21 +121,8 @@ def streamed_image_key(features) -> str | None:
 
 
 def _tree(root: str, classes) -> tuple[list[str], list[int], tuple[str, ...]]:
-    if not os.path.isdir(root):
-        raise UsageError(
-            f"image folder {root} does not exist; give a folder of class folders "
-            "or one python -m jdp.data pack wrote"
-        )
-    found = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
-    classes = tuple(classes) if classes is not None else tuple(found)
-    if not classes:
-        raise UsageError(
-            f"{root} has no class subdirectories; put each class's images in a folder of its own"
-        )
-    files, labels = class_files(root, classes)
-    if not files:
-        raise UsageError(f"no images in {root}'s class folders")
-    return files, labels, classes
+    return class_tree(root, classes, what="a folder of class folders or one python -m "
+                      "jdp.data pack wrote")  # fmt: skip
 
 
 def _meta(path: str) -> dict:

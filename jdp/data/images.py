@@ -358,3 +358,24 @@ def class_files(root: str, classes: tuple[str, ...]) -> tuple[list[str], list[in
         files += [os.path.join(folder, file) for file in images]
         labels += [label] * len(images)
     return files, labels
+
+
+def class_tree(root: str, classes, *, what: str = "a folder of class folders"
+               ) -> tuple[list[str], list[int], tuple[str, ...]]:  # fmt: skip
+    """The image files of a class-folder tree, their labels and the classes (sorted
+    subfolders, or ``classes``); UsageError for a missing folder, no class folders, or
+    no images. ``what`` is what the missing folder's line asks for."""
+    if not os.path.isdir(root):
+        raise UsageError(f"image folder {root} does not exist; give {what}")
+    found = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    classes = tuple(classes) if classes is not None else tuple(found)
+    if not classes:
+        raise UsageError(
+            f"{root} has no class subdirectories; put each class's images in a folder of its own"
+        )
+    files, labels = class_files(root, classes)
+    if not files:
+        raise UsageError(
+            f"no images in {root}'s class folders (looked for {', '.join(IMAGE_SUFFIXES)})"
+        )
+    return files, labels, classes
