@@ -130,6 +130,26 @@ class PeriodicAction:
     def run(self, progress: Progress) -> None:
         raise NotImplementedError(f"{type(self).__name__} must define run(progress)")
 
+    def quiet_through(self, progress: Progress) -> int:
+        """The last step through which, called after ``progress``'s, it would do nothing:
+        `jdp.fit` need not call it after a call that ends at or before that step (a
+        fast step's loop then skips its actions between their steps). One whose
+        ``due`` or ``__call__`` is its own has rules of its own, and is called after
+        every call unless it says otherwise here."""
+        kind = type(self)
+        if kind.due is not PeriodicAction.due or kind.__call__ is not PeriodicAction.__call__:
+            return progress.step
+        return self._quiet_until_due(progress)
+
+    def _quiet_until_due(self, progress: Progress) -> int:
+        """The step before the next multiple of ``every`` (every step, with ``every=0``)."""
+        if not self.every:
+            return NEVER
+        return (progress.step // self.every + 1) * self.every - 1
+
+
+NEVER = 2**62  # a step no run reaches: an action with nothing periodic to do
+
 
 class Callback(PeriodicAction):
     """A function as a periodic action: ``Callback(fn, every=100)`` calls ``fn(progress)``."""

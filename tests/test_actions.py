@@ -54,6 +54,47 @@ def test_a_periodic_action_fires_at_multiples_once_per_call_and_at_the_end():
         Recorder(-1)
 
 
+def test_an_action_skipped_while_quiet_fires_as_one_called_after_every_call():
+    """`fit` calls an action only after calls past its `quiet_through`: the steps it runs
+    at are those of an action called after every call, for any every, steps per call
+    and start."""
+    for every, calls, start, end in [(3, 1, 0, 10), (6, 4, 0, 24), (4, 1, 8, 17), (5, 3, 2, 31)]:
+        called_each, skipping = Recorder(every, at_end=True), Recorder(every, at_end=True)
+        drive(called_each, start=start, end=end, calls=calls)
+        progress = Progress(step=start, steps=end, state=None)
+        skipping(progress)
+        quiet = skipping.quiet_through(progress)
+        for step in range(start + calls, end + 1, calls):
+            progress.after_call(step, calls, None, None)
+            if step > quiet:
+                skipping(progress)
+                quiet = skipping.quiet_through(progress)
+        progress.final = True
+        skipping(progress)
+        assert skipping.steps == called_each.steps, (every, calls, start)
+
+    progress = Progress(step=40, steps=100, state=None)
+    assert Recorder(20).quiet_through(progress) == 59
+    assert Recorder(0).quiet_through(progress) == jdp.actions.NEVER  # nothing periodic
+
+    class OwnRule(Recorder):  # a rule of its own: called after every call
+        def due(self, progress):
+            return progress.step % 7 == 0
+
+    assert OwnRule(20).quiet_through(progress) == 40
+    assert jdp.EarlyStopping().quiet_through(progress) == 40
+
+
+def test_fit_calls_plain_callables_after_every_call_and_periodic_actions_when_due():
+    calls, every_seven = [], Recorder(7, at_end=True)
+    config = jdp.TrainConfig(mesh="data=2", steps=30, warmup_steps=4, log_every=10)
+    result = jdp.fit(config, callbacks=[lambda progress: calls.append(progress.step),
+                                        every_seven], console=jdp.Console(enabled=False))  # fmt: skip
+    assert calls == [0, *range(1, 31), 30]  # before the first call, after each, at the end
+    assert every_seven.steps == [(7, False), (14, False), (21, False), (28, False), (30, True)]
+    assert result.history.steps("loss") == [10, 20, 30]  # the train loss, logged as before
+
+
 def evaluations(action, values):
     """Feeds ``action`` one evaluation per step 10, 20, ...; returns the progress."""
     progress = Progress(step=0, steps=10 * len(values), state=None)

@@ -103,6 +103,10 @@ class GuardFinite(PeriodicAction):
         self._check_due()
         return super().__call__(progress)
 
+    def quiet_through(self, progress: Progress) -> int:
+        # Metrics due are read in the pass after the next call.
+        return progress.step if self._due is not None else self._quiet_until_due(progress)
+
     def run(self, progress: Progress) -> None:
         if progress.call_metrics is None:
             return

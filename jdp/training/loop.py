@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from jdp.actions import Action, Progress
+from jdp.actions import NEVER, Action, Progress
 from jdp.checkpoint import Checkpointer
 from jdp.data.pipeline import places_ahead, train_batches
 from jdp.data.sources import Split
@@ -139,7 +139,8 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
     actions = actions_for(config, run, stack, console, logger, batches, checkpoints, callbacks,
                           ledger)  # fmt: skip
     progress = Progress(step=start, steps=config.steps, state=state)
-    clock = goodput.clock
+    clock, quiet = goodput.clock, start  # no action is due through step `quiet`
+    always = [action for action in actions if not hasattr(action, "quiet_through")]
     _call_each(actions, progress, clock)  # before the first call: a profile may start there
     console.start_progress(config.steps - start)
     timer = SteadyTimer(batches, console)
@@ -153,7 +154,11 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
             describe_run(config, run, logger, lowered, console)
         progress.after_call(step, calls, *run.train_step(progress.state, batch))
         timer.after_call(progress.call_metrics)
-        _call_each(actions, progress, clock)
+        if step > quiet:
+            _call_each(actions, progress, clock)
+            quiet = _quiet_through(actions, progress)
+        else:  # only the actions asked after every call
+            _call_each(always, progress, clock)
         goodput.progress(step)
         if progress.stop_reason:
             break
@@ -190,6 +195,14 @@ def _call_each(actions: Sequence[Action], progress: Progress, clock: Clock) -> N
             clock.switch(previous)
         if not progress.finish:  # a stop that skips the end skips the rest of this pass too
             return
+
+
+def _quiet_through(actions: Sequence[Action], progress: Progress) -> int:
+    """The last step through which none of the actions that say when they are quiet
+    (`jdp.actions.PeriodicAction.quiet_through`) needs a call: a fast step's loop pays
+    for its actions only at the steps they run."""
+    return min((action.quiet_through(progress) for action in actions
+                if hasattr(action, "quiet_through")), default=NEVER)  # fmt: skip
 
 
 def _train_loader(config: TrainConfig, run: Run, start: int):

@@ -66,6 +66,10 @@ class Display(PeriodicAction):
         self._show_due()
         return super().__call__(progress)
 
+    def quiet_through(self, progress: Progress) -> int:
+        # A line due is drawn in the pass after the next call.
+        return progress.step if self._due is not None else self._quiet_until_due(progress)
+
     def run(self, progress: Progress) -> None:
         if progress.metrics is not None:
             self._due = (progress.step, progress.metrics)
@@ -232,6 +236,10 @@ class Checkpoint(PeriodicAction):
 
     def due(self, progress: Progress) -> bool:
         return super().due(progress) or self._time_is_up(progress)
+
+    def quiet_through(self, progress: Progress) -> int:
+        # A save on the clock reads it after every call.
+        return progress.step if self.seconds else self._quiet_until_due(progress)
 
     def _time_is_up(self, progress: Progress) -> bool:
         if not self.seconds or progress.final or not progress.ran:
