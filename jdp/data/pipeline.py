@@ -89,7 +89,7 @@ _END = object()
 # TRAIN_CHUNK steps at a time, at most CHUNK_BYTES of them: a small batch's host
 # work is mostly fixed cost (a transfer call alone took 94 us for a digits batch),
 # and paid per batch by a thread beside a fast step it made the step wait.
-TRAIN_CHUNK = 16
+TRAIN_CHUNK = 64
 CHUNK_BYTES = 16 * 1024 * 1024
 
 
@@ -149,6 +149,7 @@ class Loader(Iterator[dict]):
         self._chunk: collections.deque = collections.deque()  # placed batches not yet taken
         self.wait_seconds = 0.0
         self._marks_last, self._marks_total = (0, 0, 0, start), [0, 0, 0]
+        self._marks_given: list = []  # the marks of the batches given since `marks` was asked
         self._given, self._order = 0, 0
         self._mesh, self._place = mesh, place
         # A deque and two semaphores rather than a queue.Queue: the consumer's
@@ -209,14 +210,8 @@ class Loader(Iterator[dict]):
                 item, marks = self._chunk.popleft()
         self.wait_seconds += time.perf_counter() - waited
         self.position += self._steps_per_item
-        if marks is not None:  # the digests of the step (or steps) just given
-            total = self._marks_total
-            for mark in marks:
-                self._given += 1
-                self._order += self._given * mark[3]
-                for column in range(3):
-                    total[column] = (total[column] + mark[column]) & _MASK64
-            self._marks_last = marks[-1]
+        if marks is not None:  # the digests of the step (or steps) just given, summed when asked
+            self._marks_given.append(marks)
         return item
 
     def marks(self) -> tuple[tuple[int, ...], list[int], int, int]:
@@ -224,6 +219,16 @@ class Loader(Iterator[dict]):
         step's ``(rows' digest, their bytes', the global batch's, step)``, the sums of
         the first three over every step given, how many steps it gave, and the sum of
         ``i * step`` over the i-th step given (their order)."""
+        total, given = self._marks_total, self._marks_given
+        for marks in given:
+            for mark in marks:
+                self._given += 1
+                self._order += self._given * mark[3]
+                for column in range(3):
+                    total[column] = (total[column] + mark[column]) & _MASK64
+        if given:
+            self._marks_last = given[-1][-1]
+            given.clear()
         return self._marks_last, list(self._marks_total), self._given, self._order
 
     def close(self) -> None:
@@ -361,7 +366,7 @@ def places_ahead(mesh: Mesh) -> bool:
 def _chunk_steps(reader: TrainReader, step: int) -> int:
     """How many steps' batches to read and place at once (see TRAIN_CHUNK); one for a
     split that decodes each batch (`jdp.data.images`), whose encoded bytes read in bulk
-    would be 16 batches' worth held at once, for an overhead that decoding dwarfs."""
+    would be TRAIN_CHUNK batches' worth held at once, for an overhead that decoding dwarfs."""
     if getattr(reader.split, "decodes", False):
         return 1
     nbytes = sum(value.nbytes for value in reader(step).values())
