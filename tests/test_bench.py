@@ -287,6 +287,12 @@ def test_keras_benchmark_races_fit_against_keras_and_the_step_alone():
         # from rates printed to the example (1e-3 relative covers rates over 1,000/s).
         assert abs(float(by_keras) - jdp / keras) < 1e-3 * jdp / keras + 5e-4
         assert abs(float(by_step) - jdp / step) < 1e-3 * jdp / step + 5e-4
+    loop = re.search(r"^  fit's loop alone .*: ([\d.]+) us a step, ([\d.]+) us of its "
+                     r"thread's CPU \(median of 2 runs\)$", result.stdout, re.M)  # fmt: skip
+    assert loop, result.stdout
+    wall, cpu = float(loop[1]), float(loop[2])
+    # One thread's CPU time cannot exceed the wall time it ran over (0.1: the print's rounding).
+    assert 0 < cpu <= wall + 0.1
 
 
 def test_keras_benchmark_refuses_a_run_of_one_step():

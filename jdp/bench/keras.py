@@ -17,6 +17,10 @@ A third arm, "step", is the cell ``python -m jdp.bench step --cases mlp-38k
 batch placed once (no input, no actions), for as many steps. fit against it is
 what jdp's loop, its input and its actions cost the step.
 
+A last line times fit's loop alone (`loop_run`): the jdp run with its step replaced
+by one that returns at once, in microseconds a step of wall time and of the loop's
+thread's CPU time, the median of one run a round: what the loop costs the host.
+
 Each run is a process of its own on one CPU device (``JAX_PLATFORMS=cpu``, no
 simulated device count): Keras's with ``KERAS_BACKEND=jax`` set before Keras is
 imported, and jdp's as a user runs it, ``python -m jdp.train --mesh data=1``.
@@ -66,6 +70,7 @@ def add_arguments(parser) -> None:
     # what each round starts.
     parser.add_argument("--keras-run", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--step-run", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--loop-run", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args) -> int | None:
@@ -76,6 +81,9 @@ def run(args) -> int | None:
         )
     if args.step_run:
         print(json.dumps({"examples_per_sec": step_run(args.steps, args.batch_size)}))
+        return 0
+    if args.loop_run:
+        print(json.dumps(loop_run(args.steps, args.batch_size)))
         return 0
     check_keras()
     if args.keras_run:
@@ -129,6 +137,11 @@ def bench_keras(steps: int, rounds: int, batch_size: int, *,
         for other in ("keras", "step")
     }
     emit(_round_line("median", medians, ratios))
+    loops = [_loop_process(steps, batch_size) for _ in range(rounds)]
+    wall, cpu = (statistics.median(loop[key] for loop in loops) for key in ("wall_us", "cpu_us"))
+    emit(f"  fit's loop alone (its step replaced by one that returns at once; input, actions "
+         f"and ledger as run): {wall:.1f} us a step, {cpu:.1f} us of its thread's CPU "
+         f"(median of {rounds} runs)")  # fmt: skip
     return lines
 
 
@@ -192,6 +205,12 @@ def _step_process(steps: int, batch_size: int) -> float:
     return json.loads(_run(command, "step").strip().splitlines()[-1])["examples_per_sec"]
 
 
+def _loop_process(steps: int, batch_size: int) -> dict[str, float]:
+    command = [sys.executable, "-m", "jdp.bench", "keras", "--loop-run", "--steps", str(steps),
+               "--batch-size", str(batch_size)]  # fmt: skip
+    return json.loads(_run(command, "loop").strip().splitlines()[-1])
+
+
 def step_run(steps: int, batch_size: int) -> float:
     """The steady examples/s of ``python -m jdp.train --mesh data=1``'s train step alone, in
     this process: as `jdp.bench.step` times it, one batch placed once, at most two calls
@@ -209,6 +228,50 @@ def step_run(steps: int, batch_size: int) -> float:
     started = time.perf_counter()
     loop(steps - 1)
     return (steps - 1) * batch_size / (time.perf_counter() - started)
+
+
+def loop_run(steps: int, batch_size: int) -> dict[str, float]:
+    """fit's loop alone, in this process: ``python -m jdp.train --mesh data=1``'s run, its
+    input, actions and ledger as they are, with the train step replaced by one that
+    gives back its first call's outputs at once. Microseconds a step of wall time and
+    of the loop's thread's CPU time, from the end of the first call to the last: what
+    the loop costs the host between steps, which a step on the same cores (XLA:CPU)
+    pays for, and one on an accelerator hides only while it is slower than that."""
+    import dataclasses
+
+    import jax
+
+    import jdp.training.loop
+    from jdp.report.console import Console
+    from jdp.training.config import TrainConfig
+
+    build, first = jdp.training.loop.build, []
+
+    def instant(*args, **kwargs):
+        run = build(*args, **kwargs)
+
+        def train_step(state, batch):
+            if not first:  # compiles and runs the real step once
+                first.append(jax.block_until_ready(run.train_step(state, batch)))
+            return first[0]
+
+        return dataclasses.replace(run, train_step=train_step)
+
+    clocks: dict[int, tuple[float, float]] = {}
+
+    def clock(progress) -> None:  # a plain callable: fit calls it after every call
+        if progress.step in (1, steps) and not progress.final:
+            clocks[progress.step] = (time.perf_counter(), time.thread_time())
+
+    jdp.training.loop.build = instant
+    try:
+        jdp.fit(TrainConfig(mesh="data=1", steps=steps, batch_size=batch_size),
+                console=Console(enabled=False), callbacks=[clock])  # fmt: skip
+    finally:
+        jdp.training.loop.build = build
+    (wall_0, cpu_0), (wall_1, cpu_1) = clocks[1], clocks[steps]
+    per_step = 1e6 / (steps - 1)
+    return {"wall_us": (wall_1 - wall_0) * per_step, "cpu_us": (cpu_1 - cpu_0) * per_step}
 
 
 def _jdp_inputs(steps: int, batch_size: int):
