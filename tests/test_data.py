@@ -180,6 +180,20 @@ def test_loader_errors_reach_the_caller(mesh8):
         next(loader)
 
 
+def test_the_ledgers_marks_sum_alike_asked_each_step_or_once_and_are_never_all_held():
+    from jdp.data.pipeline import MARKS_HELD
+
+    mesh1, steps = jdp.make_mesh("data=1"), MARKS_HELD + 100
+    kwargs = dict(batch_size=16, seed=2, start_step=5, place=False, ledger="indices")
+    each, once = (train_batches(_split(), mesh1, **kwargs) for _ in range(2))
+    with each, once:
+        for _ in range(steps):
+            next(each), each.marks(), next(once)
+            assert len(once._marks_given) < MARKS_HELD
+        assert once.marks() == each.marks()
+        assert once.marks()[0][3] == 5 + steps and once.marks()[2] == steps
+
+
 def test_loader_counts_time_spent_waiting(mesh8):
     def slow(step):
         time.sleep(0.05)

@@ -91,6 +91,9 @@ _END = object()
 # and paid per batch by a thread beside a fast step it made the step wait.
 TRAIN_CHUNK = 64
 CHUNK_BYTES = 16 * 1024 * 1024
+# The data ledger's marks of the steps given are summed when asked (at logged and
+# saved steps), or once this many are held: a run that never logs holds no more.
+MARKS_HELD = 1024
 
 
 class Loader(Iterator[dict]):
@@ -212,6 +215,8 @@ class Loader(Iterator[dict]):
         self.position += self._steps_per_item
         if marks is not None:  # the digests of the step (or steps) just given, summed when asked
             self._marks_given.append(marks)
+            if len(self._marks_given) >= MARKS_HELD:
+                self._sum_marks()
         return item
 
     def marks(self) -> tuple[tuple[int, ...], list[int], int, int]:
@@ -219,6 +224,10 @@ class Loader(Iterator[dict]):
         step's ``(rows' digest, their bytes', the global batch's, step)``, the sums of
         the first three over every step given, how many steps it gave, and the sum of
         ``i * step`` over the i-th step given (their order)."""
+        self._sum_marks()
+        return self._marks_last, list(self._marks_total), self._given, self._order
+
+    def _sum_marks(self) -> None:
         total, given = self._marks_total, self._marks_given
         for marks in given:
             for mark in marks:
@@ -229,7 +238,6 @@ class Loader(Iterator[dict]):
         if given:
             self._marks_last = given[-1][-1]
             given.clear()
-        return self._marks_last, list(self._marks_total), self._given, self._order
 
     def close(self) -> None:
         """Stops the thread and any Grain workers; the loader yields nothing more."""
