@@ -88,8 +88,8 @@ def test_an_action_skipped_while_quiet_fires_as_one_called_after_every_call():
 def test_fit_calls_plain_callables_after_every_call_and_periodic_actions_when_due():
     calls, every_seven = [], Recorder(7, at_end=True)
     config = jdp.TrainConfig(mesh="data=2", steps=30, warmup_steps=4, log_every=10)
-    result = jdp.fit(config, callbacks=[lambda progress: calls.append(progress.step),
-                                        every_seven], console=jdp.Console(enabled=False))  # fmt: skip
+    callbacks = [lambda progress: calls.append(progress.step), every_seven]
+    result = jdp.fit(config, callbacks=callbacks, console=jdp.Console(enabled=False))
     assert calls == [0, *range(1, 31), 30]  # before the first call, after each, at the end
     assert every_seven.steps == [(7, False), (14, False), (21, False), (28, False), (30, True)]
     assert result.history.steps("loss") == [10, 20, 30]  # the train loss, logged as before
