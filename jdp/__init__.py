@@ -17,81 +17,38 @@ Examples:
     (1, 1.0)
 """
 
-from jdp import actions, data, distributed, layout, models
-from jdp.actions import Action, Callback, EarlyStopping, PeriodicAction, Progress
-from jdp.checkpoint import Checkpointer, load_params
-from jdp.data.pipeline import Loader, eval_batches, train_batches
-from jdp.data.sources import Split, load_split
-from jdp.diloco import Outer, diloco  # the function; the package is jdp/diloco/
-from jdp.errors import DataLedgerError, NonFiniteError, UsageError
-from jdp.inference import LoadedModel, load_model, predict
-from jdp.layout import param_specs
-from jdp.mesh import make_mesh, shard_batch, simulate_cpu_devices
-from jdp.models.summary import Summary, summary
-from jdp.optim import make_optimizer, make_schedule
-from jdp.precision import LossScale, Precision, make_precision
-from jdp.report.console import Console
-from jdp.state import GroupState, TrainState, create_train_state
-from jdp.step import (
-    CompiledStep,
-    SyncStep,
-    evaluate,
-    make_eval_step,
-    make_sync_step,
-    make_train_step,
-)
-from jdp.training.config import TrainConfig
-from jdp.training.loop import FitResult, fit
+from jdp import lazy
 from jdp.version import __version__ as __version__
 
-__all__ = [
-    "Action",
-    "Callback",
-    "Checkpointer",
-    "CompiledStep",
-    "Console",
-    "DataLedgerError",
-    "EarlyStopping",
-    "FitResult",
-    "GroupState",
-    "LoadedModel",
-    "Loader",
-    "LossScale",
-    "NonFiniteError",
-    "Outer",
-    "PeriodicAction",
-    "Precision",
-    "Progress",
-    "Split",
-    "Summary",
-    "SyncStep",
-    "TrainConfig",
-    "TrainState",
-    "UsageError",
-    "actions",
-    "create_train_state",
-    "data",
-    "diloco",
-    "distributed",
-    "eval_batches",
-    "evaluate",
-    "fit",
-    "load_model",
-    "load_params",
-    "load_split",
-    "make_eval_step",
-    "make_mesh",
-    "make_optimizer",
-    "make_precision",
-    "make_schedule",
-    "make_sync_step",
-    "make_train_step",
-    "layout",
-    "models",
-    "param_specs",
-    "predict",
-    "shard_batch",
-    "simulate_cpu_devices",
-    "summary",
-    "train_batches",
-]
+# Each public name is imported on first use: ``import jdp`` costs no more than the names a
+# program touches (``python -c "import jdp"`` loads none of JAX, Orbax, Grain or TFDS).
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    {
+        "jdp.actions": ("Action", "Callback", "EarlyStopping", "PeriodicAction", "Progress"),
+        "jdp.checkpoint": ("Checkpointer", "load_params"),
+        "jdp.data.pipeline": ("Loader", "eval_batches", "train_batches"),
+        "jdp.data.sources": ("Split", "load_split"),
+        "jdp.diloco": ("Outer", "diloco"),  # the function; the package is jdp/diloco/
+        "jdp.errors": ("DataLedgerError", "NonFiniteError", "UsageError"),
+        "jdp.inference": ("LoadedModel", "load_model", "predict"),
+        "jdp.layout": ("param_specs",),
+        "jdp.mesh": ("make_mesh", "shard_batch", "simulate_cpu_devices"),
+        "jdp.models.summary": ("Summary", "summary"),
+        "jdp.optim": ("make_optimizer", "make_schedule"),
+        "jdp.precision": ("LossScale", "Precision", "make_precision"),
+        "jdp.report.console": ("Console",),
+        "jdp.state": ("GroupState", "TrainState", "create_train_state"),
+        "jdp.step": (
+            "CompiledStep",
+            "SyncStep",
+            "evaluate",
+            "make_eval_step",
+            "make_sync_step",
+            "make_train_step",
+        ),
+        "jdp.training.config": ("TrainConfig",),
+        "jdp.training.loop": ("FitResult", "fit"),
+    },
+    submodules=("actions", "data", "distributed", "layout", "models"),
+)

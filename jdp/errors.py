@@ -1,4 +1,5 @@
-"""The exceptions jdp raises: bad input, and a run that stopped being finite."""
+"""The exceptions jdp raises: bad input, a run that stopped being finite, replicas or
+batches that are not what they should be."""
 
 
 class UsageError(ValueError):
@@ -21,6 +22,11 @@ class DataLedgerError(RuntimeError):
     a process read other rows, or the loader skipped or repeated a batch. The CLI
     prints it and exits with code 1; nothing trained on that batch was saved.
     """
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Replicas that should hold identical parameters do not (`jdp.distributed.check_replicas`).
+    The CLI prints it and exits with code 1."""
 
 
 # What the operating system says when a write fails, as it appears (nested) in the

@@ -9,12 +9,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from jdp.distributed import ReplicaMismatchError
-from jdp.errors import DataLedgerError, NonFiniteError, UsageError
-from jdp.report.console import Console
-from jdp.sample import training_sample
+from jdp.errors import DataLedgerError, NonFiniteError, ReplicaMismatchError, UsageError
 from jdp.training.flags import parse_flags
-from jdp.training.loop import fit
 
 
 class _Interrupted(Exception):
@@ -29,6 +25,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = {number: signal.signal(number, _interrupt) for number in _SIGNALS}
     try:
         config = parse_flags(argv)
+        # JAX and the rest after the flags: --help and a bad flag answer at once.
+        from jdp.report.console import Console
+        from jdp.sample import training_sample
+        from jdp.training.loop import fit
+
         console = Console()
         result = fit(config, console=console)
     except _Interrupted as interrupted:

@@ -130,8 +130,52 @@ def test_the_config_imports_nothing_above_it():
                 imported |= {f"{node.module}.{alias.name}" for alias in node.names}
     # The config and its checks, and below them only errors and the mesh spec.
     assert {name.rsplit(".", 1)[0] for name in imported} == {
-        "jdp.training", "jdp.errors", "jdp.mesh"
+        "jdp.training", "jdp.errors", "jdp.mesh_spec"
     }  # fmt: skip
     assert {name for name in imported if name.startswith("jdp.training")} == {
         "jdp.training.config_checks"
     }
+
+
+# What a program pays for before it touches a name: none of these may load with
+# `import jdp` (and its faces), nor while `python -m jdp.train` reads its flags.
+BACKENDS = (
+    "jax", "jaxlib", "optax", "flax", "orbax", "grain", "tensorflow_datasets", "tensorflow",
+    "array_record", "tensorstore", "matplotlib", "PIL", "simplejpeg", "sklearn", "tokenizers",
+    "safetensors", "tqdm", "mlflow", "wandb", "ray", "torch", "transformers",
+)  # fmt: skip
+
+
+def test_import_jdp_loads_no_backend():
+    """In a fresh process (what it measures is what a fresh process loads): the faces,
+    and ``python -m jdp.train``'s flags, ``--help`` included, load none of `BACKENDS`."""
+    import ast
+
+    from helpers import run_python
+
+    code = (
+        "import sys, contextlib, io\n"
+        "import jdp, jdp.data, jdp.models, jdp.checkpoint, jdp.training, jdp.distributed\n"
+        "import jdp.diloco, jdp.train\n"
+        "jdp.train.parse_flags(['--steps', '3', '--mesh', 'data=2'])\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    jdp.train.main(['--help'])\n"
+        "print(sorted({name.split('.')[0] for name in sys.modules}))\n"
+    )
+    result = run_python("-c", code, timeout=60)
+    assert result.returncode == 0, result.stderr
+    loaded = set(ast.literal_eval(result.stdout.strip().splitlines()[-1]))
+    assert loaded & set(BACKENDS) == set()
+
+
+def test_every_face_gives_each_of_its_names():
+    import importlib
+
+    names = ("checkpoint", "data", "diloco", "distributed", "models", "training")
+    for face in (jdp, *(importlib.import_module(f"jdp.{name}") for name in names)):
+        for name in face.__all__:
+            assert getattr(face, name) is not None, f"{face.__name__}.{name}"
+            assert name in dir(face)
+    assert callable(jdp.diloco) and jdp.diloco.__module__ == "jdp.diloco.outer"
+    with __import__("pytest").raises(AttributeError, match="no attribute 'nope'"):
+        jdp.nope  # noqa: B018

@@ -25,7 +25,7 @@ PACKAGE = pathlib.Path(__file__).parent.parent / "jdp"
 ORDER = ("ground", "library", "services", "training", "tools")
 # A module's layer, by its name below jdp (the longest listed prefix decides).
 LAYERS = {
-    "errors": "ground", "version": "ground",
+    "errors": "ground", "version": "ground", "lazy": "ground",
     "mesh": "library", "mesh_spec": "library", "layout": "library", "precision": "library",
     "optim": "library",
     "state": "library", "actions": "library", "step": "library", "replica": "library",
@@ -59,10 +59,24 @@ def layer_of(name: str) -> str | None:
     return LAYERS[max(prefixes, key=len)] if prefixes else LAYERS.get(name)
 
 
+def _lazy_imports(node: ast.AST) -> Iterator[tuple[str, str, int]]:
+    """What a face built with ``lazy.attach(__name__, {module: names}, submodules=...)``
+    imports on first use, as if it were imported at once."""
+    func = node.func if isinstance(node, ast.Call) else None
+    if not (isinstance(func, ast.Attribute) and func.attr == "attach" and len(node.args) == 2):
+        return
+    table = node.args[1]
+    for key, names in zip(table.keys, table.values, strict=True):
+        for name in names.elts:
+            yield key.value.removeprefix("jdp").lstrip("."), name.value, node.lineno
+
+
 def imports(name: str, source: str, known: set[str]) -> Iterator[tuple[str, str, int]]:
-    """(imported module, imported name or "", line) for each jdp import in a module."""
+    """(imported module, imported name or "", line) for each jdp import in a module,
+    the names a lazy face imports on first use included."""
     package = name.rsplit(".", 1)[0] if "." in name else ""
     for node in ast.walk(ast.parse(source)):
+        yield from _lazy_imports(node)
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == "jdp" or alias.name.startswith("jdp."):
@@ -162,6 +176,11 @@ def test_the_package_keeps_its_layers():
         ("bench.memory", "from jdp.plan import _x", "takes jdp.plan._x, a private name"),
         ("mesh", "from jdp.state import TrainState", "import cycle: "),
         ("wheel", "", "jdp.wheel has no layer"),
+        (
+            "mesh",
+            'from jdp import lazy\nlazy.attach(__name__, {"jdp.training.loop": ("fit",)})',
+            "jdp.mesh:2 (library) imports jdp.training.loop (training)",
+        ),
     ],
 )
 def test_a_planted_violation_fails(module, planted, expected):

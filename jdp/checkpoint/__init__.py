@@ -13,10 +13,14 @@ with a warning naming what failed. The record is one typed value (`Record`,
 a time owns the directory (`lock.py`). Nothing is ever unpickled.
 """
 
-from jdp.checkpoint.checkpointer import Checkpointer as Checkpointer
-from jdp.checkpoint.params import load_params as load_params
-from jdp.checkpoint.params import read_params as read_params
-from jdp.checkpoint.params import read_record as read_record
-from jdp.checkpoint.params import step_directory as step_directory
-from jdp.checkpoint.record import Record as Record
-from jdp.checkpoint.storage import warn as warn
+from jdp import lazy
+
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    {
+        "jdp.checkpoint.checkpointer": ("Checkpointer",),
+        "jdp.checkpoint.params": ("load_params", "read_params", "read_record", "step_directory"),
+        "jdp.checkpoint.record": ("Record",),
+        "jdp.checkpoint.storage": ("warn",),
+    },
+)

@@ -16,34 +16,18 @@ shards `pack` writes of it, decoding and cropping each batch in the loader
 `check_splits` is what a run checks of its splits before it builds the model.
 """
 
-from jdp.data.checks import check_splits
-from jdp.data.custom import from_arrays, from_folder, from_npz, from_tfds, holdout
-from jdp.data.image_sources import from_images, from_tfds_images, pack
-from jdp.data.images import ImageSplit, ImageTransform
-from jdp.data.sources import ArraySplit, Split
-from jdp.data.streams import BatchStream, IndexedSplit, from_batches, from_indexable
-from jdp.data.tokens import TokenSplit, from_tokens
-from jdp.data.transforms import Transform
+from jdp import lazy
 
-__all__ = [
-    "ArraySplit",
-    "BatchStream",
-    "ImageSplit",
-    "ImageTransform",
-    "IndexedSplit",
-    "Split",
-    "TokenSplit",
-    "Transform",
-    "check_splits",
-    "from_arrays",
-    "from_batches",
-    "from_folder",
-    "from_images",
-    "from_indexable",
-    "from_npz",
-    "from_tfds",
-    "from_tfds_images",
-    "from_tokens",
-    "holdout",
-    "pack",
-]
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    {
+        "jdp.data.checks": ("check_splits",),
+        "jdp.data.custom": ("from_arrays", "from_folder", "from_npz", "from_tfds", "holdout"),
+        "jdp.data.image_sources": ("from_images", "from_tfds_images", "pack"),
+        "jdp.data.images": ("ImageSplit", "ImageTransform"),
+        "jdp.data.sources": ("ArraySplit", "Split"),
+        "jdp.data.streams": ("BatchStream", "IndexedSplit", "from_batches", "from_indexable"),
+        "jdp.data.tokens": ("TokenSplit", "from_tokens"),
+        "jdp.data.transforms": ("Transform",),
+    },
+)

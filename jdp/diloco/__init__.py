@@ -27,10 +27,12 @@ face holds what `jdp.state` builds on, and `jdp.diloco.steps` builds on
 `jdp.state`.
 """
 
-from jdp.diloco.outer import OUTER_OPTIMIZERS as OUTER_OPTIMIZERS
-from jdp.diloco.outer import Outer as Outer
-from jdp.diloco.outer import diloco as diloco
-from jdp.diloco.outer import outer_from_flags as outer_from_flags
-from jdp.diloco.state import GroupState as GroupState
-from jdp.diloco.state import group_count as group_count
-from jdp.diloco.state import has_groups as has_groups
+from jdp import lazy
+
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    {
+        "jdp.diloco.outer": ("OUTER_OPTIMIZERS", "Outer", "diloco", "outer_from_flags"),
+        "jdp.diloco.state": ("GroupState", "group_count", "has_groups"),
+    },
+)

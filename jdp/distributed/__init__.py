@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import time
 
-import jax
-
+from jdp import lazy
 from jdp.distributed.cluster import Cluster, resolve
 from jdp.distributed.handshake import handshake
-from jdp.distributed.replica_check import ReplicaMismatchError, check_replicas, replica_digests
+from jdp.errors import ReplicaMismatchError as ReplicaMismatchError
 
-__all__ = [
-    "Cluster",
-    "ReplicaMismatchError",
-    "check_replicas",
-    "initialize",
-    "replica_digests",
-    "resolve",
-]
+# The replica check needs JAX; the launcher, which reads only where processes sit, does not.
+__getattr__, __dir__, _checks = lazy.attach(
+    __name__, {"jdp.distributed.replica_check": ("check_replicas", "replica_digests")}
+)
+__all__ = sorted(["Cluster", "ReplicaMismatchError", "initialize", "resolve", *_checks])
 
 
 def initialize(
@@ -68,6 +64,7 @@ def initialize(
         >>> jdp.distributed.initialize().num_processes
         1
     """
+    import jax
     from jax._src import distributed as jax_distributed
 
     if jax_distributed.global_state.client is not None:

@@ -10,9 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-
-class ReplicaMismatchError(RuntimeError):
-    """Replicas that should hold identical parameters do not."""
+from jdp.errors import ReplicaMismatchError as ReplicaMismatchError
 
 
 def replica_digests(tree: Any) -> dict[int, tuple[int, int]]:

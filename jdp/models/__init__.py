@@ -7,61 +7,21 @@ that trains in minutes on a CPU) and a ``standard`` one, chosen with
 have no canonical size.
 """
 
-from __future__ import annotations
+from jdp import lazy
 
-import jax
-import jax.numpy as jnp
-
-from jdp.mesh import DATA_AXIS
-from jdp.models.adapters import from_linen, from_nnx
-from jdp.models.cnn import CNN
-from jdp.models.generate import generate, gpt_for
-from jdp.models.hf import Pretrained, from_hf
-from jdp.models.mlp import MLP
-from jdp.models.model import Model
-from jdp.models.objectives import Objective, classification, language_model, sequence
-from jdp.models.registry import get_model
-from jdp.models.resnet import ResNet
-from jdp.models.transformer import GPT, Seq2SeqTransformer, greedy_decode, stack_layers
-
-
-def translate(model: Model, params, model_state, batch, *, bos: int, eos: int) -> jnp.ndarray:
-    """Greedy decoding of ``batch``'s sources by a built-in sequence model (seq2seq, gpt).
-
-    Returns ``(rows, target length)`` tokens from ``<bos>``, as long as ``batch["target"]``
-    (whose contents are not read); see `greedy_decode`.
-    """
-
-    @jax.jit  # compiled once per prefix length
-    def next_logits(prefix):
-        feed = {**batch, "target": jnp.pad(prefix, ((0, 0), (0, 1)))}  # the model reads [:, :-1]
-        outputs, _ = model.apply(params, model_state, feed, train=False)
-        return outputs[:, -prefix.shape[1] :]
-
-    rows, length = batch["target"].shape
-    return greedy_decode(next_logits, rows, length - 1, bos=bos, eos=eos)
-
-
-__all__ = [
-    "CNN",
-    "DATA_AXIS",
-    "GPT",
-    "MLP",
-    "Model",
-    "Objective",
-    "Pretrained",
-    "ResNet",
-    "Seq2SeqTransformer",
-    "classification",
-    "from_hf",
-    "from_linen",
-    "from_nnx",
-    "generate",
-    "get_model",
-    "gpt_for",
-    "greedy_decode",
-    "language_model",
-    "sequence",
-    "stack_layers",
-    "translate",
-]
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    {
+        "jdp.mesh": ("DATA_AXIS",),
+        "jdp.models.adapters": ("from_linen", "from_nnx"),
+        "jdp.models.cnn": ("CNN",),
+        "jdp.models.generate": ("generate", "gpt_for", "translate"),
+        "jdp.models.hf": ("Pretrained", "from_hf"),
+        "jdp.models.mlp": ("MLP",),
+        "jdp.models.model": ("Model",),
+        "jdp.models.objectives": ("Objective", "classification", "language_model", "sequence"),
+        "jdp.models.registry": ("get_model",),
+        "jdp.models.resnet": ("ResNet",),
+        "jdp.models.transformer": ("GPT", "Seq2SeqTransformer", "greedy_decode", "stack_layers"),
+    },
+)

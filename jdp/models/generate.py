@@ -11,6 +11,9 @@ The layers are the model's own: its parameters applied through the same Flax
 modules (``LayerNorm``, ``DenseGeneral``, `FeedForward`, ``Embed``), in the
 parameters' dtype, so a cached position's logits are the full model's at that
 position up to the rounding of a different summation order.
+
+`translate` decodes a built-in sequence model's targets greedily, the whole prefix
+through the model for each new token.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ import numpy as np
 from flax.core import meta
 
 from jdp.errors import UsageError
-from jdp.models.transformer import EPSILON, GPT, FeedForward, layer_norm, stack_layers
+from jdp.models.model import Model
+from jdp.models.transformer import (
+    EPSILON,
+    GPT,
+    FeedForward,
+    greedy_decode,
+    layer_norm,
+    stack_layers,
+)
 
 _ATTENTION = "MultiHeadDotProductAttention_0"
 
@@ -291,3 +302,20 @@ def _choose(logits, key, temperature, spec: _Spec):
     values, indices = jax.lax.top_k(logits, spec.top_k)
     chosen = jax.random.categorical(key, values / temperature)
     return jnp.take_along_axis(indices, chosen[:, None], axis=1)[:, 0].astype(jnp.int32)
+
+
+def translate(model: Model, params, model_state, batch, *, bos: int, eos: int) -> jnp.ndarray:
+    """Greedy decoding of ``batch``'s sources by a built-in sequence model (seq2seq, gpt).
+
+    Returns ``(rows, target length)`` tokens from ``<bos>``, as long as ``batch["target"]``
+    (whose contents are not read); see `greedy_decode`.
+    """
+
+    @jax.jit  # compiled once per prefix length
+    def next_logits(prefix):
+        feed = {**batch, "target": jnp.pad(prefix, ((0, 0), (0, 1)))}  # the model reads [:, :-1]
+        outputs, _ = model.apply(params, model_state, feed, train=False)
+        return outputs[:, -prefix.shape[1] :]
+
+    rows, length = batch["target"].shape
+    return greedy_decode(next_logits, rows, length - 1, bos=bos, eos=eos)

@@ -8,8 +8,14 @@ what it built), ``loop`` (`fit`) and ``run_actions`` (the run's own periodic
 actions).
 """
 
-from jdp.training.config import TrainConfig as TrainConfig
-from jdp.training.flags import parse_flags as parse_flags
-from jdp.training.loop import FitResult as FitResult
-from jdp.training.loop import fit as fit
-from jdp.training.presets import PRESETS as PRESETS
+from jdp import lazy
+
+__getattr__, __dir__, __all__ = lazy.attach(
+    __name__,
+    {
+        "jdp.training.config": ("TrainConfig",),
+        "jdp.training.flags": ("parse_flags",),
+        "jdp.training.loop": ("FitResult", "fit"),
+        "jdp.training.presets": ("PRESETS",),
+    },
+)

@@ -9,7 +9,7 @@ import typing
 from typing import Literal
 
 from jdp.errors import UsageError
-from jdp.mesh import GROUP_AXIS, SHARDING_AXES, parse_axis_rules, parse_mesh_spec
+from jdp.mesh_spec import GROUP_AXIS, SHARDING_AXES, parse_axis_rules, parse_mesh_spec
 
 # The datasets known by name; --dataset also takes your own data by these prefixes
 # (jdp.data.custom reads them).
