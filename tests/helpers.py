@@ -1,13 +1,27 @@
 """What several test modules share: fresh-process runs and a small regression problem."""
 
+import contextlib
+import io
 import os
 import re
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+INTEROP = "pip install '.[interop]'"
+
+
+def interop(*modules: str) -> list:
+    """The heavy third-party stacks a round trip needs (the interop lane: PyTorch with
+    transformers, Ray, MLflow's server, W&B, Keras, datasets), imported, or the test
+    skipped with one line naming the extra that installs them."""
+    return [pytest.importorskip(name, reason=f"needs {name}: {INTEROP}") for name in modules]
 
 
 def subprocess_env(devices: int | None = None) -> dict[str, str]:
@@ -34,6 +48,30 @@ def run_python(*args, timeout=240, devices=None, **popen) -> subprocess.Complete
 def run_cli(*flags, timeout=240, devices=None) -> subprocess.CompletedProcess:
     """``python -m jdp.train FLAGS`` as a user runs it."""
     return run_python("-m", "jdp.train", *flags, timeout=timeout, devices=devices)
+
+
+def run_main(main: Callable[[Sequence[str]], int], *flags) -> subprocess.CompletedProcess:
+    """A ``python -m jdp.*`` tool's ``main(FLAGS)`` in this process, its output captured as
+    text, for a test whose point is what the tool says and returns, not a fresh process:
+    it saves the process's start (JAX, the devices, the imports: seconds each). Warnings
+    are printed, as a fresh process prints them, not raised."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            warnings.catch_warnings():  # fmt: skip
+        warnings.simplefilter("default")
+        try:
+            code = main([str(flag) for flag in flags])
+        except SystemExit as exit_:  # argparse: --help, a bad flag
+            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    return subprocess.CompletedProcess(["main", *map(str, flags)], code, out.getvalue(),
+                                       err.getvalue())  # fmt: skip
+
+
+def cli(*flags) -> subprocess.CompletedProcess:
+    """`run_cli` in this process, on its 8 devices (`run_main`)."""
+    from jdp.train import main
+
+    return run_main(main, *flags)
 
 
 # A small regression problem whose exact answer plain JAX gives on one device.

@@ -19,10 +19,10 @@ from jdp.export import main as export
 from jdp.models.hf import write_hf
 from jdp.models.transformer import EPSILON
 from tests.closeness import EPS32, relative_distance
-from tests.helpers import run_cli, run_python
+from tests.helpers import interop, run_cli, run_python
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.interop
+torch, transformers = interop("torch", "transformers")
 
 # GPT-2's shape at toy size; vocabulary 256 so the bundled corpus (UTF-8 bytes) fits.
 TOY = {"vocab_size": 256, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 4}

@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from helpers import subprocess_env
+from helpers import interop, subprocess_env
 
-pytest.importorskip("ray")
+pytestmark = pytest.mark.interop
+interop("ray")
 
 TRAIN = ["python", "-m", "jdp.train", "--mesh", "data=8", "--steps", "40"]
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from closeness import assert_drift_within
-from helpers import subprocess_env
+from helpers import interop, subprocess_env
 
 import jdp
 
@@ -56,8 +56,9 @@ def test_an_iterable_of_batches_trains_alike_on_8_devices_and_1(make):
 
 
 @pytest.mark.slow
+@pytest.mark.interop
 def test_indexable_sources_are_read_in_jdps_order_as_arrays_are():
-    import datasets
+    (datasets,) = interop("datasets")
 
     arrays = _fit(jdp.data.from_arrays(X, Y), "data=8")
     hugging = datasets.Dataset.from_dict({"image": X, "label": Y}).with_format("numpy")

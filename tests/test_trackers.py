@@ -13,15 +13,15 @@ import sys
 import time
 
 import pytest
-from helpers import subprocess_env
+from helpers import interop, subprocess_env
 
 import jdp
 from jdp.report import trackers
 from jdp.report.trackers import Guarded, check_trackers
 
-mlflow = pytest.importorskip("mlflow")
+(mlflow,) = interop("mlflow")
 # MLflow's client on a local store warns of its own dependencies' deprecations (SQLAlchemy's).
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.interop, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 FLAGS = ["--mesh", "data=1", "--warmup-steps", "4", "--log-every", "10", "--tracker",
          "tensorboard,mlflow"]  # fmt: skip
@@ -230,7 +230,7 @@ def _check_wandb_history(records, log_dir, steps):
 
 @pytest.mark.slow
 def test_wandb_offline_gets_the_runs_metrics_config_and_checkpoint(tmp_path):
-    pytest.importorskip("wandb")
+    interop("wandb")
     log_dir, ckpt = tmp_path / "log", tmp_path / "ckpt"
     first = _wandb_run(log_dir, "--steps", "40", "--ckpt-dir", str(ckpt))
     assert first.returncode == 0 and "warning" not in first.stderr, first.stderr
@@ -262,7 +262,7 @@ def test_wandb_offline_gets_the_runs_metrics_config_and_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_wandb_online_without_a_key_is_one_warning_never_a_prompt(tmp_path):
-    pytest.importorskip("wandb")
+    interop("wandb")
     env = {k: v for k, v in subprocess_env().items() if not k.startswith("WANDB_")}
     command = [sys.executable, "-m", "jdp.train", *FLAGS[:-1], "wandb", "--log-dir",
                str(tmp_path / "log"), "--steps", "20"]  # fmt: skip
