@@ -32,6 +32,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import pytest
 
+pytest_plugins = ["tests.suite_report"]  # python -m pytest --suite-report FILE
+
 
 @pytest.fixture(autouse=True)
 def _doctest_names(doctest_namespace, tmp_path):

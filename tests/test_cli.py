@@ -4,7 +4,7 @@ import re
 import shlex
 
 import pytest
-from helpers import run_cli
+from helpers import cli, run_cli
 
 SUMMARY = re.compile(
     r"^jdp\.train: steps=(\d+) train_loss=\S+ test_loss=\S+ test_accuracy=([\d.]+) "
@@ -115,10 +115,19 @@ def test_tiny_seq2seq_run_on_numbers2words():
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(flags, needle):
-    # With 8 devices fixed, data=16 cannot be simulated away.
-    result = _run(*flags, timeout=120, devices=8)
+    result = cli(*flags)  # in this process, on its 8 devices: data=16 cannot be simulated away
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert needle in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_a_bad_flag_in_a_fresh_process_is_one_line_and_exit_2():
+    """What the in-process checks above stand for, once as a user meets it."""
+    result = _run("--mesh", "data=16", timeout=120, devices=8)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stderr.strip() == (
+        "jdp.train: error: "
+        + cli("--mesh", "data=16").stderr.strip().removeprefix("jdp.train: error: ")
+    )
