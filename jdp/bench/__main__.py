@@ -46,6 +46,9 @@ run a process of its own on one CPU device, in interleaved rounds.
 ``resume``: a resumed run's seconds to its first step with its programs read from
 the compilation cache against compiled again, for gpt and resnet20.
 
+``startup``: ``import jax`` against ``import jdp``, the API's first use and
+``python -m jdp.train --help``, each in fresh processes, in interleaved rounds.
+
 ``faults``: random kill -9 trials (each resumed and compared bitwise with an
 uninterrupted run) and random bit flips in a checkpoint (each detected,
 unaffected, or restored silently).
@@ -72,6 +75,7 @@ from jdp.bench import (
     readme,
     resume,
     scaling,
+    startup,
     step,
 )
 from jdp.bench.common import HelpWithDefaults
@@ -93,6 +97,7 @@ BENCHMARKS = {
     "keras": (keras, "jdp.train --mesh data=1 vs Keras 3's model.fit: same model, data, Adam"),
     "readme": (readme, "run README.md's figures table's commands; rewrite or check its rows"),
     "resume": (resume, "a resume's seconds to its first step: compilation cache vs compiling"),
+    "startup": (startup, "import jax vs import jdp, the API's first use, jdp.train --help"),
     "lm": (lm, "gpt's step vs a hand-written JAX + Optax one: tokens/s, MFU, remat, attention"),
 }
 
