@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_main
 
 
 def _bench(command, flags, timeout=240, env=None):
@@ -18,6 +19,13 @@ def _bench(command, flags, timeout=240, env=None):
         timeout=timeout,
         env=env,
     )
+
+
+def _here(command, flags):
+    """`_bench` in this process: what a benchmark says of bad flags needs no process."""
+    from jdp.bench.__main__ import main
+
+    return run_main(main, command, *shlex.split(flags))
 
 
 @pytest.mark.slow
@@ -39,7 +47,7 @@ def test_input_benchmark_reports_loaders_step_and_waiting():
 
 
 def test_bench_bad_input_is_one_line_and_exit_2():
-    result = _bench("input", "--dataset imagenet", timeout=120)
+    result = _here("input", "--dataset imagenet")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "jdp.bench: error: unknown dataset 'imagenet'; choose one of: cifar10, digits, "
@@ -120,13 +128,13 @@ def test_step_benchmark_sweeps_sizes_and_meshes_against_the_best_hand_written_st
 
 
 def test_step_benchmark_refuses_an_unknown_case():
-    result = _bench("step", "--cases mlp-1t", timeout=120)
+    result = _here("step", "--cases mlp-1t")
     assert result.returncode == 2
     assert "unknown case 'mlp-1t'" in result.stderr
 
 
 def test_a_step_cell_that_fails_is_one_line_naming_it():
-    result = _bench("step", "--cases mlp-38k --meshes data=3 --rounds 1", timeout=120)
+    result = _here("step", "--cases mlp-38k --meshes data=3 --rounds 1")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "jdp.bench: error: the mlp-38k cell on --mesh data=3 failed: global batch 128 is not "
@@ -186,7 +194,7 @@ def test_diloco_benchmark_reports_metric_bytes_and_speed_per_arm():
 
 
 def test_diloco_benchmark_refuses_an_unknown_workload():
-    result = _bench("diloco", "--workloads resnet", timeout=120)
+    result = _here("diloco", "--workloads resnet")
     assert result.returncode == 2
     assert "unknown workload resnet; choose from: mlp, gpt" in result.stderr
 
@@ -235,7 +243,7 @@ def test_lm_benchmark_races_jdp_against_the_hand_written_step_on_the_same_model(
 
 
 def test_lm_benchmark_refuses_a_remat_it_does_not_have():
-    result = _bench("lm", "--remat some", timeout=120)
+    result = _here("lm", "--remat some")
     assert result.returncode == 2
     assert (
         result.stderr.strip() == "jdp.bench: error: --remat 'some'; choose from: none, dots, full"
@@ -300,7 +308,7 @@ def test_keras_benchmark_races_fit_against_keras_and_the_step_alone():
 
 
 def test_keras_benchmark_refuses_a_run_of_one_step():
-    result = _bench("keras", "--steps 1", timeout=120)
+    result = _here("keras", "--steps 1")
     assert result.returncode == 2
     assert "need --steps >= 2 (the first is compilation)" in result.stderr
 
@@ -332,3 +340,17 @@ def test_resume_benchmark_reads_the_programs_back_in_the_cached_arm():
     # 0.05 * (1 + ratio) / cached (to first order) from the unrounded ratio.
     assert abs(compiling / cached - ratio) <= 0.05 * (1 + ratio) / cached * 1.1 + 0.005
     assert re.fullmatch(r"\d+ programs?", read), read  # the cached arm read what it resumed
+
+
+def test_startup_benchmark_sets_import_jdp_against_import_jax():
+    result = _here("startup", "--rounds 1")
+    assert result.returncode == 0, result.stderr
+    rows = dict(re.findall(r"^  (.+?) +[\d.]+ s  ([\d.]+)x$", result.stdout, re.M))
+    assert list(rows) == [
+        'python -c "import jax"',
+        'python -c "import jdp"',
+        "import jdp; the step's API named",
+        "python -m jdp.train --help",
+    ]
+    assert rows['python -c "import jax"'] == "1.00"
+    assert float(rows['python -c "import jdp"']) > 0
