@@ -45,9 +45,17 @@ def run_python(*args, timeout=240, devices=None, **popen) -> subprocess.Complete
     )
 
 
-def run_cli(*flags, timeout=240, devices=None) -> subprocess.CompletedProcess:
-    """``python -m jdp.train FLAGS`` as a user runs it."""
-    return run_python("-m", "jdp.train", *flags, timeout=timeout, devices=devices)
+def run_cli(*flags, timeout=240, devices=None, fresh=False) -> subprocess.CompletedProcess:
+    """``python -m jdp.train FLAGS``: what it prints and returns.
+
+    In this process, on its 8 devices (`cli`), unless the test's point needs a fresh
+    process (``fresh``: the devices a mesh sets up, a signal, an exit's threads) or fixes
+    its device count (``devices``). A fresh process costs seconds of start (Python, JAX,
+    the imports, the devices, the data) that a test of the tool's behaviour need not pay.
+    """
+    if fresh or devices:
+        return run_python("-m", "jdp.train", *flags, timeout=timeout, devices=devices)
+    return cli(*flags)
 
 
 def run_main(main: Callable[[Sequence[str]], int], *flags) -> subprocess.CompletedProcess:
@@ -69,9 +77,14 @@ def run_main(main: Callable[[Sequence[str]], int], *flags) -> subprocess.Complet
 
 def cli(*flags) -> subprocess.CompletedProcess:
     """`run_cli` in this process, on its 8 devices (`run_main`)."""
-    from jdp.train import main
+    return run_tool("jdp.train", *flags)
 
-    return run_main(main, *flags)
+
+def run_tool(module: str, *flags) -> subprocess.CompletedProcess:
+    """``python -m MODULE FLAGS`` (a jdp tool) in this process (`run_main`)."""
+    import importlib
+
+    return run_main(importlib.import_module(module).main, *flags)
 
 
 # A small regression problem whose exact answer plain JAX gives on one device.

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import run_cli, run_python
+from helpers import run_cli, run_python, run_tool
 
 from jdp.data.readers import global_batch_indices
 
@@ -62,8 +62,8 @@ def test_replay_reproduces_the_step_and_names_the_corrupted_examples(run, tmp_pa
     root, x = run
     step, indices = _spiking_step()
     out = tmp_path / "out"
-    result = run_python("-m", "jdp.replay", root / "log", "--step", step, "--out", out,
-                        "--top", "3")  # fmt: skip
+    result = run_tool("jdp.replay", root / "log", "--step", step, "--out", out,
+                      "--top", "3")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "step.json").read_text())
     logged = _logged(root / "log")
@@ -91,7 +91,7 @@ def test_replay_reproduces_the_step_and_names_the_corrupted_examples(run, tmp_pa
 @pytest.mark.timeout(400)
 def test_replay_before_any_checkpoint_starts_from_the_runs_initialisation(run, tmp_path):
     root, _ = run
-    result = run_python("-m", "jdp.replay", root / "log", "--step", 4, "--out", tmp_path)
+    result = run_tool("jdp.replay", root / "log", "--step", 4, "--out", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "step.json").read_text())
     assert summary["started_from"] == 0 and summary["checked_steps"] == [1, 2, 3, 4]
@@ -110,7 +110,7 @@ def test_a_step_that_does_not_replay_is_one_line(run, tmp_path, field):
     target = next(r for r in records if r["kind"] == "train" and r["step"] == 23)
     target[field] = target[field] * 1.5 if field == "loss" else "0" * 16
     (log / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = run_python("-m", "jdp.replay", log, "--step", 25, "--out", tmp_path / "out")
+    result = run_tool("jdp.replay", log, "--step", 25, "--out", tmp_path / "out")
     assert result.returncode == 1
     (line,) = result.stderr.strip().splitlines()
     what = "loss is" if field == "loss" else "global batch is not the one the run logged"
@@ -125,7 +125,7 @@ def test_bad_replays_are_one_line(run, tmp_path):
         ((root / "log", "--step", 31), "--step 31: the run has steps 1 to 30"),
         ((root / "log", "--step", 3, "--ckpt-dir", tmp_path / "gone"), "which is not here"),
     ):
-        result = run_python("-m", "jdp.replay", *args)
+        result = run_tool("jdp.replay", *args)
         assert result.returncode == 2, result.stderr[-2000:]
         (line,) = result.stderr.strip().splitlines()
         assert needle in line, line
@@ -164,8 +164,8 @@ def test_a_batchnorm_model_after_a_longer_resume_replays(tmp_path):
              "--log-dir", tmp_path / "log", "--ckpt-dir", tmp_path / "ckpt"]  # fmt: skip
     assert run_cli(*flags, "--steps", "10", timeout=240).returncode == 0
     assert run_cli(*flags, "--steps", "20", timeout=240).returncode == 0
-    result = run_python("-m", "jdp.replay", tmp_path / "log", "--step", 13, "--out",
-                        tmp_path / "out", timeout=240)  # fmt: skip
+    result = run_tool("jdp.replay", tmp_path / "log", "--step", 13, "--out",
+                      tmp_path / "out")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "step.json").read_text())
     assert summary["started_from"] == 10 and summary["checked_steps"] == [11, 12, 13]
@@ -177,7 +177,7 @@ def test_a_diloco_run_is_refused_in_one_line(tmp_path):
     result = run_cli("--mesh", "group=2,data=2", "--steps", "4", "--log-every", "1",
                      "--eval-every", "0", "--log-dir", tmp_path, timeout=240)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    replay = run_python("-m", "jdp.replay", tmp_path, "--step", 2)
+    replay = run_tool("jdp.replay", tmp_path, "--step", 2)
     assert replay.returncode == 2
     assert replay.stderr.strip() == (
         "jdp.replay: error: the run trained DiLoCo groups (--mesh group=2,data=2), whose "
