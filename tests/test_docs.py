@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import subprocess_env
+from helpers import interop, subprocess_env
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = [
@@ -38,13 +38,14 @@ def _blocks():
             if words & set(CLUSTER_TOOLS):
                 yield doc, index, None, "a recipe for a cluster"
                 continue
-            lines = []
+            lines, in_jdp = [], False
             for line in body.splitlines():
                 line = re.sub(r"^pip install \S+ && ", "", line)  # CI installed jdp
                 if line.startswith(("tensorboard ", "python -m pytest")):
                     continue  # a server; the suite this test belongs to
-                if smoke and line.startswith("python -m jdp."):
-                    line = line.rstrip("\\ ") + f" {smoke}" + (" \\" if line.endswith("\\") else "")
+                in_jdp = line.startswith("python -m jdp.") or (in_jdp and lines[-1].endswith("\\"))
+                if smoke and in_jdp and not line.endswith("\\"):  # a command's last line
+                    line += f" {smoke}"  # after the command's own flags, so the smoke's win
                 lines.append(line)
             script = "\n".join(lines).strip()
             yield doc, index, script or None, "nothing runnable here" if not script else ""
@@ -62,14 +63,27 @@ def test_every_block_runs_or_says_why_not():
     }
 
 
+# What a block runs that only the interop extra installs, by a word it holds.
+INTEROP_WORDS = {"transformers": "transformers", "jdp.bench keras": "keras"}
+
+
+def _needs(script: str) -> list[str]:
+    return [module for word, module in INTEROP_WORDS.items() if word in script]
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "script",
-    [script for _, _, script, _ in BLOCKS if script],
+    [
+        pytest.param(script, marks=[pytest.mark.interop] if _needs(script) else [])
+        for _, _, script, _ in BLOCKS
+        if script
+    ],
     ids=[f"{doc}#{index}" for doc, index, script, _ in BLOCKS if script],
 )
 @pytest.mark.slow
 def test_a_documented_block_runs(script, tmp_path):
+    interop(*_needs(script))
     repository = tmp_path / "repository"
     shutil.copytree(
         ROOT, repository,
