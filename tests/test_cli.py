@@ -13,19 +13,14 @@ SUMMARY = re.compile(
 )
 
 
-_run = run_cli
+def _run(*flags, **options):
+    return run_cli(*flags, fresh=True, **options)
 
 
+# The README's figures check (tests/test_readme.py) runs these and the pmap, bf16 and fp16
+# forms again, each held to its exact accuracy; here, what a user sees of the devices.
 @pytest.mark.parametrize(
-    "flags",
-    [
-        ["--mesh", "data=8"],
-        ["--mesh", "data=8", "--backend", "pmap"],
-        ["--mesh", "data=1"],
-        ["--mesh", "data=8", "--precision", "bf16"],
-        ["--mesh", "data=8", "--precision", "fp16"],
-    ],
-    ids=["jit-data8", "pmap-data8", "data1", "bf16", "fp16"],
+    "flags", [["--mesh", "data=8"], ["--mesh", "data=1"]], ids=["jit-data8", "data1"]
 )
 @pytest.mark.slow
 def test_default_run_reaches_095_on_digits(flags):

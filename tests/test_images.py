@@ -166,7 +166,7 @@ def test_a_damaged_image_is_one_line_and_exit_2(tree, tmp_path):
 
 def _cli(dataset, ckpt_dir):
     flags = ["--dataset", f"images:{dataset}", "--model", "resnet50", "--model-size", "small",
-             "--image-size", "32,32", "--mesh", "data=4", "--batch-size", "8", "--steps", "24",
+             "--image-size", "32,32", "--mesh", "data=4", "--batch-size", "8", "--steps", "16",
              "--warmup-steps", "4", "--ckpt-every", "4", "--eval-every", "0",
              "--loader-workers", "1", "--ckpt-dir", str(ckpt_dir)]  # fmt: skip
     return [sys.executable, "-m", "jdp.train", *flags]
@@ -191,8 +191,8 @@ def test_kill_9_and_resume_is_bitwise_with_batchnorm_and_workers(tree, tmp_path)
                              text=True, timeout=400, env=subprocess_env())  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert re.search(r"^jdp: resuming from step \d+ in ", resumed.stdout, re.M)
-    assert_bitwise_equal(saved_arrays(tmp_path / "killed", 24),
-                         saved_arrays(tmp_path / "whole", 24))  # fmt: skip
+    assert_bitwise_equal(saved_arrays(tmp_path / "killed", 16),
+                         saved_arrays(tmp_path / "whole", 16))  # fmt: skip
 
 
 # A training process's memory before the run and the most it holds while it reads a
