@@ -17,11 +17,17 @@ import pytest
 INTEROP = "pip install '.[interop]'"
 
 
-def interop(*modules: str) -> list:
+def interop(*modules: str, load: bool = True) -> list:
     """The heavy third-party stacks a round trip needs (the interop lane: PyTorch with
-    transformers, Ray, MLflow's server, W&B, Keras, datasets), imported, or the test
-    skipped with one line naming the extra that installs them."""
-    return [pytest.importorskip(name, reason=f"needs {name}: {INTEROP}") for name in modules]
+    transformers, Ray, MLflow's server, W&B, Keras, datasets), imported (unless not
+    ``load``: a fresh process of the test's imports them), or the test skipped with one
+    line naming the extra that installs them."""
+    import importlib.util
+
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"needs {name}: {INTEROP}")
+    return [pytest.importorskip(name) for name in modules] if load else []
 
 
 def subprocess_env(devices: int | None = None) -> dict[str, str]:

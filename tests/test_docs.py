@@ -43,7 +43,11 @@ def _blocks():
                 line = re.sub(r"^pip install \S+ && ", "", line)  # CI installed jdp
                 if line.startswith(("tensorboard ", "python -m pytest")):
                     continue  # a server; the suite this test belongs to
-                in_jdp = line.startswith("python -m jdp.") or (in_jdp and lines[-1].endswith("\\"))
+                # The smoke flags are the run's (train, bench, a launched train), not a tool's
+                # that prepares its data (jdp.data).
+                runs = line.startswith(("python -m jdp.train", "python -m jdp.bench",
+                                        "python -m jdp.launch"))  # fmt: skip
+                in_jdp = runs or (in_jdp and lines[-1].endswith("\\"))
                 if smoke and in_jdp and not line.endswith("\\"):  # a command's last line
                     line += f" {smoke}"  # after the command's own flags, so the smoke's win
                 lines.append(line)
@@ -83,7 +87,7 @@ def _needs(script: str) -> list[str]:
 )
 @pytest.mark.slow
 def test_a_documented_block_runs(script, tmp_path):
-    interop(*_needs(script))
+    interop(*_needs(script), load=False)
     repository = tmp_path / "repository"
     shutil.copytree(
         ROOT, repository,

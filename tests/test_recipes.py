@@ -86,7 +86,10 @@ def _stand_in_data(recipe, tmp_path) -> list[str]:
 def test_every_recipes_smoke_form_runs(name, tmp_path):
     recipe = load_recipe(name)
     smoke = [f"--{key.replace('_', '-')}={value}" for key, value in recipe.smoke.items()]
-    result = run_cli("--recipe", name, *smoke, *_stand_in_data(recipe, tmp_path), timeout=280)
+    # A fresh process: a recipe's mesh (data=-1) takes the devices the machine has, one CPU
+    # here, where this process's 8 would each hold GPT-2 small and its Adam state.
+    result = run_cli("--recipe", name, *smoke, *_stand_in_data(recipe, tmp_path), timeout=280,
+                     fresh=True)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert summary.startswith("jdp.train: steps=") and f"{recipe.statement['metric']}=" in summary
