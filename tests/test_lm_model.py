@@ -14,7 +14,7 @@ import jdp
 from jdp.data import numbers2words
 from jdp.errors import UsageError
 from jdp.models.registry import get_model
-from jdp.models.transformer import GPT, Attention, flops_per_token, stack_layers
+from jdp.models.transformer import GPT, Attention, flops_per_token, implementation, stack_layers
 from jdp.report.throughput import forward_flops, model_flops
 from tests.helpers import assert_trees_close
 
@@ -97,6 +97,15 @@ def test_fused_attention_equals_the_reference(causal, masked):
     # fp32 sums of 32 and 12 terms and a softmax, in another order: rounding of a few
     # EPS32 times the terms' count, inside rtol 1e-5 (84 EPS32), atol 1e-6 near zero.
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_cudnn_attention_leaves_an_fp32_pass_to_xla():
+    """cuDNN's kernel rejects fp32 queries ("Q must be fp16/bf16", seen on an H100):
+    initializing a bf16 model with --attention cudnn runs one fp32 pass, which XLA's
+    kernel takes; half precision keeps cuDNN's."""
+    assert implementation("cudnn", jnp.float32, 64) == "xla"
+    assert implementation("cudnn", jnp.bfloat16, 64) == "cudnn"
+    assert implementation("xla", jnp.bfloat16, 64) == "xla"
 
 
 def test_attention_reads_flax_multi_head_attention_parameters():

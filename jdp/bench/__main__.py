@@ -49,6 +49,10 @@ the compilation cache against compiled again, for gpt and resnet20.
 ``startup``: ``import jax`` against ``import jdp``, the API's first use and
 ``python -m jdp.train --help``, each in fresh processes, in interleaved rounds.
 
+``gpu``: every accelerator figure in one run within a wall budget (GPT-2 124M,
+ResNet-50, the JPEG loader, the small-model sweep, a correctness check), as JSON;
+``--bundle`` writes the wheels an offline machine needs (`jdp.bench.gpu`).
+
 ``faults``: random kill -9 trials (each resumed and compared bitwise with an
 uninterrupted run) and random bit flips in a checkpoint (each detected,
 unaffected, or restored silently).
@@ -66,6 +70,7 @@ from jdp.bench import (
     diloco,
     dispatch,
     faults,
+    gpu,
     inputs,
     keras,
     lm,
@@ -99,6 +104,7 @@ BENCHMARKS = {
     "resume": (resume, "a resume's seconds to its first step: compilation cache vs compiling"),
     "startup": (startup, "import jax vs import jdp, the API's first use, jdp.train --help"),
     "lm": (lm, "gpt's step vs a hand-written JAX + Optax one: tokens/s, MFU, remat, attention"),
+    "gpu": (gpu, "every accelerator figure in one budgeted run; --bundle: offline wheels"),
 }
 
 

@@ -78,6 +78,7 @@ class Cell:
     data: str  # tokens:PATH, or "" for synthetic tokens
     rounds: int
     steps: int
+    unroll: bool = False  # layers unrolled rather than under one `nn.scan`
 
 
 def resolve(args: argparse.Namespace, mesh: str, remat: str, attention: str) -> Cell:
@@ -118,7 +119,7 @@ def jdp_run(cell: Cell, dataset: str) -> Run:
         seq_len=cell.seq_len, vocab_size=cell.vocab_size, batch_size=cell.batch_size,
         remat=cell.remat, attention=cell.attention, precision=cell.precision,
         optimizer="adamw", lr=LR, schedule="constant", warmup_steps=0,
-        weight_decay=WEIGHT_DECAY,
+        weight_decay=WEIGHT_DECAY, unroll_layers=cell.unroll,
     )  # fmt: skip
     return build(config, Console(enabled=False))
 
@@ -128,7 +129,7 @@ def gpt_module(cell: Cell, vocab_size: int) -> GPT:
     multiple = VOCAB_MULTIPLE if cell.model_size in LM_SIZES else 1
     options = dict(MODELS["gpt"].sizes[cell.model_size], max_len=cell.seq_len)
     return GPT(vocab_size=-(-vocab_size // multiple) * multiple, remat=cell.remat,
-               attention=cell.attention, **options)  # fmt: skip
+               attention=cell.attention, unroll=cell.unroll, **options)  # fmt: skip
 
 
 def compile_seconds(lower: Callable[[], Any]) -> float:

@@ -142,10 +142,14 @@ def implementation(choice: str, dtype, head_width: int, *, masked: bool = False)
     most 128) and no mask array, else XLA's."""
     if choice not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"attention {choice!r}; choose one of {ATTENTION_IMPLEMENTATIONS}")
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if choice == "cudnn" and not half:
+        # cuDNN's kernel takes half precision only; the one fp32 pass of a bf16 model is
+        # its initialization (the parameters are fp32), which XLA's computes alike.
+        return "xla"
     if choice != "auto":
         return choice
     fits = head_width % 8 == 0 and head_width <= 128 and not masked
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     return "cudnn" if fits and half and jax.default_backend() == "gpu" else "xla"
 
 
