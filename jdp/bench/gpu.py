@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import os
@@ -49,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jdp.bench.arms import interleaved_rates, jdp_loop, ratios_to
 from jdp.errors import UsageError
@@ -86,10 +87,12 @@ class Sizes:
     gpt_rows: int = 0  # 0: by the device's memory
     gpt_rounds: int = 7
     gpt_steps: int = 3
+    gpt_precision: str = "bf16"
     resnet_size: str = "standard"
     resnet_px: int = 224
     resnet_rows: int = RESNET_ROWS
     resnet_rounds: int = 7
+    resnet_precision: str = "bf16"
     jpegs: int = 256
     jpeg_rows: int = 32
     sweep_rows: int = 128
@@ -100,9 +103,11 @@ class Sizes:
     correctness_steps: int = CORRECTNESS_STEPS
 
 
+# The smoke run computes in fp32: XLA:CPU compiles bf16 programs several times slower.
 SMOKE = Sizes(matmul=256, gpt_size="small", seq_len=32, gpt_rows=4, gpt_rounds=2,
-              gpt_steps=1, resnet_size="small", resnet_px=32, resnet_rows=4, resnet_rounds=2,
-              jpegs=8, jpeg_rows=4, sweep_rows=16, sweep_rounds=2, round_seconds=0.01,
+              gpt_steps=1, gpt_precision="fp32", resnet_size="toy", resnet_px=32,
+              resnet_precision="fp32", resnet_rows=4, resnet_rounds=2, jpegs=8, jpeg_rows=4,
+              sweep_rows=16, sweep_rounds=2, round_seconds=0.01,
               gpt_cells=1, sweep_cases=SWEEP_CASES[:1], correctness_steps=4)  # fmt: skip
 
 
@@ -206,7 +211,7 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
               on_line: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
     from jdp.bench import lm
 
-    rows = gpt_rows(sizes) * jax.device_count()
+    rows = gpt_rows(sizes)  # on one device: every part's mesh is data=1
     cells, skipped = [], []
     for index, setting in enumerate(gpt_cells()[: sizes.gpt_cells]):
         if index and report.elapsed() > share_end:
@@ -215,7 +220,8 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
         options = {key: value for key, value in setting.items() if key != "rows"}
         batch = max(1, int(rows * setting.get("rows", 1)))
         cell = lm.Cell(mesh="data=1", model_size=sizes.gpt_size, seq_len=sizes.seq_len,
-                       batch_size=batch, precision="bf16", vocab_size=lm.GPT2_VOCAB, data="",
+                       batch_size=batch, precision=sizes.gpt_precision,
+                       vocab_size=lm.GPT2_VOCAB, data="",
                        rounds=sizes.gpt_rounds, steps=sizes.gpt_steps, **options)  # fmt: skip
         started = time.monotonic()
         try:
@@ -237,7 +243,8 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
         gc.collect()
         jax.clear_caches()
     return {"cells": cells, "skipped_for_budget": skipped, "rows": rows,
-            "seq_len": sizes.seq_len, "size": sizes.gpt_size}  # fmt: skip
+            "seq_len": sizes.seq_len, "size": sizes.gpt_size,
+            "precision": sizes.gpt_precision}  # fmt: skip
 
 
 def _setting(setting: dict[str, Any]) -> str:
@@ -267,11 +274,18 @@ def gpt_line(result: dict[str, Any]) -> str:
 # --- 3. ResNet-50 ------------------------------------------------------------------
 
 
+# The smoke run's ResNet: ResNet-50's kinds of layers (the ImageNet stem, bottleneck
+# blocks, four stages) with one narrow block a stage, to compile in seconds on a CPU.
+TOY_RESNET = {"stages": (1, 1, 1, 1), "widths": (8, 8, 8, 8), "bottleneck": True,
+              "imagenet_stem": True}  # fmt: skip
+
+
 def resnet_module(size: str):
     from jdp.models.registry import MODELS
     from jdp.models.resnet import ResNet
 
-    return ResNet(num_classes=1000, **MODELS["resnet50"].sizes[size])
+    options = TOY_RESNET if size == "toy" else MODELS["resnet50"].sizes[size]
+    return ResNet(num_classes=1000, **options)
 
 
 def hand_written_resnet_step(module, optimizer, dtype, mesh):
@@ -311,24 +325,26 @@ def part_resnet50(sizes: Sizes) -> dict[str, Any]:
     from jdp.step import make_train_step
 
     mesh = make_mesh("data=1")
-    rows, px = sizes.resnet_rows * jax.device_count(), sizes.resnet_px
+    rows, px = sizes.resnet_rows, sizes.resnet_px
     rng = np.random.default_rng(0)
     host = {"image": rng.normal(size=(rows, px, px, 3)).astype(np.float32),
             "label": rng.integers(0, 1000, rows).astype(np.int32)}  # fmt: skip
     batch = shard_batch(host, mesh)
     module = resnet_module(sizes.resnet_size)
     model = from_linen(module, classification())
-    params, model_state = model.init(jax.random.key(0), batch)
+    params, model_state = jax.jit(model.init)(jax.random.key(0), batch)  # one program, not ops
     optimizer = optax.sgd(0.1, momentum=0.9)
-    precision = make_precision("bf16")
+    precision = make_precision(sizes.resnet_precision)
     step = make_train_step(model.loss_fn, optimizer, mesh, has_aux=True, has_model_state=True,
                            precision=precision)  # fmt: skip
     state = create_train_state(jax.tree.map(jnp.copy, params), optimizer, mesh,
                                rng=jax.random.key(0), model_state=model_state,
                                precision=precision)  # fmt: skip
-    hand = hand_written_resnet_step(module, optimizer, jnp.bfloat16, mesh)
-    stats = jax.tree.map(jnp.copy, model_state["batch_stats"])
-    hand_carry = [jax.tree.map(jnp.copy, params), stats, optimizer.init(params)]
+    hand = hand_written_resnet_step(module, optimizer, precision.compute_dtype, mesh)
+    # On the mesh as the step returns them, so that its second call compiles nothing new.
+    whole = NamedSharding(mesh, PartitionSpec())
+    carry = (params, model_state["batch_stats"], optimizer.init(params))
+    hand_carry = list(jax.device_put(jax.tree.map(jnp.copy, carry), whole))
     jdp_carry = [state]
 
     def hand_arm(count: int) -> None:
@@ -349,6 +365,7 @@ def part_resnet50(sizes: Sizes) -> dict[str, Any]:
                               rows=rows, multiple=1)  # fmt: skip
     count = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
     result = {"rows": rows, "px": px, "size": sizes.resnet_size, "params": int(count),
+              "precision": sizes.resnet_precision,
               "rates": rates, "jdp": statistics.median(rates["jdp"]),
               "hand": statistics.median(rates["hand-written"]),
               "ratio": ratios_to(rates, "hand-written")["jdp"]}  # fmt: skip
@@ -471,10 +488,10 @@ def step_overhead(step, first, batch, lower=None) -> dict[str, float]:
 # --- 6. correctness: the accelerator against its CPU --------------------------------------
 
 
-def correctness_losses(steps: int, perturb: float = 0.0) -> list[float]:
-    """The losses of ``steps`` steps of ``gpt`` small (fp32, XLA attention, exact fp32
-    matrix products) on this process's default platform; ``perturb`` scales every
-    initial parameter by ``1 + perturb`` first."""
+def correctness_losses(steps: int, perturbs: tuple[float, ...] = (0.0,)) -> list[list[float]]:
+    """For each of ``perturbs``, the losses of ``steps`` steps of ``gpt`` small (fp32,
+    XLA attention, exact fp32 matrix products) on this process's default platform,
+    every initial parameter first scaled by ``1 + perturb``. One step program serves all."""
     from jdp.data.pipeline import train_batches
     from jdp.report.console import Console
     from jdp.training.config import TrainConfig
@@ -483,17 +500,21 @@ def correctness_losses(steps: int, perturb: float = 0.0) -> list[float]:
     config = TrainConfig(mesh="data=1", model="gpt", model_size="small",
                          dataset="numbers2words", batch_size=16, precision="fp32",
                          attention="xla", steps=steps, warmup_steps=2, lr=1e-3)  # fmt: skip
-    losses = []
+    runs = []
     with jax.default_matmul_precision("highest"):
         run = build(config, Console(enabled=False))
-        state = run.state
-        if perturb:
-            state = state.replace(params=jax.tree.map(lambda p: p * (1 + perturb), state.params))
         with train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=0) as loader:
-            for _, batch in zip(range(steps), loader, strict=False):
+            batches = [batch for _, batch in zip(range(steps), loader, strict=False)]
+        for perturb in perturbs:
+            state, losses = jax.tree.map(jnp.copy, run.state), []
+            if perturb:
+                scaled = jax.tree.map(functools.partial(jnp.multiply, 1 + perturb), state.params)
+                state = state.replace(params=scaled)
+            for batch in batches:
                 state, metrics = run.train_step(state, batch)
                 losses.append(float(metrics["loss"]))
-    return losses
+            runs.append(losses)
+    return runs
 
 
 def part_correctness(steps: int) -> dict[str, Any]:
@@ -507,7 +528,7 @@ def part_correctness(steps: int) -> dict[str, Any]:
     between two platforms, not one; a wrong gradient differs by orders more),
     and never below 64 roundings of the loss.
     """
-    accelerator = correctness_losses(steps)
+    (accelerator,) = correctness_losses(steps)
     command = [sys.executable, "-m", "jdp.bench", "gpu", "--cpu-reference", str(steps)]
     env = os.environ | {"JAX_PLATFORMS": "cpu"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
@@ -543,12 +564,13 @@ def table(data: dict[str, Any]) -> list[str]:
                         f"{peak / 1e12:,.0f})" if peak else ""))  # fmt: skip
     gpt = parts.get("gpt2")
     if gpt:
-        lines.append(f"GPT-2 {gpt['size']}, T = {gpt['seq_len']}, {gpt['rows']} rows, bf16:")
+        lines.append(f"GPT-2 {gpt['size']}, T = {gpt['seq_len']}, {gpt['rows']} rows, "
+                     f"{gpt.get('precision', 'bf16')}:")  # fmt: skip
         lines.append(
             f"  {'attention':<10}{'remat':<6}{'layers':<10}{'rows':>5}{'jdp tokens/s':>13}"
             f"{'hand tokens/s':>14}{'ratio':>8}{'MFU':>7}{'causal':>8}{'peak mem':>9}"
         )
-        for cell in gpt["cells"]:
+        for index, cell in enumerate(gpt["cells"]):
             s = cell["setting"]
             layers = "unrolled" if s["unroll"] else "scanned"
             if "error" in cell:
@@ -558,9 +580,10 @@ def table(data: dict[str, Any]) -> list[str]:
                 continue
             n = gpt_numbers(cell)
             mfu = f"{n['mfu']:>7.1%}{n['mfu_causal']:>8.1%}" if "mfu" in n else f"{'-':>7}{'-':>8}"
-            memory = (
-                f"{cell['peak_bytes'] / 2**30:>7.1f}GB" if cell.get("peak_bytes") else f"{'-':>9}"
-            )
+            # The process's peak so far: a cell's own only for the first.
+            memory = f"{'-':>9}"
+            if index == 0 and cell.get("peak_bytes"):
+                memory = f"{cell['peak_bytes'] / 2**30:>7.1f}GB"
             rows = cell["cell"]["batch_size"]
             lines.append(f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}{rows:>5}"
                          f"{n['jdp']:>13,.0f}{n['hand']:>14,.0f}{n['ratio']:>7.3f}x{mfu}"
@@ -570,8 +593,9 @@ def table(data: dict[str, Any]) -> list[str]:
     resnet = parts.get("resnet50")
     if resnet and "error" not in resnet:
         lines.append(f"ResNet-50 {resnet['size']}, {resnet['px']} px synthetic, {resnet['rows']} "
-                     f"rows, bf16: jdp {resnet['jdp']:,.0f} images/s, hand-written "
-                     f"{resnet['hand']:,.0f}, {resnet['ratio']:.3f}x")  # fmt: skip
+                     f"rows, {resnet.get('precision', 'bf16')}: jdp {resnet['jdp']:,.0f} "
+                     f"images/s, hand-written {resnet['hand']:,.0f}, "
+                     f"{resnet['ratio']:.3f}x")  # fmt: skip
     loader = parts.get("loader")
     if loader and "error" not in loader:
         need = (
@@ -588,13 +612,14 @@ def table(data: dict[str, Any]) -> list[str]:
     if sweep and "error" not in sweep:
         for case in sweep["cases"]:
             r = case["ratios"]
-            o = case["overhead"]
+            o = case.get("overhead")
+            where = (f"; kernels {o['hand-written']['kernels']} vs {o['jdp']['kernels']}, host "
+                     f"{o['hand-written']['dispatch_us']:.0f} vs {o['jdp']['dispatch_us']:.0f} "
+                     "us a call" if o else "")  # fmt: skip
             lines.append(f"sweep {case['case']} ({case['params']}), {case['rows']} rows: "
                          f"hand-written {case['rates']['hand-written']:,.0f} examples/s; jdp "
-                         f"{r['jdp']:.3f}x, 4 steps per call {r['jdp, 4 steps per call']:.3f}x; "
-                         f"kernels {o['hand-written']['kernels']} vs {o['jdp']['kernels']}, "
-                         f"dispatch {o['hand-written']['dispatch_us']:.0f} vs "
-                         f"{o['jdp']['dispatch_us']:.0f} us")  # fmt: skip
+                         f"{r['jdp']:.3f}x, 4 steps per call {r['jdp, 4 steps per call']:.3f}x"
+                         f"{where}")  # fmt: skip
     check = parts.get("correctness")
     if check and "error" not in check:
         lines.append(
@@ -643,7 +668,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu_reference:
         eps = float(np.finfo(np.float32).eps) / 2  # one rounding, relative
         steps = args.cpu_reference
-        print(json.dumps([correctness_losses(steps), correctness_losses(steps, perturb=eps)]))
+        print(json.dumps(correctness_losses(steps, (0.0, eps))))
         return 0
     parts = names(args.parts)
     for part in parts:

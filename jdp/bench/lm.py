@@ -132,31 +132,32 @@ def gpt_module(cell: Cell, vocab_size: int) -> GPT:
                attention=cell.attention, unroll=cell.unroll, **options)  # fmt: skip
 
 
-def compile_seconds(lower: Callable[[], Any]) -> float:
-    """Seconds to trace, lower and compile a step (``lower()`` returns its `Lowered`)."""
-    started = time.perf_counter()
-    lower().compile()
-    return time.perf_counter() - started
-
-
-def first_losses(run: Run, hand: HandWritten, params, tokens, dtype) -> dict[str, Any]:
+def first_losses(run: Run, hand: HandWritten, params, tokens, dtype
+                 ) -> tuple[dict[str, Any], dict[str, float]]:  # fmt: skip
     """Both arms' loss in their first step, from the same parameters on the same batch,
-    and the tolerance within which they must agree.
+    and the tolerance within which they must agree; and each arm's seconds in that
+    first call (trace, lower, compile and one step).
 
     The arms draw different dropout masks (jdp one key per replica and step), so
     the losses differ by dropout's noise: the tolerance is 5 standard deviations of
     the difference of two draws (sqrt 2 times the loss's, estimated over 8 dropout
     keys), and at least the compute dtype's rounding of the loss.
     """
-    _, metrics = run.train_step(jax.tree.map(jnp.copy, run.state), {"tokens": tokens})
-    first = hand.step(jax.tree.map(jnp.copy, params), hand.start(params), jax.random.key(0),
-                      tokens)  # fmt: skip
-    jdp, hand_loss = float(metrics["loss"]), float(first[3])
+    state, opt_state = jax.tree.map(jnp.copy, run.state), hand.start(params)
+    started = time.perf_counter()
+    _, metrics = run.train_step(state, {"tokens": tokens})
+    jdp = float(metrics["loss"])
+    first_s = {"jdp": time.perf_counter() - started}
+    started = time.perf_counter()
+    first = hand.step(jax.tree.map(jnp.copy, params), opt_state, hand.key(0), tokens)
+    hand_loss = float(first[3])
+    first_s["hand-written"] = time.perf_counter() - started
     draws = [float(hand.loss(params, tokens, jax.random.key(seed))) for seed in range(8)]
     tolerance = max(5 * math.sqrt(2) * statistics.stdev(draws),
                     float(jnp.finfo(dtype).eps) * abs(hand_loss))  # fmt: skip
-    return {"jdp": jdp, "hand-written": hand_loss, "tolerance": tolerance,
-            "agree": abs(jdp - hand_loss) <= tolerance}  # fmt: skip
+    check = {"jdp": jdp, "hand-written": hand_loss, "tolerance": tolerance,
+             "agree": abs(jdp - hand_loss) <= tolerance}  # fmt: skip
+    return check, first_s
 
 
 def measure_cell(cell: Cell) -> dict[str, Any]:
@@ -172,12 +173,8 @@ def measure_cell(cell: Cell) -> dict[str, Any]:
     params = hand.init(init_rng, tokens[:1])
     pairs = zip(jax.tree.leaves(params), jax.tree.leaves(run.state.params), strict=True)
     same = all(np.array_equal(a, b) for a, b in pairs)
-    opt_state, key, batch = hand.start(params), jax.random.key(0), {"tokens": tokens}
-    compile_s = {
-        "hand-written": compile_seconds(lambda: hand.step.lower(params, opt_state, key, tokens)),
-        "jdp": compile_seconds(lambda: run.train_step.lower(run.state, batch)),
-    }
-    check = first_losses(run, hand, params, tokens, PRECISIONS[cell.precision])
+    batch = {"tokens": tokens}
+    check, first_s = first_losses(run, hand, params, tokens, PRECISIONS[cell.precision])
     cpu: dict[str, list[float]] = {}
     arms = {
         "hand-written": _on_cpu_time(hand_lm_loop(hand, params, tokens), cpu, "hand-written"),
@@ -185,8 +182,13 @@ def measure_cell(cell: Cell) -> dict[str, Any]:
     }
     rates = interleaved_rates(arms, rounds=cell.rounds, round_seconds=0.0,
                               rows=cell.batch_size * cell.seq_len, multiple=cell.steps)  # fmt: skip
-    # The first two calls of each arm compile and settle (`interleaved_rates`).
+    # The first two calls of each arm settle (`interleaved_rates`).
     cpu_ms = {arm: 1e3 * statistics.median(cpu[arm][2:]) / cell.steps for arm in ARMS}
+    # Compile time: the first call's seconds less one steady step's (each arm's program
+    # is compiled once, by that call; the loops then reuse it).
+    tokens_per_step = cell.batch_size * cell.seq_len
+    compile_s = {arm: max(0.0, first_s[arm] - tokens_per_step / statistics.median(rates[arm]))
+                 for arm in ARMS}  # fmt: skip
     count = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
     per_token = flops_per_token(count, layers=module.layers, width=module.width,
                                 seq_len=cell.seq_len, max_len=module.max_len)  # fmt: skip

@@ -22,13 +22,16 @@ from jdp.models.transformer import GPT
 class HandWritten(NamedTuple):
     """The hand-written arm: ``step(params, opt_state, key, tokens) -> (params,
     opt_state, key, loss)``, ``init(key, tokens) -> params``, ``start(params) ->
-    opt_state`` and ``loss(params, tokens, key)``, each jitted; and its ``optimizer``."""
+    opt_state``, ``loss(params, tokens, key)`` and ``key(seed)``, each jitted (``key``
+    placed as the step returns its key, so that the step's second call compiles
+    nothing new); and its ``optimizer``."""
 
     step: Any
     init: Callable[..., Any]
     start: Callable[..., Any]
     loss: Callable[..., Any]
     optimizer: optax.GradientTransformation
+    key: Callable[[int], Any]
 
 
 def hand_written_lm_step(module: GPT, mesh: Mesh, compute_dtype: Any, *, lr: float,
@@ -75,12 +78,13 @@ def hand_written_lm_step(module: GPT, mesh: Mesh, compute_dtype: Any, *, lr: flo
         jax.jit(optimizer.init, out_shardings=whole),
         jax.jit(loss),
         optimizer,
+        jax.jit(jax.random.key, out_shardings=whole),
     )  # fmt: skip
 
 
 def hand_lm_loop(hand: HandWritten, params, tokens) -> Callable[[int], None]:
     """``count -> None``: runs the hand-written step ``count`` times, going on from the last."""
-    carry = [jax.tree.map(jnp.copy, params), hand.start(params), jax.random.key(0)]
+    carry = [jax.tree.map(jnp.copy, params), hand.start(params), hand.key(0)]
 
     def loop(count: int) -> None:
         params, opt_state, key = carry

@@ -1,0 +1,233 @@
+"""``python -m jdp.bench.gpu_docs JSON...``: the GPU section of the docs, from the JSON files
+``python -m jdp.bench gpu`` wrote; nothing in it is typed by hand.
+
+Each file's parts replace the same parts of the files before it (a later run that
+measured only ``gpt2`` replaces that part alone). It rewrites the section of
+``docs/performance.md`` between its two markers, and the ``throughput`` line of
+the ``gpt2-124m`` and ``imagenet-resnet50`` recipes. ``--check`` rewrites
+nothing and exits 1 when a file differs from what the JSON says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+from typing import Any
+
+from jdp.bench.gpu import GPT2_CELLS, SWEEP_CASES, gpt_numbers, table
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DOC = "docs/performance.md"
+BEGIN, END = "<!-- jdp.bench gpu: begin -->", "<!-- jdp.bench gpu: end -->"
+README = "README.md"  # one line of it, between its own pair of markers
+README_BEGIN, README_END = "<!-- gpu: begin -->", "<!-- gpu: end -->"
+RECIPES = {"gpt2-124m": "gpt2", "imagenet-resnet50": "resnet50"}
+# What each figure is held to, and where the bar comes from.
+TARGETS = {
+    "gpt2_tokens": (400_000, "llm.c's GPT-2 124M runs about 468k tokens/s a GPU on 8 H100s"),
+    "gpt2_ratio": (0.97, "jdp's step against the hand-written one"),
+    "resnet_images": (2_500, "NVIDIA's PyTorch ResNet-50, mixed precision: 2,470 on an A100"),
+    "sweep_ratio": (0.9, "the small models' step against the hand-written one"),
+}
+
+
+def merge(paths: list[str]) -> dict[str, Any]:
+    """The runs' parts, later files' parts replacing earlier ones', each part with the
+    date, device, versions and command of the run that measured it."""
+    merged: dict[str, Any] = {"parts": {}, "runs": []}
+    for path in paths:
+        data = json.loads(pathlib.Path(path).read_text())
+        machine = data["parts"].get("machine", {})
+        run = {"file": path, "date": data["date"], "command": data["command"],
+               "kind": machine.get("kind", "?"),
+               "versions": machine.get("versions", {})}  # fmt: skip
+        merged["runs"].append(run)
+        for part, result in data["parts"].items():
+            earlier = merged["parts"].get(part)
+            if "error" in result and earlier:
+                continue  # a failed part leaves an earlier run's figures standing
+            result = result | {"run": run}
+            if part in ROWS:  # by row: a later run's row replaces the same row and failures
+                key, rows, order = ROWS[part]
+                result[rows] = [row | {"run": run} for row in result[rows]]
+                if earlier:
+                    later = {key(row) for row in result[rows]}
+                    kept = [row for row in earlier[rows]
+                            if key(row) not in later and "error" not in row]  # fmt: skip
+                    result[rows] = sorted(kept + result[rows], key=order)
+            merged["parts"][part] = result
+    return merged
+
+
+# The parts merged row by row: what names a row, the rows' list, the rows' order.
+ROWS = {
+    "gpt2": (lambda cell: _cell(cell), "cells", lambda cell: _order(GPT2_CELLS, cell["setting"])),
+    "sweep": (lambda case: case["case"], "cases", lambda case: _order(SWEEP_CASES, case["case"])),
+}
+
+
+def _order(known: tuple, item: Any) -> int:
+    return known.index(item) if item in known else len(known)
+
+
+def _cell(cell: dict[str, Any]) -> str:
+    s = cell["setting"]
+    return f"{s['attention']}/{s['remat']}/{'unrolled' if s['unroll'] else 'scanned'} cell"
+
+
+def best_gpt(merged: dict[str, Any]) -> dict[str, Any] | None:
+    cells = [c for c in merged["parts"].get("gpt2", {}).get("cells", []) if "error" not in c]
+    return max(cells, key=lambda cell: gpt_numbers(cell)["jdp"], default=None)
+
+
+def targets(merged: dict[str, Any]) -> list[str]:
+    """Each target, its figure and met or missed; a part not measured says so."""
+    parts, lines = merged["parts"], []
+
+    def line(key: str, value: float | None, shown: str) -> None:
+        bar, why = TARGETS[key]
+        if value is None:
+            lines.append(f"| {why} | at least {bar:,} | not measured | - |")
+            return
+        lines.append(
+            f"| {why} | at least {bar:,} | {shown} | {'met' if value >= bar else 'missed'} |"
+        )
+
+    best = best_gpt(merged)
+    numbers = gpt_numbers(best) if best else {}
+    line("gpt2_tokens", numbers.get("jdp"), f"{numbers.get('jdp', 0):,.0f} tokens/s")
+    line("gpt2_ratio", numbers.get("ratio"), f"{numbers.get('ratio', 0):.3f}x")
+    resnet = parts.get("resnet50", {})
+    rate = resnet.get("jdp")
+    line("resnet_images", rate, f"{rate or 0:,.0f} images/s")
+    cases = parts.get("sweep", {}).get("cases", [])
+    worst = min((case["ratios"]["jdp"] for case in cases), default=None)
+    line("sweep_ratio", worst, f"{worst or 0:.3f}x (the worst case)")
+    return lines
+
+
+def section(merged: dict[str, Any]) -> str:
+    """The markdown between the markers."""
+    runs = merged["runs"]
+    provenance = []
+    for run in runs:
+        v = run["versions"]
+        said = ", ".join(f"{k} {v[k]}" for k in ("jax", "jaxlib", "python", "driver", "cuda",
+                                                   "cudnn") if k in v)  # fmt: skip
+        parts = [p for p, r in merged["parts"].items() if r["run"] is run]
+        parts += [f"{p}'s {row.get('case') or _cell(row)}" for p, (_, rows, _) in ROWS.items()
+                  for row in merged["parts"].get(p, {}).get(rows, [])
+                  if row.get("run") is run and merged["parts"][p]["run"] is not run]  # fmt: skip
+        provenance.append(f"- {run['date']}, {run['kind']} ({said}): `{run['command']}`; "
+                          f"the parts {', '.join(parts) or 'none (replaced later)'}")  # fmt: skip
+    body = [
+        "<!-- made by `python -m jdp.bench.gpu_docs "
+        + " ".join(run["file"] for run in runs)
+        + "`: edit the JSON's run, not this -->",
+        "",
+        "Measured by the runs below; their JSON files are in [gpu/](gpu/).",
+        "",
+        *provenance,
+        "",
+        "```",
+        *table(merged),
+        "```",
+        "",
+        "| target | bar | measured | |",
+        "| --- | --- | --- | --- |",
+        *targets(merged),
+    ]
+    return "\n".join(body)
+
+
+def recipe_line(merged: dict[str, Any], part: str) -> str | None:
+    """The ``throughput = "..."`` line of a recipe, from its part, or None unmeasured."""
+    result = merged["parts"].get(part)
+    if not result or "error" in result:
+        return None
+    run = result["run"]
+    where = f"one {run['kind']}, python -m jdp.bench gpu, {run['date']}"
+    if part == "gpt2":
+        best = best_gpt(merged)
+        if best is None:
+            return None
+        s, n = best["setting"], gpt_numbers(best)
+        layers = "unrolled" if s["unroll"] else "scanned"
+        said = (f"{n['jdp']:,.0f} tokens/s a device ({n['ratio']:.3f}x hand-written; "
+                f"attention {s['attention']}, remat {s['remat']}, {layers}, "
+                f"{best['cell']['batch_size']} rows of {best['cell']['seq_len']}); "
+                f"{where}")  # fmt: skip
+    else:
+        said = (f"{result['jdp']:,.0f} images/s a device (synthetic {result['px']} px, "
+                f"{result['rows']} rows, {result['ratio']:.3f}x hand-written); "
+                f"{where}")  # fmt: skip
+    return f'throughput = "{said}"'
+
+
+def readme_line(merged: dict[str, Any]) -> str:
+    """The README's sentence: the headline figures, where they were measured."""
+    best, resnet = best_gpt(merged), merged["parts"].get("resnet50", {})
+    if best is None or "jdp" not in resnet:
+        return "No accelerator figure yet: `python -m jdp.bench gpu` measures them."
+    n, run = gpt_numbers(best), best.get("run") or merged["parts"]["gpt2"]["run"]
+    mfu = f", {n['mfu']:.1%} MFU" if "mfu" in n else ""
+    return (f"On one {run['kind']} (`python -m jdp.bench gpu`, {run['date']}): GPT-2 124M "
+            f"(T = 1024, bf16) at {n['jdp']:,.0f} tokens/s, {n['ratio']:.3f}x a hand-written "
+            f"step{mfu}; ResNet-50 at {resnet['jdp']:,.0f} images/s "
+            "([performance](docs/performance.md#accelerator-figures)).")  # fmt: skip
+
+
+def _between(text: str, begin: str, end: str, body: str, name: str) -> str:
+    if begin not in text or end not in text:
+        raise SystemExit(f"jdp.bench.gpu_docs: {name} has no {begin} ... {end} markers")
+    head, rest = text.split(begin, 1)
+    return head + begin + "\n" + body + "\n" + end + rest.split(end, 1)[1]
+
+
+def rewrite(merged: dict[str, Any], root: pathlib.Path) -> dict[pathlib.Path, str]:
+    """``{path: new text}`` of every file the figures land in."""
+    doc, readme = root / DOC, root / README
+    new = {
+        doc: _between(doc.read_text(), BEGIN, END, section(merged), DOC),
+        readme: _between(readme.read_text(), README_BEGIN, README_END, readme_line(merged),
+                         README),
+    }  # fmt: skip
+    for name, part in RECIPES.items():
+        path = root / "jdp" / "recipes" / f"{name}.toml"
+        recipe = path.read_text()
+        line = recipe_line(merged, part)
+        recipe = re.sub(r'^throughput = ".*"\n', "", recipe, flags=re.M)
+        if line:  # after the status line of the [recipe] table
+            status = re.search(r"^status = .*\n", recipe, flags=re.M)
+            recipe = recipe[: status.end()] + line + "\n" + recipe[status.end() :]
+        new[path] = recipe
+    return new
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jdp.bench.gpu_docs", description=__doc__.splitlines()[0])
+    parser.add_argument("json", nargs="+", help="jdp.bench gpu's files, oldest first")
+    parser.add_argument("--check", action="store_true", help="change nothing; 1 when stale")
+    parser.add_argument("--root", default=str(ROOT), help="the checkout whose docs to write")
+    args = parser.parse_args(argv)
+    for path in args.json:
+        if not pathlib.Path(path).is_file():
+            print(f"jdp.bench.gpu_docs: {path}: no such file", file=sys.stderr)
+            return 2
+    new = rewrite(merge(args.json), pathlib.Path(args.root))
+    stale = [path for path, text in new.items() if path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"jdp.bench.gpu_docs: {path} differs from the JSON's figures", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(new[path])
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""``python -m jdp.bench gpu``: its smoke run (every part at toy sizes on the CPU, the JSON,
+the table), the offline bundle's dependency list against a fake ``pip list``, and the
+docs' generator, so that the command cannot rot between the runs on an accelerator."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from jdp.bench import bundle, gpu_docs
+from jdp.bench.gpu import PARTS
+from tests.helpers import run_tool
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GPU_RUNS = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "docs" / "gpu").glob("*.json"))
+
+
+def bench(*flags):
+    return run_tool("jdp.bench.__main__", "gpu", *flags)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu") / "gpu.json"
+    result = bench("--smoke", "--out", out)
+    return result, json.loads(out.read_text()), out
+
+
+def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
+    result, data, _ = smoke
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert list(data["parts"]) == list(PARTS)
+    for part, landed in data["parts"].items():
+        assert "error" not in landed, (part, landed["error"])
+    gpt = data["parts"]["gpt2"]["cells"][0]
+    assert gpt["check"]["agree"] and gpt["check"]["same_params"], gpt["check"]
+    assert data["parts"]["correctness"]["within"], data["parts"]["correctness"]
+    table = result.stdout.split("--- jdp.bench gpu,", 1)[1]
+    for said in ("bf16 256-cube product", "GPT-2 small, T = 32", "ResNet-50 toy",
+                 "JPEG loader", "sweep mlp-38k", "correctness: 4 steps"):  # fmt: skip
+        assert said in table, said
+
+
+def test_the_docs_generator_writes_a_runs_figures_and_checks_them(smoke, tmp_path):
+    _, data, out = smoke
+    for name in (gpu_docs.DOC, gpu_docs.README, "jdp/recipes/gpt2-124m.toml",
+                 "jdp/recipes/imagenet-resnet50.toml"):  # fmt: skip
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+    assert gpu_docs.main([str(out), "--root", str(tmp_path)]) == 0
+    tokens = gpu_docs.gpt_numbers(data["parts"]["gpt2"]["cells"][0])["jdp"]
+    doc = (tmp_path / gpu_docs.DOC).read_text()
+    assert f"{tokens:>13,.0f}" in doc and "ResNet-50 toy" in doc
+    assert f"{tokens:,.0f} tokens/s" in (tmp_path / gpu_docs.README).read_text()
+    recipe = (tmp_path / "jdp/recipes/imagenet-resnet50.toml").read_text()
+    assert f'throughput = "{data["parts"]["resnet50"]["jdp"]:,.0f} images/s' in recipe
+    assert gpu_docs.main([str(out), "--root", str(tmp_path), "--check"]) == 0
+    assert gpu_docs.main([*GPU_RUNS, "--root", str(tmp_path), "--check"]) == 1
+
+
+def test_the_docs_hold_the_committed_runs_figures():
+    """The GPU section, the README's line and the recipes' throughput are the JSON's."""
+    assert GPU_RUNS, "docs/gpu/ holds no jdp.bench gpu run"
+    assert gpu_docs.main([*GPU_RUNS, "--check"]) == 0
+
+
+def test_the_bundle_carries_what_a_fake_pip_list_lacks(tmp_path):
+    """The offline closure of jdp's dependencies, against a target that has all but two."""
+    closure = bundle.local_closure(bundle.jdp_requirements(), "3.12")
+    assert {"jax", "grain", "tensorflow-datasets", "simplejpeg"} <= set(closure)
+    lacking = {"grain", "simplejpeg"}
+    listed = ["Package    Version", "---------- -------"]
+    listed += [f"{name} {version}" for name, version in closure.items() if name not in lacking]
+    have = tmp_path / "pip-list.txt"
+    have.write_text("\n".join(listed) + "\n")
+    result = bench("--resolve-only", "--offline", "--have", have)
+    assert result.returncode == 0, result.stderr
+    carried = {line.strip().split("==")[0] for line in result.stdout.splitlines()[1:]}
+    assert carried == lacking, result.stdout
+
+
+def test_pip_freeze_and_pip_list_read_alike():
+    freeze = "jax==0.11.2\nTorch==2.11.0+cu130\nmy_pkg @ file:///tmp/my_pkg\n"
+    table = "Package Version\n------- -------\njax     0.11.2\ntorch   2.11.0+cu130\n"
+    assert bundle.read_have(freeze) == {"jax": "0.11.2", "torch": "2.11.0+cu130", "my-pkg": ""}
+    assert bundle.read_have(table) == {"jax": "0.11.2", "torch": "2.11.0+cu130"}
+    assert bundle.read_have("Jax (0.11.2)\n") == {"jax": "0.11.2"}
+    tags = bundle.platforms("manylinux_2_28_x86_64")
+    assert tags[0] == "manylinux_2_28_x86_64" and "manylinux_2_27_x86_64" in tags
+    assert "manylinux2014_x86_64" in tags and "manylinux_2_29_x86_64" not in tags
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (("--bundle", "DIR"), "--have FREEZE"),
+        (("--resolve-only", "--have", "/no/such/file"), "no such file"),
+        (("--parts", "gpt2,nope", "--smoke"), "unknown part 'nope'"),
+        ((), "no accelerator here"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(flags, said):
+    result = bench(*flags)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and said in lines[0], result.stderr
