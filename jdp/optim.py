@@ -17,13 +17,46 @@ SCHEDULES = ("constant", "cosine", "linear", "noam", "piecewise")
 LR_SCALING = ("none", "linear", "sqrt")
 
 
-def decay_mask(params: Any) -> Any:
-    """True for the leaves weight decay applies to: kernels and embeddings (ndim >= 2).
+# What a parameter is, by its name in Flax (Linen and NNX) and Haiku/Equinox-style trees:
+# the weights weight decay applies to, and the biases and normalisation scales it spares.
+DECAYED = frozenset({"kernel", "embedding", "w", "weight", "embeddings"})
+SPARED = frozenset({"bias", "scale", "b", "offset"})
 
-    Biases and normalisation scales and offsets are vectors, and decaying them
-    only hurts, so they are spared.
+
+def decay_mask(params: Any) -> Any:
+    """True for the leaves weight decay applies to: weight matrices and embeddings.
+
+    Chosen by what a parameter is, its name in the tree (``kernel`` and ``embedding``
+    decayed; ``bias`` and ``scale``, the biases and normalisation parameters, spared),
+    not by its rank: scanned layers stack every parameter on a leading ``layers``
+    axis, and attention's biases are ``(heads, head width)``, so a rank rule decays
+    biases. A leaf whose name says neither is decayed when it has two or more
+    dimensions.
+
+    Examples:
+        >>> decay_mask({"dense": {"kernel": jnp.ones((3, 4)), "bias": jnp.ones((2, 4))}})
+        {'dense': {'bias': False, 'kernel': True}}
     """
-    return jax.tree.map(lambda leaf: jnp.ndim(leaf) >= 2, params)
+
+    def decayed(path, leaf) -> bool:
+        name = _leaf_name(path)
+        if name in DECAYED:
+            return True
+        if name in SPARED:
+            return False
+        return jnp.ndim(leaf) >= 2
+
+    return jax.tree_util.tree_map_with_path(decayed, params)
+
+
+def _leaf_name(path) -> str:
+    """The last named key of a pytree path (a dict key, an attribute), lower-cased."""
+    for key in reversed(path):
+        for field in ("key", "name"):
+            value = getattr(key, field, None)
+            if isinstance(value, str):
+                return value.lower()
+    return ""
 
 
 def _check_choice(kind: str, name: str, choices: Sequence[str]) -> None:
@@ -148,7 +181,8 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """Builds an optimizer by name, with optional global-norm clipping and weight decay.
 
-    Weight decay never touches biases or normalisation parameters (`decay_mask`).
+    Weight decay never touches biases or normalisation parameters (`decay_mask`, by
+    the parameters' names).
     ``adamw``, ``lamb`` and ``lars`` decay decoupled from the gradient statistics,
     as their papers define; for ``sgd``, ``momentum``, ``nesterov`` and ``adam`` it
     is added to the gradient (L2).

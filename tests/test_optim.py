@@ -139,3 +139,81 @@ def test_clipping_bounds_the_global_norm():
 def test_a_user_transformation_is_accepted_as_is():
     mine = optax.chain(optax.scale_by_rms(), optax.scale(-0.01))
     assert jdp.make_optimizer(mine) is mine
+
+
+class _Images:
+    """What `get_model` reads of an image split."""
+
+    kind, label_key, input_key, num_classes = "image", "label", "image", 10
+
+
+class _Words:
+    kind, vocab = "sequence", tuple(range(23))
+
+
+class _Text:
+    kind, input_key, tokenizer, seq_len, vocab_size = "text", "tokens", None, 16, 61
+
+
+# Each built-in model at its small size, the gpt scanned and unrolled: its sample batch.
+BUILT_IN = {
+    "mlp": (_Images, {"image": (1, 8, 8, 1)}, {}),
+    "cnn": (_Images, {"image": (1, 8, 8, 1)}, {}),
+    "resnet20": (_Images, {"image": (1, 8, 8, 3)}, {}),
+    "resnet50": (_Images, {"image": (1, 32, 32, 3)}, {}),
+    "seq2seq": (_Words, {"source": (1, 6), "target": (1, 7)}, {}),
+    "gpt": (_Text, {"tokens": (1, 17)}, {}),
+    "gpt-unrolled": (_Text, {"tokens": (1, 17)}, {"unroll": True}),
+}
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_weight_decay_reaches_the_weight_matrices_and_embeddings_alone(name):
+    """Listed by name for every built-in model: scanned layers stack each bias and
+    LayerNorm scale on a ``layers`` axis and attention's biases are (heads, width), so
+    a rule by rank decayed them (813,568 of the small gpt's 813,824 parameters)."""
+    from jdp.models.registry import get_model
+
+    split, shapes, options = BUILT_IN[name]
+    model = get_model(name.split("-")[0], split(), "small", **options)
+    batch = {key: jax.ShapeDtypeStruct(shape, jnp.int32 if key != "image" else jnp.float32)
+             for key, shape in shapes.items()}  # fmt: skip
+    params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
+    mask = decay_mask(params)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    decided = jax.tree.leaves(mask)
+    names = [jax.tree_util.keystr(path).rsplit("'", 2)[-2] for path, _ in leaves]
+    decayed = {n for n, on in zip(names, decided, strict=True) if on}
+    spared = {n for n, on in zip(names, decided, strict=True) if not on}
+    assert decayed == ({"kernel", "embedding"} & set(names)), (decayed, spared)
+    assert spared == (set(names) - {"kernel", "embedding"}), (decayed, spared)
+    if name.startswith("gpt"):  # the same parameters decayed, scanned or not
+        count = sum(np.size(leaf) for leaf, on in zip(jax.tree.leaves(params), decided,
+                                                       strict=True) if on)  # fmt: skip
+        biases = sum(np.size(leaf) for leaf, on in zip(jax.tree.leaves(params), decided,
+                                                        strict=True) if not on)  # fmt: skip
+        assert (count, biases) == (GPT_SMALL_DECAYED, GPT_SMALL_SPARED)
+
+
+# gpt small on 61 tokens and 16 positions (4 layers of width 128, 4 heads, hidden 512):
+# decayed, the token and position tables and each layer's q, k, v, out and two
+# feed-forward kernels, 61*128 + 16*128 + 4 * (4*128*128 + 2*128*512); spared, each
+# layer's 4 + 2 biases and two LayerNorms, and the final LayerNorm, 4 * (4*128 + 512 +
+# 128 + 4*128) + 2*128 (the head shares the token table).
+GPT_SMALL_DECAYED = 61 * 128 + 16 * 128 + 4 * (4 * 128 * 128 + 2 * 128 * 512)
+GPT_SMALL_SPARED = 4 * (4 * 128 + 512 + 128 + 4 * 128) + 2 * 128
+
+
+def test_decay_mask_reads_nnx_and_unknown_names():
+    from flax import nnx
+
+    model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    mask = decay_mask(state)
+    named = {jax.tree_util.keystr(path): on
+             for path, on in jax.tree_util.tree_flatten_with_path(mask)[0]}  # fmt: skip
+    assert sorted(key for key, on in named.items() if on) == [
+        key for key in sorted(named) if "kernel" in key
+    ], named
+    # a name that says neither: two or more dimensions decide
+    assert decay_mask({"w2": jnp.ones((2, 3)), "v": jnp.ones(3)}) == {"w2": True, "v": False}

@@ -48,7 +48,7 @@ from jdp.training.run import Run, build, setup_devices
 
 # Both arms' optimizer: AdamW at nanoGPT's GPT-2 learning rate and weight decay,
 # held constant (a schedule changes no step's cost), with jdp's betas (its config
-# has no flag for nanoGPT's b2 = 0.95), decaying the leaves of two or more dimensions.
+# has no flag for nanoGPT's b2 = 0.95), decaying the weight matrices and embeddings.
 LR, WEIGHT_DECAY, B1, B2 = 6e-4, 0.1, 0.9, 0.999
 # Synthetic tokens' vocabulary: GPT-2's tokenizer's (the published sizes pad it to
 # 50,304), but bytes for ``small``, as the bundled python_stdlib corpus: at a width of

@@ -38,8 +38,8 @@ def hand_written_lm_step(module: GPT, mesh: Mesh, compute_dtype: Any, *, lr: flo
                          weight_decay: float, b1: float, b2: float) -> HandWritten:  # fmt: skip
     """The step one writes for ``module`` with JAX and Optax alone, in nanoGPT's structure.
 
-    AdamW at a constant ``lr``, decaying the leaves of two or more dimensions
-    (nanoGPT's rule); the mean cross-entropy of ``module.apply`` on ``tokens[:, :-1]``
+    AdamW at a constant ``lr``, decaying the weight matrices and embeddings (nanoGPT's
+    rule); the mean cross-entropy of ``module.apply`` on ``tokens[:, :-1]``
     against ``tokens[:, 1:]``, the parameters cast to ``compute_dtype`` inside the
     loss, so that the fp32 master weights get fp32 gradients (as jdp's precision
     policy); ``jax.value_and_grad``;
@@ -48,9 +48,17 @@ def hand_written_lm_step(module: GPT, mesh: Mesh, compute_dtype: Any, *, lr: flo
     replicated: ``jit`` partitions the step over the mesh, the natural hand-written
     data-parallel step.
     """
+    # nanoGPT decays its weight matrices and embeddings (its rule, two or more dimensions,
+    # says that of unstacked parameters): here by their names, as scanned layers stack
+    # every parameter on a leading axis.
+    def decayed(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: getattr(path[-1], "key", "") in ("kernel", "embedding"), params
+        )
+
     optimizer = optax.adamw(
         optax.constant_schedule(lr), b1=b1, b2=b2, weight_decay=weight_decay,
-        mask=lambda params: jax.tree.map(lambda leaf: leaf.ndim >= 2, params),
+        mask=decayed,
     )  # fmt: skip
 
     def loss(params, tokens, key):
