@@ -102,6 +102,17 @@ def test_a_documented_block_runs(script, tmp_path):
     assert result.returncode == 0, f"{script}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 
 
+def test_the_readmes_library_example_runs_as_pasted(tmp_path):
+    """Pasted into a script on a laptop (one CPU device, no XLA_FLAGS), it runs."""
+    (example,) = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=subprocess_env(),
+                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["1", "1.0"], result.stdout
+
+
 # A newcomer reads the README in five minutes; everything else is a docs page it links.
 README_LIMIT = 12_000
 LINK = re.compile(r"\]\((?P<target>[^)\s#]+\.md)(?:#(?P<anchor>[^)\s]+))?\)")
