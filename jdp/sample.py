@@ -18,7 +18,7 @@ from jdp.errors import UsageError
 from jdp.models import hf
 from jdp.models.registry import context
 from jdp.models.transformer import EPSILON
-from jdp.sampling import load_sampler, sample_line
+from jdp.sampling import DEFAULT_NEW_TOKENS, TEMPERATURE, TOP_K, load_sampler, sample_line
 from jdp.training.config import TrainConfig
 from jdp.training.results import FitResult
 
@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sampler = load_sampler(args.ckpt_dir, _step(args.step), tokenizer=args.tokenizer)
         text = sampler.sample(args.prompt, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_k=args.top_k,
+                              temperature=args.temperature, top_k=args.top_k or None,
                               seed=args.seed)  # fmt: skip
     except UsageError as error:
         sys.stderr.write(f"jdp.sample: error: {error}\n")
@@ -43,11 +43,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a --ckpt-dir, or one step of it")
     parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
-                        help="default: 64, or as many as the model's context leaves")  # fmt: skip
-    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1)")
-    parser.add_argument("--top-k", type=int, default=None, metavar="K",
-                        help="draw among the K most likely tokens (default: all)")  # fmt: skip
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS, metavar="N",
+                        help=f"default {DEFAULT_NEW_TOKENS}; past the model's context each is "
+                        "read from its last tokens (a sliding window, as nanoGPT)")  # fmt: skip
+    parser.add_argument("--temperature", type=float, default=TEMPERATURE,
+                        help=f"0: greedy (default {TEMPERATURE}, nanoGPT's)")  # fmt: skip
+    parser.add_argument("--top-k", type=int, default=TOP_K, metavar="K",
+                        help=f"draw among the K most likely tokens (default {TOP_K}, "
+                        "nanoGPT's; 0: all)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step", default="latest", help="latest (default), best, or a number")
     parser.add_argument("--tokenizer", default=None, metavar="bytes|PATH",

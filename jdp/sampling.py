@@ -29,6 +29,9 @@ from jdp.models.transformer import EPSILON, GPT
 
 BYTES = "bytes"
 DEFAULT_NEW_TOKENS = 64
+# What `python -m jdp.sample` and `Sampler.sample` draw with unless told: nanoGPT's
+# sample.py defaults (temperature 0.8 among the 200 most likely tokens); 0 is greedy.
+TEMPERATURE, TOP_K = 0.8, 200
 # The sample a run prints at its end: a prompt from the start of the held-out text,
 # continued as a quick look at the model (not an evaluation), the same each run.
 END_PROMPT_TOKENS = 16
@@ -158,14 +161,14 @@ class Sampler:
         )
         return np.asarray(tokens[0])
 
-    def sample(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float = 1.0,
-               top_k: int | None = None, seed: int = 0) -> str:  # fmt: skip
-        """The text the model continues ``prompt`` with: ``max_new_tokens`` tokens (None:
-        64, or as many as its context leaves) drawn at ``temperature`` (0: greedy) among
-        the ``top_k`` most likely, from ``seed``."""
+    def sample(self, prompt: str, *, max_new_tokens: int = DEFAULT_NEW_TOKENS,
+               temperature: float = TEMPERATURE, top_k: int | None = TOP_K,
+               seed: int = 0) -> str:  # fmt: skip
+        """The text the model continues ``prompt`` with: ``max_new_tokens`` tokens drawn
+        at ``temperature`` (0: greedy) among the ``top_k`` most likely (None: all), from
+        ``seed``; past the model's context each is read from its last ``max_len``
+        tokens, as nanoGPT samples."""
         ids = self.codec.encode(prompt)
-        if max_new_tokens is None:
-            max_new_tokens = max(1, min(DEFAULT_NEW_TOKENS, self.module.max_len - len(ids)))
         tokens = self.continue_tokens(ids, max_new_tokens=max_new_tokens,
                                       temperature=temperature, top_k=top_k, seed=seed)  # fmt: skip
         return self.codec.decode(tokens)

@@ -48,6 +48,7 @@ def hand_written_lm_step(module: GPT, mesh: Mesh, compute_dtype: Any, *, lr: flo
     replicated: ``jit`` partitions the step over the mesh, the natural hand-written
     data-parallel step.
     """
+
     # nanoGPT decays its weight matrices and embeddings (its rule, two or more dimensions,
     # says that of unstacked parameters): here by their names, as scanned layers stack
     # every parameter on a leading axis.

@@ -7,6 +7,11 @@ costs the cache's length, not a forward pass over the whole prefix, so the cost
 is linear in the generated length, and the program is compiled once per batch,
 prompt length and number of new tokens (temperature and rng are its arguments).
 
+Past the model's context (``max_len``), generation goes on as nanoGPT's does: each
+further token is read from a forward pass over the last ``max_len`` tokens alone
+(a sliding window, positions from 0 again), and a prompt longer than the context
+is cropped to its last ``max_len`` tokens the same way.
+
 The layers are the model's own: its parameters applied through the same Flax
 modules (``LayerNorm``, ``DenseGeneral``, `FeedForward`, ``Embed``), in the
 parameters' dtype, so a cached position's logits are the full model's at that
@@ -71,8 +76,8 @@ def generate(
         params: its parameters (``{"params": ...}`` or the dict inside; ``blocks``
             stacked, or ``Block_0``... as ``unroll=True`` makes them), fp32 or bf16.
         prompt_tokens: int ids ``(rows, length)``, every row as long.
-        max_new_tokens: the tokens to add; ``length + max_new_tokens`` may not
-            exceed the model's ``max_len``.
+        max_new_tokens: the tokens to add; past the model's ``max_len`` each is
+            read from the last ``max_len`` tokens (a sliding window, uncached).
         rng: a PRNG key; token ``i`` is drawn with ``jax.random.split(rng,
             max_new_tokens)[i]``. Not needed for greedy decoding.
         temperature: divides the logits; 0 is greedy (the most likely token).
@@ -86,8 +91,7 @@ def generate(
         also the logits they were drawn from, ``(rows, max_new_tokens, vocab)``.
 
     Raises:
-        UsageError: a prompt and new tokens longer than the model's context, or a
-            bad option.
+        UsageError: a bad option.
 
     Examples:
         >>> gpt = jdp.models.GPT(vocab_size=16, width=16, heads=2, layers=2, hidden=32,
@@ -100,6 +104,7 @@ def generate(
         >>> tokens.shape, bool((tokens < 10).all())
         ((2, 5), True)
     """
+    unstacked = _unwrapped(params)
     params = _stacked(module, params)
     prompt = jnp.asarray(prompt_tokens)
     _check(module, prompt, max_new_tokens, temperature, top_k, vocab_size)
@@ -117,8 +122,39 @@ def generate(
         epsilon=module.epsilon,
     )
     # The temperature is an argument, not a constant: another one reuses the program.
-    tokens, logits = _decode(params, prompt.astype(jnp.int32), keys, np.float32(temperature), spec)
-    return (tokens, logits) if with_logits else tokens
+    temperature = np.float32(temperature)
+    prompt, context = prompt.astype(jnp.int32), module.max_len
+    cached = max(0, min(max_new_tokens, context - prompt.shape[1]))  # what the cache holds
+    parts = []
+    if cached:
+        spec_cached = spec._replace(new_tokens=cached)
+        parts.append(_decode(params, prompt, keys[:cached], temperature, spec_cached))
+    if cached < max_new_tokens:  # past the context: a sliding window of max_len tokens
+        so_far = jnp.concatenate([prompt, *(part[0] for part in parts)], axis=1)
+        spec_window = spec._replace(new_tokens=max_new_tokens - cached)
+        window = _window_decode(module, unstacked, so_far[:, -context:], keys[cached:],
+                                temperature, spec_window)  # fmt: skip
+        parts.append(window)
+    tokens = jnp.concatenate([part[0] for part in parts], axis=1)
+    if not with_logits:
+        return tokens
+    return tokens, jnp.concatenate([part[1] for part in parts], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("module", "spec"))
+def _window_decode(module: GPT, params, window, keys, temperature, spec: _Spec):
+    """``(tokens, logits or None)`` of ``spec.new_tokens`` tokens, each read from the
+    whole model's pass over the last ``module.max_len`` tokens (``window`` holds them
+    at the start), nanoGPT's way past the context: a scan, one program."""
+
+    def step(window, key):
+        logits = module.apply({"params": params}, window, train=False)[:, -1]
+        token = _choose(logits, key, temperature, spec)
+        window = jnp.concatenate([window[:, 1:], token[:, None]], axis=1)
+        return window, (token, logits if spec.with_logits else None)
+
+    _, (tokens, logits) = jax.lax.scan(step, window, keys)
+    return tokens.T, None if logits is None else logits.transpose(1, 0, 2)
 
 
 def gpt_for(params: Any, *, epsilon: float = EPSILON) -> GPT:
@@ -183,17 +219,6 @@ def _check(module: GPT, prompt, new_tokens: int, temperature: float, top_k, voca
         )
     if new_tokens < 1:
         raise UsageError(f"generate: max_new_tokens {new_tokens}; give at least 1")
-    length, context = prompt.shape[1], module.max_len
-    if length >= context:
-        raise UsageError(
-            f"a prompt of {length} tokens leaves no room in the model's context of {context} "
-            f"tokens; shorten it to at most {context - 1}"
-        )
-    if length + new_tokens > context:
-        raise UsageError(
-            f"a prompt of {length} tokens and {new_tokens} new ones exceed the model's context "
-            f"of {context} tokens; ask for at most {context - length} new tokens"
-        )
     if not temperature >= 0 or not np.isfinite(temperature):
         raise UsageError(f"generate: temperature {temperature}; give 0 (greedy) or more")
     if top_k is not None and top_k < 1:
