@@ -23,6 +23,31 @@ from jdp.mesh import replicated
 from jdp.report.console import quiet_absl
 
 
+def _scores(path: str, steps) -> dict[int, tuple[float, float]]:
+    """``{step: (score, value)}`` of the checkpoints among ``steps`` that recorded the
+    evaluation their run keeps its best by; the score is higher for the better."""
+    scored = {}
+    for number in steps:
+        record = read_record(os.path.join(path, str(number)))
+        # Before the choice was recorded, checkpoints were kept by accuracy.
+        chosen = record.config.get("best_checkpoint") or {"metric": "accuracy", "mode": "max"}
+        value = record.metrics.get(chosen["metric"])
+        if isinstance(value, float):
+            scored[number] = (value if chosen["mode"] == "max" else -value, value)
+    return scored
+
+
+def best_recorded(path: str) -> float | None:
+    """The best value of the metric the checkpoints in ``path`` were kept by, among those
+    that recorded one (a resumed run's best so far), or None."""
+    if not os.path.isdir(path):
+        return None
+    steps = [int(name) for name in os.listdir(path) if name.isdigit()]
+    whole = [s for s in steps if os.path.isdir(os.path.join(path, str(s), "state"))]
+    scored = _scores(path, whole)
+    return max(scored.values())[1] if scored else None
+
+
 def step_directory(path: str, step: str | int = "latest") -> str:
     """``path`` itself when it is one checkpoint, else its checkpoint ``step``:
     ``"latest"`` (complete), ``"best"`` (by the metric the run kept its best by, recorded
@@ -42,20 +67,13 @@ def step_directory(path: str, step: str | int = "latest") -> str:
     if step == "latest":
         return os.path.join(path, str(whole[-1]))
     if step == "best":
-        scored = {}
-        for number in whole:
-            record = read_record(os.path.join(path, str(number)))
-            # Before the choice was recorded, checkpoints were kept by accuracy.
-            chosen = record.config.get("best_checkpoint") or {"metric": "accuracy", "mode": "max"}
-            value = record.metrics.get(chosen["metric"])
-            if isinstance(value, float):
-                scored[number] = value if chosen["mode"] == "max" else -value
+        scored = _scores(path, whole)
         if not scored:
             raise UsageError(
                 f"no checkpoint in {path} recorded an evaluation; load step='latest' or a step "
                 f"number ({', '.join(map(str, whole))})"
             )
-        best = max(scored, key=lambda number: (scored[number], number))
+        best = max(scored, key=lambda number: (scored[number][0], number))
         return os.path.join(path, str(best))
     if isinstance(step, int) and not isinstance(step, bool) and step in whole:
         return os.path.join(path, str(step))

@@ -241,7 +241,8 @@ class TrainConfig:
         "",
         "the eval metric that picks the best checkpoint, NAME or SPLIT/NAME of the split that "
         "chooses (val with a validation split, else test), e.g. val/loss (default: the "
-        "model's own: accuracy, or loss for a language model)",
+        "model's own: accuracy, or loss for a language model); each evaluation better than "
+        "every earlier one is saved",
     )
     best_mode: BestMode = _flag(
         CHECKPOINTS,

@@ -216,6 +216,11 @@ class Checkpoint(PeriodicAction):
     decides, sent to all every `AGREE_EVERY` steps (a collective as small as one
     flag), so that every process saves the same step.
 
+    With ``best`` (a metric and ``max`` or ``min``), also at every evaluation better
+    than each before it in the run (``best_so_far``: a resumed run's), as Keras'
+    ``ModelCheckpoint(save_best_only=True)`` saves: the best checkpoint is the best
+    evaluation's step, not the best of the steps that happened to be saved.
+
     Never a state that is not finite: without skipping, one whose call's loss
     was not, or whose parameters, optimizer or model state are not (a last
     gradient that was not finite leaves its loss finite and the state not); the
@@ -225,9 +230,11 @@ class Checkpoint(PeriodicAction):
     part = "checkpoint"  # of the goodput ledger (`jdp.report.goodput`)
 
     def __init__(self, checkpointer: Checkpointer, loader, *, every: int, config: Mapping,
-                 skipping: bool, minutes: float = 0.0,
-                 ledger: Ledger | None = None):  # fmt: skip
+                 skipping: bool, minutes: float = 0.0, ledger: Ledger | None = None,
+                 best: tuple[str, str] | None = None,
+                 best_so_far: float | None = None):  # fmt: skip
         super().__init__(every, at_end=True)
+        self.best, self._best_value, self._seen = best, best_so_far, None
         self.checkpointer, self.loader, self.config = checkpointer, loader, dict(config)
         self.ledger = ledger
         self.skipping = skipping  # updates with a non-finite gradient are skipped: all finite
@@ -235,7 +242,24 @@ class Checkpoint(PeriodicAction):
         self._saved_at = time.monotonic()
 
     def due(self, progress: Progress) -> bool:
-        return super().due(progress) or self._time_is_up(progress)
+        improved = self._improved(progress)  # read every call: it notes each evaluation
+        return super().due(progress) or self._time_is_up(progress) or improved
+
+    def _improved(self, progress: Progress) -> bool:
+        """Whether this call brought an evaluation better than every earlier one."""
+        evaluated = progress.evaluated
+        if self.best is None or evaluated is None or evaluated is self._seen:
+            return False
+        self._seen = evaluated
+        metric, mode = self.best
+        value = evaluated.get(metric)
+        if not isinstance(value, float) or not math.isfinite(value):
+            return False
+        previous = self._best_value
+        better = previous is None or (value > previous if mode == "max" else value < previous)
+        if better:
+            self._best_value = value
+        return better and not progress.final  # the end saves anyway
 
     def quiet_through(self, progress: Progress) -> int:
         # A save on the clock reads it after every call.

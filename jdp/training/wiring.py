@@ -10,6 +10,7 @@ import jax
 
 from jdp.actions import Action, EarlyStopping
 from jdp.checkpoint import Checkpointer
+from jdp.checkpoint.params import best_recorded
 from jdp.data.ledger import Ledger
 from jdp.data.pipeline import EvalReader, Loader, TrainReader
 from jdp.data.streams import BatchStream
@@ -139,9 +140,12 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
     skipping = config.nan_policy == "skip" or config.precision == "fp16"
     checkpoint = None
     if checkpoints is not None:
+        chosen = run.recorded.get("best_checkpoint")
+        best = (chosen["metric"], chosen["mode"]) if chosen else None
         checkpoint = Checkpoint(checkpoints, batches, every=config.ckpt_every,
                                 config=run.recorded, skipping=skipping,
-                                minutes=config.ckpt_every_minutes, ledger=ledger)  # fmt: skip
+                                minutes=config.ckpt_every_minutes, ledger=ledger, best=best,
+                                best_so_far=best_recorded(checkpoints.directory))  # fmt: skip
     keep = checkpoint.keep if checkpoint is not None else None
     actions.extend(evaluations(run, console, logger, every=config.eval_every, keep=keep))
     if config.early_stop_patience:
