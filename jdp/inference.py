@@ -29,6 +29,7 @@ from jdp.data.raw import read_inputs
 from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY, batch_sharded, batch_split, make_mesh, replicated
 from jdp.models import Model, get_model
+from jdp.models.registry import GPT_SHAPE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +150,14 @@ def _builtin(config: Mapping, data: Mapping) -> Model | None:
         attention=config.get("attention", "auto"),
         unroll=config.get("unroll_layers", True),  # unrecorded: written before scanned layers
         architecture=config.get("architecture"),  # gpt's shape where weights set it
+        shape=_shape(config),
     )
+
+
+def _shape(config: Mapping) -> dict:
+    """gpt's fields a recorded config set in place of its size's (``--layers`` ...)."""
+    shape = {name: config[name] for name in GPT_SHAPE if config.get(name)}
+    return shape | ({"dropout": config["dropout"]} if config.get("dropout") is not None else {})
 
 
 def predict(

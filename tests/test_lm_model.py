@@ -3,6 +3,8 @@ attention == the reference, GPT-2 124M's parameter count and model FLOPs."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,3 +235,21 @@ def test_a_gpt_checkpoint_of_unrolled_layers_starts_a_scanned_run(tmp_path):
     # One step at lr 1e-12 moves nothing above rounding: the stacked layers are the saved ones.
     got = jax.device_get(result.state.params)
     assert_trees_close(got, stack_layers(jax.device_get(saved), 4), rtol=1e-6, atol=1e-9)
+
+
+def test_the_docs_sizes_table_is_the_registrys():
+    import pathlib
+
+    from jdp.models.registry import MODELS
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    cells = r"\| (\d+) \| (\d+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| (\S+) \|$"
+    rows = re.findall(r"^\| (`[^|]*) " + cells, text, re.M)
+    documented = {}
+    for names, *numbers in rows:
+        for size in re.findall(r"`([^`]+)`", names):
+            documented[size] = [float(n.replace(",", "")) for n in numbers]
+    dropout = GPT.__dataclass_fields__["dropout"].default
+    for size, options in MODELS["gpt"].sizes.items():
+        expected = [options[k] for k in ("layers", "heads", "width", "hidden", "max_len")]
+        assert documented[size] == [*expected, dropout], size

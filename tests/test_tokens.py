@@ -362,3 +362,32 @@ def test_a_language_model_trains_on_python_stdlib_from_the_cli(tmp_path):
     chosen = [plot._choose(choices, runs)[1] for choices in plot._PANELS]
     assert chosen == ["loss", "bits_per_byte", "lr", "tokens_per_sec"]
     assert os.path.getsize(plot.plot_runs([str(tmp_path / "log")], str(tmp_path / "c.png")))
+
+
+def test_a_nanogpt_shape_optimizer_and_evaluation_are_flags(corpus, tmp_path):
+    """nanoGPT's n_layer, n_head, n_embd, dropout, eval_iters, beta2, min_lr and
+    lr_decay_iters as flags: the model has the shape asked for (and keeps it in its
+    checkpoint), an evaluation reads the batches asked for, and the schedule ends at
+    --end-lr from --decay-steps on."""
+    from helpers import cli
+
+    run = cli("--model", "gpt", "--dataset", f"tokens:{corpus}", "--seq-len", str(SEQ),
+              "--layers", "2", "--heads", "2", "--width", "64", "--hidden", "96",
+              "--dropout", "0", "--eval-batches", "2", "--eval-every", "4", "--steps", "8",
+              "--batch-size", "8", "--mesh", "data=2", "--beta2", "0.95", "--end-lr", "1e-4",
+              "--decay-steps", "6", "--warmup-steps", "2", "--log-every", "1",
+              "--ckpt-dir", tmp_path / "run", "--log-dir", tmp_path / "run")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    loaded = jdp.load_model(str(tmp_path / "run"))
+    shapes = jax.tree.map(np.shape, loaded.params)
+    assert shapes["blocks"]["FeedForward_0"]["Dense_0"]["kernel"] == (2, 64, 96)
+    assert shapes["blocks"]["MultiHeadDotProductAttention_0"]["query"]["kernel"] == (2, 64, 2, 32)
+    assert loaded.config["beta2"] == 0.95 and loaded.config["dropout"] == 0.0
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    evaluated = [r for r in records if r["kind"] == "val"]
+    assert [r["count"] for r in evaluated] == [2 * 8] * 2  # 2 batches of 8 windows
+    lrs = {r["step"]: r["lr"] for r in records if r["kind"] == "train"}
+    # Step s updates with the schedule at s - 1: the decay ends at 6, then it holds.
+    assert lrs[7] == lrs[8] == pytest.approx(1e-4) and lrs[6] > 1e-4

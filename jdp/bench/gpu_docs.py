@@ -17,7 +17,9 @@ import re
 import sys
 from typing import Any
 
-from jdp.bench.gpu import GPT2_CELLS, SWEEP_CASES, gpt_numbers, table
+from jdp.bench.gpu_host import SWEEP_CASES
+from jdp.bench.gpu_models import GPT2_CELLS
+from jdp.bench.gpu_table import gpt_numbers, table
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = "docs/performance.md"

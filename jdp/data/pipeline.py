@@ -381,8 +381,10 @@ def _chunk_steps(reader: TrainReader, step: int) -> int:
     return max(1, min(TRAIN_CHUNK, CHUNK_BYTES // max(1, nbytes)))
 
 
-def eval_batches(split: Split, mesh: Mesh, *, batch_size: int, prefetch: int = 2) -> Loader:
+def eval_batches(split: Split, mesh: Mesh, *, batch_size: int, prefetch: int = 2,
+                 batches: int = 0) -> Loader:  # fmt: skip
     """The split once, in order, as global batches with a ``mask``; the last is padded.
+    ``batches``: the first that many only (0: all).
 
     Examples:
         >>> mesh = jdp.make_mesh("data=8")
@@ -391,4 +393,5 @@ def eval_batches(split: Split, mesh: Mesh, *, batch_size: int, prefetch: int = 2
         [128, 128, 103]
     """
     reader = EvalReader(split, batch_size=batch_size, rows=process_rows(mesh, batch_size))
-    return Loader(reader, mesh, start=0, stop=len(reader), prefetch=prefetch)
+    stop = min(len(reader), batches) if batches else len(reader)
+    return Loader(reader, mesh, start=0, stop=stop, prefetch=prefetch)

@@ -122,23 +122,28 @@ def generate(
         epsilon=module.epsilon,
     )
     # The temperature is an argument, not a constant: another one reuses the program.
-    temperature = np.float32(temperature)
-    prompt, context = prompt.astype(jnp.int32), module.max_len
-    cached = max(0, min(max_new_tokens, context - prompt.shape[1]))  # what the cache holds
-    parts = []
-    if cached:
-        spec_cached = spec._replace(new_tokens=cached)
-        parts.append(_decode(params, prompt, keys[:cached], temperature, spec_cached))
-    if cached < max_new_tokens:  # past the context: a sliding window of max_len tokens
-        so_far = jnp.concatenate([prompt, *(part[0] for part in parts)], axis=1)
-        spec_window = spec._replace(new_tokens=max_new_tokens - cached)
-        window = _window_decode(module, unstacked, so_far[:, -context:], keys[cached:],
-                                temperature, spec_window)  # fmt: skip
-        parts.append(window)
+    parts = _continue(module, params, unstacked, prompt.astype(jnp.int32), keys,
+                      np.float32(temperature), spec)  # fmt: skip
     tokens = jnp.concatenate([part[0] for part in parts], axis=1)
     if not with_logits:
         return tokens
     return tokens, jnp.concatenate([part[1] for part in parts], axis=1)
+
+
+def _continue(module: GPT, stacked, params, prompt, keys, temperature, spec: _Spec) -> list:
+    """``(tokens, logits)`` of the cached decoding while the context holds the tokens,
+    then of the sliding window past it (nanoGPT's), as many as ``spec.new_tokens``."""
+    context, parts = module.max_len, []
+    cached = max(0, min(spec.new_tokens, context - prompt.shape[1]))  # what the cache holds
+    if cached:
+        parts.append(_decode(stacked, prompt, keys[:cached], temperature,
+                             spec._replace(new_tokens=cached)))  # fmt: skip
+    if cached < spec.new_tokens:  # past the context: a window of the last max_len tokens
+        so_far = jnp.concatenate([prompt, *(part[0] for part in parts)], axis=1)
+        window = spec._replace(new_tokens=spec.new_tokens - cached)
+        parts.append(_window_decode(module, params, so_far[:, -context:], keys[cached:],
+                                    temperature, window))  # fmt: skip
+    return parts
 
 
 @functools.partial(jax.jit, static_argnames=("module", "spec"))

@@ -23,6 +23,8 @@ SIZES = ("small", "standard", "124m", "350m", "774m", "1.3b")
 # The language model's published sizes (GPT-2's and GPT-3 XL), its vocabulary padded up
 # to a multiple of this: GPT-2's 50,257 tokens as 50,304 (whole tiles for the matrix units).
 LM_SIZES = ("124m", "350m", "774m", "1.3b")
+# gpt's fields that flags set in place of a size's (``--layers`` ...; ``--dropout`` too).
+GPT_SHAPE = ("layers", "heads", "width", "hidden")
 VOCAB_MULTIPLE = 128
 
 
@@ -135,7 +137,8 @@ def _window_inputs(batch):
 def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat: str = "none",
               attention: str = "auto", unroll: bool = False,
               architecture: Mapping[str, Any] | None = None,
-              label_smoothing: float = 0.0) -> Model:  # fmt: skip
+              label_smoothing: float = 0.0,
+              shape: Mapping[str, Any] | None = None) -> Model:  # fmt: skip
     """The built-in model ``name`` at ``size``, shaped for ``split`` (classes or vocabulary).
 
     ``seq_len`` sets the positions ``gpt`` has (``--seq-len``; a token corpus's
@@ -145,6 +148,8 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
     multiple of 128. ``architecture``: gpt's `GPT` fields in place of the size's (a
     model loaded from weights, `jdp.models.from_hf`), its vocabulary unpadded.
     ``label_smoothing``: an image classifier's (`jdp.models.classification`).
+    ``shape``: gpt's ``layers``, ``heads``, ``width``, ``hidden`` or ``dropout`` in place
+    of the size's (``--layers`` ...).
 
     Examples:
         >>> train = jdp.load_split("digits", "train", data_dir=tmp)
@@ -155,6 +160,14 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
     """
     builtin = check_model(name, size, split.kind)
     options = dict(builtin.sizes[size])
+    if shape:
+        if name != "gpt":
+            raise UsageError(f"{', '.join(shape)} shape the gpt; --model is {name}")
+        options.update(shape)
+        if options["width"] % options["heads"]:
+            raise UsageError(f"a width of {options['width']} does not split into "
+                             f"{options['heads']} heads; give a --width that --heads "
+                             "divides")  # fmt: skip
     if "image" in builtin.data:
         if split.label_key is None or not split.num_classes:
             raise UsageError(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jdp.errors import UsageError
 from jdp.training import config_checks
 
 # The choices of the fields that name things. Each registry it names agrees
@@ -102,6 +101,12 @@ class TrainConfig:
         "gpt: its blocks as a Python loop, not one scanned layer (as checkpoints written "
         "before scanned layers hold them; compile time then grows with depth)",
     )
+    layers: int = _flag(MODEL, 0, "gpt: blocks, in place of --model-size's (0: the size's)")
+    heads: int = _flag(MODEL, 0, "gpt: attention heads, dividing the width (0: the size's)")
+    width: int = _flag(MODEL, 0, "gpt: the model width, nanoGPT's n_embd (0: the size's)")
+    hidden: int = _flag(MODEL, 0, "gpt: the feed-forward's hidden units (0: the size's)")
+    dropout: float | None = _flag(MODEL, None, "gpt: the dropout rate (empty: the size's, "
+                                  "0.1; nanoGPT pretrains with 0)")  # fmt: skip
     dataset: str = _flag(
         DATA,
         "digits",
@@ -173,6 +178,14 @@ class TrainConfig:
         OPTIMIZER, 0.1, "piecewise schedule: multiplier at each boundary"
     )
     momentum: float = _flag(OPTIMIZER, 0.9, "momentum of momentum, nesterov and lars")
+    beta1: float = _flag(OPTIMIZER, 0.9, "Adam's b1 (adam, adamw, lamb)")
+    beta2: float = _flag(OPTIMIZER, 0.999, "Adam's b2 (adam, adamw, lamb; nanoGPT's GPT-2: 0.95)")
+    end_lr: float = _flag(
+        OPTIMIZER, 0.0, "cosine and linear: the learning rate the decay ends at (nanoGPT's min_lr)"
+    )
+    decay_steps: int = _flag(
+        OPTIMIZER, 0, "cosine and linear: the step the decay ends at, held after (0: --steps)"
+    )
     weight_decay: float = _flag(OPTIMIZER, 0.0, "weight decay (biases and norm scales are spared)")
     clip_norm: float = _flag(OPTIMIZER, 0.0, "clip the gradients' global norm to this (0: off)")
     accumulate: int = _flag(STEP, 1, "micro-batches per update (gradient accumulation)")
@@ -223,8 +236,13 @@ class TrainConfig:
         "stop when more than this fraction of the steps were skipped (fp16 or skip)",
     )
     eval_every: int = _flag(
-        EVALUATION, 0, "evaluate on the test split every N steps (0: only at the end)"
+        EVALUATION,
+        0,
+        "evaluate every N steps, on the validation split when the run has one "
+        "(a language model's corpus does), else the test split (0: only at the end)",
     )
+    eval_batches: int = _flag(EVALUATION, 0, "read the first N batches of each split an "
+                              "evaluation reads (nanoGPT's eval_iters; 0: all)")  # fmt: skip
     ckpt_dir: str | None = _flag(
         CHECKPOINTS, None, "directory of Orbax checkpoints; a run resumes from the latest one in it"
     )
@@ -320,11 +338,8 @@ class TrainConfig:
     early_stop_patience: int = _flag(
         EVALUATION, 0, "stop when --early-stop-metric has not improved for N evaluations (0: off)"
     )
-    early_stop_metric: EarlyStopMetric = _flag(
-        EVALUATION,
-        "loss",
-        "test metric for --early-stop-patience: loss (lower wins) or accuracy (higher)",
-    )
+    early_stop_metric: EarlyStopMetric = _flag(EVALUATION, "loss", "test metric for "
+        "--early-stop-patience: loss (lower wins) or accuracy (higher)")  # fmt: skip
 
     def __post_init__(self):
         config_checks.check(self)
@@ -336,21 +351,8 @@ class TrainConfig:
 
     @property
     def profile_window(self) -> tuple[int, int] | None:
-        """``--profile-steps A:B`` as ``(A, B)``, or None."""
-        if not self.profile_steps:
-            return None
-        first, _, last = self.profile_steps.partition(":")
-        if not (first.isdigit() and last.isdigit()) or not 1 <= int(first) <= int(last):
-            raise UsageError(
-                f"--profile-steps {self.profile_steps!r}: write FIRST:LAST steps, e.g. 10:15"
-            )
-        if int(last) > self.steps:
-            raise UsageError(
-                f"--profile-steps {self.profile_steps} ends after --steps {self.steps}"
-            )
-        if self.log_dir is None:
-            raise UsageError("--profile-steps needs --log-dir DIR (the trace goes in DIR/profile)")
-        return int(first), int(last)
+        """``--profile-steps A:B`` as ``(A, B)``, or None (`config_checks.profile_window`)."""
+        return config_checks.profile_window(self)
 
     def shared_settings(self) -> dict:
         """The flags every process of a run must agree on: all but where each one runs."""
@@ -360,25 +362,18 @@ class TrainConfig:
             if field.name not in _PER_PROCESS_FIELDS
         }
 
-    def resume_conflicts(self, saved: dict, recorded: dict | None = None) -> list[str]:
-        """Flags whose values differ from the run that wrote a checkpoint, as ``--flag X (was Y)``.
+    def gpt_shape(self) -> dict[str, int | float]:
+        """The gpt's fields the shape flags set (``--layers``, ...), the size's otherwise."""
+        names = ("layers", "heads", "width", "hidden")  # jdp.models.registry.GPT_SHAPE
+        shape = {name: getattr(self, name) for name in names if getattr(self, name)}
+        return shape | ({"dropout": self.dropout} if self.dropout is not None else {})
 
-        A resumed run may change where and how it runs (mesh, backend, loader,
-        checkpointing), never what it computes. ``recorded`` is this run's config
-        as checkpoints record it (what the user brought in place of fields is
-        recorded as theirs), by default the fields themselves.
-        """
+    def resume_conflicts(self, saved: dict, recorded: dict | None = None) -> list[str]:
+        """Flags whose values differ from the run that wrote a checkpoint, as ``--flag X (was Y)``
+        (`config_checks.resume_conflicts`)."""
         recorded = dataclasses.asdict(self) if recorded is None else recorded
-        if saved.get("model") == "gpt":  # the layers' layout before it was recorded
-            saved = {"unroll_layers": True, **saved}
         fields = {field.name for field in dataclasses.fields(self)} | {"lr_schedule"}
-        conflicts = []
-        for name, value in recorded.items():
-            if name in TOPOLOGY_FIELDS or name not in fields or name not in saved:
-                continue
-            if saved[name] != value:
-                conflicts.append(f"--{name.replace('_', '-')} {value} (was {saved[name]})")
-        return conflicts
+        return config_checks.resume_conflicts(saved, recorded, fields - TOPOLOGY_FIELDS)
 
 
 def fields_of(*, section: Section | None = None, **holds: bool) -> tuple[str, ...]:

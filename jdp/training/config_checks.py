@@ -109,6 +109,9 @@ def _check_numbers(config) -> None:
         "outer_lr": (0.0, False, math.inf, False),
         "outer_momentum": (0.0, True, 1.0, False),
         "momentum": (0.0, True, 1.0, False),
+        "beta1": (0.0, True, 1.0, False),
+        "beta2": (0.0, True, 1.0, False),
+        "end_lr": (0.0, True, math.inf, False),
         "weight_decay": (0.0, True, math.inf, False),
         "clip_norm": (0.0, True, math.inf, False),
         "lr_decay_factor": (0.0, False, math.inf, False),
@@ -233,9 +236,20 @@ def _check_model_options(config) -> None:
         "--unroll-layers": config.unroll_layers,
         f"--model-size {config.model_size}": config.model_size not in ("small", "standard"),
     }
+    for name in ("layers", "heads", "width", "hidden"):
+        own[f"--{name} {getattr(config, name)}"] = bool(getattr(config, name))
+        if getattr(config, name) < 0:
+            raise UsageError(f"--{name} must be >= 0 (0: --model-size's)")
+    own[f"--dropout {config.dropout}"] = config.dropout is not None
     for flag, given in own.items():
         if given and config.model != "gpt":
             raise UsageError(f"{flag} is for --model gpt; drop it for --model {config.model}")
+    if config.dropout is not None and not 0 <= config.dropout < 1:
+        raise UsageError(f"--dropout must be in [0, 1), got {config.dropout}")
+    if config.eval_batches < 0:
+        raise UsageError("--eval-batches must be >= 0 (0: the whole split)")
+    if config.decay_steps < 0:
+        raise UsageError("--decay-steps must be >= 0 (0: --steps)")
 
 
 def image_hw(config) -> tuple[int, int] | None:
@@ -246,3 +260,36 @@ def image_hw(config) -> tuple[int, int] | None:
     if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
         raise UsageError(f"--image-size {config.image_size!r}: give H,W, e.g. 64,64")
     return int(parts[0]), int(parts[1])
+
+
+def profile_window(config) -> tuple[int, int] | None:
+    """``--profile-steps A:B`` as ``(A, B)``, or None; UsageError for a malformed one."""
+    if not config.profile_steps:
+        return None
+    first, _, last = config.profile_steps.partition(":")
+    if not (first.isdigit() and last.isdigit()) or not 1 <= int(first) <= int(last):
+        raise UsageError(
+            f"--profile-steps {config.profile_steps!r}: write FIRST:LAST steps, e.g. 10:15"
+        )
+    if int(last) > config.steps:
+        raise UsageError(
+            f"--profile-steps {config.profile_steps} ends after --steps {config.steps}"
+        )
+    if config.log_dir is None:
+        raise UsageError("--profile-steps needs --log-dir DIR (the trace goes in DIR/profile)")
+    return int(first), int(last)
+
+
+def resume_conflicts(saved: dict, recorded: dict, compared: set[str]) -> list[str]:
+    """The ``compared`` settings of ``recorded`` (this run's, as checkpoints record them:
+    what the user brought in place of fields is recorded as theirs) that differ from
+    ``saved`` (the run that wrote a checkpoint), as ``--flag X (was Y)``. A resumed run
+    may change where and how it runs (mesh, backend, loader, checkpointing), never what
+    it computes."""
+    if saved.get("model") == "gpt":  # the layers' layout before it was recorded
+        saved = {"unroll_layers": True, **saved}
+    return [
+        f"--{name.replace('_', '-')} {value} (was {saved[name]})"
+        for name, value in recorded.items()
+        if name in compared and name in saved and saved[name] != value
+    ]

@@ -25,7 +25,8 @@ def config_optimizer(config: TrainConfig) -> tuple[optax.Schedule, optax.Gradien
         config.schedule,
         peak_lr(config),
         warmup_steps=config.warmup_steps,
-        total_steps=config.steps,
+        total_steps=config.decay_steps or config.steps,
+        end_lr=config.end_lr,
         boundaries=[int(part) for part in config.lr_boundaries.split(",") if part],
         decay_factor=config.lr_decay_factor,
     )
@@ -33,6 +34,8 @@ def config_optimizer(config: TrainConfig) -> tuple[optax.Schedule, optax.Gradien
         config.optimizer,
         schedule,
         momentum=config.momentum,
+        b1=config.beta1,
+        b2=config.beta2,
         weight_decay=config.weight_decay,
         clip_norm=config.clip_norm or None,
     )

@@ -367,7 +367,8 @@ def _builtin_model(config: TrainConfig, train: Split, architecture: dict | None)
     return get_model(config.model, train, config.model_size, seq_len=config.seq_len,
                      remat=config.remat, attention=config.attention,
                      unroll=config.unroll_layers, architecture=architecture,
-                     label_smoothing=config.label_smoothing)  # fmt: skip
+                     label_smoothing=config.label_smoothing,
+                     shape=config.gpt_shape())  # fmt: skip
 
 
 def _initial(path: str, params, model_state, architecture: dict | None):

@@ -140,7 +140,8 @@ def _eval_order(result: Mapping[str, float]) -> list[str]:
 
 
 class Evaluate(PeriodicAction):
-    """Exact metrics over a whole split, logged as ``{prefix}_{name}``.
+    """Exact metrics over a whole split (or its first ``batches``), logged as
+    ``{prefix}_{name}``.
 
     ``prefix="test"`` sets ``progress.tested``; ``chooses`` sets
     ``progress.evaluated``, the metrics that choose the best checkpoint and stop
@@ -160,8 +161,9 @@ class Evaluate(PeriodicAction):
                  console: Console, logger: MetricLogger, prefix: str = "test",
                  chooses: bool = True, derived=None,
                  keep: Callable[[Progress], str] | None = None,
-                 stop_nonfinite: bool = True):  # fmt: skip
+                 stop_nonfinite: bool = True, batches: int = 0):  # fmt: skip
         super().__init__(every, at_end=True)
+        self.batches = batches  # the first that many of the split (0: all)
         self.eval_step, self.split, self.mesh, self.batch_size = eval_step, split, mesh, batch_size
         self.console, self.logger, self.prefix, self.chooses = console, logger, prefix, chooses
         self.derived = derived  # the objective's figures from the means (perplexity)
@@ -173,7 +175,8 @@ class Evaluate(PeriodicAction):
 
     def run(self, progress: Progress) -> None:
         try:
-            batches = eval_batches(self.split, self.mesh, batch_size=self.batch_size)
+            batches = eval_batches(self.split, self.mesh, batch_size=self.batch_size,
+                                   batches=self.batches)  # fmt: skip
             result = evaluate(self.eval_step, progress.state, batches)
         except Exception as error:
             kept = self._kept(progress)

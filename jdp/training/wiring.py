@@ -186,7 +186,8 @@ def evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int,
     state when an evaluation fails (`Checkpoint.keep`)."""
     kwargs = dict(batch_size=run.config.batch_size, console=console, logger=logger,
                   derived=run.model.objective.derived, keep=keep,
-                  stop_nonfinite=run.config.nan_policy != "ignore")  # fmt: skip
+                  stop_nonfinite=run.config.nan_policy != "ignore",
+                  batches=run.config.eval_batches)  # fmt: skip
     evaluations = []
     if run.validation is not None:
         evaluations.append(

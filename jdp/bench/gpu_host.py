@@ -1,0 +1,200 @@
+"""The parts of ``python -m jdp.bench gpu`` that measure the host and small models: the
+JPEG loader on the machine's cores, the small-model sweep with its host overhead, and 20
+steps on the accelerator against the same on its CPU."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdp.bench.arms import interleaved_rates, jdp_loop, ratios_to
+
+# A part's ``sizes`` is a `jdp.bench.gpu.Sizes`, its ``report`` the run's `jdp.bench.gpu.Report`.
+Sizes = Report = Any
+
+SWEEP_CASES = ("mlp-38k", "mlp-0.7m", "mlp-10m", "gpt-small")
+CORRECTNESS_STEPS = 20
+
+
+# --- 4. the JPEG loader ----------------------------------------------------------------
+
+
+def part_loader(sizes: Sizes, device_rate: float | None) -> dict[str, Any]:
+    import pathlib
+
+    from jdp.bench.images import decode_rates, loader_rate, write_tree
+    from jdp.data.image_sources import from_images
+
+    workers = max(1, min(8, (os.cpu_count() or 2) - 1))
+    root = tempfile.mkdtemp(prefix="jdp-gpu-jpegs-")
+    platforms = os.environ.get("JAX_PLATFORMS")
+    # Grain's worker processes start JAX of their own: on the CPU, so that none of them
+    # reaches for the accelerator this process holds.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    try:
+        size = write_tree(root, {"train": sizes.jpegs}, classes=10)
+        train = os.path.join(root, "train")
+        blobs = [pathlib.Path(d, n).read_bytes() for d, _, ns in sorted(os.walk(train)) for n in ns]
+        decoders = decode_rates(blobs, rounds=2)
+        split = from_images(train)
+        batches = max(2, sizes.jpegs // sizes.jpeg_rows)
+        one = loader_rate(split, batch_size=sizes.jpeg_rows, workers=0, batches=batches)
+        many = loader_rate(split, batch_size=sizes.jpeg_rows, workers=workers, batches=batches)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if platforms is None:
+            os.environ.pop("JAX_PLATFORMS")
+        else:
+            os.environ["JAX_PLATFORMS"] = platforms
+    result = {"jpegs": len(blobs), "mean_kb": size / len(blobs) / 1e3, "decoders": decoders,
+              "per_core": one, "workers": workers, "with_workers": many,
+              "cores": os.cpu_count()}  # fmt: skip
+    if device_rate:
+        result["device_rate"] = device_rate
+        result["cores_per_device"] = device_rate / one
+    return result
+
+
+# --- 5. the small-model sweep ------------------------------------------------------------
+
+
+def part_sweep(sizes: Sizes, report: Report, end: float,
+               on_line: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    from jdp.bench.arms import hand_loop, hand_written_step
+    from jdp.bench.step import CASES, _params, case_run, first_batch
+    from jdp.mesh import batch_sharded
+
+    rows, results, skipped = sizes.sweep_rows, [], []
+    for name in sizes.sweep_cases:
+        if results and report.elapsed() > end:
+            skipped.append(name)
+            continue
+        run = case_run(CASES[name], "data=1", rows)
+        stacked = case_run(CASES[name], "data=1", rows, steps_per_call=4)
+        batch = first_batch(run, rows)
+        four = jax.device_put(jax.tree.map(lambda x: jnp.stack([x] * 4), batch),
+                              batch_sharded(run.mesh, stacked=True))  # fmt: skip
+        hand = hand_written_step(run.model, run.optimizer, run.mesh, kind="one-device")
+        arms = {"hand-written": hand_loop(hand, run, batch),
+                "jdp": jdp_loop(run.train_step, run, batch, run.optimizer),
+                "jdp, 4 steps per call": jdp_loop(stacked.train_step, run, four, run.optimizer,
+                                                  per_call=4)}  # fmt: skip
+        rates = interleaved_rates(arms, rounds=sizes.sweep_rounds,
+                                  round_seconds=sizes.round_seconds, rows=rows)  # fmt: skip
+        ratios = ratios_to(rates, "hand-written")
+        opt_state = run.optimizer.init(run.state.params)
+        overhead = {
+            "hand-written": step_overhead(hand, (run.state.params, opt_state), batch),
+            "jdp": step_overhead(run.train_step.unbounded, run.state, batch, run.train_step.lower),
+        }
+        results.append({"case": name, "params": _params(run), "rows": rows,
+                        "rates": {arm: statistics.median(r) for arm, r in rates.items()},
+                        "ratios": ratios, "overhead": overhead})  # fmt: skip
+        on_line(
+            f"  sweep {name} ({_params(run)}): hand-written "
+            f"{results[-1]['rates']['hand-written']:,.0f} examples/s; jdp "
+            f"{ratios['jdp']:.3f}x, 4 steps per call {ratios['jdp, 4 steps per call']:.3f}x"
+        )
+        del run, stacked, arms
+        gc.collect()
+    return {"cases": results, "skipped_for_budget": skipped}
+
+
+def kernels(compiled_text: str) -> int:
+    """The launches in a compiled program's entry computation: its fusions, custom
+    calls (cuBLAS, cuDNN), copies and collectives."""
+    entry = compiled_text.split("\nENTRY ", 1)[-1].split("\n}\n", 1)[0]
+    launches = ("fusion(", "custom-call(", "copy(", "all-reduce(", "all-reduce-start(",
+                "dynamic-update-slice(", "scatter(", "while(", "conditional(")  # fmt: skip
+    return sum(1 for line in entry.splitlines() if any(f" {op}" in line for op in launches))
+
+
+def step_overhead(step, first, batch, lower=None) -> dict[str, float]:
+    """A step's kernels and host microseconds per call (dispatch alone, not waiting
+    for it), on copies of its state: where a small model's step time goes."""
+    state = jax.tree.map(jnp.copy, first)
+    single = not isinstance(first, tuple)
+    lower = lower or step.lower
+    lowered = lower(state, batch) if single else lower(*state, batch)
+    count = kernels(lowered.compile().as_text())
+    times = []
+    for _ in range(60):
+        started = time.perf_counter()
+        out = step(state, batch) if single else step(*state, batch)
+        times.append(time.perf_counter() - started)
+        jax.block_until_ready(out)
+        state = out[0] if single else out[:-1]
+    return {"kernels": count, "dispatch_us": 1e6 * statistics.median(times[10:])}
+
+
+# --- 6. correctness: the accelerator against its CPU --------------------------------------
+
+
+def correctness_losses(steps: int, perturbs: tuple[float, ...] = (0.0,)) -> list[list[float]]:
+    """For each of ``perturbs``, the losses of ``steps`` steps of ``gpt`` small (fp32,
+    XLA attention, exact fp32 matrix products) on this process's default platform,
+    every initial parameter first scaled by ``1 + perturb``. One step program serves all."""
+    from jdp.data.pipeline import train_batches
+    from jdp.report.console import Console
+    from jdp.training.config import TrainConfig
+    from jdp.training.run import build
+
+    config = TrainConfig(mesh="data=1", model="gpt", model_size="small",
+                         dataset="numbers2words", batch_size=16, precision="fp32",
+                         attention="xla", steps=steps, warmup_steps=2, lr=1e-3)  # fmt: skip
+    runs = []
+    with jax.default_matmul_precision("highest"):
+        run = build(config, Console(enabled=False))
+        with train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=0) as loader:
+            batches = [batch for _, batch in zip(range(steps), loader, strict=False)]
+        for perturb in perturbs:
+            state, losses = jax.tree.map(jnp.copy, run.state), []
+            if perturb:
+                scaled = jax.tree.map(functools.partial(jnp.multiply, 1 + perturb), state.params)
+                state = state.replace(params=scaled)
+            for batch in batches:
+                state, metrics = run.train_step(state, batch)
+                losses.append(float(metrics["loss"]))
+            runs.append(losses)
+    return runs
+
+
+def part_correctness(steps: int) -> dict[str, Any]:
+    """This platform's losses against a CPU process's, with the tolerance derived there.
+
+    Both runs compute in fp32 with exact products (no TF32), so they differ only in
+    the order of their sums: differences of a few fp32 roundings that training then
+    grows. The CPU process measures that growth: its own run against the same run
+    with every parameter moved by one fp32 rounding (2^-24, relative). The
+    tolerance at each step is 100 times that difference (many roundings differ
+    between two platforms, not one; a wrong gradient differs by orders more),
+    and never below 64 roundings of the loss.
+    """
+    (accelerator,) = correctness_losses(steps)
+    command = [sys.executable, "-m", "jdp.bench", "gpu", "--cpu-reference", str(steps)]
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the CPU reference failed: {done.stderr.strip()[-400:]}")
+    cpu, nudged = json.loads(done.stdout.strip().splitlines()[-1])
+    eps = float(np.finfo(np.float32).eps)
+    tolerance = [max(100 * abs(a - b), 64 * eps * abs(a)) for a, b in zip(cpu, nudged, strict=True)]
+    differences = [abs(a - b) for a, b in zip(accelerator, cpu, strict=True)]
+    within = all(d <= t for d, t in zip(differences, tolerance, strict=True))
+    return {"steps": steps, "accelerator": accelerator, "cpu": cpu, "cpu_nudged": nudged,
+            "tolerance": tolerance, "differences": differences, "within": within,
+            "worst": max(d / t for d, t in zip(differences, tolerance, strict=True))}  # fmt: skip

@@ -1,0 +1,125 @@
+"""The table ``python -m jdp.bench gpu`` prints at its end (and ``python -m
+jdp.bench.gpu_docs`` writes into the docs), from the parts' JSON."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from jdp.bench.arms import ratios_to
+
+
+def setting_text(setting: dict[str, Any]) -> str:
+    layers = "unrolled" if setting["unroll"] else "scanned"
+    return f"attention {setting['attention']}, remat {setting['remat']}, {layers}"
+
+
+def gpt_numbers(result: dict[str, Any]) -> dict[str, float]:
+    rates = result["rates"]
+    jdp, hand = statistics.median(rates["jdp"]), statistics.median(rates["hand-written"])
+    numbers = {"jdp": jdp, "hand": hand, "ratio": ratios_to(rates, "hand-written")["jdp"]}
+    peak = result["peak"]
+    if peak:
+        numbers["mfu"] = result["flops_per_token"] * jdp / peak
+        numbers["mfu_causal"] = result["flops_per_token_causal"] * jdp / peak
+    return numbers
+
+
+def gpt_line(result: dict[str, Any]) -> str:
+    n = gpt_numbers(result)
+    mfu = f", MFU {n['mfu']:.1%} (causal {n['mfu_causal']:.1%})" if "mfu" in n else ""
+    check = "agree" if result["check"]["agree"] else "DISAGREE"
+    return (f"  gpt2 {setting_text(result['setting'])}: jdp {n['jdp']:,.0f} tokens/s, hand-written "
+            f"{n['hand']:,.0f}, {n['ratio']:.3f}x{mfu}; first losses {check}")  # fmt: skip
+
+
+def table(data: dict[str, Any]) -> list[str]:
+    """The run's figures as printed at its end (and by ``python -m jdp.bench.gpu_docs``)."""
+    parts, lines = data["parts"], []
+    for part, lines_of in LINES.items():
+        result = parts.get(part)
+        if result and "error" not in result:
+            lines += lines_of(result)
+    for part, result in parts.items():
+        if "error" in result:
+            lines.append(f"{part}: FAILED: {result['error'][:300]}")
+    return lines
+
+
+def _machine(machine: dict[str, Any]) -> list[str]:
+    v, peak = machine["versions"], machine["peak_flops"]
+    extra = ", ".join(f"{k} {v[k]}" for k in ("driver", "cuda", "cudnn") if k in v)
+    return [
+        f"{machine['kind']} ({machine['platform']}), {machine['cores']} cores; JAX {v['jax']}, "
+        f"jaxlib {v['jaxlib']}, Python {v['python']}" + (f", {extra}" if extra else ""),
+        f"bf16 {machine['matmul_n']}-cube product: {machine['matmul_flops'] / 1e12:,.1f} TFLOP/s"
+        + (f" ({machine['matmul_flops'] / peak:.0%} of the data sheet's {peak / 1e12:,.0f})"
+           if peak else ""),
+    ]  # fmt: skip
+
+
+def _gpt2(gpt: dict[str, Any]) -> list[str]:
+    lines = [
+        f"GPT-2 {gpt['size']}, T = {gpt['seq_len']}, {gpt['rows']} rows, "
+        f"{gpt.get('precision', 'bf16')}:",
+        f"  {'attention':<10}{'remat':<6}{'layers':<10}{'rows':>5}{'jdp tokens/s':>13}"
+        f"{'hand tokens/s':>14}{'ratio':>8}{'MFU':>7}{'causal':>8}{'peak mem':>9}",
+    ]
+    for index, cell in enumerate(gpt["cells"]):
+        s = cell["setting"]
+        layers = "unrolled" if s["unroll"] else "scanned"
+        if "error" in cell:
+            lines.append(f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}  {cell['error'][:60]}")
+            continue
+        n = gpt_numbers(cell)
+        mfu = f"{n['mfu']:>7.1%}{n['mfu_causal']:>8.1%}" if "mfu" in n else f"{'-':>7}{'-':>8}"
+        memory = f"{'-':>9}"  # the process's peak so far: a cell's own only for the first
+        if index == 0 and cell.get("peak_bytes"):
+            memory = f"{cell['peak_bytes'] / 2**30:>7.1f}GB"
+        rows = cell["cell"]["batch_size"]
+        lines.append(f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}{rows:>5}"
+                     f"{n['jdp']:>13,.0f}{n['hand']:>14,.0f}{n['ratio']:>7.3f}x{mfu}"
+                     f"{memory}")  # fmt: skip
+    return lines + [f"  {setting_text(s)}: not run (budget)" for s in gpt["skipped_for_budget"]]
+
+
+def _resnet50(resnet: dict[str, Any]) -> list[str]:
+    return [f"ResNet-50 {resnet['size']}, {resnet['px']} px synthetic, {resnet['rows']} rows, "
+            f"{resnet.get('precision', 'bf16')}: jdp {resnet['jdp']:,.0f} images/s, "
+            f"hand-written {resnet['hand']:,.0f}, {resnet['ratio']:.3f}x"]  # fmt: skip
+
+
+def _loader(loader: dict[str, Any]) -> list[str]:
+    need = ""
+    if "device_rate" in loader:
+        need = (f"; one device at {loader['device_rate']:,.0f} images/s needs "
+                f"{loader['cores_per_device']:.1f} such cores")  # fmt: skip
+    return [f"JPEG loader ({loader['jpegs']} JPEGs of ImageNet's sizes, {loader['mean_kb']:.0f} "
+            f"KB): {loader['per_core']:,.0f} images/s on one core, "
+            f"{loader['with_workers']:,.0f} with {loader['workers']} workers{need}"]  # fmt: skip
+
+
+def _sweep(sweep: dict[str, Any]) -> list[str]:
+    lines = []
+    for case in sweep["cases"]:
+        r, o = case["ratios"], case.get("overhead")
+        where = (f"; kernels {o['hand-written']['kernels']} vs {o['jdp']['kernels']}, host "
+                 f"{o['hand-written']['dispatch_us']:.0f} vs {o['jdp']['dispatch_us']:.0f} "
+                 "us a call" if o else "")  # fmt: skip
+        lines.append(f"sweep {case['case']} ({case['params']}), {case['rows']} rows: "
+                     f"hand-written {case['rates']['hand-written']:,.0f} examples/s; jdp "
+                     f"{r['jdp']:.3f}x, 4 steps per call {r['jdp, 4 steps per call']:.3f}x"
+                     f"{where}")  # fmt: skip
+    return lines
+
+
+def _correctness(check: dict[str, Any]) -> list[str]:
+    return [f"correctness: {check['steps']} steps of gpt small, fp32: "
+            f"{'within' if check['within'] else 'OUTSIDE'} the derived tolerance (worst step "
+            f"at {check['worst']:.2f} of it; last loss {check['accelerator'][-1]:.6f} here, "
+            f"{check['cpu'][-1]:.6f} on the CPU)"]  # fmt: skip
+
+
+# Each part's lines, in the order the parts run.
+LINES = {"machine": _machine, "gpt2": _gpt2, "resnet50": _resnet50, "loader": _loader,
+         "sweep": _sweep, "correctness": _correctness}  # fmt: skip
