@@ -50,7 +50,7 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, step: str | int =
     module = gpt_for(params, epsilon=epsilon)
     if module.unroll:  # written before scanned layers
         params = stack_layers(params, module.layers)
-    write_hf(out, module, jax.tree.map(np.asarray, params))
+    write_hf(out, module, jax.tree.map(np.asarray, params), _special(config))
     tokenizer = _tokenizer(config)
     if tokenizer:
         shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.json"))
@@ -59,6 +59,17 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, step: str | int =
         f"{module.vocab_size}, {module.max_len} positions, from step {loaded.step}"
         + (" (with the corpus's tokenizer.json)" if tokenizer else "")
     )
+
+
+def _special(config: dict) -> dict[str, int | None]:
+    """GPT-2's ``bos_token_id`` and ``eos_token_id`` for the export: the Hugging Face
+    weights' the run started from (recorded then), else the corpus's end-of-document id
+    (GPT-2's ``<|endoftext|>`` is both), else none."""
+    recorded = config.get("special_tokens")
+    if recorded:
+        return recorded
+    eos = (config.get("data") or {}).get("eos_id")
+    return {"bos_token_id": eos, "eos_token_id": eos}
 
 
 def _tokenizer(config: dict) -> str | None:

@@ -246,7 +246,8 @@ def sample_line(params: Any, splits: dict[str, TokenSplit | None], *,
                 epsilon: float = EPSILON) -> str | None:  # fmt: skip
     """A run's closing sample, ``jdp: sample: "PROMPT" -> "CONTINUATION"`` (newlines
     escaped): the first tokens of the held-out split (validation, else test, else
-    train), continued at temperature 0.8 among the 40 most likely tokens, seed 0.
+    train), continued at temperature 0.8 among the 40 most likely tokens, seed 0,
+    up to the corpus's end of a document (its ``eos_id``), if one is drawn.
     None when the corpus's tokenizer is not found. ``epsilon``: the model's LayerNorms'.
 
     Raises:
@@ -278,6 +279,9 @@ def sample_line(params: Any, splits: dict[str, TokenSplit | None], *,
         top_k=END_TOP_K,
         seed=END_SEED,
     )
+    eos = getattr(split, "eos_id", None)
+    if eos is not None and eos in tokens:  # the document ends there: no raw <|endoftext|>
+        tokens = tokens[: list(tokens).index(eos)]
     quoted = [json.dumps(codec.decode(ids), ensure_ascii=False) for ids in (prompt, tokens)]
     return f"jdp: sample: {quoted[0]} -> {quoted[1]}"
 

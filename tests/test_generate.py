@@ -229,6 +229,30 @@ def test_a_run_ends_with_a_sample_when_its_corpus_decodes(tmp_path):
     assert sample_line(params, splits) is None  # nothing to decode with: no line
 
 
+def test_the_closing_sample_stops_at_the_end_of_a_document(tmp_path):
+    """A continuation that draws the corpus's end-of-document id ends there: the line
+    never prints a raw <|endoftext|>."""
+    import dataclasses
+
+    from jdp.data.shards import write_llmc, write_meta
+
+    write_llmc(tmp_path / "text_val_000000.bin", np.frombuffer(b"Hello, world! " * 9, np.uint8))
+    write_meta(tmp_path, {"vocab_size": 256, "tokenizer": "bytes"})
+    module = GPT(vocab_size=256, width=16, heads=2, layers=1, hidden=32, max_len=32)
+    params = jax.jit(module.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    splits = corpus(tmp_path, seq_len=32)
+
+    def continuation(eos):
+        validation = dataclasses.replace(splits["validation"], eos_id=eos)
+        line = sample_line(params, {**splits, "validation": validation})
+        return json.loads(re.fullmatch(r'jdp: sample: ".*" -> (".*")', line)[1])
+
+    whole = continuation(None)
+    # A byte drawn after the first (one that decodes alone): call it the end of a document.
+    end = next(char for char in whole[1:] if ord(char) < 128)
+    assert continuation(ord(end)) == whole[: whole.index(end)]
+
+
 def test_the_tokenizer_is_found_or_named(tmp_path):
     assert find_codec(BYTES, []).decode(find_codec(BYTES, []).encode("wörd")) == "wörd"
     with pytest.raises(jdp.UsageError, match="records no tokenizer; pass --tokenizer"):

@@ -38,7 +38,8 @@ LOGITS_BOUND = PRODUCTS * 128 * EPS32
 
 
 def _hf_model(directory, seed=0, **overrides):
-    config = transformers.GPT2Config(**{**TOY, **overrides}, bos_token_id=None, eos_token_id=None)
+    config = transformers.GPT2Config(**{**TOY, "bos_token_id": None, "eos_token_id": None,
+                                        **overrides})  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(config).eval()
     model.save_pretrained(directory)
@@ -180,7 +181,7 @@ def test_fine_tuning_from_gpt2_weights_through_the_cli(toy, tmp_path):
     """--init-from hf:DIR trains from the weights (one step at lr 1e-12 leaves them),
     checkpoints, resumes, and evaluates with DIR gone: the checkpoint records the shape."""
     directory = tmp_path / "gpt2"
-    _hf_model(directory)
+    _hf_model(directory, bos_token_id=0, eos_token_id=0)
     run = tmp_path / "run"
     flags = ["--mesh", "data=2", "--model", "gpt", "--dataset", "python_stdlib",
              "--batch-size", "8", "--init-from", f"hf:{directory}", "--ckpt-dir", str(run),
@@ -197,6 +198,10 @@ def test_fine_tuning_from_gpt2_weights_through_the_cli(toy, tmp_path):
     assert evaluated.returncode == 0 and "evaluated step=4" in evaluated.stdout, evaluated.stderr
     record = jdp.checkpoint.read_record(os.path.join(run, "4"))
     assert record.config["architecture"]["epsilon"] == 1e-5
+    # Exported back, the weights' special tokens are the source's (recorded at import).
+    assert export([str(run), "--to", "hf", str(tmp_path / "out")]) == 0
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (0, 0)
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ def data_facts(split) -> dict:
         "vocab_size": getattr(split, "vocab_size", None),
         "seq_len": getattr(split, "seq_len", None),
         "tokenizer": getattr(split, "tokenizer", None),
+        "eos_id": getattr(split, "eos_id", None),  # the id between documents, if any
         # What jdp.LoadedModel.predict needs to read raw inputs as training read them.
         "classes": list(getattr(split, "classes", None) or ()),
         "transform": _transform(getattr(split, "transform", None)),

@@ -254,9 +254,26 @@ def _load(path: str) -> dict[str, np.ndarray]:
         raise UsageError(f"{path}: not readable as safetensors ({error})") from None
 
 
-def write_hf(directory: str | os.PathLike, module: GPT, params: Mapping) -> None:
+def special_tokens(directory: str) -> dict[str, int | None]:
+    """``bos_token_id`` and ``eos_token_id`` of a ``transformers`` directory's
+    ``config.json`` (None where it states none or cannot be read)."""
+    try:
+        with open(os.path.join(directory, CONFIG_FILE)) as file:
+            config = json.load(file)
+    except (OSError, ValueError):
+        config = {}
+    return {key: config.get(key) if isinstance(config.get(key), int) else None
+            for key in SPECIAL_TOKENS}  # fmt: skip
+
+
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id")
+
+
+def write_hf(directory: str | os.PathLike, module: GPT, params: Mapping,
+             special: Mapping[str, int | None] | None = None) -> None:  # fmt: skip
     """Writes `GPT` ``module``'s ``params`` (scanned layers; host or device arrays)
-    as a ``transformers`` GPT-2 directory: ``config.json`` and ``model.safetensors``."""
+    as a ``transformers`` GPT-2 directory: ``config.json`` (``special``: its
+    ``bos_token_id`` and ``eos_token_id``) and ``model.safetensors``."""
     from safetensors.numpy import save_file
 
     directory = os.fspath(directory)
@@ -282,7 +299,7 @@ def write_hf(directory: str | os.PathLike, module: GPT, params: Mapping) -> None
     contiguous = {name: np.ascontiguousarray(value, np.float32) for name, value in tensors.items()}
     save_file(contiguous, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
     with open(os.path.join(directory, CONFIG_FILE), "w") as file:
-        json.dump(_config(module), file, indent=2)
+        json.dump(_config(module) | dict(special or {}), file, indent=2)
 
 
 def _config(module: GPT) -> dict:

@@ -55,7 +55,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--recipe",
         metavar="{" + ",".join(recipe_names()) + "}|PATH.toml",
-        help="start from a recipe, a run with its expected result (see docs/recipes.md); "
+        help="start from a recipe, a run with its expected result (see docs/cli.md#recipes); "
         "the other flags override it",
     )
     hints = typing.get_type_hints(TrainConfig)

@@ -211,6 +211,8 @@ def recorded_config(config: TrainConfig, yours: Yours, train: Split, *,
         recorded[DATA_FINGERPRINT] = fingerprints
     if architecture:  # gpt's shape as weights set it (--init-from hf:DIR)
         recorded[ARCHITECTURE] = architecture
+    if weights := hf.directory_of(config.init_from):  # for jdp.export to write them back
+        recorded["special_tokens"] = hf.special_tokens(weights)
     return recorded
 
 
