@@ -44,6 +44,16 @@ def test_off_a_terminal_progress_is_said_at_least_every_so_many_seconds(capsys, 
     assert capsys.readouterr().out.startswith("step 40/1000 loss=0.9 eta=")
 
 
+def test_a_resumed_run_counts_the_runs_steps_not_this_starts(capsys, monkeypatch):
+    """Resumed at step 2000 of 2600 (an elastic restart), the lines say step 2060/2600,
+    as its evaluations do, not 60/600."""
+    monkeypatch.setattr(console_module, "_LOG_SECONDS", 0.0)
+    console = jdp.Console(enabled=True, interactive=False)
+    console.start_progress(2600, 2000)
+    console.advance(60, loss="0.5")
+    assert capsys.readouterr().out.startswith("step 2060/2600 loss=0.5 eta=")
+
+
 def test_a_terminal_without_a_size_gets_lines_not_a_bar():
     leader, follower = os.openpty()
     try:

@@ -251,6 +251,19 @@ def test_the_best_checkpoint_is_the_lowest_loss_and_bad_best_metrics_are_refused
     assert loaded.step == best and loaded.config["seq_len"] == SEQ
 
 
+def test_llmc_gpt2_shards_without_metadata_read_as_gpt2s_vocabulary(tmp_path, capsys):
+    """llm.c's version-1 shards hold GPT-2's tokens (llm.c reads them with 50,257): a
+    default, said in one line, where other files without a vocabulary are refused."""
+    from jdp.data.tokens import corpus
+
+    write_llmc(tmp_path / "fineweb_train_000001.bin", (np.arange(5000) % 50257).astype(np.uint16))
+    splits = corpus(tmp_path, seq_len=16)
+    assert splits["train"].vocab_size == 50257
+    assert "llm.c's GPT-2 shards (version 1), so GPT-2's vocabulary of 50,257" in (
+        capsys.readouterr().out
+    )
+
+
 def test_the_cli_names_a_missing_vocabulary_and_dtype(tmp_path):
     (np.arange(50_000) % 500).astype(np.uint16).tofile(tmp_path / "train.bin")
     result = run_cli("--model", "gpt", "--dataset", f"tokens:{tmp_path}", "--steps", "1")

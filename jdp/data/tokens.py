@@ -167,6 +167,11 @@ def corpus(path: str | os.PathLike, *, seq_len: int, vocab_size: int | None = No
             f"vocabulary size {vocab_size!r} of {os.fspath(path)}: give a whole number, at least "
             f"1 (--vocab-size, or vocab_size in {os.path.join(directory, META_FILE)})"
         )
+    if not vocab_size and files and all(_gpt2_llmc(file) for file in files):
+        # llm.c's GPT-2 shards (version 1) hold GPT-2's tokens: llm.c reads them so.
+        vocab_size = GPT2_VOCAB
+        print(f"jdp: {os.fspath(path)}: llm.c's GPT-2 shards (version 1), so GPT-2's "
+              f"vocabulary of {GPT2_VOCAB:,} tokens; --vocab-size N says otherwise")  # fmt: skip
     if not vocab_size:
         raise UsageError(
             f"the vocabulary size of {os.fspath(path)} is not known; pass --vocab-size N (or "
@@ -190,6 +195,17 @@ def corpus(path: str | os.PathLike, *, seq_len: int, vocab_size: int | None = No
                 )
             splits[name] = split
     return splits
+
+
+GPT2_VOCAB = 50257  # GPT-2's tokenizer's, which llm.c's version-1 shards hold
+
+
+def _gpt2_llmc(path: str) -> bool:
+    """Whether ``path`` starts with llm.c's header of its GPT-2 shards (magic 20240520,
+    version 1)."""
+    with open(path, "rb") as file:
+        head = np.frombuffer(file.read(8).ljust(8, b"\0"), "<i4")
+    return (int(head[0]), int(head[1])) == (20240520, 1)
 
 
 def split_of(path: str) -> str:

@@ -44,7 +44,7 @@ class Console:
         self._interactive = interactive
         self._bar = None
         self._total = 0
-        self._done = 0
+        self._done = self._start = 0
         self._next_log = 0
 
     @property
@@ -64,13 +64,16 @@ class Console:
         else:
             print(text, flush=True)
 
-    def start_progress(self, total: int) -> None:
-        self._total, self._done = total, 0
+    def start_progress(self, total: int, start: int = 0) -> None:
+        """Progress through step ``total``, from step ``start`` (a resumed run's): the
+        lines and the bar count the run's steps, the eta this start's pace."""
+        self._total, self._done, self._start = total, start, start
         self._started = self._said = time.perf_counter()
         self._postfixed = -_BAR_SECONDS  # the bar's first advance shows its postfix
-        self._next_log = max(1, round(total * _LOG_FRACTION))
+        self._next_log = start + max(1, round((total - start) * _LOG_FRACTION))
         if self.enabled and self._interactive:
-            self._bar = tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
+            self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
+                             leave=False)  # fmt: skip
 
     def shows(self, steps: int) -> bool:
         """Whether advancing by ``steps`` now would show its postfix: a progress line is
@@ -94,11 +97,11 @@ class Console:
             self._bar.update(steps)
         elif self._done >= self._next_log or time.perf_counter() - self._said >= _LOG_SECONDS:
             while self._next_log <= self._done:
-                self._next_log += max(1, round(self._total * _LOG_FRACTION))
+                self._next_log += max(1, round((self._total - self._start) * _LOG_FRACTION))
             extra = " ".join(f"{key}={value}" for key, value in postfix.items())
             self._said = time.perf_counter()
             elapsed = self._said - self._started
-            eta = elapsed / self._done * (self._total - self._done)
+            eta = elapsed / (self._done - self._start) * (self._total - self._done)
             self.line(f"step {self._done}/{self._total} {extra} eta={eta:.0f}s".replace("  ", " "))
 
     def close_progress(self) -> None:

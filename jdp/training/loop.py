@@ -142,7 +142,7 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
     clock, quiet = goodput.clock, start  # no action is due through step `quiet`
     always = [action for action in actions if not hasattr(action, "quiet_through")]
     _call_each(actions, progress, clock)  # before the first call: a profile may start there
-    console.start_progress(config.steps - start)
+    console.start_progress(config.steps, start)
     timer = SteadyTimer(batches, console)
     for step in range(start + calls, config.steps + 1, calls):
         clock.switch("input")
