@@ -84,8 +84,15 @@ def shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+# The collectives library's word that each process reached its peers: one line per
+# process, every run, saying nothing a user acts on (a failure to connect still shows).
+CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.")
+
+
 def _relay(stream, rank: int, out: TextIO, lock: threading.Lock) -> None:
     for line in iter(stream.readline, ""):
+        if CONNECTED.match(line):
+            continue
         with lock:
             out.write(f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")
             out.flush()

@@ -95,6 +95,7 @@ def test_two_processes_match_one(single, tmp_path, backend):
     assert len(summaries) == 1 and summaries[0] == "[0] ", result.stdout
     assert "jdp: 2 processes" in result.stdout
     assert not re.search(r"^\[1\] jdp", result.stdout, re.M), "process 1 printed"
+    assert "[Gloo]" not in result.stdout + result.stderr  # the peers' connection lines
     _assert_same_early_steps(tmp_path / "log", single / "log")
     _assert_same_params(tmp_path / "ckpt", single / "ckpt")
 
