@@ -17,10 +17,13 @@ SCHEDULES = ("constant", "cosine", "linear", "noam", "piecewise")
 LR_SCALING = ("none", "linear", "sqrt")
 
 
-# What a parameter is, by its name in Flax (Linen and NNX) and Haiku/Equinox-style trees:
-# the weights weight decay applies to, and the biases and normalisation scales it spares.
-DECAYED = frozenset({"kernel", "embedding", "w", "weight", "embeddings"})
+# What a parameter is, by its name in Flax (Linen and NNX) trees and Haiku's: the weights
+# weight decay applies to, and the biases and normalisation scales it spares. PyTorch's and
+# Equinox's ``weight`` names a norm's scale too, so it is left to the rank rule.
+DECAYED = frozenset({"kernel", "embedding", "embeddings"})
 SPARED = frozenset({"bias", "scale", "b", "offset"})
+# The attribute that holds a boxed value (NNX's Variable, Linen's Partitioned): not a name.
+_BOXES = frozenset({"value", "raw_value", "unbox"})
 
 
 def decay_mask(params: Any) -> Any:
@@ -50,11 +53,12 @@ def decay_mask(params: Any) -> Any:
 
 
 def _leaf_name(path) -> str:
-    """The last named key of a pytree path (a dict key, an attribute), lower-cased."""
+    """The last named key of a pytree path (a dict key, an attribute), lower-cased, past
+    a box's own attribute (an ``nnx.Variable``'s ``value``)."""
     for key in reversed(path):
         for field in ("key", "name"):
             value = getattr(key, field, None)
-            if isinstance(value, str):
+            if isinstance(value, str) and not (field == "name" and value in _BOXES):
                 return value.lower()
     return ""
 

@@ -161,6 +161,11 @@ def test_the_unrolled_layout_generates_as_the_scanned_one(prompt):
     np.testing.assert_array_equal(tokens, expected)
     assert jdp.models.gpt_for(params) == unrolled
     assert jdp.models.gpt_for({"params": stack_layers(params, 2)}) == _gpt()
+    # Past the context too, whichever layout the parameters and the module are in.
+    options["max_new_tokens"] = 30
+    past = jdp.models.generate(unrolled, params, prompt, **options)
+    np.testing.assert_array_equal(past, jdp.models.generate(_gpt(), params, prompt, **options))
+    np.testing.assert_array_equal(past, sliding_greedy(unrolled, params, prompt, 30))
 
 
 def test_bf16_parameters_generate_in_bf16(model, prompt):

@@ -253,3 +253,14 @@ def test_the_docs_sizes_table_is_the_registrys():
     for size, options in MODELS["gpt"].sizes.items():
         expected = [options[k] for k in ("layers", "heads", "width", "hidden", "max_len")]
         assert documented[size] == [*expected, dropout], size
+
+
+def test_shape_flags_with_loaded_weights_are_refused_and_width_sets_the_hidden_units():
+    architecture = {"vocab_size": 64, "width": 32, "heads": 2, "layers": 1, "hidden": 128,
+                    "max_len": 1024, "dropout": 0.1}  # fmt: skip
+    with pytest.raises(UsageError, match="--layers: the loaded weights set the gpt's shape"):
+        get_model("gpt", _Text(61), "small", architecture=architecture, shape={"layers": 2})
+    get_model("gpt", _Text(61), "small", architecture=architecture, shape={"dropout": 0.0})
+    model = get_model("gpt", _Text(61), "small", shape={"width": 64, "heads": 2})
+    params, _ = _shapes(model, 61)
+    assert params["blocks"]["FeedForward_0"]["Dense_0"]["kernel"].shape == (4, 64, 256)

@@ -204,16 +204,27 @@ GPT_SMALL_DECAYED = 61 * 128 + 16 * 128 + 4 * (4 * 128 * 128 + 2 * 128 * 512)
 GPT_SMALL_SPARED = 4 * (4 * 128 + 512 + 128 + 4 * 128) + 2 * 128
 
 
-def test_decay_mask_reads_nnx_and_unknown_names():
+def test_decay_mask_reads_names_through_nnx_variables_and_linen_boxes():
+    """An NNX state's leaves sit under each Variable's ``value``, a boxed Linen tree's
+    under ``Partitioned``: the name is the parameter's, so a 2-D bias is spared there
+    too (the rank rule would decay it)."""
+    import flax.linen as nn
     from flax import nnx
 
-    model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
-    state = nnx.state(model, nnx.Param)
-    mask = decay_mask(state)
-    named = {jax.tree_util.keystr(path): on
-             for path, on in jax.tree_util.tree_flatten_with_path(mask)[0]}  # fmt: skip
-    assert sorted(key for key, on in named.items() if on) == [
-        key for key in sorted(named) if "kernel" in key
-    ], named
-    # a name that says neither: two or more dimensions decide
+    class Stacked(nnx.Module):
+        def __init__(self):
+            self.kernel = nnx.Param(jnp.ones((2, 3, 4)))
+            self.bias = nnx.Param(jnp.zeros((2, 4)))  # a bias per stacked layer
+            self.scale = nnx.Param(jnp.ones((2, 4)))
+
+    for tree in (nnx.state(Stacked(), nnx.Param),
+                 {"kernel": nn.Partitioned(jnp.ones((2, 3)), ("a", "b")),
+                  "bias": nn.Partitioned(jnp.zeros((2, 3)), ("a", "b"))}):  # fmt: skip
+        flat = jax.tree_util.tree_flatten_with_path(decay_mask(tree))[0]
+        named = {jax.tree_util.keystr(path): on for path, on in flat}
+        assert [key for key, on in named.items() if on] == [
+            key for key in named if "kernel" in key
+        ], named
+    # A name that says neither, or PyTorch's ``weight`` (a norm's scale too): the rank.
     assert decay_mask({"w2": jnp.ones((2, 3)), "v": jnp.ones(3)}) == {"w2": True, "v": False}
+    assert decay_mask({"weight": jnp.ones(3)}) == {"weight": False}

@@ -1,6 +1,7 @@
 """The user's path: their own data, models and optimizer through `jdp.fit` and the CLI,
 and the trained model back (`load_model`, `predict`, ``--eval-only``, ``--init-from``)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -219,6 +220,11 @@ def test_the_best_checkpoint_is_the_best_evaluation_between_saves(tmp_path):
     assert accuracies[best] > accuracies[40], accuracies  # the case: a peak between saves
     loaded = jdp.load_model(tmp_path, "best")
     assert loaded.step == best and loaded.metrics["accuracy"] == accuracies[best], accuracies
+    # The last step, due to a save on the schedule (40) but evaluated only at the end (every
+    # 6 steps): saved once, at the end, with that evaluation, which may be the best.
+    _fit(dataclasses.replace(config, eval_every=6, ckpt_dir=str(tmp_path / "end")), train=train)
+    last = jdp.load_model(tmp_path / "end")
+    assert last.step == 40 and last.metrics["accuracy"] > 0, last.metrics
 
 
 @pytest.mark.slow

@@ -147,19 +147,24 @@ def build_pure_wheel(name: str, directory: str) -> bool:
 
 def local_closure(requirements: list[str], python: str) -> dict[str, str]:
     """``{name: version}`` of the closure of ``requirements`` among this environment's
-    installed packages, markers read for the target's Python (no network)."""
+    installed packages, markers read for the target's Python and for the extras each
+    package was asked with (``etils[epath]`` brings ``fsspec``); no network."""
     from packaging.requirements import Requirement
 
     environment = {"python_version": ".".join(python.split(".")[:2]),
-                   "python_full_version": python, "extra": ""}  # fmt: skip
+                   "python_full_version": python}  # fmt: skip
     closure: dict[str, str] = {}
-    pending = list(requirements)
+    expanded: dict[str, set[str]] = {}  # each package's extras already followed
+    pending = [(line, ("",)) for line in requirements]  # a requirement, its asker's extras
     while pending:
-        requirement = Requirement(pending.pop())
-        if requirement.marker and not requirement.marker.evaluate(environment):
+        line, extras = pending.pop()
+        requirement = Requirement(line)
+        marker = requirement.marker
+        if marker and not any(marker.evaluate(environment | {"extra": e}) for e in extras):
             continue
         name = normalize(requirement.name)
-        if name in closure:
+        wanted = {"", *requirement.extras} - expanded.setdefault(name, set())
+        if not wanted:
             continue
         try:
             distribution = importlib.metadata.distribution(requirement.name)
@@ -169,13 +174,8 @@ def local_closure(requirements: list[str], python: str) -> dict[str, str]:
                 "--offline (pip's resolver, over the network)"
             ) from None
         closure[name] = distribution.version
-        for line in distribution.requires or []:
-            wanted = Requirement(line)
-            extras = wanted.marker and "extra" in str(wanted.marker)
-            if extras and not any(wanted.marker.evaluate(environment | {"extra": extra})
-                                  for extra in requirement.extras):  # fmt: skip
-                continue
-            pending.append(line)
+        expanded[name] |= wanted
+        pending += [(dependency, tuple(wanted)) for dependency in distribution.requires or []]
     return closure
 
 

@@ -209,5 +209,16 @@ def run(args: argparse.Namespace) -> int:
     say(f"--- jdp.bench gpu, {report.elapsed():.0f} s, {report.data['date']} ---")
     for line in table(report.data):
         say(line)
-    failed = [part for part, result in report.data["parts"].items() if "error" in result]
-    return 1 if failed else 0
+    return 1 if failed_parts(report.data["parts"]) else 0
+
+
+def failed_parts(parts: dict[str, Any]) -> list[str]:
+    """The parts that failed: an error, every GPT-2 cell failing or its arms' first
+    losses disagreeing, or the accelerator outside the CPU's tolerance."""
+    failed = [part for part, result in parts.items() if "error" in result]
+    cells = parts.get("gpt2", {}).get("cells", [])
+    if cells and all("error" in cell or not cell["check"]["agree"] for cell in cells):
+        failed.append("gpt2")
+    if parts.get("correctness", {}).get("within") is False:
+        failed.append("correctness")
+    return failed

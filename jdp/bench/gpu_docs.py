@@ -52,10 +52,12 @@ def merge(paths: list[str]) -> dict[str, Any]:
             if "error" in result and earlier:
                 continue  # a failed part leaves an earlier run's figures standing
             result = result | {"run": run}
-            if part in ROWS:  # by row: a later run's row replaces the same row and failures
+            if (
+                part in ROWS and "error" not in result
+            ):  # by row: a later run's row replaces the same row and failures
                 key, rows, order = ROWS[part]
                 result[rows] = [row | {"run": run} for row in result[rows]]
-                if earlier:
+                if earlier and rows in earlier:
                     later = {key(row) for row in result[rows]}
                     kept = [row for row in earlier[rows]
                             if key(row) not in later and "error" not in row]  # fmt: skip

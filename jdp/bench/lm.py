@@ -47,8 +47,9 @@ from jdp.training.config import TrainConfig
 from jdp.training.run import Run, build, setup_devices
 
 # Both arms' optimizer: AdamW at nanoGPT's GPT-2 learning rate and weight decay,
-# held constant (a schedule changes no step's cost), with jdp's betas (its config
-# has no flag for nanoGPT's b2 = 0.95), decaying the weight matrices and embeddings.
+# held constant (a schedule changes no step's cost), with jdp's default betas (nanoGPT's
+# b2 = 0.95 is --beta2's; no beta changes a step's cost), decaying the weight matrices
+# and embeddings.
 LR, WEIGHT_DECAY, B1, B2 = 6e-4, 0.1, 0.9, 0.999
 # Synthetic tokens' vocabulary: GPT-2's tokenizer's (the published sizes pad it to
 # 50,304), but bytes for ``small``, as the bundled python_stdlib corpus: at a width of

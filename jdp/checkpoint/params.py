@@ -23,28 +23,32 @@ from jdp.mesh import replicated
 from jdp.report.console import quiet_absl
 
 
-def _scores(path: str, steps) -> dict[int, tuple[float, float]]:
+def _scores(path: str, steps, only: dict | None = None) -> dict[int, tuple[float, float]]:
     """``{step: (score, value)}`` of the checkpoints among ``steps`` that recorded the
-    evaluation their run keeps its best by; the score is higher for the better."""
+    evaluation their run keeps its best by (``only``: that metric and mode alone); the
+    score is higher for the better."""
     scored = {}
     for number in steps:
         record = read_record(os.path.join(path, str(number)))
         # Before the choice was recorded, checkpoints were kept by accuracy.
         chosen = record.config.get("best_checkpoint") or {"metric": "accuracy", "mode": "max"}
+        if only is not None and chosen != only:
+            continue
         value = record.metrics.get(chosen["metric"])
         if isinstance(value, float):
             scored[number] = (value if chosen["mode"] == "max" else -value, value)
     return scored
 
 
-def best_recorded(path: str) -> float | None:
-    """The best value of the metric the checkpoints in ``path`` were kept by, among those
-    that recorded one (a resumed run's best so far), or None."""
+def best_recorded(path: str, metric: str, mode: str) -> float | None:
+    """The best value of ``metric`` (``mode`` max or min) among the checkpoints in ``path``
+    kept by it (a resumed run's best so far), or None."""
     if not os.path.isdir(path):
         return None
     steps = [int(name) for name in os.listdir(path) if name.isdigit()]
     whole = [s for s in steps if os.path.isdir(os.path.join(path, str(s), "state"))]
-    scored = _scores(path, whole)
+    chosen = {"metric": metric, "mode": mode}
+    scored = _scores(path, whole, only=chosen)
     return max(scored.values())[1] if scored else None
 
 

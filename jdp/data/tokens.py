@@ -22,6 +22,7 @@ import glob
 import os
 import re
 
+import jax
 import numpy as np
 
 from jdp.data.shards import META_FILE, TOKEN_DTYPES, Shard, open_shard, read_meta, release
@@ -170,8 +171,10 @@ def corpus(path: str | os.PathLike, *, seq_len: int, vocab_size: int | None = No
     if not vocab_size and files and all(_gpt2_llmc(file) for file in files):
         # llm.c's GPT-2 shards (version 1) hold GPT-2's tokens: llm.c reads them so.
         vocab_size = GPT2_VOCAB
-        print(f"jdp: {os.fspath(path)}: llm.c's GPT-2 shards (version 1), so GPT-2's "
-              f"vocabulary of {GPT2_VOCAB:,} tokens; --vocab-size N says otherwise")  # fmt: skip
+        if jax.process_index() == 0:  # one line for the run, not one per process
+            print(f"jdp: {os.fspath(path)}: llm.c's GPT-2 shards (version 1), so GPT-2's "
+                  f"vocabulary of {GPT2_VOCAB:,} tokens; --vocab-size N says "
+                  "otherwise")  # fmt: skip
     if not vocab_size:
         raise UsageError(
             f"the vocabulary size of {os.fspath(path)} is not known; pass --vocab-size N (or "

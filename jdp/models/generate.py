@@ -104,7 +104,6 @@ def generate(
         >>> tokens.shape, bool((tokens < 10).all())
         ((2, 5), True)
     """
-    unstacked = _unwrapped(params)
     params = _stacked(module, params)
     prompt = jnp.asarray(prompt_tokens)
     _check(module, prompt, max_new_tokens, temperature, top_k, vocab_size)
@@ -122,7 +121,7 @@ def generate(
         epsilon=module.epsilon,
     )
     # The temperature is an argument, not a constant: another one reuses the program.
-    parts = _continue(module, params, unstacked, prompt.astype(jnp.int32), keys,
+    parts = _continue(module, params, prompt.astype(jnp.int32), keys,
                       np.float32(temperature), spec)  # fmt: skip
     tokens = jnp.concatenate([part[0] for part in parts], axis=1)
     if not with_logits:
@@ -130,7 +129,7 @@ def generate(
     return tokens, jnp.concatenate([part[1] for part in parts], axis=1)
 
 
-def _continue(module: GPT, stacked, params, prompt, keys, temperature, spec: _Spec) -> list:
+def _continue(module: GPT, stacked, prompt, keys, temperature, spec: _Spec) -> list:
     """``(tokens, logits)`` of the cached decoding while the context holds the tokens,
     then of the sliding window past it (nanoGPT's), as many as ``spec.new_tokens``."""
     context, parts = module.max_len, []
@@ -141,7 +140,8 @@ def _continue(module: GPT, stacked, params, prompt, keys, temperature, spec: _Sp
     if cached < spec.new_tokens:  # past the context: a window of the last max_len tokens
         so_far = jnp.concatenate([prompt, *(part[0] for part in parts)], axis=1)
         window = spec._replace(new_tokens=spec.new_tokens - cached)
-        parts.append(_window_decode(module, params, so_far[:, -context:], keys[cached:],
+        scanned = module.clone(unroll=False)  # the stacked layers, whichever layout came
+        parts.append(_window_decode(scanned, stacked, so_far[:, -context:], keys[cached:],
                                     temperature, window))  # fmt: skip
     return parts
 

@@ -163,6 +163,12 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
     if shape:
         if name != "gpt":
             raise UsageError(f"{', '.join(shape)} shape the gpt; --model is {name}")
+        fixed = sorted(set(shape) & set(GPT_SHAPE))
+        if architecture is not None and fixed:
+            raise UsageError(f"--{', --'.join(fixed)}: the loaded weights set the gpt's shape; "
+                             "drop them (--dropout may change)")  # fmt: skip
+        if "width" in shape and "hidden" not in shape:
+            shape = {**shape, "hidden": 4 * shape["width"]}  # GPT-2's and nanoGPT's ratio
         options.update(shape)
         if options["width"] % options["heads"]:
             raise UsageError(f"a width of {options['width']} does not split into "
@@ -189,8 +195,8 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
     options["max_len"] = seq_len or getattr(split, "seq_len", 0) or options["max_len"]
     options.update(remat=remat, unroll=unroll)
     pad = VOCAB_MULTIPLE if size in LM_SIZES else 1
-    if architecture is not None:
-        return _loaded_gpt(split, architecture, options)
+    if architecture is not None:  # its shape; a dropout the flags give over the weights'
+        return _loaded_gpt(split, {**architecture, **(shape or {})}, options)
     if split.kind == "text":
         if split.seq_len > options["max_len"]:
             raise UsageError(

@@ -244,6 +244,9 @@ def _check_model_options(config) -> None:
     for flag, given in own.items():
         if given and config.model != "gpt":
             raise UsageError(f"{flag} is for --model gpt; drop it for --model {config.model}")
+    if config.attention == "cudnn" and config.precision == "fp32":
+        raise UsageError("--attention cudnn is cuDNN's fused kernel, which takes bf16 or fp16; "
+                         "add --precision bf16, or use --attention auto or xla")  # fmt: skip
     if config.dropout is not None and not 0 <= config.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {config.dropout}")
     if config.eval_batches < 0:

@@ -246,6 +246,8 @@ class Checkpoint(PeriodicAction):
 
     def due(self, progress: Progress) -> bool:
         improved = self._improved(progress)  # read every call: it notes each evaluation
+        if not progress.final and progress.step >= progress.steps:
+            return False  # the end saves this step, after the end's evaluation, with it
         return super().due(progress) or self._time_is_up(progress) or improved
 
     def _improved(self, progress: Progress) -> bool:

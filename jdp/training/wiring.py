@@ -145,7 +145,8 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
         checkpoint = Checkpoint(checkpoints, batches, every=config.ckpt_every,
                                 config=run.recorded, skipping=skipping,
                                 minutes=config.ckpt_every_minutes, ledger=ledger, best=best,
-                                best_so_far=best_recorded(checkpoints.directory))  # fmt: skip
+                                best_so_far=best and best_recorded(checkpoints.directory,
+                                                                   *best))  # fmt: skip
     keep = checkpoint.keep if checkpoint is not None else None
     actions.extend(evaluations(run, console, logger, every=config.eval_every, keep=keep))
     if config.early_stop_patience:
