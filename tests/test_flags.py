@@ -17,6 +17,9 @@ def test_each_field_is_a_flag_read_by_its_type():
     assert config.num_processes == 1 and config.no_resume is True
     assert config.ckpt_dir == "/x" and config.data_dir is None
     assert parse_flags([]) == jdp.TrainConfig()
+    # A switch a recipe turns on, the command line turns off.
+    assert parse_flags(["--recipe", "gpt2-124m"]).unroll_layers is True
+    assert parse_flags(["--recipe", "gpt2-124m", "--no-unroll-layers"]).unroll_layers is False
 
 
 def test_flags_refuse_bad_values_in_one_line(capsys):

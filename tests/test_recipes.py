@@ -85,7 +85,14 @@ def _stand_in_data(recipe, tmp_path) -> list[str]:
 @pytest.mark.parametrize("name", recipe_names())
 def test_every_recipes_smoke_form_runs(name, tmp_path):
     recipe = load_recipe(name)
-    smoke = [f"--{key.replace('_', '-')}={value}" for key, value in recipe.smoke.items()]
+
+    def flag(key, value):  # a switch, or its --no- form
+        name = key.replace("_", "-")
+        if isinstance(value, bool):
+            return f"--{name}" if value else f"--no-{name}"
+        return f"--{name}={value}"
+
+    smoke = [flag(key, value) for key, value in recipe.smoke.items()]
     # A fresh process: a recipe's mesh (data=-1) takes the devices the machine has, one CPU
     # here, where this process's 8 would each hold GPT-2 small and its Adam state.
     result = run_cli("--recipe", name, *smoke, *_stand_in_data(recipe, tmp_path), timeout=280,

@@ -1,7 +1,8 @@
 """Command-line flags, derived from `TrainConfig`'s fields and their types; ``--preset``.
 
 Every field is a flag (``batch_size`` -> ``--batch-size``), parsed by its type:
-``int``, ``float``, ``str``, a ``Literal`` of choices, ``bool`` (a switch), or
+``int``, ``float``, ``str``, a ``Literal`` of choices, ``bool`` (a switch, and its
+``--no-`` form), or
 one of those or ``None`` (an empty value). ``--preset NAME`` starts from a named
 configuration (`jdp.training.presets`), ``--recipe NAME`` from a recipe, a run with
 its expected result (`jdp.training.recipes`); flags given with either override it.
@@ -66,9 +67,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
             sections[name] = parser.add_argument_group(f"{name} flags")
         group = sections[name]
         flag, hint = f"--{field.name.replace('_', '-')}", hints[field.name]
-        if hint is bool:
-            help_text = field.metadata["help"]
-            group.add_argument(flag, action="store_true", default=None, help=help_text)
+        if hint is bool:  # --no-FLAG too: a preset or recipe's switch can be turned off
+            # (argparse reads any "--no-" flag as off: --no-resume stays a plain switch)
+            negative = field.name.startswith("no_")
+            action = "store_true" if negative else argparse.BooleanOptionalAction
+            group.add_argument(flag, action=action, default=None, help=field.metadata["help"])
             continue
         read, metavar = _parser_of(hint)
         help_text = field.metadata["help"]
