@@ -161,19 +161,8 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
     builtin = check_model(name, size, split.kind)
     options = dict(builtin.sizes[size])
     if shape:
-        if name != "gpt":
-            raise UsageError(f"{', '.join(shape)} shape the gpt; --model is {name}")
-        fixed = sorted(set(shape) & set(GPT_SHAPE))
-        if architecture is not None and fixed:
-            raise UsageError(f"--{', --'.join(fixed)}: the loaded weights set the gpt's shape; "
-                             "drop them (--dropout may change)")  # fmt: skip
-        if "width" in shape and "hidden" not in shape:
-            shape = {**shape, "hidden": 4 * shape["width"]}  # GPT-2's and nanoGPT's ratio
+        shape = _checked_shape(name, shape, options, loaded=architecture is not None)
         options.update(shape)
-        if options["width"] % options["heads"]:
-            raise UsageError(f"a width of {options['width']} does not split into "
-                             f"{options['heads']} heads; give a --width that --heads "
-                             "divides")  # fmt: skip
     if "image" in builtin.data:
         if split.label_key is None or not split.num_classes:
             raise UsageError(
@@ -216,6 +205,24 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
     module = builtin.module(vocab_size=_padded(len(split.vocab), pad), **options)
     model = from_linen(module, sequence(), inputs=_lm_inputs)
     return dataclasses.replace(model, flops=_lm_flops(module))
+
+
+def _checked_shape(name: str, shape: Mapping[str, Any], options: dict, *, loaded: bool) -> dict:
+    """gpt's fields the flags set (``--width`` alone: 4 times as many hidden units, GPT-2's
+    ratio), checked against the model, the loaded weights and the size's ``options``."""
+    if name != "gpt":
+        raise UsageError(f"{', '.join(shape)} shape the gpt; --model is {name}")
+    fixed = sorted(set(shape) & set(GPT_SHAPE))
+    if loaded and fixed:
+        raise UsageError(f"--{', --'.join(fixed)}: the loaded weights set the gpt's shape; "
+                         "drop them (--dropout may change)")  # fmt: skip
+    if "width" in shape and "hidden" not in shape:
+        shape = {**shape, "hidden": 4 * shape["width"]}
+    width, heads = shape.get("width", options["width"]), shape.get("heads", options["heads"])
+    if width % heads:
+        raise UsageError(f"a width of {width} does not split into {heads} heads; give a "
+                         "--width that --heads divides")  # fmt: skip
+    return dict(shape)
 
 
 def _loaded_gpt(split, architecture: Mapping[str, Any], options: dict) -> Model:
