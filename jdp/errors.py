@@ -24,6 +24,11 @@ class DataLedgerError(RuntimeError):
     """
 
 
+class LoaderError(RuntimeError):
+    """The training data stopped coming: a loader worker process died. The CLI saves the
+    state of the last step, prints the line and exits with code 1."""
+
+
 class ReplicaMismatchError(RuntimeError):
     """Replicas that should hold identical parameters do not (`jdp.distributed.check_replicas`).
     The CLI prints it and exits with code 1."""

@@ -6,7 +6,8 @@ the coordinator listens on loopback only. Output lines carry the process id. The
 launcher exits with the first non-zero exit code; once a process fails, the
 others get ``--grace`` seconds to end on their own and are then killed. With
 ``--max-restarts K`` the group is started again instead, up to K times (a jdp run
-resumes from its last complete checkpoint: torchrun's elastic semantics), and
+resumes from its last complete checkpoint: torchrun's elastic semantics; a run that
+stalls, `jdp.distributed.watchdog`'s exit code 75, fails as a death does), and
 ``--min-nproc M`` leaves out a process that fails twice in a row while more than
 M remain: the run finishes on fewer, its global batch and data order unchanged.
 SIGTERM, SIGINT or SIGHUP sends SIGTERM to every process (a jdp run saves and
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from jdp.distributed import cluster
+from jdp.distributed.watchdog import EXIT_STALLED
 
 _CPU_COUNT = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
@@ -76,6 +78,8 @@ def describe_exit(code: int) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
+    if code == EXIT_STALLED:
+        return f"exit code {code}: the run stalled"
     return f"exit code {code}"
 
 

@@ -7,9 +7,16 @@ import atexit
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
-from jdp.errors import DataLedgerError, NonFiniteError, ReplicaMismatchError, UsageError
+from jdp.errors import (
+    DataLedgerError,
+    LoaderError,
+    NonFiniteError,
+    ReplicaMismatchError,
+    UsageError,
+)
 from jdp.training.flags import parse_flags
 
 
@@ -42,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         sys.stderr.write(f"jdp.train: error: {error}\n")
         return 2
-    except (ReplicaMismatchError, NonFiniteError, DataLedgerError) as error:
+    except (ReplicaMismatchError, NonFiniteError, DataLedgerError, LoaderError) as error:
         sys.stderr.write(f"jdp.train: error: {error}\n")
         return 1
     finally:
@@ -68,8 +75,16 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def _threads_left() -> bool:
+    """Whether a thread Python's exit would wait for is still running (a loader's, stuck
+    on a worker that stopped, after a signal ended the run)."""
+    main_thread = threading.main_thread()
+    return any(thread.is_alive() and not thread.daemon and thread is not main_thread
+               for thread in threading.enumerate())  # fmt: skip
+
+
 if __name__ == "__main__":
     code = main()
-    if code:
+    if code or _threads_left():
         exit_now(code)
     sys.exit(code)

@@ -171,3 +171,39 @@ def launched_pids(stderr_lines) -> dict[int, int]:
         for line in stderr_lines
         if (m := re.search(r"started process (\d+) of \d+ \(pid (\d+)\)", line))
     }
+
+
+def children(pid) -> list[int]:
+    """The pids of ``pid``'s child processes (Linux: read from ``/proc``)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:  # the parent pid
+                found.append(int(name))
+    return found
+
+
+def cmdline(pid) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read()
+    except OSError:
+        return b""
+
+
+def alive(pid) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def loader_workers(pid) -> list[int]:
+    """The Grain worker processes of the trainer ``pid`` (multiprocessing's spawned children)."""
+    return [child for child in children(pid) if alive(child) and b"spawn_main" in cmdline(child)]

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 from closeness import assert_drift_within
-from helpers import assert_bitwise_equal, launched_pids, subprocess_env
+from helpers import alive, assert_bitwise_equal, launched_pids, loader_workers, subprocess_env
 
 from jdp.checkpoint import load_params
 
@@ -35,6 +35,23 @@ FAILS_AGAIN = (
     "    sys.exit(1)\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
+# Process 1 sleeps inside a callback of its own at step 250, on the run's first start only
+# (sys.argv[1] is made then): the others go on into step 251's all-reduce and wait there.
+STALLS_IN_A_CALLBACK = (
+    "import os, sys, time\n"
+    "from jdp.training.flags import parse_flags\n"
+    "from jdp.training.loop import fit\n"
+    "def hang_once(progress):\n"
+    "    if (progress.step == 250 and os.environ['JDP_PROCESS_ID'] == '1'\n"
+    "            and not os.path.exists(sys.argv[1])):\n"
+    "        open(sys.argv[1], 'w').close()\n"
+    "        time.sleep(3600)\n"
+    "flags = sys.argv[sys.argv.index('jdp.train') + 1:]\n"
+    "fit(parse_flags([*flags, '--stall-timeout', sys.argv[2]]), callbacks=[hang_once])\n"
+)  # fmt: skip
+# A stall timeout far above this small model's steps and batch reads (milliseconds) on a
+# loaded 2-core machine, and short enough to keep the tests quick.
+STALL = 10
 
 
 def _launcher(ckpt_dir, *launch_flags, wrapper=()):
@@ -45,8 +62,9 @@ def _launcher(ckpt_dir, *launch_flags, wrapper=()):
                             env=subprocess_env())  # fmt: skip
 
 
-def _kill_when(launcher, ready, then=lambda: None, timeout=240):
-    """Kills process 1 with SIGKILL once ``ready()``; returns the exit code and output."""
+def _kill_when(launcher, ready, then=lambda: None, timeout=240, act=None):
+    """Kills process 1 with SIGKILL once ``ready()`` (or calls ``act(stderr_lines)``);
+    returns the exit code and output."""
     out, err = [], []
     readers = [threading.Thread(target=lambda s=s, into=into: into.extend(iter(s.readline, "")),
                                 daemon=True)
@@ -60,7 +78,10 @@ def _kill_when(launcher, ready, then=lambda: None, timeout=240):
                 assert launcher.poll() is None, "".join(out + err)[-3000:]
                 assert time.monotonic() < deadline
                 time.sleep(0.002)
-            os.kill(launched_pids(err)[1], signal.SIGKILL)
+            if act is None:
+                os.kill(launched_pids(err)[1], signal.SIGKILL)
+            else:
+                act(err)
             then()
             code = launcher.wait(timeout=timeout)
         finally:
@@ -204,3 +225,63 @@ def test_spent_restarts_end_in_one_line_with_the_last_checkpoint_intact(tmp_path
         "jdp.launch: --max-restarts 1 spent; the last complete checkpoint is where a rerun resumes"
     )
     load_params(str(tmp_path / "ckpt"))  # the latest complete checkpoint, digests checked
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_stalled_process_ends_the_group_and_the_restart_ends_bitwise(whole, tmp_path):
+    """Process 1 hangs in a callback (alive: its heartbeats go on) while process 0 waits in
+    the next step's all-reduce; without the watchdog the run never ends."""
+    wrapper = [sys.executable, "-c", STALLS_IN_A_CALLBACK, str(tmp_path / "hung"), str(STALL)]
+    launcher = _launcher(tmp_path / "ckpt", "--max-restarts", "1", wrapper=wrapper)
+    _, err = launcher.communicate(timeout=500)
+    assert launcher.returncode == 0, err[-3000:]
+    stacks = f"{_log_dir(tmp_path / 'ckpt')}/stalls/process-1.txt"
+    line = re.search(r"\[0\] jdp: process 1 of 2 stalled in a callback \(hang_once\) after "
+                     rf"step 250: no progress for (\d+) s \(--stall-timeout {STALL}\); its "
+                     rf"Python stacks are in {re.escape(stacks)}; ending the run with exit code "
+                     "75", err)  # fmt: skip
+    assert line and STALL <= int(line[1]) <= STALL + 10, err[-3000:]
+    assert "jdp.launch: process 1 of 2 failed first (exit code 75: the run stalled)" in err
+    assert "jdp.launch: restart 1 of 1" in err
+    with open(stacks) as file:
+        text = file.read()
+    assert text.startswith("process 1: in a callback (hang_once), step 250"), text[:300]
+    assert "line 7 in hang_once" in text  # the sleep
+    assert_bitwise_equal(_params(tmp_path / "ckpt"), _params(whole))
+    goodput, attempts = _goodput(tmp_path / "ckpt")
+    assert [attempt["ended"] for attempt in attempts] == ["stalled", "finished"]
+    assert goodput["restarts"] == 1 and goodput["parts"]["stalled"] >= STALL * 0.5
+    assert abs(sum(goodput["parts"].values()) - goodput["wall"]) <= 0.02 * goodput["wall"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_loader_worker_ends_every_process_naming_the_read(tmp_path):
+    """One process's loader worker stopped (SIGSTOP): that process waits for data forever
+    while the other waits in the all-reduce; both end within the stall timeout and 10 s."""
+    command = [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process",
+               "2", "--grace", "3", "--", *TRAIN, "--loader-workers", "1", "--stall-timeout",
+               str(STALL), "--ckpt-dir", str(tmp_path), "--log-dir",
+               _log_dir(tmp_path)]  # fmt: skip
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=subprocess_env())  # fmt: skip
+    stopped = []
+
+    def stop_a_worker(err_lines):
+        stopped.extend(loader_workers(launched_pids(err_lines)[1])[:1])
+        assert stopped, "process 1 has no loader worker"
+        os.kill(stopped[0], signal.SIGSTOP)
+
+    code, _, err = _kill_when(launcher, _logged(tmp_path, 100), act=stop_a_worker)
+    assert code == 75, err[-3000:]
+    line = re.search(r"\[0\] jdp: process 1 of 2 stalled reading data after step \d+: no "
+                     r"progress for (\d+) s", err)  # fmt: skip
+    assert line and STALL <= int(line[1]) <= STALL + 10, err[-3000:]
+    with open(f"{_log_dir(tmp_path)}/stalls/process-1.txt") as file:
+        text = file.read()
+    assert text.startswith("process 1: reading data"), text[:300]
+    assert "in _wait" in text and "in __next__" in text  # the loop's wait for a batch
+    with open(f"{_log_dir(tmp_path)}/stalls/process-0.txt") as file:
+        assert file.read().startswith("process 0: ")  # every process writes its stacks
+    assert not alive(stopped[0])  # the stopped worker does not outlive its trainer

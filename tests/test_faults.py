@@ -4,6 +4,7 @@ a wrong result."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import run_cli, saves_after, subprocess_env
+from helpers import (
+    alive,
+    children,
+    cmdline,
+    loader_workers,
+    run_cli,
+    saves_after,
+    subprocess_env,
+)
 
 import jdp
 from jdp.bench.faults import bit_flips
@@ -375,36 +384,6 @@ def test_a_mesh_too_large_is_refused_before_devices_are_made():
     assert result.returncode == 2 and "jdp simulates at most 1024 CPU devices" in result.stderr
 
 
-def _children(pid):
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:  # the parent pid
-                found.append(int(name))
-    return found
-
-
-def _cmdline(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return cmdline.read()
-    except OSError:
-        return b""
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 def test_loader_workers_die_with_a_killed_trainer(tmp_path):
     trainer = subprocess.Popen(
@@ -418,16 +397,49 @@ def test_loader_workers_die_with_a_killed_trainer(tmp_path):
             assert trainer.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         time.sleep(2.0)  # well into training: workers busy or waiting for room in the queue
-        workers = [pid for pid in _children(trainer.pid) if _alive(pid)]
-        spawned = [pid for pid in workers if b"spawn_main" in _cmdline(pid)]
+        workers = [pid for pid in children(trainer.pid) if alive(pid)]
+        spawned = [pid for pid in workers if b"spawn_main" in cmdline(pid)]
         assert len(spawned) == 2, workers
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
     deadline = time.monotonic() + 20  # each worker looks for its parent once a second
-    while any(_alive(pid) for pid in workers):
-        assert time.monotonic() < deadline, [pid for pid in workers if _alive(pid)]
+    while any(alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, [pid for pid in workers if alive(pid)]
         time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_on_a_stopped_loader_worker_saves_and_ends(tmp_path):
+    """The loop waits for a batch that a stopped (SIGSTOP) worker never makes: a SIGTERM
+    still ends the run within seconds, the last step's state saved (the state is whole
+    between steps; the loader is not needed to save it)."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps", "100000",
+         "--loader-workers", "1", "--ckpt-dir", str(tmp_path / "ckpt"), "--log-dir",
+         str(tmp_path), "--log-every", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while '"step": 20,' not in _text(tmp_path / "metrics.jsonl"):  # training
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        (worker,) = loader_workers(trainer.pid)
+        os.kill(worker, signal.SIGSTOP)
+        time.sleep(2.0)  # the batches made before are used up: the loop waits
+        started = time.monotonic()
+        trainer.send_signal(signal.SIGTERM)
+        out, err = trainer.communicate(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 0 and took < 15, (took, err[-2000:])
+    saved = re.search(r"jdp.train: SIGTERM while waiting for data at step (\d+); checkpoint "
+                      "saved in", out)  # fmt: skip
+    assert saved, out[-2000:] + err[-2000:]
+    assert str(int(saved[1])) in os.listdir(tmp_path / "ckpt")
+    assert not alive(worker)
 
 
 @pytest.mark.slow

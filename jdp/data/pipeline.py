@@ -16,12 +16,11 @@ a few steps ahead of the train step.
 from __future__ import annotations
 
 import collections
-import os
+import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-import grain
 import jax
 from jax.sharding import Mesh
 
@@ -34,53 +33,11 @@ from jdp.data.readers import global_batch_indices as global_batch_indices
 from jdp.data.readers import map_examples as map_examples
 from jdp.data.sources import Split
 from jdp.data.streams import BatchStream, stream_rows
+from jdp.data.workers import die_with_parent as die_with_parent
+from jdp.data.workers import host_batches as host_batches
+from jdp.data.workers import worker_died
 from jdp.errors import UsageError
 from jdp.mesh import process_rows, shard_batch
-
-
-def host_batches(
-    reader: Callable[[int], dict], *, start: int, stop: int | None, workers: int = 0
-) -> grain.IterDataset:
-    """Grain's pipeline of host batches ``reader(start), reader(start + 1), ...``.
-
-    With ``workers`` > 0 the reader runs in that many processes; batches still
-    come out in order, so the result does not depend on the number of workers.
-    """
-    dataset = grain.MapDataset.range(start, stop if stop is not None else 2**62).map(reader)
-    # The Loader's thread already overlaps host work with the step: no Grain threads.
-    host = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-    if workers:
-        _allow_grain_workers()
-        # Arrays over 32 KiB travel from workers in shared memory, the rest pickled.
-        # A worker whose pickled batch is larger than the pipe's buffer cannot exit
-        # until the batch is read, so closing the loader waited out Grain's 25 s
-        # per worker. The cost: the shared memory of batches still in flight when
-        # the loader closes is removed at exit by Python's resource tracker, which
-        # reports it ("leaked shared_memory objects").
-        options = grain.experimental.DatasetOptions(min_shm_size=32 * 1024)
-        host = grain.experimental.WithOptionsIterDataset(host, options)
-        host = host.mp_prefetch(
-            grain.MultiprocessingOptions(num_workers=workers), worker_init_fn=die_with_parent
-        )
-    return host
-
-
-def die_with_parent(worker_index: int = 0, worker_count: int = 0) -> None:
-    """In a worker process: exit when the process that started it is gone.
-
-    A parent killed with SIGKILL cannot stop its workers, which would go on
-    holding their memory; each worker watches its parent's pid instead (a
-    daemon thread, once a second) and exits when it changes.
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="jdp-watch-parent", daemon=True).start()
-
 
 _END = object()
 
@@ -162,6 +119,9 @@ class Loader(Iterator[dict]):
         self._free = threading.Semaphore(prefetch)
         self._filled = threading.Semaphore(0)
         self._stop = threading.Event()
+        # Asked while the loop waits for a batch: an exception to raise instead of waiting
+        # on (a signal's stop, a stall), or None.
+        self.interrupt: Callable[[], BaseException | None] | None = None
         self._thread = threading.Thread(target=self._fill, args=(host,), daemon=True)
         self._thread.start()
 
@@ -198,7 +158,7 @@ class Loader(Iterator[dict]):
         if self._chunk:
             item, marks = self._chunk.popleft()
         else:
-            self._filled.acquire()
+            self._wait()
             item = self._ready.popleft()
             self._free.release()
             if item is _END:
@@ -206,7 +166,7 @@ class Loader(Iterator[dict]):
                 raise StopIteration
             if isinstance(item, BaseException):
                 self.close()
-                raise item
+                raise worker_died(item) or item
             item, marks = item
             if isinstance(item, list):  # a chunk of batches
                 self._chunk.extend(zip(item, marks or [None] * len(item), strict=True))
@@ -218,6 +178,14 @@ class Loader(Iterator[dict]):
             if len(self._marks_given) >= MARKS_HELD:
                 self._sum_marks()
         return item
+
+    def _wait(self) -> None:
+        """Until a batch is ready, asking `interrupt` every `_ASK_EVERY` seconds."""
+        if self._filled.acquire(blocking=False):
+            return
+        while not self._filled.acquire(timeout=_ASK_EVERY):
+            if self.interrupt is not None and (error := self.interrupt()) is not None:
+                raise error
 
     def marks(self) -> tuple[tuple[int, ...], list[int], int, int]:
         """The data ledger's marks (`jdp.data.ledger`) of the batches given: the last
@@ -242,13 +210,22 @@ class Loader(Iterator[dict]):
     def close(self) -> None:
         """Stops the thread and any Grain workers; the loader yields nothing more."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=_CLOSE_SECONDS)
+        if self._thread.is_alive():  # waiting on a worker that stopped (SIGSTOP, a hung read)
+            for child in multiprocessing.active_children():
+                child.kill()
+            self._thread.join(timeout=_CLOSE_SECONDS)
 
     def __enter__(self) -> Loader:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+# Seconds between a waiting loop's questions to `Loader.interrupt`, and those a closing
+# loader gives its thread to end before its worker processes are killed.
+_ASK_EVERY, _CLOSE_SECONDS = 0.25, 5.0
 
 
 def _take_marks(item):
@@ -263,15 +240,6 @@ def _take_marks(item):
 
 
 _MASK64 = (1 << 64) - 1
-
-
-def _allow_grain_workers() -> None:
-    """Grain 0.2.18 reads an absl flag in its worker set-up and fails when flags were
-    never parsed, as in any program not started by ``absl.app`` (google/grain#1355)."""
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
 
 
 def check_train_batch(split: Split, batch_size: int) -> None:

@@ -52,6 +52,11 @@ class Preemption:
         return self._signal is not None
 
     @property
+    def signalled(self) -> bool:
+        """Whether this process's own handler heard a signal (one process only)."""
+        return self._signal is not None
+
+    @property
     def signal_name(self) -> str:
         return signal.Signals(self._signal).name if self._signal else "preemption notice (SIGTERM)"
 

@@ -6,12 +6,14 @@ attempt to one part: ``startup`` (building the run, restoring a checkpoint, and 
 ``compile`` (the first call of the step), ``step`` (train steps, and what runs
 between them), ``recomputed`` (train steps that an attempt before this one had
 already computed, lost to its failure), ``input`` (waiting for a batch),
-``checkpoint`` (blocked on a save), ``evaluate`` and ``other`` (closing the loader,
-the metric files and the checkpointer at the end). Process 0 writes the attempt's
-parts to ``goodput.json`` in the run's directory every few seconds and at the end;
-a killed attempt's time after its last write, and the wait until the next
-attempt's process started, count as ``restart``. The gap after an attempt that
-finished (a run resumed later with more steps) is not the run's time.
+``checkpoint`` (blocked on a save), ``evaluate``, ``other`` (closing the loader,
+the metric files and the checkpointer at the end) and ``stalled`` (the time without
+progress before the stall watchdog ended the attempt, `jdp.distributed.watchdog`).
+Process 0 writes the attempt's parts to ``goodput.json`` in the run's directory
+every few seconds and at the end; a killed attempt's time after its last write, and
+the wait until the next attempt's process started, count as ``restart``. The gap
+after an attempt that finished (a run resumed later with more steps) is not the
+run's time.
 
 Goodput is the share of the wall time spent in train steps that were kept:
 ``step / wall``. The parts add up to the wall time: the test holds them to 2%.
@@ -22,12 +24,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
 PARTS = ("startup", "compile", "step", "recomputed", "input", "checkpoint", "evaluate",
-         "other", "restart")  # fmt: skip
+         "other", "stalled", "restart")  # fmt: skip
 FILE = "goodput.json"
 # Seconds between the writes of a live attempt's parts (each a small file renamed into place).
 WRITE_EVERY = 2.0
@@ -109,6 +112,7 @@ class Goodput:
         self.attempt: dict[str, Any] = {}
         self.redo_until = 0
         self._written = 0.0
+        self._lock = threading.Lock()  # the stall watchdog's thread writes too
 
     def start(self, step: int) -> None:
         self.before = _read(self.path) if self.path else []
@@ -135,6 +139,22 @@ class Goodput:
             self._stamp()
         return summarize([*self.before, self.attempt])
 
+    def stalled(self, mark) -> None:
+        """Ends the attempt as the stall watchdog ends it: the time since the stalled
+        process's last progress (`jdp.distributed.watchdog.Mark`) moved from the part this
+        process was in to ``stalled``, and written."""
+        if not self.attempt:
+            return
+        with self._lock:
+            self._stamp()
+            self.attempt["ended"] = "stalled"
+            parts = self.attempt["parts"]
+            moved = min(mark.idle, parts[self.clock.part])
+            parts[self.clock.part] -= moved
+            parts["stalled"] += moved
+            if self.path:
+                self._dump()
+
     def _stamp(self) -> None:
         attempt = self.attempt
         attempt["updated"] = time.time()
@@ -143,7 +163,13 @@ class Goodput:
         attempt["recomputed_steps"] = max(0, redone)  # those it reached
 
     def _write(self) -> None:
-        self._stamp()
+        with self._lock:
+            if self.attempt.get("ended") == "stalled":
+                return  # the watchdog's account is the last word
+            self._stamp()
+            self._dump()
+
+    def _dump(self) -> None:
         self._written = time.monotonic()
         temporary = f"{self.path}.tmp-{os.getpid()}"
         try:

@@ -329,6 +329,8 @@ class TrainConfig:
     heartbeat_timeout: float = _flag(
         HEALTH, 60.0, "seconds after which a silent process counts as lost and the run stops"
     )
+    stall_timeout: float = _flag(HEALTH, 600.0, "seconds without progress (4x evaluating or "
+        "saving; compiling never counts) before a run ends stalled, exit 75 (0: off)")  # fmt: skip
     check_replicas_every: int = _flag(
         HEALTH, 0, "compare a checksum of the parameters on every device every N steps (0: off)"
     )

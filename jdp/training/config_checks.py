@@ -120,6 +120,7 @@ def _check_numbers(config) -> None:
         "label_smoothing": (0.0, True, 1.0, False),
         "startup_timeout": (0.0, False, math.inf, False),
         "heartbeat_timeout": (0.0, False, math.inf, False),
+        "stall_timeout": (0.0, True, math.inf, False),
         "ckpt_every_minutes": (0.0, True, math.inf, False),
     }
     for name, (low, low_in, high, high_in) in ranges.items():

@@ -14,7 +14,8 @@ from jdp.actions import NEVER, Action, Progress
 from jdp.checkpoint import Checkpointer
 from jdp.data.pipeline import places_ahead, train_batches
 from jdp.data.sources import Split
-from jdp.errors import UsageError
+from jdp.distributed.watchdog import COMPILING, READING, SAVING, STEPPING, Watch
+from jdp.errors import LoaderError, UsageError
 from jdp.models import Model
 from jdp.report.console import Console
 from jdp.report.goodput import Clock, Goodput
@@ -33,11 +34,14 @@ from jdp.training.results import (
 )
 from jdp.training.resume import resume
 from jdp.training.run import Data, Run, Yours, build
+from jdp.training.stops import Interrupted, StopOnPreemption
 from jdp.training.wiring import (
+    action_phases,
     actions_for,
     checkpointer,
     data_ledger,
     metric_logger,
+    stall_watch,
     tokens_per_example,
 )
 
@@ -140,25 +144,36 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
                           ledger)  # fmt: skip
     progress = Progress(step=start, steps=config.steps, state=state)
     clock, quiet = goodput.clock, start  # no action is due through step `quiet`
+    watch = stack.enter_context(stall_watch(config, start, goodput))
+    phases = action_phases(actions, callbacks)
+    preemption = next(action for action in actions if isinstance(action, StopOnPreemption))
+    batches.interrupt = preemption.interrupted if jax.process_count() == 1 else None
     always = [action for action in actions if not hasattr(action, "quiet_through")]
-    _call_each(actions, progress, clock)  # before the first call: a profile may start there
+    _call_each(actions, progress, clock, watch, phases)  # a profile may start before the first call
     console.start_progress(config.steps, start)
     timer = SteadyTimer(batches, console)
     for step in range(start + calls, config.steps + 1, calls):
         clock.switch("input")
-        batch = next(batches)
-        clock.switch("compile" if step == start + calls else
+        watch.at(READING)
+        try:
+            batch = next(batches)
+        except (Interrupted, LoaderError) as stop:  # the state is whole: the last step's
+            preemption.now(progress, stop)
+            break
+        first = step == start + calls
+        watch.started(step, COMPILING if first else STEPPING)
+        clock.switch("compile" if first else
                      "recomputed" if step <= goodput.redo_until else "step")  # fmt: skip
-        if step == start + calls and config.log_dir and jax.process_index() == 0:
+        if first and config.log_dir and jax.process_index() == 0:
             lowered = run.train_step.lower(progress.state, batch)
             describe_run(config, run, logger, lowered, console)
         progress.after_call(step, calls, *run.train_step(progress.state, batch))
         timer.after_call(progress.call_metrics)
         if step > quiet:
-            _call_each(actions, progress, clock)
+            _call_each(actions, progress, clock, watch, phases)
             quiet = _quiet_through(actions, progress)
         else:  # only the actions asked after every call
-            _call_each(always, progress, clock)
+            _call_each(always, progress, clock, watch, phases)
         goodput.progress(step)
         if progress.stop_reason:
             break
@@ -171,9 +186,10 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
     if progress.stop_reason:
         console.line(f"jdp: {progress.stop_reason}; stopping at step {progress.step}")
     progress.final = True
-    _call_each(actions, progress, clock)
+    _call_each(actions, progress, clock, watch, phases)
     if checkpoints is not None:  # the final checkpoint's path, for the trackers
         clock.switch("checkpoint")
+        watch.at(SAVING)
         checkpoints.wait()
         clock.switch("other")
         if saved := checkpoints.steps():
@@ -184,10 +200,12 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
     return progress, timer, logger.history
 
 
-def _call_each(actions: Sequence[Action], progress: Progress, clock: Clock) -> None:
+def _call_each(actions: Sequence[Action], progress: Progress, clock: Clock, watch: Watch,
+               phases: dict[int, tuple[str, str]]) -> None:  # fmt: skip
     """Each action in turn, its time given to its part of the goodput ledger (``part``:
-    a checkpoint's, an evaluation's) or to the step's."""
+    a checkpoint's, an evaluation's) or to the step's, and its phase to the watch."""
     for action in actions:
+        watch.at(*phases[id(action)])
         part = getattr(action, "part", None)
         previous = clock.switch(part) if part else None
         action(progress)

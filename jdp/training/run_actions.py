@@ -4,7 +4,6 @@ evaluation, checkpointing, the replica check and preemption (see `jdp.actions`).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,7 +18,6 @@ from jdp.data.ledger import Ledger
 from jdp.data.pipeline import eval_batches
 from jdp.data.sources import Split
 from jdp.diloco import has_groups
-from jdp.distributed.preemption import Preemption
 from jdp.distributed.replica_check import check_replicas
 from jdp.errors import NonFiniteError, UsageError
 from jdp.report.console import Console
@@ -351,30 +349,3 @@ class CheckReplicas(PeriodicAction):
             group_of = {device.id: g for g, row in enumerate(mesh.devices) for device in row.flat}
             trained = (state.groups.params, state.groups.model_state)
             check_replicas(trained, step=progress.step, groups=group_of)
-
-
-class StopOnPreemption:
-    """On SIGTERM or SIGINT (every process agreeing): save, then stop without the end.
-
-    Asked after every call: with several processes, JAX's sync point wants a
-    counter that rises by one per call.
-    """
-
-    def __init__(self, preemption: Preemption, *, steps_per_call: int,
-                 checkpoint: Checkpoint | None, ckpt_dir: str | None):  # fmt: skip
-        self.preemption, self.steps_per_call = preemption, steps_per_call
-        self.checkpoint, self.ckpt_dir = checkpoint, ckpt_dir
-
-    def __call__(self, progress: Progress) -> bool:
-        if progress.final or not progress.ran:
-            return False
-        if not self.preemption.reached(progress.step // self.steps_per_call):
-            return False
-        where = f"jdp.train: {self.preemption.signal_name} at step {progress.step}"
-        if self.checkpoint is not None:
-            self.checkpoint.save_now(progress)
-            saved = f"checkpoint saved in {os.path.abspath(self.ckpt_dir)}"
-            progress.stop(f"{where}; {saved}; run the same command to resume", finish=False)
-        else:
-            progress.stop(f"{where}; stopped without saving (no --ckpt-dir)", finish=False)
-        return True

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import Sequence
 
 import jax
+from jax._src import distributed as jax_distributed  # the runtime's client: no public handle
 
 from jdp.actions import Action, EarlyStopping
 from jdp.checkpoint import Checkpointer
@@ -15,9 +17,11 @@ from jdp.data.ledger import Ledger
 from jdp.data.pipeline import EvalReader, Loader, TrainReader
 from jdp.data.streams import BatchStream
 from jdp.distributed.preemption import Preemption
+from jdp.distributed.watchdog import ACTIONS, CALLBACK, EVALUATING, SAVING, Watch, Watchdog
 from jdp.errors import UsageError
 from jdp.mesh import process_rows
 from jdp.report.console import Console
+from jdp.report.goodput import Goodput
 from jdp.report.logger import MetricLogger
 from jdp.report.throughput import Throughput
 from jdp.report.trackers import open_writers, tracker_names
@@ -31,9 +35,9 @@ from jdp.training.run_actions import (
     Evaluate,
     LogMetrics,
     Profile,
-    StopOnPreemption,
     Synchronize,
 )
+from jdp.training.stops import StopOnPreemption
 
 # How often the progress bar shows the loss: reading it waits for that step.
 DISPLAY_EVERY = 20
@@ -201,3 +205,38 @@ def evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int,
                      chooses=chooses, **kwargs)
         )  # fmt: skip
     return evaluations
+
+
+@contextlib.contextmanager
+def stall_watch(config: TrainConfig, start: int, goodput: Goodput):
+    """The loop's `Watch`, and with ``--stall-timeout`` the watchdog that ends a stalled
+    run (`jdp.distributed.watchdog`): its stacks files go to the log directory, else the
+    checkpoint directory, else the system's temporary one."""
+    watch = Watch(start)
+    if not config.stall_timeout:
+        yield watch
+        return
+    directory = config.log_dir or config.ckpt_dir or os.path.join(tempfile.gettempdir(), "jdp")
+    processes = jax.process_count()
+    client = jax_distributed.global_state.client if processes > 1 else None
+    watchdog = Watchdog(watch, config.stall_timeout, os.path.abspath(directory),
+                        process=jax.process_index(), processes=processes, client=client,
+                        on_stall=goodput.stalled)  # fmt: skip
+    with watchdog:
+        yield watch
+
+
+def action_phases(actions: Sequence[Action], callbacks: Sequence[Action]
+                  ) -> dict[int, tuple[str, str]]:  # fmt: skip
+    """Each action's phase for the stall watchdog (by ``id``), with a callback's name."""
+    yours = {id(callback) for callback in callbacks}
+    phases = {}
+    for action in actions:
+        part = getattr(action, "part", None)
+        if id(action) in yours:
+            name = getattr(action, "__qualname__", None) or type(action).__qualname__
+            phases[id(action)] = (CALLBACK, name)
+        else:
+            phases[id(action)] = ({"evaluate": EVALUATING, "checkpoint": SAVING}.get(part, ACTIONS),
+                                  "")  # fmt: skip
+    return phases

@@ -1,0 +1,247 @@
+"""The stall watchdog: a process that is alive but stuck ends the run instead of hanging it.
+
+JAX's heartbeats stop a run whose process died; a process whose main thread waits
+forever (a read from a hung filesystem, a callback that deadlocked, a loader worker
+that stopped, a collective it never reaches) keeps answering them, and every other
+process then waits in the step's all-reduce. Here each process's training loop marks
+where its main thread is (`Watch`: the phase and the last step it started), and a
+thread of its own (`Watchdog`) publishes that mark (in the coordinator's key-value
+store when there are several processes: no collective) and reads everyone's. When the
+process holding the others up has made no progress for ``timeout`` seconds (four times
+that while it evaluates or saves; never while it compiles), every process writes the
+Python stacks of all its threads to ``DIR/stalls/process-N.txt``, process 0 names the
+process that stalled, its phase and its stacks file in one line, and each process
+ends with `EXIT_STALLED`, without waiting on the stuck collective: ``jdp.launch
+--max-restarts`` then restarts the group from its last complete checkpoint, as after a
+death, and a scheduler's retry resumes a single process the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import faulthandler
+import json
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+# The process's exit code after a stall: sysexits.h's EX_TEMPFAIL ("a temporary failure;
+# the user is invited to retry"), which no other jdp ending uses.
+EXIT_STALLED = 75
+
+COMPILING, READING, STEPPING = "compiling", "reading data", "in the step"
+ACTIONS, CALLBACK = "in the loop's actions", "in a callback"
+EVALUATING, SAVING = "evaluating", "saving"
+# Times ``timeout`` a phase may go without progress; none: never a stall (a first
+# compile's time has no bound a run could know; a large model's takes many minutes).
+_ALLOWANCE = {COMPILING: None, EVALUATING: 4, SAVING: 4}
+# Phases in which a process may only be waiting for the others (a step's all-reduce, or
+# an action reading its result): between processes at the same step, the one elsewhere
+# (reading data, in a callback, evaluating, saving) is holding them up.
+_WAITING = (STEPPING, COMPILING, ACTIONS)
+_KEY = "jdp/watchdog"
+
+
+@dataclasses.dataclass
+class Mark:
+    """Where one process's main thread is: ``phase`` since ``idle`` seconds, the last
+    call of the step it started ending at ``step``; ``where`` names a callback."""
+
+    process: int
+    step: int
+    phase: str
+    idle: float
+    where: str = ""
+
+    def limit(self, timeout: float) -> float | None:
+        factor = _ALLOWANCE.get(self.phase, 1)
+        return None if factor is None else factor * timeout
+
+
+class Watch:
+    """The main thread's progress, set from the training loop at a few points a step:
+    each change of phase or step (and each `tick`) is progress."""
+
+    def __init__(self, step: int = 0):
+        self.step, self.phase, self.where = step, "starting", ""
+        self.since = time.monotonic()
+
+    def at(self, phase: str, where: str = "") -> None:
+        self.phase, self.where, self.since = phase, where, time.monotonic()
+
+    def started(self, step: int, phase: str) -> None:
+        """A call of the step that ends at ``step`` begins (compiling, the first)."""
+        self.step, self.phase, self.where, self.since = step, phase, "", time.monotonic()
+
+    def tick(self) -> None:
+        self.since = time.monotonic()
+
+    def mark(self, process: int) -> Mark:
+        return Mark(process, self.step, self.phase, time.monotonic() - self.since, self.where)
+
+
+def stalled(marks: list[Mark], timeout: float) -> Mark | None:
+    """The process that stalled the run, if one has. The one holding the others up is
+    furthest behind, and between processes at that step one outside the step (the
+    others wait for it in the all-reduce), else the one idle longest; a run whose
+    processes furthest behind include one compiling is not stalled (the others wait for
+    its compiler)."""
+    behind = min(mark.step for mark in marks)
+    marks = [mark for mark in marks if mark.step == behind]
+    if any(mark.limit(timeout) is None for mark in marks):
+        return None
+    mark = min(marks, key=lambda mark: (mark.phase in _WAITING, -mark.idle))
+    return mark if mark.idle > mark.limit(timeout) else None
+
+
+def stacks_file(directory: str, process: int) -> str:
+    return os.path.join(directory, "stalls", f"process-{process}.txt")
+
+
+class Watchdog:
+    """A daemon thread that ends the run when it stalls (see the module's docstring).
+
+    ``directory`` holds the stacks files; ``client`` is JAX's distributed runtime client
+    when there are several processes; ``on_stall(mark)`` runs in process 0 before it
+    ends (the goodput ledger's last write); ``say`` prints process 0's line.
+    """
+
+    def __init__(self, watch: Watch, timeout: float, directory: str, *, process: int = 0,
+                 processes: int = 1, client=None, on_stall: Callable[[Mark], None] | None = None,
+                 say: Callable[[str], None] | None = None,
+                 end: Callable[[int], None] | None = None
+                 ):  # fmt: skip
+        self.watch, self.timeout, self.directory = watch, timeout, directory
+        self.process, self.processes, self.client = process, processes, client
+        self.on_stall, self.say = on_stall, say or _stderr
+        self.end = end or _end_process
+        self.poll = min(max(timeout / 10, 0.1), 5.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jdp-watchdog", daemon=True)
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            mark = self.watch.mark(self.process)
+            single = self.processes == 1
+            found = stalled([mark], self.timeout) if single else self._shared(mark)
+            if found is not None and not self._stop.is_set():
+                self._stalled(found)
+                return
+
+    def _shared(self, mark: Mark) -> Mark | None:
+        """Publishes this process's mark; the stalled process, once one is declared or
+        the marks show one (the first to see it declares it for every process)."""
+        client, now = self.client, time.time()
+        try:
+            client.key_value_set(f"{_KEY}/mark/{self.process}",
+                                 json.dumps({**dataclasses.asdict(mark), "at": now}),
+                                 allow_overwrite=True)  # fmt: skip
+            declared = client.key_value_try_get(f"{_KEY}/stalled")
+        except Exception:
+            declared = None
+        if declared is not None:
+            return Mark(**json.loads(declared))
+        marks = []
+        try:
+            for _, text in client.key_value_dir_get(f"{_KEY}/mark/"):
+                record = json.loads(text)
+                at = record.pop("at")
+                record["idle"] += max(0.0, now - at)  # a frozen process's mark ages too
+                marks.append(Mark(**record))
+        except Exception:
+            return None
+        if len(marks) < self.processes or (found := stalled(marks, self.timeout)) is None:
+            return None
+        try:
+            client.key_value_set(f"{_KEY}/stalled", json.dumps(dataclasses.asdict(found)))
+        except Exception:
+            return Mark(**json.loads(client.key_value_try_get(f"{_KEY}/stalled")))
+        return found
+
+    def _stalled(self, mark: Mark) -> None:
+        """Writes this process's stacks, says which process stalled (process 0) and ends."""
+        mine = self.watch.mark(self.process)
+        path = stacks_file(self.directory, self.process)
+        try:
+            write_stacks(path, mine)
+        except OSError as error:
+            sys.stderr.write(f"jdp: cannot write the stall's stacks to {path} ({error})\n")
+        if self.process == 0:
+            if self.on_stall is not None:
+                _quietly(lambda: self.on_stall(mark))
+            self.say(describe(mark, self.processes, self.timeout,
+                              stacks_file(self.directory, mark.process)))  # fmt: skip
+        if self.processes > 1:
+            # Each ends once process 0 has said its line (a process that ended first would
+            # break process 0's all-reduce into a traceback), and process 0 once every
+            # process wrote its stacks.
+            _quietly(lambda: self.client.key_value_set(f"{_KEY}/ended/{self.process}", "1"))
+            self._wait_for(self.processes if self.process == 0 else 1)
+        self.end(EXIT_STALLED)
+
+    def _wait_for(self, count: int, seconds: float = 10.0) -> None:
+        """Until ``count`` processes (process 0 first) have written their stacks."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                ended = {key.rsplit("/", 1)[1]
+                         for key, _ in self.client.key_value_dir_get(f"{_KEY}/ended/")}  # fmt: skip
+            except Exception:
+                return
+            if "0" in ended and len(ended) >= count:
+                return
+            time.sleep(0.05)
+
+
+def describe(mark: Mark, processes: int, timeout: float, stacks: str) -> str:
+    """Process 0's line about a stall."""
+    who = f"process {mark.process} of {processes}" if processes > 1 else "the run"
+    where = f" ({mark.where})" if mark.where else ""
+    return (
+        f"jdp: {who} stalled {mark.phase}{where} after step {mark.step}: no progress for "
+        f"{mark.idle:.0f} s (--stall-timeout {timeout:g}); its Python stacks are in {stacks}; "
+        f"ending the run with exit code {EXIT_STALLED} (a restart resumes from the last "
+        "complete checkpoint)"
+    )
+
+
+def write_stacks(path: str, mark: Mark) -> None:
+    """Every thread's Python stack (`faulthandler`), under a line with this process's mark."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as file:
+        file.write(f"process {mark.process}: {mark.phase}{f' ({mark.where})' if mark.where else ''}"
+                   f", step {mark.step}, no progress for {mark.idle:.1f} s\n\n")  # fmt: skip
+        file.flush()
+        faulthandler.dump_traceback(file, all_threads=True)
+
+
+def _end_process(code: int) -> None:
+    """Ends this process now, its main thread stuck where it is: its loader workers
+    killed first (a stopped one would outlive it), its output flushed."""
+    for child in multiprocessing.active_children():
+        _quietly(child.kill)
+    _quietly(sys.stdout.flush)
+    _quietly(sys.stderr.flush)
+    os._exit(code)
+
+
+def _stderr(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _quietly(call: Callable[[], object]) -> None:
+    with contextlib.suppress(Exception):  # ending anyway: nothing here may stop that
+        call()

@@ -1,0 +1,72 @@
+"""How a run stops early: a signal (every process agreeing on the step), or a loop that
+cannot go on; the state of the last step saved first."""
+
+from __future__ import annotations
+
+import os
+
+from jdp.actions import Progress
+from jdp.distributed.preemption import Preemption
+from jdp.errors import LoaderError
+from jdp.training.run_actions import Checkpoint
+
+
+class StopOnPreemption:
+    """On SIGTERM or SIGINT (every process agreeing): save, then stop without the end.
+
+    Asked after every call: with several processes, JAX's sync point wants a
+    counter that rises by one per call.
+    """
+
+    def __init__(self, preemption: Preemption, *, steps_per_call: int,
+                 checkpoint: Checkpoint | None, ckpt_dir: str | None):  # fmt: skip
+        self.preemption, self.steps_per_call = preemption, steps_per_call
+        self.checkpoint, self.ckpt_dir = checkpoint, ckpt_dir
+
+    def __call__(self, progress: Progress) -> bool:
+        if progress.final or not progress.ran:
+            return False
+        if not self.preemption.reached(progress.step // self.steps_per_call):
+            return False
+        self._save_and_stop(progress, f"jdp.train: {self.preemption.signal_name}")
+        return True
+
+    def interrupted(self) -> Interrupted | None:
+        """For a loop waiting on its loader: the stop a signal asked for, if one came (one
+        process: several agree on a step, and a stuck one is the stall watchdog's)."""
+        if self.preemption.signalled:
+            return Interrupted(f"jdp.train: {self.preemption.signal_name} while waiting for data")
+        return None
+
+    def now(self, progress: Progress, why: Interrupted | LoaderError) -> None:
+        """Saves the state of the last step (whole: the next one never began) and stops,
+        for a loop that cannot go on: ``why`` a signal (stopped as preempted), or a loader
+        that broke (raised, with where the state was saved)."""
+        if isinstance(why, Interrupted):
+            self._save_and_stop(progress, str(why))
+            return
+        if self.checkpoint is None or not progress.ran:
+            kept = ("nothing saved (no --ckpt-dir)" if self.checkpoint is None else
+                    "no step ran since the last checkpoint, which a rerun resumes")  # fmt: skip
+            raise LoaderError(f"{why} after step {progress.step}; {kept}") from why
+        self.checkpoint.save_now(progress)
+        raise LoaderError(
+            f"{why} after step {progress.step}; that step's state is saved in "
+            f"{os.path.abspath(self.ckpt_dir)}: run the same command to resume"
+        ) from why
+
+    def _save_and_stop(self, progress: Progress, what: str) -> None:
+        where = f"{what} at step {progress.step}"
+        if self.checkpoint is not None and progress.ran:
+            self.checkpoint.save_now(progress)
+            saved = f"checkpoint saved in {os.path.abspath(self.ckpt_dir)}"
+            progress.stop(f"{where}; {saved}; run the same command to resume", finish=False)
+        elif self.checkpoint is not None:
+            progress.stop(f"{where}; no step ran since the last checkpoint, which the same "
+                          "command resumes", finish=False)  # fmt: skip
+        else:
+            progress.stop(f"{where}; stopped without saving (no --ckpt-dir)", finish=False)
+
+
+class Interrupted(Exception):
+    """A signal's stop, raised where the loop waits for data (`Loader.interrupt`)."""

@@ -1,0 +1,149 @@
+"""The stall watchdog (`jdp.distributed.watchdog`): which process it names, what it writes,
+and no alarm for what is slow but moving. The runs that end stalled, with real processes,
+are in test_elastic.py (several processes, a launcher's restart) and test_faults.py."""
+
+import json
+import multiprocessing
+import os
+import re
+import signal
+import time
+
+import flax.linen as nn
+import pytest
+
+import jdp
+from jdp.checkpoint import Checkpointer
+from jdp.distributed import watchdog
+from jdp.distributed.watchdog import (
+    ACTIONS,
+    CALLBACK,
+    COMPILING,
+    EVALUATING,
+    READING,
+    SAVING,
+    STEPPING,
+    Mark,
+    Watch,
+    Watchdog,
+    stalled,
+)
+from jdp.errors import LoaderError
+from jdp.report.goodput import Clock, Goodput
+
+S = 10.0
+
+
+def test_the_process_named_is_the_one_the_others_wait_for():
+    # Process 1 never started step 41: it is reading data while 0 waits in the step.
+    marks = [Mark(0, 41, STEPPING, 30.0), Mark(1, 40, READING, 29.0)]
+    assert stalled(marks, S).process == 1
+    # At one step, the one outside the step: a callback, not the all-reduce's waiter.
+    marks = [Mark(0, 40, ACTIONS, 31.0), Mark(1, 40, CALLBACK, 12.0, "hang")]
+    assert stalled(marks, S) == marks[1]
+    # Everyone waiting in the step (a collective one process never reaches inside it):
+    # the one idle longest.
+    marks = [Mark(0, 40, STEPPING, 11.0), Mark(1, 40, STEPPING, 12.0)]
+    assert stalled(marks, S).process == 1
+    # Not yet: the one behind is still within its time.
+    assert stalled([Mark(0, 41, STEPPING, 30.0), Mark(1, 40, READING, 9.0)], S) is None
+
+
+def test_compiling_is_never_a_stall_and_saving_or_evaluating_has_four_times_longer():
+    assert stalled([Mark(0, 1, COMPILING, 1e6)], S) is None
+    # The others wait for a process still compiling: not a stall, however long.
+    assert stalled([Mark(0, 1, ACTIONS, 1e6), Mark(1, 1, COMPILING, 1e6)], S) is None
+    for phase in (SAVING, EVALUATING):
+        assert stalled([Mark(0, 40, phase, 39.0)], S) is None
+        assert stalled([Mark(0, 40, phase, 41.0)], S).phase == phase
+    assert stalled([Mark(0, 40, READING, 10.5)], S).phase == READING
+
+
+def test_one_process_stalled_writes_its_stacks_says_one_line_and_ends(tmp_path):
+    watch, ended, lines = Watch(7), [], []
+    clock = Clock()
+    goodput = Goodput(clock, str(tmp_path))
+    goodput.start(0)
+    clock.switch("input")
+    watch.at(READING)
+    watch.since -= 0.5  # half a second without progress, against a limit of 0.2
+    with Watchdog(watch, 0.2, str(tmp_path), on_stall=goodput.stalled, say=lines.append,
+                  end=ended.append):  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not ended:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert ended == [watchdog.EXIT_STALLED]
+    stacks = tmp_path / "stalls" / "process-0.txt"
+    assert len(lines) == 1 and re.fullmatch(
+        r"jdp: the run stalled reading data after step 7: no progress for \d+ s "
+        rf"\(--stall-timeout 0.2\); its Python stacks are in {re.escape(str(stacks))}; ending "
+        r"the run with exit code 75 \(a restart resumes from the last complete checkpoint\)",
+        lines[0],
+    ), lines
+    text = stacks.read_text()
+    assert text.startswith("process 0: reading data, step 7, no progress for")
+    assert "in test_one_process_stalled_writes_its_stacks_says_one_line_and_ends" in text
+    # The goodput ledger: the time without progress is the attempt's stalled part.
+    attempt = json.loads((tmp_path / "goodput.json").read_text())["attempts"][-1]
+    # (all this attempt's reading time: the watch was set back, not the clock)
+    assert attempt["ended"] == "stalled" and attempt["parts"]["stalled"] > 0
+    assert attempt["parts"]["input"] == 0
+
+
+class _SlowToTrace(nn.Module):
+    """A model whose tracing sleeps (its first compile, and its evaluation's, take longer
+    than the stall timeout), but not its initialisation."""
+
+    seconds: float
+
+    @nn.compact
+    def __call__(self, x, *, train=False):
+        if not self.is_initializing():
+            time.sleep(self.seconds)
+        return nn.Dense(10)(x.reshape((x.shape[0], -1)))
+
+
+# A stall timeout shorter than the slow parts below, longer than a step of this small
+# model or a batch's read on a loaded 2-core machine (milliseconds) by 100x.
+SHORT = 1.0
+SLOW = 1.5  # > SHORT, and with the evaluation's compile under the 4 x SHORT it may take
+
+
+@pytest.mark.slow
+def test_a_slow_compile_evaluation_and_save_are_not_stalls(tmp_path, monkeypatch):
+    fired = []
+    monkeypatch.setattr(watchdog, "_end_process", fired.append)
+    save = Checkpointer.save
+
+    def slow_save(self, *args, **kwargs):
+        time.sleep(SLOW)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpointer, "save", slow_save)
+    model = jdp.models.from_linen(_SlowToTrace(SLOW), jdp.models.classification())
+    config = jdp.TrainConfig(mesh="data=8", steps=12, warmup_steps=2, batch_size=64,
+                             ckpt_dir=str(tmp_path), stall_timeout=SHORT)  # fmt: skip
+    result = jdp.fit(config, model=model, console=jdp.Console(enabled=False))
+    assert fired == [] and result.steps == 12
+    assert not (tmp_path / "stalls").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_loader_worker_is_one_line_after_saving_the_last_step(tmp_path):
+    def kill_a_worker(progress):
+        if progress.step == 6:
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGKILL)
+
+    config = jdp.TrainConfig(mesh="data=8", steps=400, warmup_steps=2, batch_size=64,
+                             loader_workers=1, ckpt_dir=str(tmp_path))  # fmt: skip
+    with pytest.raises(LoaderError) as raised:
+        jdp.fit(config, console=jdp.Console(enabled=False), callbacks=[kill_a_worker])
+    line = str(raised.value)
+    assert "\n" not in line
+    assert line.startswith("a loader worker process died (killed by SIGKILL;"), line
+    step = int(line.split(" after step ")[1].split(";")[0])
+    assert step >= 6 and f"that step's state is saved in {tmp_path}" in line
+    with Checkpointer(str(tmp_path)) as checkpoints:
+        assert checkpoints.steps()[-1] == step
