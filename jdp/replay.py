@@ -40,6 +40,7 @@ from jdp.data.readers import TrainReader
 from jdp.errors import UsageError
 from jdp.mesh import DATA_AXIS, GROUP_AXIS, parse_mesh_spec
 from jdp.report.console import Console
+from jdp.rngs import RowKey, step_key
 from jdp.training.config import TrainConfig
 from jdp.training.run import ARCHITECTURE, DATA_FINGERPRINT, Run, build
 from jdp.training.wiring import data_ledger
@@ -242,7 +243,9 @@ def _diagnose(run: Run, state, batch) -> tuple[np.ndarray, dict]:
         return per_example[0], jax.tree.map(lambda g: _norm(g[0]), grads)
 
     replicated = NamedSharding(run.mesh, PartitionSpec())
-    rng = jax.random.fold_in(jax.random.fold_in(state.key, state.step), 0)
+    # The step's rng as one replica holding the whole global batch gets it.
+    key = step_key(state)
+    rng = RowKey(key, jnp.int32(0)) if run.model.row_keys else jax.random.fold_in(key, 0)
     stacked = jax.tree.map(lambda x: x[None], batch)
     per_example, norms = jax.jit(whole_batch, out_shardings=replicated)(
         state.params, state.model_state, stacked, rng

@@ -24,6 +24,7 @@ from jdp.errors import UsageError
 from jdp.mesh import DATA_AXIS, MASK_KEY
 from jdp.precision import Precision, all_finite, cast_floats
 from jdp.reduce import global_norm, pmean_bucketed, pmean_floats
+from jdp.rngs import micro_rng, replica_rng
 from jdp.state import TrainState
 
 LossFn = Callable[..., Any]
@@ -109,11 +110,6 @@ def check_accumulate(rows: int, accumulate: int, replicas: int = 1) -> None:
         )
 
 
-def _replica_rng(state: TrainState) -> jax.Array:
-    """A key for this step and this replica: fresh every step, different per replica."""
-    return jax.random.fold_in(jax.random.fold_in(state.key, state.step), lax.axis_index(DATA_AXIS))
-
-
 def _varying_axes(x: jax.Array) -> frozenset[str]:
     """The mesh axes over which ``x`` may differ, as shard_map's type checking sees it."""
     aval = jax.typeof(x)
@@ -144,8 +140,9 @@ def _gradients(grad_fn, vary, accumulate: int, axes: tuple[str, ...]):
         def micro_step(carry, inputs):
             grads_sum, loss_sum, aux_sum, model_state = carry
             index, micro_batch = inputs
+            rows = jax.tree.leaves(micro_batch)[0].shape[0]
             grads, (loss, aux, model_state) = grad_fn(
-                params, model_state, micro_batch, jax.random.fold_in(rng, index), scale
+                params, model_state, micro_batch, micro_rng(rng, index, rows), scale
             )
             add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
             carry = (add(grads_sum, grads), loss_sum + loss, add(aux_sum, aux), model_state)
@@ -262,13 +259,15 @@ def train_step_parts(
     gather: Callable[[Any], Any] | None = None,
     reduce_grads: bool = True,
     grad_norm: bool = False,
+    row_keys: bool = False,
 ) -> StepParts:
     """The halves of `train_step`; ``replicas`` None: ``update`` runs outside the
     replicas' mapping (the gradient norm is then XLA's to partition). ``grad_norm``:
     report the averaged gradient's global norm (one more pass over it). ``gather``:
     applied to the parameters in the compute dtype, before the loss uses them.
     ``reduce_grads`` False: ``gradients`` returns this replica's gradients in the
-    reduce dtype, for the caller to average and pass through ``finish``."""
+    reduce dtype, for the caller to average and pass through ``finish``. ``row_keys``:
+    the loss takes a `jdp.rngs.RowKey` (its model draws per example)."""
 
     objective = _objective(loss_fn, precision, gather)
     vary = (lambda tree: _varying(tree, axes)) if local_grads else (lambda tree: tree)
@@ -282,9 +281,9 @@ def train_step_parts(
         params = lax.pcast(state.params, DATA_AXIS, to="varying") if local_grads else state.params
         # A constant 1 folds away; only fp16 pays for scaling.
         scale = state.loss_scale.scale if precision.loss_scaling else 1.0
-        grads, (loss, aux, model_state) = gradients_of(
-            params, state.model_state, batch, _replica_rng(state), scale
-        )
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        rng = replica_rng(state, rows, axes, row_keys)
+        grads, (loss, aux, model_state) = gradients_of(params, state.model_state, batch, rng, scale)
         # The one gradient all-reduce of the step (after all micro-batches).
         grads = cast_floats(grads, precision.reduce_dtype)
         metrics = {"loss": loss, **aux}

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 from closeness import assert_drift_within, assert_sequences_close
-from helpers import launched_pids, subprocess_env
+from helpers import assert_trees_close, launched_pids, run_cli, subprocess_env
 
 from jdp import distributed
 from jdp.checkpoint import load_params
@@ -441,3 +441,28 @@ def test_a_port_another_program_holds_stops_a_process_at_once(says):
         (zero,) = _clusters(2, [0], taken.getsockname()[1])
         with pytest.raises(UsageError, match=r"process 0 cannot listen on port \d+"):
             handshake(zero, 5)
+
+
+@pytest.mark.slow
+def test_two_processes_draw_one_processs_dropout(tmp_path):
+    """A gpt with dropout on 2 processes x 4 devices trains as on 1 device: each example's
+    mask comes from the step's key and its place in the global batch (with a key per
+    replica, as before, the two drew other masks)."""
+    flags = ["--model", "gpt", "--dataset", "numbers2words", "--layers", "1", "--width", "32",
+             "--heads", "2", "--dropout", "0.3", "--steps", "6",
+             "--warmup-steps", "1", "--batch-size", "32", "--eval-every", "0", "--optimizer",
+             "momentum", "--lr", "0.1", "--log-every", "1"]  # fmt: skip
+    one = run_cli(*flags, "--mesh", "data=1", "--ckpt-dir", tmp_path / "one", "--log-dir",
+                  tmp_path / "one-log")  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    command = [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "4",
+               "--", sys.executable, "-m", "jdp.train", *flags, "--mesh", "data=8", "--ckpt-dir",
+               str(tmp_path / "two"), "--log-dir", str(tmp_path / "two-log")]  # fmt: skip
+    two = subprocess.run(command, capture_output=True, text=True, timeout=240, env=_env())
+    assert two.returncode == 0, two.stderr[-3000:]
+    # Momentum is linear in the gradient: rounding stays rounding (closeness.py).
+    assert_sequences_close(
+        _logged(tmp_path / "two-log", "loss"), _logged(tmp_path / "one-log", "loss")
+    )
+    assert_trees_close(load_params(str(tmp_path / "two")), load_params(str(tmp_path / "one")),
+                       rtol=1e-5, atol=1e-6)  # fmt: skip

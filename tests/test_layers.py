@@ -27,7 +27,7 @@ ORDER = ("ground", "library", "services", "training", "tools")
 LAYERS = {
     "errors": "ground", "version": "ground", "lazy": "ground",
     "mesh": "library", "mesh_spec": "library", "layout": "library", "precision": "library",
-    "optim": "library",
+    "optim": "library", "rngs": "library",
     "state": "library", "actions": "library", "step": "library", "replica": "library",
     "reduce": "library", "diloco": "library",
     "report": "services", "data": "services", "models": "services", "checkpoint": "services",

@@ -47,6 +47,8 @@ def test_the_process_named_is_the_one_the_others_wait_for():
     assert stalled(marks, S).process == 1
     # Not yet: the one behind is still within its time.
     assert stalled([Mark(0, 41, STEPPING, 30.0), Mark(1, 40, READING, 9.0)], S) is None
+    # A process whose loop ended moves no more: the run is ending, not stalled.
+    assert stalled([Mark(0, 90, watchdog.FINISHED, 1e6), Mark(1, 90, SAVING, 1e6)], S) is None
 
 
 def test_compiling_is_never_a_stall_and_saving_or_evaluating_has_four_times_longer():

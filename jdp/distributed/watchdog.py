@@ -36,6 +36,7 @@ EXIT_STALLED = 75
 COMPILING, READING, STEPPING = "compiling", "reading data", "in the step"
 ACTIONS, CALLBACK = "in the loop's actions", "in a callback"
 EVALUATING, SAVING = "evaluating", "saving"
+FINISHED = "finished"  # its loop ended: the run is ending, nothing left to stall
 # Times ``timeout`` a phase may go without progress; none: never a stall (a first
 # compile's time has no bound a run could know; a large model's takes many minutes).
 _ALLOWANCE = {COMPILING: None, EVALUATING: 4, SAVING: 4}
@@ -90,6 +91,8 @@ def stalled(marks: list[Mark], timeout: float) -> Mark | None:
     others wait for it in the all-reduce), else the one idle longest; a run whose
     processes furthest behind include one compiling is not stalled (the others wait for
     its compiler)."""
+    if any(mark.phase == FINISHED for mark in marks):
+        return None
     behind = min(mark.step for mark in marks)
     marks = [mark for mark in marks if mark.step == behind]
     if any(mark.limit(timeout) is None for mark in marks):
@@ -130,6 +133,12 @@ class Watchdog:
     def __exit__(self, *exc_info) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        if self.processes > 1:  # the others stop watching: this one will not move again
+            self.watch.at(FINISHED)
+            mark = dataclasses.asdict(self.watch.mark(self.process))
+            _quietly(lambda: self.client.key_value_set(
+                f"{_KEY}/mark/{self.process}", json.dumps({**mark, "at": time.time()}),
+                allow_overwrite=True))  # fmt: skip
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll):

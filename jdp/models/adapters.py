@@ -6,7 +6,8 @@ and measure on its outputs, `jdp.models.objectives`) into a `Model`
 for `jdp.make_train_step` and ``metrics_fn`` for `jdp.make_eval_step`, both in
 the ``has_model_state`` form. Mutable state such as BatchNorm statistics travels
 as ``model_state``; dropout draws from the step's rng, which differs per replica
-and per step.
+and per step, or with ``rows_arg`` per example of the global batch, the same on
+any mesh (`jdp.models.dropout`).
 
 BatchNorm normalises with the statistics of the batch it sees. For the
 statistics of the global batch, as one device on the whole batch would compute,
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jdp.errors import UsageError
@@ -32,6 +34,7 @@ from jdp.models.objectives import Batch as Batch
 from jdp.models.objectives import Objective as Objective
 from jdp.models.objectives import classification as classification
 from jdp.models.objectives import sequence as sequence
+from jdp.rngs import RowKey
 
 Inputs = str | Sequence[str] | Callable[[Batch], tuple]
 
@@ -124,6 +127,7 @@ def from_linen(
     inputs: Inputs = "image",
     train_arg: str | None = AUTO,
     rng_streams: Sequence[str] = ("dropout",),
+    rows_arg: str | None = None,
 ) -> Model:
     """Wraps a Flax Linen module.
 
@@ -140,6 +144,10 @@ def from_linen(
             gets none. Name one to choose it; None passes none.
         rng_streams: the rng collections the module draws from in training; each
             gets its own key from the step's per-replica, per-step rng.
+        rows_arg: the keyword by which the module takes its rows' indices in the
+            step's global batch and draws its dropout per example from them
+            (`jdp.models.dropout`, as the built-in Transformers do); its rng is then
+            the step's, the same on every replica, so no mesh changes the run.
 
     Every variable collection other than ``params`` (``batch_stats`` for
     BatchNorm) becomes ``model_state`` and is updated in training.
@@ -174,15 +182,20 @@ def from_linen(
         variables = {"params": params, **model_state}
         if not train:
             return module.apply(variables, *arguments(batch), **mode(False)), model_state
+        given = arguments(batch)
+        keywords = mode(True)
+        if isinstance(rng, RowKey):  # the step's key, and where this slice's rows start
+            keywords[rows_arg] = rng.first_row + jnp.arange(jax.tree.leaves(given)[0].shape[0])
+            rng = rng.key
         rngs = {name: jax.random.fold_in(rng, i) for i, name in enumerate(rng_streams)}
         if not model_state:
-            return module.apply(variables, *arguments(batch), rngs=rngs, **mode(True)), {}
+            return module.apply(variables, *given, rngs=rngs, **keywords), {}
         outputs, updated = module.apply(
-            variables, *arguments(batch), rngs=rngs, mutable=list(model_state), **mode(True)
+            variables, *given, rngs=rngs, mutable=list(model_state), **keywords
         )
         return outputs, dict(updated)
 
-    return Model(init, apply, objective, names=names)
+    return Model(init, apply, objective, names=names, row_keys=rows_arg is not None)
 
 
 def _split_nnx(module, others) -> tuple[tuple[Any, Any], tuple[Any, Any, Any], list[str]]:

@@ -65,6 +65,9 @@ class Model:
     # (forward and backward, as a formula such as PaLM's counts them), for MFU; None:
     # jdp counts the products in the traced forward pass (`jdp.report.model_flops`).
     flops: Callable[[Any, Batch], float] | None = None
+    # Whether ``apply`` takes a `jdp.rngs.RowKey` for its rng in training: its dropout
+    # drawn per example of the global batch (`jdp.models.dropout`), the same on any mesh.
+    row_keys: bool = False
 
     def init_on_mesh(self, rng: jax.Array, batch: Batch, mesh: Mesh, *,
                      rules: Rules | None = None) -> tuple[Any, Any, Any]:  # fmt: skip

@@ -180,7 +180,8 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
     options["attention"] = attention
     if name != "gpt":
         module = builtin.module(vocab_size=len(split.vocab), **options)
-        return from_linen(module, sequence(), inputs=lambda b: (b["source"], b["target"][:, :-1]))
+        return from_linen(module, sequence(), inputs=lambda b: (b["source"], b["target"][:, :-1]),
+                          rows_arg="rows")  # fmt: skip
     options["max_len"] = seq_len or getattr(split, "seq_len", 0) or options["max_len"]
     options.update(remat=remat, unroll=unroll)
     pad = VOCAB_MULTIPLE if size in LM_SIZES else 1
@@ -194,7 +195,7 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
             )
         module = builtin.module(vocab_size=_padded(split.vocab_size, pad), **options)
         objective = language_model(split.input_key, bits_per_byte=split.tokenizer == "bytes")
-        model = from_linen(module, objective, inputs=_window_inputs)
+        model = from_linen(module, objective, inputs=_window_inputs, rows_arg="rows")
         return dataclasses.replace(model, flops=_lm_flops(module))
     needed = split.source.shape[1] + split.target.shape[1] - 1 if hasattr(split, "source") else 0
     if needed > options["max_len"]:
@@ -203,7 +204,7 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
             f"({needed} tokens); use --seq-len {needed} or more"
         )
     module = builtin.module(vocab_size=_padded(len(split.vocab), pad), **options)
-    model = from_linen(module, sequence(), inputs=_lm_inputs)
+    model = from_linen(module, sequence(), inputs=_lm_inputs, rows_arg="rows")
     return dataclasses.replace(model, flops=_lm_flops(module))
 
 
@@ -244,9 +245,9 @@ def _loaded_gpt(split, architecture: Mapping[str, Any], options: dict) -> Model:
     module = GPT(**{**options, **architecture})
     if split.kind == "text":
         objective = language_model(split.input_key, bits_per_byte=split.tokenizer == "bytes")
-        model = from_linen(module, objective, inputs=_window_inputs)
+        model = from_linen(module, objective, inputs=_window_inputs, rows_arg="rows")
     else:
-        model = from_linen(module, sequence(), inputs=_lm_inputs)
+        model = from_linen(module, sequence(), inputs=_lm_inputs, rows_arg="rows")
     return dataclasses.replace(model, flops=_lm_flops(module))
 
 

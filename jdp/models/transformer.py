@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdp.layout import SCANNED_LAYERS, STACKED, gather_layer
+from jdp.models.dropout import RowDropout, drop, row_masks
 from jdp.models.names import attention_inits, dense, embed, norm_inits
 
 AttentionImplementation = Literal["auto", "xla", "cudnn"]
@@ -52,10 +53,11 @@ class FeedForward(nn.Module):
     dropout: float
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
+    def __call__(self, x: jax.Array, *, train: bool, rows=None) -> jax.Array:
         width = x.shape[-1]
         x = nn.gelu(dense(self.hidden, ("embed", "mlp"))(x))
-        return nn.Dropout(self.dropout, deterministic=not train)(dense(width, ("mlp", "embed"))(x))
+        x = dense(width, ("mlp", "embed"))(x)
+        return RowDropout(self.dropout, name="Dropout_0")(x, rows, deterministic=not train)
 
 
 class Attention(nn.Module):
@@ -67,7 +69,9 @@ class Attention(nn.Module):
     checkpoints written with it restore. Dropout on the attention weights needs
     the weights themselves: a model that trains with it (``seq2seq``, as the
     reference Transformer) takes Flax's unfused path while training, with the
-    masks Flax's module made, and the fused one to evaluate and decode.
+    masks Flax's module made, and the fused one to evaluate and decode. The
+    weights' dropout mask is drawn per row (``rows``: `jdp.models.dropout`) and
+    shared by the heads.
     """
 
     heads: int
@@ -84,6 +88,7 @@ class Attention(nn.Module):
         causal: bool = False,
         key_mask=None,
         query_mask=None,
+        rows=None,
     ) -> jax.Array:
         width = queries.shape[-1]
         if width % self.heads:
@@ -101,15 +106,10 @@ class Attention(nn.Module):
         q, k, v = project("query")(queries), project("key")(keys), project("value")(keys)
         if train and self.dropout > 0:
             mask = _unfused_mask(q, k, causal, key_mask, query_mask)
-            attended = nn.dot_product_attention(
-                q,
-                k,
-                v,
-                mask=mask,
-                dropout_rate=self.dropout,
-                dropout_rng=self.make_rng("dropout"),
-                deterministic=False,
-            )
+            weights = nn.dot_product_attention_weights(q, k, mask=mask)  # (rows, heads, q, k)
+            keep, (rows_, _, queries_, keys_) = 1.0 - self.dropout, weights.shape
+            masks = row_masks(self.make_rng("dropout"), rows, (rows_, 1, queries_, keys_), keep)
+            attended = jnp.einsum("...hqk,...khd->...qhd", drop(weights, masks, keep), v)
         else:
             mask = None if key_mask is None else key_mask[:, None, None, :]
             how = implementation(self.implementation, q.dtype, q.shape[-1], masked=mask is not None)
@@ -174,9 +174,11 @@ class Block(nn.Module):
         memory=None,
         memory_mask=None,
         target_mask=None,
+        rows=None,
     ):
         """``mask``: the keys of ``x`` to attend to; ``memory_mask`` those of ``memory``
-        (``target_mask``, the rows of ``x`` that are not padding, for Flax's unfused path)."""
+        (``target_mask``, the rows of ``x`` that are not padding, for Flax's unfused path);
+        ``rows``: their indices in the global batch, for dropout (`jdp.models.dropout`)."""
         rate = self.dropout if self.attention_dropout is None else self.attention_dropout
 
         def attend(index, queries, keys, **masks):
@@ -184,8 +186,10 @@ class Block(nn.Module):
             module = Attention(
                 self.heads, rate, self.attention, name=f"MultiHeadDotProductAttention_{index}"
             )
-            attended = module(queries, keys, train=train, **masks)
-            return nn.Dropout(self.dropout, deterministic=not train)(attended)
+            attended = module(queries, keys, train=train, rows=rows, **masks)
+            return RowDropout(self.dropout, name=f"Dropout_{index}")(
+                attended, rows, deterministic=not train
+            )
 
         normed = layer_norm(self.epsilon)(x)
         x = x + attend(0, normed, normed, causal=causal, key_mask=mask, query_mask=mask)
@@ -194,17 +198,19 @@ class Block(nn.Module):
                 1, layer_norm(self.epsilon)(x), memory, key_mask=memory_mask,
                 query_mask=target_mask,
             )  # fmt: skip
-        return x + FeedForward(self.hidden, self.dropout)(layer_norm(self.epsilon)(x), train=train)
+        feed = FeedForward(self.hidden, self.dropout)
+        return x + feed(layer_norm(self.epsilon)(x), train=train, rows=rows)
 
 
 class CausalLayer(Block):
     """A decoder-only model's block as `nn.scan` and `nn.remat` call it:
-    ``(x, unused) -> (x, None)``, training or not fixed."""
+    ``((x, rows), unused) -> ((x, rows), None)``, training or not fixed."""
 
     train: bool = False
 
-    def __call__(self, x, _=None):
-        return super().__call__(x, train=self.train, causal=True), None
+    def __call__(self, carry, _=None):
+        x, rows = carry
+        return (super().__call__(x, train=self.train, causal=True, rows=rows), rows), None
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -230,24 +236,24 @@ class Seq2SeqTransformer(nn.Module):
         self.encoder = [block() for _ in range(self.layers)]
         self.decoder = [block() for _ in range(self.layers)]
         self.encoder_norm, self.decoder_norm = layer_norm(), layer_norm()
-        self.embed_dropout = nn.Dropout(self.dropout)
+        self.embed_dropout = RowDropout(self.dropout)
         self.head = dense(self.vocab_size, ("embed", "vocab"))
 
-    def _embed(self, tokens: jax.Array, train: bool) -> jax.Array:
+    def _embed(self, tokens: jax.Array, train: bool, rows=None) -> jax.Array:
         x = self.embed(tokens)  # in the parameters' dtype: keep it (NumPy constants are fp64)
         positions = jnp.asarray(sinusoids(tokens.shape[1], self.width), x.dtype)
         x = x * jnp.asarray(np.sqrt(self.width), x.dtype) + positions[None]
-        return self.embed_dropout(x, deterministic=not train)
+        return self.embed_dropout(x, rows, deterministic=not train)
 
-    def encode(self, source: jax.Array, *, train: bool = False) -> jax.Array:
-        x = self._embed(source, train)
+    def encode(self, source: jax.Array, *, train: bool = False, rows=None) -> jax.Array:
+        x = self._embed(source, train, rows)
         keep = source != self.pad
         for block in self.encoder:
-            x = block(x, train=train, mask=keep)
+            x = block(x, train=train, mask=keep, rows=rows)
         return self.encoder_norm(x)
 
-    def decode(self, memory, source, target_in, *, train: bool = False) -> jax.Array:
-        y = self._embed(target_in, train)
+    def decode(self, memory, source, target_in, *, train: bool = False, rows=None) -> jax.Array:
+        y = self._embed(target_in, train, rows)
         for block in self.decoder:
             y = block(
                 y,
@@ -256,11 +262,14 @@ class Seq2SeqTransformer(nn.Module):
                 memory=memory,
                 memory_mask=source != self.pad,
                 target_mask=target_in != self.pad,
+                rows=rows,
             )
         return self.head(self.decoder_norm(y))
 
-    def __call__(self, source, target_in, *, train: bool = False) -> jax.Array:
-        return self.decode(self.encode(source, train=train), source, target_in, train=train)
+    def __call__(self, source, target_in, *, train: bool = False, rows=None) -> jax.Array:
+        """``rows``: the rows' indices in the global batch, for dropout (`jdp.models.dropout`)."""
+        memory = self.encode(source, train=train, rows=rows)
+        return self.decode(memory, source, target_in, train=train, rows=rows)
 
 
 class GPT(nn.Module):
@@ -292,14 +301,16 @@ class GPT(nn.Module):
     epsilon: float = EPSILON
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, train: bool = False, rows=None) -> jax.Array:
+        """``rows``: the rows' indices in the global batch, for dropout (`jdp.models.dropout`)."""
         if tokens.shape[1] > self.max_len:
             raise ValueError(f"{tokens.shape[1]} tokens, more than max_len={self.max_len}")
         tokens_embed = embed(self.vocab_size, self.width, "vocab")
         positions = embed(self.max_len, self.width, "length")(jnp.arange(tokens.shape[1]))
-        x = nn.Dropout(self.dropout, deterministic=not train)(
-            tokens_embed(tokens) + positions[None]
+        x = RowDropout(self.dropout, name="Dropout_0")(
+            tokens_embed(tokens) + positions[None], rows, deterministic=not train
         )
+        rows = jnp.arange(tokens.shape[0]) if rows is None else rows
         layer = CausalLayer
         if not self.unroll:  # FSDP gathers a layer's parameters inside the scan's body
             layer = nn.map_variables(layer, "params", trans_in_fn=gather_layer, init=True,
@@ -318,7 +329,7 @@ class GPT(nn.Module):
         }
         if self.unroll:
             for index in range(self.layers):
-                x, _ = layer(**options, name=f"Block_{index}")(x, None)
+                (x, _), _ = layer(**options, name=f"Block_{index}")((x, rows), None)
         else:
             stack = nn.scan(
                 layer,
@@ -327,7 +338,7 @@ class GPT(nn.Module):
                 length=self.layers,
                 metadata_params={nn.PARTITION_NAME: STACKED},
             )
-            x, _ = stack(**options, name=SCANNED_LAYERS)(x, None)
+            (x, _), _ = stack(**options, name=SCANNED_LAYERS)((x, rows), None)
         return tokens_embed.attend(layer_norm(self.epsilon)(x))
 
 

@@ -26,6 +26,7 @@ from jdp.mesh import (
 from jdp.precision import Precision
 from jdp.reduce import pack_leaf_bytes
 from jdp.replica import LossFn, Metrics
+from jdp.rngs import wants_row_keys
 from jdp.state import TrainState
 from jdp.step.contract import Backend, CompiledStep, _check_backend
 from jdp.step.data_parallel import _compile
@@ -52,8 +53,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
             ``loss_fn(params, batch, rng) -> loss``; ``-> (loss, aux)`` with
             ``has_aux`` (``aux`` a dict of scalar metrics); or ``loss_fn(params,
             model_state, batch, rng) -> (loss, aux, model_state)`` with
-            ``has_model_state`` (BatchNorm statistics). ``rng`` differs per step
-            and per replica.
+            ``has_model_state`` (BatchNorm statistics). ``rng`` differs per step and
+            replica (a `jdp.rngs.RowKey` for a loss marked ``row_keys``: any mesh's).
         optimizer: any ``optax.GradientTransformation``.
         mesh: a mesh with a ``data`` axis (`make_mesh`).
         backend: ``"jit"`` (over ``shard_map``) or ``"pmap"`` (one-axis meshes).
@@ -96,7 +97,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     way, steps = _way(mesh), steps_per_call
     options = dict(precision=precision or Precision(), accumulate=accumulate,
                    lr_schedule=lr_schedule, skip_nonfinite=skip_nonfinite,
-                   grad_norm=grad_norm)  # fmt: skip
+                   grad_norm=grad_norm, row_keys=wants_row_keys(loss_fn))  # fmt: skip
     loss = replica.loss_with_state(loss_fn, has_aux=has_aux, has_model_state=has_model_state)
     sharded = _sharded_train(loss, optimizer, mesh, steps, **options)
     if way == "sharded":

@@ -70,7 +70,9 @@ def fit(
     and the test split is reported at the end. With ``config.ckpt_dir`` the run
     resumes from its latest checkpoint, saves every ``ckpt_every`` steps, every
     ``ckpt_every_minutes`` and at the end, and on SIGTERM or SIGINT saves and
-    returns early (``preempted``).
+    returns early (``preempted``). A run whose processes make no progress for
+    ``config.stall_timeout`` seconds ends each of them with exit code 75 (the
+    stall watchdog, `jdp.distributed.watchdog`).
 
     Raises:
         UsageError: a mesh, batch size, dataset, model or checkpoint directory that
