@@ -247,7 +247,7 @@ def test_a_stalled_process_ends_the_group_and_the_restart_ends_bitwise(whole, tm
     with open(stacks) as file:
         text = file.read()
     assert text.startswith("process 1: in a callback (hang_once), step 250"), text[:300]
-    assert "line 7 in hang_once" in text  # the sleep
+    assert "line 8 in hang_once" in text  # the sleep
     assert_bitwise_equal(_params(tmp_path / "ckpt"), _params(whole))
     goodput, attempts = _goodput(tmp_path / "ckpt")
     assert [attempt["ended"] for attempt in attempts] == ["stalled", "finished"]

@@ -267,7 +267,8 @@ def test_shape_flags_with_loaded_weights_are_refused_and_width_sets_the_hidden_u
     assert params["blocks"]["FeedForward_0"]["Dense_0"]["kernel"].shape == (4, 64, 256)
 
 
-def _dropout_steps(model, batch, mesh_spec, *, steps=3, accumulate=1, state=None):
+def _dropout_steps(model, batch, mesh_spec, *, steps=3, accumulate=1, state=None,
+                   backend="jit"):  # fmt: skip
     """``steps`` train steps of ``model`` on ``batch`` over ``mesh_spec`` (from ``state``, a
     host copy of a train state, when given): their losses and the state after them."""
     # SGD, linear in the gradient: rounding stays rounding (Adam amplifies the coordinates
@@ -280,7 +281,7 @@ def _dropout_steps(model, batch, mesh_spec, *, steps=3, accumulate=1, state=None
     else:  # the run goes on with the same state on another mesh (data only: replicated)
         state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.P()))
     step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True,
-                               accumulate=accumulate)  # fmt: skip
+                               accumulate=accumulate, backend=backend)  # fmt: skip
     losses = []
     for _ in range(steps):
         state, metrics = step(state, jdp.shard_batch(batch, mesh))
@@ -313,6 +314,12 @@ def test_dropout_is_drawn_per_example_the_same_on_any_mesh():
     resumed, resumed_state = _dropout_steps(model, batch, "data=4", steps=1, state=halfway)
     assert np.allclose(resumed, losses[2:], rtol=EARLY_STEPS, atol=0), (resumed, losses)
     assert_trees_close(resumed_state.params, state.params, rtol=1e-5, atol=1e-6)
+    # seq2seq's dropout (on its attention weights too), 8 devices under pmap against 1.
+    seq2seq = get_model("seq2seq", split, "small")
+    assert seq2seq.row_keys
+    one, _ = _dropout_steps(seq2seq, batch, "data=1", steps=2)
+    eight, _ = _dropout_steps(seq2seq, batch, "data=8", steps=2, backend="pmap")
+    assert np.allclose(eight, one, rtol=EARLY_STEPS, atol=0), (eight, one)
     # Dropout is on: the first step's loss is not the loss without it.
     params, model_state = model.init(jax.random.key(0), batch)
     outputs, _ = model.apply(params, model_state, batch, train=False)

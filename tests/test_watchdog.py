@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import re
 import signal
+import threading
 import time
 
 import flax.linen as nn
@@ -126,8 +127,13 @@ def test_a_slow_compile_evaluation_and_save_are_not_stalls(tmp_path, monkeypatch
     model = jdp.models.from_linen(_SlowToTrace(SLOW), jdp.models.classification())
     config = jdp.TrainConfig(mesh="data=8", steps=12, warmup_steps=2, batch_size=64,
                              ckpt_dir=str(tmp_path), stall_timeout=SHORT)  # fmt: skip
-    result = jdp.fit(config, model=model, console=jdp.Console(enabled=False))
-    assert fired == [] and result.steps == 12
+    watching = []  # the watchdog's thread, seen from inside the run
+
+    def look(progress):
+        watching.append(any(t.name == "jdp-watchdog" for t in threading.enumerate()))
+
+    result = jdp.fit(config, model=model, console=jdp.Console(enabled=False), callbacks=[look])
+    assert fired == [] and result.steps == 12 and all(watching) and watching
     assert not (tmp_path / "stalls").exists()
 
 

@@ -122,6 +122,8 @@ class Loader(Iterator[dict]):
         # Asked while the loop waits for a batch: an exception to raise instead of waiting
         # on (a signal's stop, a stall), or None.
         self.interrupt: Callable[[], BaseException | None] | None = None
+        # Processes started before this loader's workers: not its to kill when it closes.
+        self._others = {child.pid for child in multiprocessing.active_children()}
         self._thread = threading.Thread(target=self._fill, args=(host,), daemon=True)
         self._thread.start()
 
@@ -213,7 +215,8 @@ class Loader(Iterator[dict]):
         self._thread.join(timeout=_CLOSE_SECONDS)
         if self._thread.is_alive():  # waiting on a worker that stopped (SIGSTOP, a hung read)
             for child in multiprocessing.active_children():
-                child.kill()
+                if child.pid not in self._others:  # its own workers
+                    child.kill()
             self._thread.join(timeout=_CLOSE_SECONDS)
 
     def __enter__(self) -> Loader:

@@ -33,17 +33,19 @@ from collections.abc import Callable
 # the user is invited to retry"), which no other jdp ending uses.
 EXIT_STALLED = 75
 
-COMPILING, READING, STEPPING = "compiling", "reading data", "in the step"
+STARTING, COMPILING = "starting (reading its first batch)", "compiling"
+READING, STEPPING = "reading data", "in the step"
 ACTIONS, CALLBACK = "in the loop's actions", "in a callback"
 EVALUATING, SAVING = "evaluating", "saving"
 FINISHED = "finished"  # its loop ended: the run is ending, nothing left to stall
 # Times ``timeout`` a phase may go without progress; none: never a stall (a first
-# compile's time has no bound a run could know; a large model's takes many minutes).
-_ALLOWANCE = {COMPILING: None, EVALUATING: 4, SAVING: 4}
+# compile's time has no bound a run could know, a large model's takes many minutes;
+# nor has the first batch's: workers starting, a resumed stream skipping ahead).
+_ALLOWANCE = {STARTING: None, COMPILING: None, EVALUATING: 4, SAVING: 4}
 # Phases in which a process may only be waiting for the others (a step's all-reduce, or
 # an action reading its result): between processes at the same step, the one elsewhere
 # (reading data, in a callback, evaluating, saving) is holding them up.
-_WAITING = (STEPPING, COMPILING, ACTIONS)
+_WAITING = (STEPPING, COMPILING, ACTIONS, STARTING)
 _KEY = "jdp/watchdog"
 
 
@@ -68,7 +70,7 @@ class Watch:
     each change of phase or step (and each `tick`) is progress."""
 
     def __init__(self, step: int = 0):
-        self.step, self.phase, self.where = step, "starting", ""
+        self.step, self.phase, self.where = step, STARTING, ""
         self.since = time.monotonic()
 
     def at(self, phase: str, where: str = "") -> None:
@@ -175,43 +177,56 @@ class Watchdog:
             return None
         try:
             client.key_value_set(f"{_KEY}/stalled", json.dumps(dataclasses.asdict(found)))
-        except Exception:
-            return Mark(**json.loads(client.key_value_try_get(f"{_KEY}/stalled")))
+        except Exception:  # another process declared first: its word holds
+            try:
+                return Mark(**json.loads(client.key_value_try_get(f"{_KEY}/stalled")))
+            except Exception:
+                return found
         return found
 
     def _stalled(self, mark: Mark) -> None:
-        """Writes this process's stacks, says which process stalled (process 0) and ends."""
-        mine = self.watch.mark(self.process)
-        path = stacks_file(self.directory, self.process)
-        try:
-            write_stacks(path, mine)
-        except OSError as error:
-            sys.stderr.write(f"jdp: cannot write the stall's stacks to {path} ({error})\n")
+        """Says which process stalled (process 0: first, so a hung filesystem cannot keep
+        the line unsaid), writes this process's stacks (and process 0 the goodput
+        ledger's last word) within `_RECORD_SECONDS`, and ends once every process has
+        (at most 10 s more: none ends while another may still need the collectives)."""
         if self.process == 0:
-            if self.on_stall is not None:
-                _quietly(lambda: self.on_stall(mark))
             self.say(describe(mark, self.processes, self.timeout,
                               stacks_file(self.directory, mark.process)))  # fmt: skip
+        recording = threading.Thread(target=self._record, args=(mark,), daemon=True)
+        recording.start()
+        recording.join(timeout=_RECORD_SECONDS)
         if self.processes > 1:
-            # Each ends once process 0 has said its line (a process that ended first would
-            # break process 0's all-reduce into a traceback), and process 0 once every
-            # process wrote its stacks.
             _quietly(lambda: self.client.key_value_set(f"{_KEY}/ended/{self.process}", "1"))
-            self._wait_for(self.processes if self.process == 0 else 1)
+            self._wait_for_the_others()
+            # The stalled process ends first (a launcher names the first to fail), process
+            # 0, which hosts the coordinator, last.
+            time.sleep(0 if self.process == mark.process else 0.5 if self.process == 0 else 0.2)
         self.end(EXIT_STALLED)
 
-    def _wait_for(self, count: int, seconds: float = 10.0) -> None:
-        """Until ``count`` processes (process 0 first) have written their stacks."""
+    def _record(self, mark: Mark) -> None:
+        path = stacks_file(self.directory, self.process)
+        try:
+            write_stacks(path, self.watch.mark(self.process))
+        except OSError as error:
+            sys.stderr.write(f"jdp: cannot write the stall's stacks to {path} ({error})\n")
+        if self.process == 0 and self.on_stall is not None:
+            _quietly(lambda: self.on_stall(mark))
+
+    def _wait_for_the_others(self, seconds: float = 10.0) -> None:
+        """Until every process has written its stacks (said so in the store), or ``seconds``."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             try:
-                ended = {key.rsplit("/", 1)[1]
-                         for key, _ in self.client.key_value_dir_get(f"{_KEY}/ended/")}  # fmt: skip
-            except Exception:
-                return
-            if "0" in ended and len(ended) >= count:
+                if len(self.client.key_value_dir_get(f"{_KEY}/ended/")) >= self.processes:
+                    return
+            except Exception:  # the coordinator is gone: end now
                 return
             time.sleep(0.05)
+
+
+# Seconds a stalled process gives its stacks file and the goodput ledger (a hung
+# filesystem must not keep it from ending).
+_RECORD_SECONDS = 10.0
 
 
 def describe(mark: Mark, processes: int, timeout: float, stacks: str) -> str:

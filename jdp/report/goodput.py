@@ -143,9 +143,10 @@ class Goodput:
         """Ends the attempt as the stall watchdog ends it: the time since the stalled
         process's last progress (`jdp.distributed.watchdog.Mark`) moved from the part this
         process was in to ``stalled``, and written."""
-        if not self.attempt:
+        # The lock, unless the loop's own write holds it (stuck on a hung filesystem).
+        if not self.attempt or not self._lock.acquire(timeout=5.0):
             return
-        with self._lock:
+        try:
             self._stamp()
             self.attempt["ended"] = "stalled"
             parts = self.attempt["parts"]
@@ -154,6 +155,8 @@ class Goodput:
             parts["stalled"] += moved
             if self.path:
                 self._dump()
+        finally:
+            self._lock.release()
 
     def _stamp(self) -> None:
         attempt = self.attempt

@@ -14,7 +14,7 @@ from jdp.actions import NEVER, Action, Progress
 from jdp.checkpoint import Checkpointer
 from jdp.data.pipeline import places_ahead, train_batches
 from jdp.data.sources import Split
-from jdp.distributed.watchdog import COMPILING, READING, SAVING, STEPPING, Watch
+from jdp.distributed.watchdog import COMPILING, READING, SAVING, STARTING, STEPPING, Watch
 from jdp.errors import LoaderError, UsageError
 from jdp.models import Model
 from jdp.report.console import Console
@@ -155,14 +155,15 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
     console.start_progress(config.steps, start)
     timer = SteadyTimer(batches, console)
     for step in range(start + calls, config.steps + 1, calls):
+        first = step == start + calls
         clock.switch("input")
-        watch.at(READING)
+        watch.at(STARTING if first else READING)
         try:
             batch = next(batches)
         except (Interrupted, LoaderError) as stop:  # the state is whole: the last step's
+            watch.at(SAVING)
             preemption.now(progress, stop)
             break
-        first = step == start + calls
         watch.started(step, COMPILING if first else STEPPING)
         clock.switch("compile" if first else
                      "recomputed" if step <= goodput.redo_until else "step")  # fmt: skip

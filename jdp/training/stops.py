@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from jdp.actions import Progress
 from jdp.distributed.preemption import Preemption
+from jdp.distributed.watchdog import SAVING
 from jdp.errors import LoaderError
 from jdp.training.run_actions import Checkpoint
 
@@ -17,6 +20,8 @@ class StopOnPreemption:
     Asked after every call: with several processes, JAX's sync point wants a
     counter that rises by one per call.
     """
+
+    phase = SAVING  # for the stall watchdog: its pass may save (`jdp.distributed.watchdog`)
 
     def __init__(self, preemption: Preemption, *, steps_per_call: int,
                  checkpoint: Checkpoint | None, ckpt_dir: str | None):  # fmt: skip
@@ -45,6 +50,10 @@ class StopOnPreemption:
         if isinstance(why, Interrupted):
             self._save_and_stop(progress, str(why))
             return
+        if jax.process_count() > 1:  # a save needs every process; the others are in the step
+            raise LoaderError(f"{why} after step {progress.step}; not saved (a save needs "
+                              "every process): the last complete checkpoint is where a "
+                              "rerun resumes") from why  # fmt: skip
         if self.checkpoint is None or not progress.ran:
             kept = ("nothing saved (no --ckpt-dir)" if self.checkpoint is None else
                     "no step ran since the last checkpoint, which a rerun resumes")  # fmt: skip

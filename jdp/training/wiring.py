@@ -233,7 +233,9 @@ def action_phases(actions: Sequence[Action], callbacks: Sequence[Action]
     phases = {}
     for action in actions:
         part = getattr(action, "part", None)
-        if id(action) in yours:
+        if phase := getattr(action, "phase", None):  # an action that says what it does
+            phases[id(action)] = (phase, "")
+        elif id(action) in yours:
             name = getattr(action, "__qualname__", None) or type(action).__qualname__
             phases[id(action)] = (CALLBACK, name)
         else:
