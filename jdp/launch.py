@@ -90,12 +90,14 @@ def shell_code(code: int) -> int:
 
 # The collectives library's word that each process reached its peers: one line per
 # process, every run, saying nothing a user acts on (a failure to connect still shows).
-CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.")
+# Written by several threads at once it can come interleaved ("[Gloo] Rank [Gloo] Rank 0
+# is connected ..." and "0 is connected ..."): each piece ends as the message does.
+CONNECTED = re.compile(r"Expected number of connected peer ranks is : \d+$")
 
 
 def _relay(stream, rank: int, out: TextIO, lock: threading.Lock) -> None:
     for line in iter(stream.readline, ""):
-        if CONNECTED.match(line):
+        if CONNECTED.search(line.rstrip()):
             continue
         with lock:
             out.write(f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")

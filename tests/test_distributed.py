@@ -466,3 +466,19 @@ def test_two_processes_draw_one_processs_dropout(tmp_path):
     )
     assert_trees_close(load_params(str(tmp_path / "two")), load_params(str(tmp_path / "one")),
                        rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_the_launcher_drops_the_collectives_connection_lines_even_interleaved():
+    from jdp.launch import CONNECTED
+
+    lines = [
+        "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks "
+        "is : 1",
+        # two threads of one process writing at once, as a CI run printed them
+        "[Gloo] Rank [Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected "
+        "peer ranks is : 1",
+        "0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+    ]
+    assert all(CONNECTED.search(line) for line in lines)
+    kept = ["[Gloo] Rank 0 failed to connect to 127.0.0.1:1234", "step 20: loss=0.1"]
+    assert not any(CONNECTED.search(line) for line in kept)
