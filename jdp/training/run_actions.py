@@ -19,6 +19,7 @@ from jdp.data.pipeline import eval_batches
 from jdp.data.sources import Split
 from jdp.diloco import has_groups
 from jdp.distributed.replica_check import check_replicas
+from jdp.distributed.watchdog import EVALUATING, SAVING
 from jdp.errors import NonFiniteError, UsageError
 from jdp.report.console import Console
 from jdp.report.logger import MetricLogger
@@ -154,6 +155,7 @@ class Evaluate(PeriodicAction):
     """
 
     part = "evaluate"  # of the goodput ledger (`jdp.report.goodput`)
+    phase = EVALUATING  # for the stall watchdog (`jdp.distributed.watchdog`)
 
     def __init__(self, eval_step, split: Split, mesh, *, batch_size: int, every: int,
                  console: Console, logger: MetricLogger, prefix: str = "test",
@@ -229,6 +231,7 @@ class Checkpoint(PeriodicAction):
     """
 
     part = "checkpoint"  # of the goodput ledger (`jdp.report.goodput`)
+    phase = SAVING  # for the stall watchdog (`jdp.distributed.watchdog`)
 
     def __init__(self, checkpointer: Checkpointer, loader, *, every: int, config: Mapping,
                  skipping: bool, minutes: float = 0.0, ledger: Ledger | None = None,

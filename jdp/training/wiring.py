@@ -17,7 +17,7 @@ from jdp.data.ledger import Ledger
 from jdp.data.pipeline import EvalReader, Loader, TrainReader
 from jdp.data.streams import BatchStream
 from jdp.distributed.preemption import Preemption
-from jdp.distributed.watchdog import ACTIONS, CALLBACK, EVALUATING, SAVING, Watch, Watchdog
+from jdp.distributed.watchdog import ACTIONS, CALLBACK, Watch, Watchdog
 from jdp.errors import UsageError
 from jdp.mesh import process_rows
 from jdp.report.console import Console
@@ -228,17 +228,14 @@ def stall_watch(config: TrainConfig, start: int, goodput: Goodput):
 
 def action_phases(actions: Sequence[Action], callbacks: Sequence[Action]
                   ) -> dict[int, tuple[str, str]]:  # fmt: skip
-    """Each action's phase for the stall watchdog (by ``id``), with a callback's name."""
+    """Each action's phase for the stall watchdog (by ``id``): the one it names (``phase``:
+    an evaluation's, a save's), a callback's with its name, else the loop's actions'."""
     yours = {id(callback) for callback in callbacks}
     phases = {}
     for action in actions:
-        part = getattr(action, "part", None)
-        if phase := getattr(action, "phase", None):  # an action that says what it does
-            phases[id(action)] = (phase, "")
-        elif id(action) in yours:
+        if id(action) in yours:
             name = getattr(action, "__qualname__", None) or type(action).__qualname__
             phases[id(action)] = (CALLBACK, name)
         else:
-            phases[id(action)] = ({"evaluate": EVALUATING, "checkpoint": SAVING}.get(part, ACTIONS),
-                                  "")  # fmt: skip
+            phases[id(action)] = (getattr(action, "phase", ACTIONS), "")
     return phases
