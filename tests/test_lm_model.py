@@ -17,7 +17,14 @@ from jdp.data import numbers2words
 from jdp.data.readers import TrainReader
 from jdp.errors import UsageError
 from jdp.models.registry import get_model
-from jdp.models.transformer import GPT, Attention, flops_per_token, implementation, stack_layers
+from jdp.models.transformer import (
+    GPT,
+    Attention,
+    Seq2SeqTransformer,
+    flops_per_token,
+    implementation,
+    stack_layers,
+)
 from jdp.report.throughput import forward_flops, model_flops
 from tests.helpers import assert_trees_close
 
@@ -270,7 +277,8 @@ def test_shape_flags_with_loaded_weights_are_refused_and_width_sets_the_hidden_u
 def _dropout_steps(model, batch, mesh_spec, *, steps=3, accumulate=1, state=None,
                    backend="jit"):  # fmt: skip
     """``steps`` train steps of ``model`` on ``batch`` over ``mesh_spec`` (from ``state``, a
-    host copy of a train state, when given): their losses and the state after them."""
+    host copy of a train state, when given): their losses and host copies of the state
+    after each."""
     # SGD, linear in the gradient: rounding stays rounding (Adam amplifies the coordinates
     # whose gradient is rounding away from zero to a step of the learning rate).
     mesh, optimizer = jdp.make_mesh(mesh_spec), optax.sgd(0.5)
@@ -282,11 +290,12 @@ def _dropout_steps(model, batch, mesh_spec, *, steps=3, accumulate=1, state=None
         state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.P()))
     step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True,
                                accumulate=accumulate, backend=backend)  # fmt: skip
-    losses = []
+    losses, states = [], []
     for _ in range(steps):
         state, metrics = step(state, jdp.shard_batch(batch, mesh))
         losses.append(float(metrics["loss"]))
-    return losses, jax.device_get(state)
+        states.append(jax.device_get(state))
+    return losses, states
 
 
 @pytest.mark.slow
@@ -304,19 +313,23 @@ def test_dropout_is_drawn_per_example_the_same_on_any_mesh():
     assert model.row_keys
     reader = TrainReader(split, batch_size=32, seed=0, rows=slice(None))
     batch = {key: value for key, value in reader(0).items() if not key.startswith("_")}
-    losses, state = _dropout_steps(model, batch, "data=1")
+    losses, states = _dropout_steps(model, batch, "data=1")
     for mesh_spec, accumulate in (("data=8", 1), ("data=2", 4), ("data=4,fsdp=2", 1)):
-        other, other_state = _dropout_steps(model, batch, mesh_spec, accumulate=accumulate)
+        other, other_states = _dropout_steps(model, batch, mesh_spec, accumulate=accumulate)
         assert np.allclose(other, losses, rtol=EARLY_STEPS, atol=0), (mesh_spec, other, losses)
-        assert_trees_close(other_state.params, state.params, rtol=1e-5, atol=1e-6)
-    # An elastic restart onto fewer devices: two steps on 8, then one on 4, is three on 8.
-    _, halfway = _dropout_steps(model, batch, "data=8", steps=2)
-    resumed, resumed_state = _dropout_steps(model, batch, "data=4", steps=1, state=halfway)
+        assert_trees_close(other_states[-1].params, states[-1].params, rtol=1e-5, atol=1e-6)
+        if mesh_spec == "data=8":  # an elastic restart onto fewer devices: 2 steps on 8,
+            halfway = other_states[1]  # then the third on 4, is the same run
+    resumed, resumed_states = _dropout_steps(model, batch, "data=4", steps=1, state=halfway)
     assert np.allclose(resumed, losses[2:], rtol=EARLY_STEPS, atol=0), (resumed, losses)
-    assert_trees_close(resumed_state.params, state.params, rtol=1e-5, atol=1e-6)
-    # seq2seq's dropout (on its attention weights too), 8 devices under pmap against 1.
-    seq2seq = get_model("seq2seq", split, "small")
-    assert seq2seq.row_keys
+    assert_trees_close(resumed_states[-1].params, states[-1].params, rtol=1e-5, atol=1e-6)
+    # A Linen module of one's own that takes its rows (here jdp's seq2seq, small, with
+    # dropout on its attention weights too): 8 devices under pmap against 1.
+    module = Seq2SeqTransformer(vocab_size=len(split.vocab), width=32, heads=2, layers=1,
+                                hidden=64, dropout=0.3)  # fmt: skip
+    pair = lambda b: (b["source"], b["target"][:, :-1])  # noqa: E731
+    seq2seq = jdp.models.from_linen(module, jdp.models.sequence(), inputs=pair, rows_arg="rows")
+    assert get_model("seq2seq", split, "small").row_keys  # as the built-in one is made
     one, _ = _dropout_steps(seq2seq, batch, "data=1", steps=2)
     eight, _ = _dropout_steps(seq2seq, batch, "data=8", steps=2, backend="pmap")
     assert np.allclose(eight, one, rtol=EARLY_STEPS, atol=0), (eight, one)
