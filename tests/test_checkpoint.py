@@ -82,6 +82,7 @@ def test_sigkill_then_resume_is_bitwise_identical(reference, tmp_path, when):
     resumed = _run(tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert re.search(r"^jdp: resuming from step \d+ in ", resumed.stdout, re.M)
+    assert "jdp: data on each device: train" in resumed.stdout  # the batches gathered there
     assert_bitwise_equal(saved_arrays(tmp_path, 60), reference[1])
 
 

@@ -94,6 +94,7 @@ def test_two_processes_match_one(single, tmp_path, backend):
     summaries = SUMMARY.findall(result.stdout)
     assert len(summaries) == 1 and summaries[0] == "[0] ", result.stdout
     assert "jdp: 2 processes" in result.stdout
+    assert "jdp: data on each device: train" in result.stdout  # each process's own devices
     assert not re.search(r"^\[1\] jdp", result.stdout, re.M), "process 1 printed"
     assert "[Gloo]" not in result.stdout + result.stderr  # the peers' connection lines
     _assert_same_early_steps(tmp_path / "log", single / "log")

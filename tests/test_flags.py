@@ -101,5 +101,5 @@ def test_every_config_field_declares_its_section():
     assert config.DILOCO_FIELDS == ("sync_every", "outer_optimizer", "outer_lr", "outer_momentum")
     assert set(config.fields_of(per_process=True)) == {
         "coordinator", "num_processes", "process_id", "startup_timeout", "data_dir",
-        "loader_workers", "prefetch", "compile_cache",
+        "loader_workers", "prefetch", "data_on_device", "compile_cache",
     }  # fmt: skip

@@ -122,6 +122,22 @@ def jdp_loop(step, run: Run, batch, optimizer, *, per_call: int = 1) -> Callable
     return loop
 
 
+def fed_loop(step, run: Run, batches, optimizer) -> Callable[[int], None]:
+    """`jdp_loop`, each step given the next batch of ``batches`` (a `jdp.data.pipeline.Loader`):
+    the step with the input a run gives it."""
+    params = jax.tree.map(jnp.copy, run.state.params)
+    carry = [create_train_state(params, optimizer, run.mesh, rng=jax.random.key(0))]
+
+    def loop(count: int) -> None:
+        state, metrics = carry[0], None
+        for _ in range(count):
+            state, metrics = step(state, next(batches))
+        jax.block_until_ready(metrics)
+        carry[0] = state
+
+    return loop
+
+
 # By default arms run whole multiples of this many steps: any steps per call up to
 # 8 divides it.
 STEP_MULTIPLE = 8

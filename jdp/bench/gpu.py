@@ -17,7 +17,8 @@ done, so a run cut short keeps the parts before it:
 4. ``loader``: the JPEG loader's images/s on this machine's cores (generated
    JPEGs of ImageNet's sizes) and how many cores one device needs at part 3's rate;
 5. ``sweep``: the small models of ``bench step`` on ``data=1``, with
-   ``--steps-per-call 4``, against a hand-written one-device step;
+   ``--steps-per-call 4``, and fed each step's batch from the host and from the
+   split on the device (``--data-on-device``), against a hand-written one-device step;
 6. ``correctness``: 20 steps of ``gpt`` small on the accelerator against the
    same 20 steps on its CPU (a process of its own), in fp32 with exact matrix
    products, within a tolerance derived from the CPU run's own sensitivity.

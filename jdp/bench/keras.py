@@ -12,10 +12,13 @@ linear warmup to 3e-3 (the warmup jdp resolves for the run's length), cosine to
 0; sparse categorical cross-entropy on logits, with the accuracy metric, as
 jdp's step reports it too.
 
-A third arm, "step", is the cell ``python -m jdp.bench step --cases mlp-38k
---meshes data=1`` times: the train step of the same run alone in a loop on one
-batch placed once (no input, no actions), for as many steps. fit against it is
-what jdp's loop, its input and its actions cost the step.
+The "jdp" arm has the digits on the device, as ``--data-on-device auto`` places
+them (`jdp.data.on_device`); the "host" arm is the same run with
+``--data-on-device off``, the host loader reading every batch. A last arm,
+"step", is the cell ``python -m jdp.bench step --cases mlp-38k --meshes data=1``
+times: the train step of the same run alone in a loop on one batch placed once (no
+input, no actions), for as many steps. fit against it is what jdp's loop, its input
+and its actions cost the step.
 
 A last line times fit's loop alone (`loop_run`): the jdp run with its step replaced
 by one that returns at once, in microseconds a step of wall time and of the loop's
@@ -112,29 +115,34 @@ def bench_keras(steps: int, rounds: int, batch_size: int, *,
     """The rounds, each a Keras run, a jdp run and a run of jdp's step alone, and the
     medians; returns the lines."""
     lines, emit = report_lines(on_line)
-    rates: dict[str, list[float]] = {"keras": [], "jdp": [], "step": []}
+    rates: dict[str, list[float]] = {"keras": [], "jdp": [], "host": [], "step": []}
     for round_ in range(rounds):
         keras = _keras_process(steps, batch_size)
         rates["keras"].append(keras["examples_per_sec"])
         rates["jdp"].append(_jdp_process(steps, batch_size))
+        rates["host"].append(_jdp_process(steps, batch_size, "off"))
         rates["step"].append(_step_process(steps, batch_size))
         if round_ == 0:
             emit(
                 f"jdp.bench keras: mlp small on digits (38k parameters), global batch "
                 f"{batch_size}, Adam on jdp's default schedule, {steps} steps a run, "
-                f"{rounds} rounds of keras, jdp (python -m jdp.train --mesh data=1) and "
-                f"step (its train step alone, on one placed batch), each run a process on "
+                f"{rounds} rounds of keras, jdp (python -m jdp.train --mesh data=1, the data "
+                f"on the device), host (the same with --data-on-device off) and step (its "
+                f"train step alone, on one placed batch), each run a process on "
                 f"one CPU device ({keras['device']}); examples/s from the end of the first "
                 f"step to the end of the last; Keras {keras['keras']} (JAX backend), JAX "
                 f"{keras['jax']}"
             )
-            emit(f"  {'round':<8}{'keras ex/s':>12}{'jdp ex/s':>12}{'step ex/s':>12}"
-                 f"{'jdp / keras':>13}{'jdp / step':>12}")  # fmt: skip
+            emit(f"  {'round':<8}{'keras ex/s':>12}{'jdp ex/s':>12}{'host ex/s':>12}"
+                 f"{'step ex/s':>12}{'jdp / keras':>13}{'jdp / step':>12}"
+                 f"{'host / step':>13}")  # fmt: skip
         emit(_round_line(str(round_ + 1), {arm: values[-1] for arm, values in rates.items()}))
     medians = {arm: statistics.median(values) for arm, values in rates.items()}
     ratios = {  # the median of the rounds' own ratios
-        other: statistics.median(j / o for j, o in zip(rates["jdp"], rates[other], strict=True))
-        for other in ("keras", "step")
+        (arm, other): statistics.median(
+            j / o for j, o in zip(rates[arm], rates[other], strict=True)
+        )
+        for arm, other in _RATIOS
     }
     emit(_round_line("median", medians, ratios))
     loops = [_loop_process(steps, batch_size) for _ in range(rounds)]
@@ -145,12 +153,15 @@ def bench_keras(steps: int, rounds: int, batch_size: int, *,
     return lines
 
 
-def _round_line(name: str, rates: dict[str, float], ratios: dict[str, float] | None = None
-                ) -> str:  # fmt: skip
-    ratios = ratios or {other: rates["jdp"] / rates[other] for other in ("keras", "step")}
+_RATIOS = (("jdp", "keras"), ("jdp", "step"), ("host", "step"))
+
+
+def _round_line(name: str, rates: dict[str, float], ratios: dict | None = None) -> str:
+    ratios = ratios or {(arm, other): rates[arm] / rates[other] for arm, other in _RATIOS}
     return (
-        f"  {name:<8}{rates['keras']:>12,.0f}{rates['jdp']:>12,.0f}{rates['step']:>12,.0f}"
-        f"{ratios['keras']:>12.3f}x{ratios['step']:>11.3f}x"
+        f"  {name:<8}{rates['keras']:>12,.0f}{rates['jdp']:>12,.0f}{rates['host']:>12,.0f}"
+        f"{rates['step']:>12,.0f}{ratios['jdp', 'keras']:>12.3f}x"
+        f"{ratios['jdp', 'step']:>11.3f}x{ratios['host', 'step']:>12.3f}x"
     )
 
 
@@ -188,10 +199,10 @@ def _keras_process(steps: int, batch_size: int) -> dict[str, Any]:
     return json.loads(_run(command, "Keras").strip().splitlines()[-1])
 
 
-def _jdp_process(steps: int, batch_size: int) -> float:
+def _jdp_process(steps: int, batch_size: int, on_device: str = "auto") -> float:
     """The examples/s of ``python -m jdp.train --mesh data=1``'s summary line."""
     command = [sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps", str(steps),
-               "--batch-size", str(batch_size)]  # fmt: skip
+               "--batch-size", str(batch_size), "--data-on-device", on_device]  # fmt: skip
     out = _run(command, "jdp")
     found = _SUMMARY_RATE.search(out)
     if found is None:

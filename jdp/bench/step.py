@@ -6,13 +6,18 @@ The sweep runs several model sizes on several meshes, because what a step adds
 the faster of two plain ``jit`` data-parallel steps, one all-reducing each
 gradient leaf and one all-reducing the gradients raveled into one vector, so
 jdp is held to the best a careful engineer writes, not to a weak baseline.
-The arms themselves (the hand-written steps, the loops that run them and jdp's,
-the interleaved rounds) are in `jdp.bench.arms`; here, the sweep's cases and cells.
+Two more arms give jdp's ``jit`` step each step's batch as a run's loader makes it:
+"fed host", read and placed by the host loader, and "on device", gathered on the
+devices from the split placed there (`jdp.data.on_device`; "-" where it stays on the
+host): what the input costs the step. The arms themselves (the hand-written steps,
+the loops that run them and jdp's, the interleaved rounds) are in `jdp.bench.arms`;
+here, the sweep's cases and cells.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -27,6 +32,7 @@ import numpy as np
 
 from jdp.bench.arms import HAND_WRITTEN as HAND_WRITTEN
 from jdp.bench.arms import STEP_MULTIPLE as STEP_MULTIPLE
+from jdp.bench.arms import fed_loop
 from jdp.bench.arms import hand_kinds as hand_kinds
 from jdp.bench.arms import hand_loop as hand_loop
 from jdp.bench.arms import hand_written_step as hand_written_step
@@ -35,7 +41,7 @@ from jdp.bench.arms import jdp_loop as jdp_loop
 from jdp.bench.arms import ratios_to as ratios_to
 from jdp.bench.arms import ratios_to_best as ratios_to_best
 from jdp.bench.common import names, report_lines
-from jdp.data.pipeline import train_batches
+from jdp.data.pipeline import places_ahead, train_batches
 from jdp.errors import UsageError
 from jdp.mesh import parse_mesh_spec
 from jdp.models import MLP, Model, classification, from_linen
@@ -152,6 +158,7 @@ def bench_step(
             emit(
                 f"  {'model':<10}{'params':>8}  {'mesh':<8}{'hand-written ex/s':>19}  "
                 f"{'best of':<11}{'itself':>10}{'jdp jit':>9}{'jdp pmap':>10}"
+                f"{'fed host':>10}{'on device':>10}"
             )
         emit(row)
     return lines
@@ -213,20 +220,31 @@ def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_se
     )
     best = max(hand, key=lambda name: statistics.median(pilot[name]))
     again = hand_written_step(run.model, optimizer, run.mesh, kind=best)
-    arms = {
-        best: hand[best],
-        "again": hand_loop(again, run, batch),
-        "jit": jdp_loop(run.train_step, run, batch, optimizer),
-        "pmap": jdp_loop(pmap.train_step, pmap, batch, optimizer),
-    }
-    rates = interleaved_rates(
-        arms, rounds=rounds, round_seconds=round_seconds, rows=batch_size, multiple=1
-    )
+    host = getattr(run.train, "split", run.train)  # the split as the host loader reads it
+    with contextlib.ExitStack() as stack:
+        fed = {  # the jit step given each step's batch as a run's loader makes it
+            arm: fed_loop(run.train_step, run, stack.enter_context(
+                train_batches(split, run.mesh, batch_size=batch_size, seed=0,
+                              place=places_ahead(run.mesh))), optimizer)
+            for arm, split in (("device", run.train), ("host", host))
+        }  # fmt: skip
+        arms = {
+            best: hand[best],
+            "again": hand_loop(again, run, batch),
+            "jit": jdp_loop(run.train_step, run, batch, optimizer),
+            "pmap": jdp_loop(pmap.train_step, pmap, batch, optimizer),
+            **fed,
+        }
+        rates = interleaved_rates(
+            arms, rounds=rounds, round_seconds=round_seconds, rows=batch_size, multiple=1
+        )
     ratios = ratios_to(rates, best)
+    on = "device" if run.train is not host else "-"
     row = (
         f"  {name:<10}{_params(run):>8}  {mesh:<8}"
         f"{statistics.median(rates[best]):>19,.0f}  {best:<11}{ratios['again']:>9.3f}x"
-        f"{ratios['jit']:>8.3f}x{ratios['pmap']:>9.3f}x"
+        f"{ratios['jit']:>8.3f}x{ratios['pmap']:>9.3f}x{ratios['host']:>9.3f}x"
+        + (f"{ratios['device']:>9.3f}x" if on == "device" else f"{on:>10}")
     )
     return jax.devices()[0].device_kind, row
 

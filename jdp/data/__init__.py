@@ -14,6 +14,8 @@ jdp's order; `from_batches` takes any iterable of batches (a generator, a
 shards `pack` writes of it, decoding and cropping each batch in the loader
 (`ImageTransform`); `from_tfds_images` a TFDS dataset of images of many sizes.
 `check_splits` is what a run checks of its splits before it builds the model.
+`on_devices` places a split in memory on every device once: its batches are then
+gathered there, the same ones, with no host read (``--data-on-device``).
 """
 
 from jdp import lazy
@@ -25,6 +27,7 @@ __getattr__, __dir__, __all__ = lazy.attach(
         "jdp.data.custom": ("from_arrays", "from_folder", "from_npz", "from_tfds", "holdout"),
         "jdp.data.image_sources": ("from_images", "from_tfds_images", "pack"),
         "jdp.data.images": ("ImageSplit", "ImageTransform"),
+        "jdp.data.on_device": ("OnDevice", "on_devices"),
         "jdp.data.sources": ("ArraySplit", "Split"),
         "jdp.data.streams": ("BatchStream", "IndexedSplit", "from_batches", "from_indexable"),
         "jdp.data.tokens": ("TokenSplit", "from_tokens"),

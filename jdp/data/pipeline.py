@@ -22,9 +22,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jdp.data.ledger import LEDGER_KEY, MARKS
+from jdp.data.on_device import EvalIndexReader, IndexReader, OnDevice
 from jdp.data.readers import ChunkedReader, EvalReader, StackedReader, TrainReader
 
 # Each `name as name` re-exports a name that lived here before readers.py.
@@ -65,6 +67,7 @@ class Loader(Iterator[dict]):
     counts items (or chunks) placed ahead. ``place=False`` yields the host's
     NumPy batches, for a step that places them itself (`places_ahead`). ``stream``,
     host batches already made (`jdp.data.streams.stream_rows`), replaces the reader.
+    ``device``: the reader gives index batches, gathered from that split on the devices.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class Loader(Iterator[dict]):
         chunk: int = 1,
         place: bool = True,
         stream: Iterable[dict] | None = None,
+        device: OnDevice | None = None,
     ):
         if workers < 0 or prefetch < 1 or steps_per_item < 1:
             raise UsageError(
@@ -111,7 +115,7 @@ class Loader(Iterator[dict]):
         self._marks_last, self._marks_total = (0, 0, 0, start), [0, 0, 0]
         self._marks_given: list = []  # the marks of the batches given since `marks` was asked
         self._given, self._order = 0, 0
-        self._mesh, self._place = mesh, place
+        self._mesh, self._place, self._device = mesh, place, device
         # A deque and two semaphores rather than a queue.Queue: the consumer's
         # side is on the training loop's path every step, and Queue.get's
         # condition variable cost more than a fast step can spare.
@@ -133,8 +137,11 @@ class Loader(Iterator[dict]):
             iterator = iter(host)
             for item in iterator:
                 marks = _take_marks(item)
-                if self._place:  # a chunk (a list of batches) is placed in one transfer call
-                    item = shard_batch(item, self._mesh, stacked=self._steps_per_item > 1)
+                stacked = self._steps_per_item > 1
+                if self._device:  # the indices placed (a chunk's stacked); the rows gathered there
+                    item = _gathered(self._device, item, self._mesh, stacked=stacked)
+                elif self._place:  # a chunk (a list of batches) is placed in one transfer call
+                    item = shard_batch(item, self._mesh, stacked=stacked)
                 if not self._put((item, marks)):
                     return
             self._put(_END)
@@ -245,6 +252,15 @@ def _take_marks(item):
 _MASK64 = (1 << 64) - 1
 
 
+def _gathered(device: OnDevice, item, mesh: Mesh, *, stacked: bool):
+    """An index batch (or a chunk's list of them) -> its batch (list) gathered on the devices:
+    a chunk's indices stack into one transfer (`jax.device_put`'s Python cost is per leaf)."""
+    if not isinstance(item, list):
+        return device.gather(shard_batch(item, mesh, stacked=stacked), stacked=stacked)
+    item = {key: np.stack([batch[key] for batch in item]) for key in item[0]}
+    return device.gather(shard_batch(item, mesh, stacked=True), chunk=True)
+
+
 def check_train_batch(split: Split, batch_size: int) -> None:
     """Raises UsageError when a global batch cannot be drawn from the split."""
     if isinstance(split, BatchStream):
@@ -308,7 +324,8 @@ def train_batches(
         return Loader(None, mesh, start=start_step, stop=None, workers=workers,
                       prefetch=prefetch, steps_per_item=steps_per_call, place=place,
                       stream=rows)  # fmt: skip
-    reader = TrainReader(
+    on_device = isinstance(split, OnDevice)
+    reader = (IndexReader if on_device else TrainReader)(
         split, batch_size=batch_size, seed=seed, rows=process_rows(mesh, batch_size), ledger=ledger
     )
     return Loader(
@@ -323,6 +340,7 @@ def train_batches(
         # Grain workers pay that cost in other processes.
         chunk=_chunk_steps(reader, start_step) if steps_per_call == 1 and not workers else 1,
         place=place,
+        device=split if on_device else None,
     )
 
 
@@ -348,7 +366,10 @@ def _chunk_steps(reader: TrainReader, step: int) -> int:
     would be TRAIN_CHUNK batches' worth held at once, for an overhead that decoding dwarfs."""
     if getattr(reader.split, "decodes", False):
         return 1
-    nbytes = sum(value.nbytes for value in reader(step).values())
+    if isinstance(reader.split, OnDevice):  # the rows gathered, not their indices
+        nbytes = reader.split.nbytes * reader.batch_size // len(reader.split)
+    else:
+        nbytes = sum(value.nbytes for value in reader(step).values())
     return max(1, min(TRAIN_CHUNK, CHUNK_BYTES // max(1, nbytes)))
 
 
@@ -363,6 +384,10 @@ def eval_batches(split: Split, mesh: Mesh, *, batch_size: int, prefetch: int = 2
         >>> [int(batch["mask"].sum()) for batch in jdp.eval_batches(test, mesh, batch_size=128)]
         [128, 128, 103]
     """
-    reader = EvalReader(split, batch_size=batch_size, rows=process_rows(mesh, batch_size))
+    on_device = isinstance(split, OnDevice)
+    reader = (EvalIndexReader if on_device else EvalReader)(
+        split, batch_size=batch_size, rows=process_rows(mesh, batch_size)
+    )
     stop = min(len(reader), batches) if batches else len(reader)
-    return Loader(reader, mesh, start=0, stop=stop, prefetch=prefetch)
+    return Loader(reader, mesh, start=0, stop=stop, prefetch=prefetch,
+                  device=split if on_device else None)  # fmt: skip

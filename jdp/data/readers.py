@@ -87,6 +87,11 @@ class TrainReader:
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         return self.steps(step, 1)[0]
 
+    def draw(self, step: int):
+        """The augmentation's random choices for this process's rows at ``step``."""
+        rng = np.random.default_rng((self.seed, step, _AUGMENT_STREAM))
+        return self.split.transform.draw(rng, self.batch_size).take(self.rows)
+
     def steps(self, first: int, count: int) -> list[dict[str, np.ndarray]]:
         """The batches of ``count`` steps from ``first``, read and preprocessed in bulk.
 
@@ -107,12 +112,7 @@ class TrainReader:
         if transform is not None:  # token sequences have nothing to preprocess
             augmentation = None
             if transform.augments:
-                draws = [
-                    transform.draw(
-                        np.random.default_rng((self.seed, step, _AUGMENT_STREAM)), self.batch_size
-                    ).take(self.rows)
-                    for step in steps
-                ]
+                draws = [self.draw(step) for step in steps]
                 augmentation = type(draws[0])(  # an Augmentation, or an image split's Crops
                     *(np.concatenate(parts) for parts in zip(*draws, strict=True))
                 )

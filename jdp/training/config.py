@@ -25,6 +25,7 @@ TokenDtype = Literal["", "uint16", "uint32", "int32"]
 BestMode = Literal["auto", "max", "min"]
 NanPolicy = Literal["stop", "skip", "ignore"]
 DataLedger = Literal["indices", "bytes", "off"]
+DataOnDevice = Literal["auto", "on", "off"]
 OuterOptimizerName = Literal["nesterov", "sgd"]
 # DiLoCo's synchronisation interval when a mesh has a group axis and --sync-every is 0.
 DEFAULT_SYNC_EVERY = 50
@@ -141,16 +142,14 @@ class TrainConfig:
         INPUT, None, "TFDS data directory (default: $TFDS_DATA_DIR or ~/tensorflow_datasets)"
     )
     batch_size: int = _flag(DATA, 128, "global batch size, split over the data axis")
-    loader_workers: int = _flag(
-        INPUT,
-        0,
-        "Grain worker processes that load and augment batches (0: a thread of this process)",
-    )
-    prefetch: int = _flag(
-        INPUT,
-        2,
-        "batches (with --steps-per-call, calls' stacked batches) placed on the devices ahead",
-    )
+    loader_workers: int = _flag(INPUT, 0, "Grain worker processes that load and augment "
+                                "batches (0: a thread of this process)")  # fmt: skip
+    prefetch: int = _flag(INPUT, 2, "batches (with --steps-per-call, calls' stacked batches) "
+                          "placed on the devices ahead")  # fmt: skip
+    data_on_device: DataOnDevice = _flag(
+        INPUT, "auto", "place the splits on every device once and gather each step's rows "
+        "there, the same batches without a host read (auto: when they fit in a quarter of "
+        "a device's memory left by the model, and no --loader-workers)")  # fmt: skip
     steps: int = _flag(LENGTH, 400, "number of training steps")
     epochs: int = _flag(
         LENGTH, 0, "train for this many passes over the training split instead of --steps (0: off)"

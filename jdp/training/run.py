@@ -25,6 +25,7 @@ from jdp.data.corpora import is_corpus, load_corpus
 from jdp.data.custom import holdout, load_named
 from jdp.data.facts import data_facts
 from jdp.data.fingerprint import fingerprint
+from jdp.data.on_device import place, state_bytes
 from jdp.data.pipeline import EvalReader, check_train_batch
 from jdp.data.sources import Split
 from jdp.data.streams import BatchStream
@@ -287,6 +288,10 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None, *,
         outer=outer, param_specs=None if outer else specs,
         shard_optimizer=config.shard_optimizer,
     )  # fmt: skip
+    splits = dict(train=train, validation=validation, test=test)
+    train, validation, test = place(config.data_on_device, splits, mesh, say=console.line,
+                                    state_bytes=state_bytes(state),
+                                    workers=config.loader_workers).values()  # fmt: skip
     train_step = make_train_step(
         model.loss_fn, optimizer, mesh, backend=config.backend, has_model_state=True,
         precision=precision, accumulate=config.accumulate, lr_schedule=schedule,
