@@ -20,8 +20,10 @@ from jdp.errors import (
 from jdp.training.flags import parse_flags
 
 
-class _Interrupted(Exception):
-    """A signal before the training loop took signals over (or after it let go)."""
+class _Interrupted(BaseException):
+    """A signal before the training loop took signals over (or after it let go). Not an
+    `Exception`, as KeyboardInterrupt is not: start-up code that turns a library's failure
+    into its own answer (``except Exception``) must not swallow it."""
 
 
 def _interrupt(number, frame) -> None:

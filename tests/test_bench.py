@@ -37,6 +37,7 @@ def test_input_benchmark_reports_loaders_step_and_waiting():
         "loader, 0 Grain workers: host batches",
         "loader, 1 Grain workers: host batches",
         "loader, 0 Grain workers, batches placed on the mesh",
+        "loader, split on the devices, rows gathered there",
         "train step, same batch shape, no input",
     }, result.stdout
     assert all(int(rate.replace(",", "")) > 0 for rate in rates.values())
@@ -112,7 +113,7 @@ def test_step_benchmark_sweeps_sizes_and_meshes_against_the_best_hand_written_st
     assert result.returncode == 0, result.stderr
     rows = re.findall(
         r"^  (\S+) +(\S+)  (data=\d) +([\d,]+)  (per-leaf|raveled|one-device)"
-        r" +([\d.]+)x +([\d.]+)x +([\d.]+)x$",
+        r" +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x$",
         result.stdout,
         re.M,
     )
@@ -122,9 +123,9 @@ def test_step_benchmark_sweeps_sizes_and_meshes_against_the_best_hand_written_st
         ("gpt-small", "829k", "data=1"),
         ("gpt-small", "829k", "data=2"),
     ], result.stdout
-    for *_, rate, _, itself, jit, pmap in rows:
+    for *_, rate, _, itself, jit, pmap, host, device in rows:  # the digits on the devices
         assert int(rate.replace(",", "")) > 0
-        assert float(itself) > 0 and float(jit) > 0 and float(pmap) > 0
+        assert min(float(itself), float(jit), float(pmap), float(host), float(device)) > 0
 
 
 def test_step_benchmark_refuses_an_unknown_case():
@@ -287,18 +288,20 @@ def test_keras_benchmark_races_fit_against_keras_and_the_step_alone():
     assert lines[0].startswith("jdp.bench keras: mlp small on digits (38k parameters)"), lines
     assert re.search(r"Keras 3\.\d+\.\d+ \(JAX backend\), JAX \d", lines[0]), lines[0]
     rows = re.findall(
-        r"^  (1|2|median) +([\d,]+) +([\d,]+) +([\d,]+) +([\d.]+)x +([\d.]+)x$",
+        r"^  (1|2|median) +([\d,]+) +([\d,]+) +([\d,]+) +([\d,]+) +([\d.]+)x +([\d.]+)x"
+        r" +([\d.]+)x$",
         result.stdout,
         re.M,
     )
     assert [row[0] for row in rows] == ["1", "2", "median"], result.stdout
-    for _, keras, jdp, step, by_keras, by_step in rows[:2]:
-        keras, jdp, step = (int(rate.replace(",", "")) for rate in (keras, jdp, step))
-        assert min(keras, jdp, step) > 0
+    for _, *rates, by_keras, by_step, host_by_step in rows[:2]:
+        keras, jdp, host, step = (int(rate.replace(",", "")) for rate in rates)
+        assert min(keras, jdp, host, step) > 0
         # A round's ratios are its rates' own: printed to 3 decimals (half a unit, 5e-4),
         # from rates printed to the example (1e-3 relative covers rates over 1,000/s).
-        assert abs(float(by_keras) - jdp / keras) < 1e-3 * jdp / keras + 5e-4
-        assert abs(float(by_step) - jdp / step) < 1e-3 * jdp / step + 5e-4
+        for ratio, (over, under) in ((by_keras, (jdp, keras)), (by_step, (jdp, step)),
+                                     (host_by_step, (host, step))):  # fmt: skip
+            assert abs(float(ratio) - over / under) < 1e-3 * over / under + 5e-4
     loop = re.search(r"^  fit's loop alone .*: ([\d.]+) us a step, ([\d.]+) us of its "
                      r"thread's CPU \(median of 2 runs\)$", result.stdout, re.M)  # fmt: skip
     assert loop, result.stdout

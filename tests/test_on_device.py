@@ -46,7 +46,7 @@ def test_batches_on_the_devices_are_the_host_loaders_bitwise(mesh8, mesh1):
         for calls in (1, 4):  # a chunk of steps gathered at once; steps stacked for a call
             kwargs = dict(batch_size=64, seed=3, steps_per_call=calls, ledger="bytes")
             with jdp.train_batches(split, mesh, **kwargs) as host, \
-                    jdp.train_batches(placed, mesh, **kwargs) as device:  # fmt: skip
+                    jdp.train_batches(placed, mesh, workers=1, **kwargs) as device:  # fmt: skip
                 for _ in range(7):  # 7 x 64 rows: two epochs of 300
                     batch = next(device)
                     _same(next(host), batch)
@@ -114,12 +114,12 @@ def test_auto_leaves_what_does_not_fit_on_the_host_and_on_refuses_it(mesh8, monk
                         "examples (75.4 KiB), each step's rows gathered there "
                         "(--data-on-device auto)")  # fmt: skip
     # Room, at auto's share of what the state leaves, for the training split alone.
-    monkeypatch.setattr(on_device, "device_memory", lambda device: 4 * 350 * row + 2 * 1000)
+    monkeypatch.setattr(on_device, "device_bytes", lambda mesh: 4 * 350 * row + 2 * 1000)
     placed = place("auto", splits, mesh8, state_bytes=1000, say=said.append)
     assert isinstance(placed["train"], OnDevice) and placed["test"] is test
     assert said[-1].endswith("(226.2 KiB); test on the host, each step's rows gathered there "
                              "(--data-on-device auto)")  # fmt: skip
-    monkeypatch.setattr(on_device, "device_memory", lambda device: 350 * row + 2 * 1000)
+    monkeypatch.setattr(on_device, "device_bytes", lambda mesh: 350 * row + 2 * 1000)
     with pytest.raises(
         UsageError,
         match=r"^--data-on-device on: the test split cannot go on "
@@ -128,7 +128,7 @@ def test_auto_leaves_what_does_not_fit_on_the_host_and_on_refuses_it(mesh8, monk
         r"state\); use --data-on-device auto \(or off\) to read it on the host$",
     ):
         place("on", splits, mesh8, state_bytes=1000)  # fmt: skip
-    monkeypatch.setattr(on_device, "device_memory", lambda device: 100 * row)
+    monkeypatch.setattr(on_device, "device_bytes", lambda mesh: 100 * row)
     assert place("auto", splits, mesh8, state_bytes=0, say=said.append) is splits
     assert said[-1] == ("jdp: data on the host: the train split stays there: 226.2 KiB, and a "
                         "device has 18.8 KiB for data (75.4 KiB, less 2 x 0.0 KiB of training "
@@ -136,6 +136,9 @@ def test_auto_leaves_what_does_not_fit_on_the_host_and_on_refuses_it(mesh8, monk
     assert place("auto", splits, mesh8, state_bytes=0, workers=2, say=said.append) is splits
     assert said[-1] == "jdp: data on the host (--loader-workers asks for host workers)"
     assert place("off", splits, mesh8, state_bytes=0, say=said.append) is splits
+    monkeypatch.undo()
+    place("on", {"train": train}, mesh8, state_bytes=0, workers=2, say=said.append)
+    assert said[-1].endswith("(--data-on-device on; --loader-workers unused)")
 
 
 def test_what_runs_on_the_host_stays_there(tmp_path, mesh8):
@@ -164,7 +167,7 @@ def test_what_runs_on_the_host_stays_there(tmp_path, mesh8):
 
 @pytest.mark.slow
 def test_on_a_split_that_does_not_fit_is_one_line_and_exit_2(monkeypatch):
-    monkeypatch.setattr(on_device, "device_memory", lambda device: 2**20)
+    monkeypatch.setattr(on_device, "device_bytes", lambda mesh: 2**20)
     result = cli("--mesh", "data=8", "--steps", "2", "--data-on-device", "on")
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()

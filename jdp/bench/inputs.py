@@ -23,17 +23,19 @@ def bench_input(config: TrainConfig, *, workers: int, batches: int, steps: int) 
     """Measures the input pipeline against the train step; returns the report's lines."""
     run = build(config, Console(enabled=False))
     size = config.batch_size
-    reader = TrainReader(
-        run.train, batch_size=size, seed=config.seed, rows=process_rows(run.mesh, size)
-    )
+    host = getattr(run.train, "split", run.train)  # the split as the host loader reads it
+    reader = TrainReader(host, batch_size=size, seed=config.seed, rows=process_rows(run.mesh, size))
     rows = []
     for count in sorted({0, workers}):
         rate = batches_per_sec(host_batches(reader, start=0, stop=None, workers=count), batches)
         rows.append((f"loader, {count} Grain workers: host batches", rate * size))
-    with train_batches(run.train, run.mesh, batch_size=size, seed=config.seed) as loader:
-        batch = next(loader)
-        placed = batches_per_sec(loader, batches)
-    rows.append(("loader, 0 Grain workers, batches placed on the mesh", placed * size))
+    arms = [("loader, 0 Grain workers, batches placed on the mesh", host)]
+    if run.train is not host:  # --data-on-device placed it
+        arms.append(("loader, split on the devices, rows gathered there", run.train))
+    for name, split in arms:
+        with train_batches(split, run.mesh, batch_size=size, seed=config.seed) as loader:
+            batch = next(loader)
+            rows.append((name, batches_per_sec(loader, batches) * size))
     consumed = steps_per_sec(run, batch, steps) * size
     rows.append(("train step, same batch shape, no input", consumed))
     result = fit(config, console=Console(enabled=False))

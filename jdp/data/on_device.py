@@ -19,7 +19,6 @@ communication. With several processes each places the split on its own devices.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import jax
@@ -34,6 +33,7 @@ from jdp.data.streams import BatchStream
 from jdp.data.transforms import Transform
 from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY, batch_sharded, replicated
+from jdp.models.memory import device_bytes
 
 MODES = ("auto", "on", "off")
 # `auto` gives the splits at most this share of the memory a device has left once the
@@ -166,15 +166,6 @@ def preprocessed(split, indices: np.ndarray) -> dict[str, np.ndarray]:
     return batch
 
 
-def device_memory(device) -> int:
-    """The bytes ``device`` has: its allocator's limit, or on a CPU its share of the host's."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return host // max(1, jax.local_device_count())
-
-
 class IndexReader(TrainReader):
     """`TrainReader`'s steps as index batches for `OnDevice.gather`: the rows, the
     augmentation's draws, the ledger's marks; nothing read (but with ``ledger`` bytes)."""
@@ -224,7 +215,13 @@ def place(mode: str, splits: dict, mesh: Mesh, *, state_bytes: int, workers: int
     if mode == "off":
         return splits
     given = {name: split for name, split in splits.items() if split is not None}
-    memory = min(device_memory(device) for device in mesh.local_devices)
+    memory = device_bytes(mesh)
+    if memory is None:  # an accelerator that keeps no statistics
+        if mode == "auto":
+            say("jdp: data on the host (this device's memory cannot be read; "
+                "--data-on-device on places it)")  # fmt: skip
+            return splits
+        memory = 2**62
     left = memory - 2 * state_bytes
     room = left if mode == "on" else int(SHARE * left)
     if mode == "auto" and workers:
@@ -256,9 +253,10 @@ def place(mode: str, splits: dict, mesh: Mesh, *, state_bytes: int, workers: int
                      for name, size in chosen.items())  # fmt: skip
     rest = [name for name in given if name not in chosen]
     host = f"; {', '.join(rest)} on the host" if rest else ""
+    unused = "; --loader-workers unused" if workers else ""
     say(
         f"jdp: data on each device: {said}{host}, each step's rows gathered there "
-        f"(--data-on-device {mode})"
+        f"(--data-on-device {mode}{unused})"
     )
     return placed
 

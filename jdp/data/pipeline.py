@@ -325,6 +325,7 @@ def train_batches(
                       prefetch=prefetch, steps_per_item=steps_per_call, place=place,
                       stream=rows)  # fmt: skip
     on_device = isinstance(split, OnDevice)
+    workers = 0 if on_device else workers  # nothing to read on the host
     reader = (IndexReader if on_device else TrainReader)(
         split, batch_size=batch_size, seed=seed, rows=process_rows(mesh, batch_size), ledger=ledger
     )
