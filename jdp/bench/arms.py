@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -108,30 +108,17 @@ def hand_loop(step, run: Run, batch) -> Callable[[int], None]:
 
 
 def jdp_loop(step, run: Run, batch, optimizer, *, per_call: int = 1) -> Callable[[int], None]:
-    """``count -> None``: runs jdp's step for ``count`` optimizer steps, going on from the last."""
+    """``count -> None``: runs jdp's step for ``count`` optimizer steps, going on from the last.
+    ``batch``: one batch for every call, or an iterator (a `jdp.data.pipeline.Loader`) giving
+    each call's, as a run's loader gives the step its input."""
     params = jax.tree.map(jnp.copy, run.state.params)
     carry = [create_train_state(params, optimizer, run.mesh, rng=jax.random.key(0))]
+    fed = isinstance(batch, Iterator)
 
     def loop(count: int) -> None:
         state, metrics = carry[0], None
         for _ in range(count // per_call):
-            state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        carry[0] = state
-
-    return loop
-
-
-def fed_loop(step, run: Run, batches, optimizer) -> Callable[[int], None]:
-    """`jdp_loop`, each step given the next batch of ``batches`` (a `jdp.data.pipeline.Loader`):
-    the step with the input a run gives it."""
-    params = jax.tree.map(jnp.copy, run.state.params)
-    carry = [create_train_state(params, optimizer, run.mesh, rng=jax.random.key(0))]
-
-    def loop(count: int) -> None:
-        state, metrics = carry[0], None
-        for _ in range(count):
-            state, metrics = step(state, next(batches))
+            state, metrics = step(state, next(batch) if fed else batch)
         jax.block_until_ready(metrics)
         carry[0] = state
 

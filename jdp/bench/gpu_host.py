@@ -75,8 +75,9 @@ def part_loader(sizes: Sizes, device_rate: float | None) -> dict[str, Any]:
 
 def part_sweep(sizes: Sizes, report: Report, end: float,
                on_line: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
-    from jdp.bench.arms import fed_loop, hand_loop, hand_written_step
+    from jdp.bench.arms import hand_loop, hand_written_step
     from jdp.bench.step import CASES, _params, case_run, first_batch
+    from jdp.data.on_device import on_host
     from jdp.data.pipeline import places_ahead, train_batches
     from jdp.mesh import batch_sharded
 
@@ -96,12 +97,12 @@ def part_sweep(sizes: Sizes, report: Report, end: float,
                 "jdp, 4 steps per call": jdp_loop(stacked.train_step, run, four, run.optimizer,
                                                   per_call=4)}  # fmt: skip
         with contextlib.ExitStack() as stack:  # each step's batch as a run's loader gives it
-            for arm, split in (("fed from the host", getattr(run.train, "split", run.train)),
+            for arm, split in (("fed from the host", on_host(run.train)),
                                ("fed on the device", run.train)):  # fmt: skip
                 loader = train_batches(split, run.mesh, batch_size=rows, seed=0,
                                        place=places_ahead(run.mesh))  # fmt: skip
                 loader = stack.enter_context(loader)
-                arms[arm] = fed_loop(run.train_step, run, loader, run.optimizer)
+                arms[arm] = jdp_loop(run.train_step, run, loader, run.optimizer)
             rates = interleaved_rates(arms, rounds=sizes.sweep_rounds,
                                       round_seconds=sizes.round_seconds, rows=rows)  # fmt: skip
         ratios = ratios_to(rates, "hand-written")

@@ -11,6 +11,7 @@ import jax
 
 from jdp.bench import images
 from jdp.bench.common import add_run_flags, batches_per_sec, config_from, steps_per_sec
+from jdp.data.on_device import on_host
 from jdp.data.pipeline import TrainReader, host_batches, train_batches
 from jdp.mesh import process_rows
 from jdp.report.console import Console
@@ -23,7 +24,7 @@ def bench_input(config: TrainConfig, *, workers: int, batches: int, steps: int) 
     """Measures the input pipeline against the train step; returns the report's lines."""
     run = build(config, Console(enabled=False))
     size = config.batch_size
-    host = getattr(run.train, "split", run.train)  # the split as the host loader reads it
+    host = on_host(run.train)
     reader = TrainReader(host, batch_size=size, seed=config.seed, rows=process_rows(run.mesh, size))
     rows = []
     for count in sorted({0, workers}):

@@ -32,7 +32,6 @@ import numpy as np
 
 from jdp.bench.arms import HAND_WRITTEN as HAND_WRITTEN
 from jdp.bench.arms import STEP_MULTIPLE as STEP_MULTIPLE
-from jdp.bench.arms import fed_loop
 from jdp.bench.arms import hand_kinds as hand_kinds
 from jdp.bench.arms import hand_loop as hand_loop
 from jdp.bench.arms import hand_written_step as hand_written_step
@@ -41,6 +40,7 @@ from jdp.bench.arms import jdp_loop as jdp_loop
 from jdp.bench.arms import ratios_to as ratios_to
 from jdp.bench.arms import ratios_to_best as ratios_to_best
 from jdp.bench.common import names, report_lines
+from jdp.data.on_device import on_host
 from jdp.data.pipeline import places_ahead, train_batches
 from jdp.errors import UsageError
 from jdp.mesh import parse_mesh_spec
@@ -220,10 +220,10 @@ def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_se
     )
     best = max(hand, key=lambda name: statistics.median(pilot[name]))
     again = hand_written_step(run.model, optimizer, run.mesh, kind=best)
-    host = getattr(run.train, "split", run.train)  # the split as the host loader reads it
+    host = on_host(run.train)
     with contextlib.ExitStack() as stack:
         fed = {  # the jit step given each step's batch as a run's loader makes it
-            arm: fed_loop(run.train_step, run, stack.enter_context(
+            arm: jdp_loop(run.train_step, run, stack.enter_context(
                 train_batches(split, run.mesh, batch_size=batch_size, seed=0,
                               place=places_ahead(run.mesh))), optimizer)
             for arm, split in (("device", run.train), ("host", host))

@@ -101,6 +101,11 @@ class OnDevice:
         return self._gathers[key](self.arrays, item)
 
 
+def on_host(split):
+    """The split as the host loader reads it: an `OnDevice`'s own, else ``split``."""
+    return split.split if isinstance(split, OnDevice) else split
+
+
 def on_devices(split, mesh: Mesh) -> OnDevice:
     """``split`` placed whole on every device of ``mesh`` (see `OnDevice`).
 
