@@ -40,3 +40,15 @@ def mesh1(devices):
 @pytest.fixture(params=["jit", "pmap"])
 def backend(request):
     return request.param
+
+
+# The fast lane (-m "not slow") is tests of about 3 s or less; one that grows past this
+# limit (40 times that, for a loaded machine) fails here instead of slowing every run of
+# the lane unseen: mark it slow, or make it cheaper. Tests with their own timeout keep it.
+FAST_LANE_TIMEOUT = 120
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(FAST_LANE_TIMEOUT))

@@ -85,6 +85,7 @@ def test_an_action_skipped_while_quiet_fires_as_one_called_after_every_call():
     assert jdp.EarlyStopping().quiet_through(progress) == 40
 
 
+@pytest.mark.slow
 def test_fit_calls_plain_callables_after_every_call_and_periodic_actions_when_due():
     calls, every_seven = [], Recorder(7, at_end=True)
     config = jdp.TrainConfig(mesh="data=2", steps=30, warmup_steps=4, log_every=10)
@@ -130,6 +131,7 @@ def test_early_stopping_counts_evaluations_without_improvement():
         jdp.EarlyStopping(patience=0)
 
 
+@pytest.mark.slow
 def test_fit_calls_a_user_action_with_the_state_and_metrics(tmp_path):
     seen = []
 
@@ -145,6 +147,7 @@ def test_fit_calls_a_user_action_with_the_state_and_metrics(tmp_path):
     assert result.steps == 24 and result.stopped is None
 
 
+@pytest.mark.slow
 def test_early_stopping_ends_a_run_with_its_final_evaluation_and_checkpoint(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     config = jdp.TrainConfig(
@@ -163,6 +166,7 @@ def test_early_stopping_ends_a_run_with_its_final_evaluation_and_checkpoint(tmp_
         assert checkpoints.steps()[-1] == 30
 
 
+@pytest.mark.slow
 def test_the_early_stop_flags_stop_a_cli_run(capsys):
     from jdp.train import main
 

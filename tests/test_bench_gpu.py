@@ -30,6 +30,7 @@ def smoke(tmp_path_factory):
     return result, json.loads(out.read_text()), out
 
 
+@pytest.mark.slow  # a benchmark's smoke run: every part compiled, about a minute
 def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
     result, data, _ = smoke
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -45,6 +46,7 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
         assert said in table, said
 
 
+@pytest.mark.slow  # the smoke run's JSON
 def test_the_docs_generator_writes_a_runs_figures_and_checks_them(smoke, tmp_path):
     _, data, out = smoke
     for name in (gpu_docs.DOC, gpu_docs.README, "jdp/recipes/gpt2-124m.toml",

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 from closeness import assert_drift_within
-from helpers import assert_bitwise_equal, saved_arrays, subprocess_env
+from helpers import assert_bitwise_equal, run_cli, saved_arrays, subprocess_env
 
 import jdp
 from jdp.checkpoint import Checkpointer, load_params
@@ -107,6 +107,7 @@ def test_sigterm_saves_exits_0_and_resumes_to_the_same_params(reference, tmp_pat
     assert_bitwise_equal(saved_arrays(tmp_path, 60), reference[1])
 
 
+@pytest.mark.slow
 def test_damaged_and_partial_saves_are_skipped(reference, tmp_path):
     directory = tmp_path / "run"
     shutil.copytree(reference[0], directory)
@@ -129,6 +130,18 @@ def test_damaged_and_partial_saves_are_skipped(reference, tmp_path):
     assert_bitwise_equal(saved_arrays(directory, 60), reference[1])
 
 
+# A short run of the same model, in this process: what the refusals are asked to resume.
+_SHORT = (*shlex.split(_RUN), "--steps", "2", "--warmup-steps", "1", "--ckpt-every", "1")
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("short")
+    result = run_cli(*_SHORT, "--ckpt-dir", directory)
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
@@ -137,8 +150,8 @@ def test_damaged_and_partial_saves_are_skipped(reference, tmp_path):
         (["--model", "mlp"], "--model mlp (was cnn)"),
     ],
 )
-def test_resume_refusals_are_one_line_and_exit_2(reference, flags, needle):
-    result = _run(reference[0], *flags, timeout=120)
+def test_resume_refusals_are_one_line_and_exit_2(short_run, flags, needle):
+    result = run_cli(*_SHORT, "--ckpt-dir", short_run, *flags)
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr

@@ -79,6 +79,7 @@ def test_a_shared_cache_directory_serves_another_run(tmp_path):
         assert not (tmp_path / run / DIRNAME).exists()
 
 
+@pytest.mark.slow
 def test_fit_leaves_jax_cache_setting_as_it_was(tmp_path):
     before = jax.config.jax_compilation_cache_dir  # the tests' session cache
     assert before

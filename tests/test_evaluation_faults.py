@@ -18,6 +18,7 @@ def _data():
     return jdp.data.from_arrays(x, (x[:, 0] > 0).astype(np.int32))
 
 
+@pytest.mark.slow
 def test_a_failing_final_evaluation_keeps_the_trained_state(tmp_path, monkeypatch):
     def lost(eval_step, state, batches):  # the device gone while evaluating
         raise RuntimeError("INTERNAL: device lost\nand more lines of XLA's")

@@ -91,16 +91,23 @@ def test_cached_greedy_is_uncached_greedy_token_for_token(model, prompt):
 
 def sliding_greedy(module, params, prompt, new):
     """nanoGPT's sampling loop, greedy: each token from the whole model's pass over the
-    last ``max_len`` tokens (the prompt cropped likewise), no cache."""
+    last ``max_len`` tokens (the prompt cropped likewise), no cache. A shorter prefix runs
+    padded on the right to ``max_len`` (causal attention: position t's logits are the
+    prefix's alone), so one program serves every step, not one per length."""
+    window = module.max_len
     apply = jax.jit(lambda tokens: module.apply({"params": params}, tokens))
     tokens = np.asarray(prompt)
     for _ in range(new):
-        logits = np.asarray(apply(jnp.asarray(tokens[:, -module.max_len :]))[:, -1])
+        last = tokens[:, -window:]
+        padded = np.zeros((tokens.shape[0], window), np.int32)
+        padded[:, : last.shape[1]] = last
+        logits = np.asarray(apply(jnp.asarray(padded))[:, last.shape[1] - 1])
         tokens = np.concatenate([tokens, logits[:, :VOCAB].argmax(-1)[:, None]], axis=1)
     return tokens[:, prompt.shape[1] :]
 
 
 @pytest.mark.parametrize("length, new", [(PROMPT, 40), (30, 5)])
+@pytest.mark.slow
 def test_past_the_context_sampling_slides_its_window_as_nanogpt(model, length, new):
     """A model of 24 positions continues a prompt of 6 for 40 tokens (18 from the cache,
     22 from a window of the last 24), and a prompt of 30 (cropped to its last 24): token
@@ -115,6 +122,7 @@ def test_past_the_context_sampling_slides_its_window_as_nanogpt(model, length, n
     assert drawn.shape == (ROWS, new) and bool((drawn < VOCAB).all())
 
 
+@pytest.mark.slow
 def test_top_k_1_is_greedy_and_sampling_follows_the_rng(model, prompt):
     module, params = model
     common = {"max_new_tokens": NEW, "vocab_size": VOCAB}
@@ -135,6 +143,7 @@ def test_top_k_1_is_greedy_and_sampling_follows_the_rng(model, prompt):
     assert _decode._cache_size() == compiled
 
 
+@pytest.mark.slow
 def test_padded_vocabulary_rows_are_never_sampled(model, prompt):
     module, params = model
     # Make the padding rows of the tied embedding the most likely next tokens by far.
@@ -148,6 +157,7 @@ def test_padded_vocabulary_rows_are_never_sampled(model, prompt):
         assert (np.asarray(tokens) < VOCAB).all(), options
 
 
+@pytest.mark.slow
 def test_the_unrolled_layout_generates_as_the_scanned_one(prompt):
     unrolled = _gpt(unroll=True)
     params = _init(unrolled, seed=1)
@@ -168,6 +178,7 @@ def test_the_unrolled_layout_generates_as_the_scanned_one(prompt):
     np.testing.assert_array_equal(past, sliding_greedy(unrolled, params, prompt, 30))
 
 
+@pytest.mark.slow
 def test_bf16_parameters_generate_in_bf16(model, prompt):
     module, params = model
     half = jax.tree.map(lambda leaf: leaf.astype(jnp.bfloat16), params)

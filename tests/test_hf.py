@@ -61,6 +61,7 @@ def toy(tmp_path_factory):
     return directory, _hf_model(directory)
 
 
+@pytest.mark.slow
 def test_gpt2_weights_give_transformers_logits(toy):
     directory, model = toy
     gpt = jdp.models.from_hf(directory)
@@ -75,6 +76,7 @@ def test_gpt2_weights_give_transformers_logits(toy):
     assert relative_distance(wrong, expected) > 10 * LOGITS_BOUND
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(toy):
     directory, model = toy
     gpt = jdp.models.from_hf(directory)
@@ -221,6 +223,7 @@ def test_bad_imports_and_exports_are_one_line(toy, tmp_path):
         assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_jdp_gpt_written_as_gpt2_loads_in_transformers(tmp_path):
     """`write_hf` on jdp's own epsilon (1e-6), as a library user calls it."""
     gpt = jdp.models.GPT(vocab_size=40, width=16, heads=2, layers=2, hidden=32, max_len=8)

@@ -98,8 +98,16 @@ def _expect_laid_out(state, specs, mesh):
         assert leaf.sharding.spec == spec and leaf.sharding.mesh.shape == mesh.shape
 
 
-@pytest.mark.parametrize("spec", MESHES)
-@pytest.mark.parametrize("which", ["mlp", "linen", "nnx"])
+def _models_on_meshes():
+    """Every model on every mesh; the fast lane keeps the MLP on each mesh and the Linen
+    and NNX modules on one (each case compiles steps of its own: seconds)."""
+    for which in ("mlp", "linen", "nnx"):
+        for spec in MESHES:
+            slow = () if which == "mlp" or spec == "data=2,fsdp=4" else pytest.mark.slow
+            yield pytest.param(which, spec, id=f"{which}-{spec}", marks=slow)
+
+
+@pytest.mark.parametrize("which, spec", list(_models_on_meshes()))
 def test_a_sharded_step_computes_what_one_device_does(devices, which, spec):
     model = {
         "mlp": lambda: get_model("mlp", jdp.load_split("digits", "train")),
@@ -183,6 +191,7 @@ def test_named_dimensions_that_do_not_divide_stay_whole():
     assert leaf_spec((8, 8), ("mlp", "heads"), {"model": 2}) == P("model")
 
 
+@pytest.mark.slow
 def test_zero1_splits_the_optimizer_state_over_data(devices):
     model = from_linen(UserNet(), classification())
     batches = _image_batches()
@@ -247,6 +256,7 @@ def test_the_pmap_backend_refuses_a_zero1_state_in_one_line(devices):
 
 
 @pytest.mark.parametrize("options", [{"steps_per_call": 5}, {"accumulate": 2}])
+@pytest.mark.slow
 def test_steps_per_call_and_accumulation_on_a_sharded_mesh(devices, options):
     model = from_linen(UserNet(), classification())
     batches = _image_batches()
@@ -255,6 +265,7 @@ def test_steps_per_call_and_accumulation_on_a_sharded_mesh(devices, options):
     assert_trees_close(jax.device_get(state.params), jax.device_get(reference.params))
 
 
+@pytest.mark.slow
 def test_evaluation_on_a_sharded_state_equals_one_device(devices):
     model, batches = _gpt()
     sums = {}
@@ -329,6 +340,7 @@ def _state_on(model, batch, spec, optimizer):
 
 
 @pytest.mark.parametrize("target", ["data=8", "data=1", "data=2,model=2"])
+@pytest.mark.slow
 def test_a_checkpoint_restores_across_layouts_both_ways(devices, tmp_path, target):
     model = get_model("mlp", jdp.load_split("digits", "train"))
     batch, optimizer = _image_batches(1)[0], optax.adam(1e-3)
@@ -396,6 +408,7 @@ def test_batchnorm_on_a_sharded_layout_is_its_replicas(devices, spec):
     assert_trees_close(jax.device_get(state.model_state), jax.device_get(reference.model_state))
 
 
+@pytest.mark.slow
 def test_an_fsdp_axis_of_one_is_data_parallelism(devices):
     model = from_linen(UserNet(), classification())
     batches = _image_batches()

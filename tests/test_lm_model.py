@@ -44,17 +44,21 @@ def _loss(module):
 
 
 def _unrolled_params():
-    variables = GPT(**SMALL, unroll=True).init(jax.random.key(0), _tokens())
+    variables = jax.jit(GPT(**SMALL, unroll=True).init)(jax.random.key(0), _tokens())
     return meta.unbox(variables["params"])
 
 
+@pytest.mark.slow
 def test_scanned_layers_equal_the_unrolled_loop():
     """The same parameters (stacked for the scan): the same loss and gradients."""
     unrolled = _unrolled_params()
     tokens = _tokens()
-    loss_u, grads_u = jax.value_and_grad(_loss(GPT(**SMALL, unroll=True)))(unrolled, tokens)
+    # Jitted: one program each (the model dispatched op by op took seconds more).
+    loss_u, grads_u = jax.jit(jax.value_and_grad(_loss(GPT(**SMALL, unroll=True))))(
+        unrolled, tokens
+    )
     scanned = stack_layers(unrolled, SMALL["layers"])
-    loss_s, grads_s = jax.value_and_grad(_loss(GPT(**SMALL)))(scanned, tokens)
+    loss_s, grads_s = jax.jit(jax.value_and_grad(_loss(GPT(**SMALL))))(scanned, tokens)
     # The same operations per layer; XLA fuses a loop's body and an unrolled layer
     # differently, so fp32 results differ by rounding, a few EPS32 (1.2e-7) per
     # operation over 3 layers: well inside rtol 1e-5 (84 EPS32), atol 1e-6 near zero.
@@ -64,11 +68,12 @@ def test_scanned_layers_equal_the_unrolled_loop():
 
 @pytest.mark.parametrize("policy", ["dots", "full"])
 @pytest.mark.parametrize("unroll", [False, True])
+@pytest.mark.slow
 def test_every_remat_policy_gives_the_gradients_of_none(policy, unroll):
     params = _unrolled_params() if unroll else stack_layers(_unrolled_params(), SMALL["layers"])
     tokens = _tokens()
-    expected = jax.grad(_loss(GPT(**SMALL, unroll=unroll)))(params, tokens)
-    got = jax.grad(_loss(GPT(**SMALL, unroll=unroll, remat=policy)))(params, tokens)
+    expected = jax.jit(jax.grad(_loss(GPT(**SMALL, unroll=unroll))))(params, tokens)
+    got = jax.jit(jax.grad(_loss(GPT(**SMALL, unroll=unroll, remat=policy))))(params, tokens)
     # Recomputation runs the forward pass's operations again on the same inputs: only
     # a different fusion can change a rounding (as above: rtol 1e-5, atol 1e-6).
     assert_trees_close(got, expected)
@@ -334,6 +339,6 @@ def test_dropout_is_drawn_per_example_the_same_on_any_mesh():
     eight, _ = _dropout_steps(seq2seq, batch, "data=8", steps=2, backend="pmap")
     assert np.allclose(eight, one, rtol=EARLY_STEPS, atol=0), (eight, one)
     # Dropout is on: the first step's loss is not the loss without it.
-    params, model_state = model.init(jax.random.key(0), batch)
+    params, model_state = jax.jit(model.init)(jax.random.key(0), batch)
     outputs, _ = model.apply(params, model_state, batch, train=False)
     assert abs(float(model.objective.loss(outputs, batch).mean()) - losses[0]) > 1e-3

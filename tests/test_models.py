@@ -84,7 +84,7 @@ def _model(api: str, rate: float) -> jdp.models.Model:
 
 def _train(model, mesh, backend, steps=3, optimizer=None):
     optimizer = optimizer or optax.adam(1e-2)
-    params, model_state = model.init(jax.random.key(0), _data())
+    params, model_state = jax.jit(model.init)(jax.random.key(0), _data())
     state = jdp.create_train_state(
         params, optimizer, mesh, model_state=model_state, rng=jax.random.key(1)
     )
@@ -187,7 +187,7 @@ def test_transformers_compute_in_the_parameters_dtype(name):
 def test_linen_without_train_flag_or_model_state(mesh8):
     model = from_linen(nn.Dense(3), classification(), inputs="x", train_arg=None)
     batch = {"x": np.ones((8, 5), np.float32), "label": np.zeros(8, np.int32)}
-    params, model_state = model.init(jax.random.key(0), batch)
+    params, model_state = jax.jit(model.init)(jax.random.key(0), batch)
     assert model_state == {} and params["kernel"].shape == (5, 3)
     state = jdp.create_train_state(params, optax.sgd(0.5), mesh8)
     step = jdp.make_train_step(model.loss_fn, optax.sgd(0.5), mesh8, has_model_state=True)
@@ -219,7 +219,7 @@ def test_every_builtin_model_takes_a_step(name, mesh8):
     batch = jax.tree.map(np.asarray, split.read(np.arange(16)))
     if "image" in batch:
         batch["image"] = split.transform(batch["image"])
-    params, model_state = model.init(jax.random.key(0), batch)
+    params, model_state = jax.jit(model.init)(jax.random.key(0), batch)
     optimizer = optax.adam(1e-3)
     state = jdp.create_train_state(params, optimizer, mesh8, model_state=model_state)
     step = jdp.make_train_step(model.loss_fn, optimizer, mesh8, has_model_state=True)

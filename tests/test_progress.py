@@ -13,6 +13,7 @@ import jdp
 from jdp.report import console as console_module
 
 
+@pytest.mark.slow
 def test_a_run_says_it_compiles_and_how_long_it_took(capsys):
     config = jdp.TrainConfig(mesh="data=2", steps=20, warmup_steps=2, validation_fraction=0.2,
                              eval_every=10)  # fmt: skip

@@ -98,6 +98,8 @@ def test_every_recipes_smoke_form_runs(name, tmp_path):
     result = run_cli("--recipe", name, *smoke, *_stand_in_data(recipe, tmp_path), timeout=280,
                      fresh=True)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    first = result.stdout.splitlines()[0]  # what the recipe set, and what the smoke overrode
+    assert first.startswith(f"jdp: recipe {name} sets ") and " steps=" in first, first
     summary = result.stdout.strip().splitlines()[-1]
     assert summary.startswith("jdp.train: steps=") and f"{recipe.statement['metric']}=" in summary
 
@@ -113,6 +115,27 @@ def test_a_recipe_of_your_own_and_bad_ones(tmp_path):
         (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nbatch = 3\n',
          "[flags] sets batch, which no flag is"),
         ("[recipe\n", "not TOML"),
+        (f'[recipe]\n{statement}\nstatus = "open"\n', "no [flags] table"),
+        # [flags] forgotten: its keys land in the table above, or outside any table.
+        (f'[recipe]\n{statement}\nstatus = "open"\nsteps = 7\n',
+         "[recipe] sets steps, a flag; put it under [flags]"),
+        (f'steps = 7\n[recipe]\n{statement}\nstatus = "open"\n[flags]\n',
+         "sets steps outside its tables"),
+        (f'[recipe]\n{statement}\nstatus = "open"\ncolour = "red"\n[flags]\n',
+         "[recipe] states 'colour'"),
+        (f'[recipe]\n{statement}\nstatus = "open"\n[flag]\nsteps = 7\n', "holds 'flag'"),
+        # Each value as its flag takes it: no string for a number, no number for a mesh.
+        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nbatch_size = "64"\n',
+         '[flags] batch_size = "64" is not what --batch-size takes; give an integer'),
+        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nsteps = 2.5\n', "give an integer"),
+        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nlr = "1e-3"\n', "give a number"),
+        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nmesh = 8\n',
+         "mesh = 8 is not what --mesh takes; give a string in quotes"),
+        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\ngrad_norm = 1\n',
+         "give true or false"),
+        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nsteps = true\n', "integer"),
+        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\n[smoke]\nprecision = "fp64"\n',
+         '[smoke] precision = "fp64" is not what --precision takes; give one of "fp32"'),
     ]  # fmt: skip
     for text, needle in bad:
         mine.write_text(text)
@@ -122,6 +145,30 @@ def test_a_recipe_of_your_own_and_bad_ones(tmp_path):
     with pytest.raises(UsageError, match="unknown recipe 'nope'; choose one of: cifar10"):
         load_recipe("nope")
     assert load_recipe("digits-mlp").config() == jdp.TrainConfig(mesh="data=8")  # the default run
+    # An integer where a float belongs is that float, as --lr 1 is.
+    mine.write_text(f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nlr = 1\n')
+    assert load_recipe(str(mine)).flags["lr"] == 1.0
+
+
+def test_the_command_line_wins_over_a_recipe_steps_over_its_epochs_included(tmp_path):
+    config = parse_flags(["--recipe", "imagenet-resnet50", "--steps", "2", "--lr", "0.2"])
+    assert (config.steps, config.epochs, config.lr, config.model) == (2, 0, 0.2, "resnet50")
+    assert parse_flags(["--recipe", "imagenet-resnet50", "--epochs", "3"]).epochs == 3
+    # A recipe's own smoke form likewise: its steps turn its epochs off.
+    mine = tmp_path / "mine.toml"
+    statement = "\n".join(f'{key} = "x"' for key in STATEMENT if key != "status")
+    mine.write_text(f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nepochs = 90\n'
+                    "[smoke]\nsteps = 2\n")  # fmt: skip
+    assert (load_recipe(str(mine)).config(smoke=True).epochs, parse_flags([]).epochs) == (0, 0)
+    assert load_recipe(str(mine)).config().epochs == 90
+    # The run says so in its first line.
+    run = run_cli("--recipe", "digits-mlp", "--steps", "3", "--lr", "0.01", "--eval-every", "0",
+                  "--ckpt-dir", tmp_path / "run")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[0] == (
+        "jdp: recipe digits-mlp sets mesh=data=8; the command line sets steps=3 lr=0.01 "
+        f"eval_every=0 ckpt_dir={tmp_path / 'run'}"
+    )
 
 
 def test_rewriting_the_readme_rows_rewrites_the_recipes_they_check(tmp_path):

@@ -193,7 +193,7 @@ def _mlp_setup(mesh):
     images = rng.normal(size=(37, 3, 3, 1)).astype(np.float32)  # 37: not a multiple of 8
     labels = rng.integers(0, 4, size=37).astype(np.int32)
     model = from_linen(module, classification())
-    params, model_state = model.init(jax.random.key(0), {"image": images[:1]})
+    params, model_state = jax.jit(model.init)(jax.random.key(0), {"image": images[:1]})
     state = jdp.create_train_state(params, optax.sgd(0.1), mesh, model_state=model_state)
     return module, model, images, labels, state
 
@@ -233,7 +233,9 @@ def test_classification_trains_the_mlp(mesh8, backend):
     assert set(metrics) == {"loss", "accuracy"}  # grad_norm only when asked for
 
 
-@pytest.mark.parametrize("hidden", [16, 1024], ids=["small", "shared-norm"])
+@pytest.mark.parametrize(
+    "hidden", [16, pytest.param(1024, marks=pytest.mark.slow)], ids=["small", "shared-norm"]
+)
 def test_the_gradient_norm_when_asked_changes_no_parameter(mesh8, mesh1, backend, hidden):
     """``grad_norm=True`` adds the norm and leaves the update bitwise as it was, on one
     device and on eight; 1024 hidden units make a 4.2 MB gradient, whose norm each
@@ -243,7 +245,7 @@ def test_the_gradient_norm_when_asked_changes_no_parameter(mesh8, mesh1, backend
     images = rng.normal(size=(32, 32, 32, 1)).astype(np.float32)
     labels = rng.integers(0, 4, size=32).astype(np.int32)
     model = from_linen(module, classification())
-    params, model_state = model.init(jax.random.key(0), {"image": images[:1]})
+    params, model_state = jax.jit(model.init)(jax.random.key(0), {"image": images[:1]})
     optimizer = optax.adam(1e-2)  # Adam squares the gradient, as the norm does
     for mesh in (mesh1, mesh8):
         batch = jdp.shard_batch({"image": images, "label": labels}, mesh)

@@ -202,7 +202,7 @@ def test_data8_matches_data1_on_token_data(corpus):
 def test_gpt_positions_follow_seq_len(corpus):
     train = from_tokens(corpus, seq_len=48)
     model = jdp.models.get_model("gpt", train)
-    params, _ = model.init(jax.random.key(0), train.read(np.arange(2)))
+    params, _ = jax.jit(model.init)(jax.random.key(0), train.read(np.arange(2)))
     positions = [
         leaf
         for path, leaf in jax.tree_util.tree_leaves_with_path(params)
@@ -377,6 +377,7 @@ def test_a_language_model_trains_on_python_stdlib_from_the_cli(tmp_path):
     assert os.path.getsize(plot.plot_runs([str(tmp_path / "log")], str(tmp_path / "c.png")))
 
 
+@pytest.mark.slow
 def test_a_nanogpt_shape_optimizer_and_evaluation_are_flags(corpus, tmp_path):
     """nanoGPT's n_layer, n_head, n_embd, dropout, eval_iters, beta2, min_lr and
     lr_decay_iters as flags: the model has the shape asked for (and keeps it in its

@@ -183,6 +183,7 @@ def test_a_per_example_function_draws_the_same_on_any_mesh(mesh8, mesh1):
     np.testing.assert_array_equal(np.asarray(evaluated["x"])[:, 0], np.arange(16))  # none here
 
 
+@pytest.mark.slow
 def test_a_validation_split_chooses_the_best_checkpoint_and_the_test_is_reported(tmp_path):
     images, labels, train_rows, test_rows = _digits()
     train = jdp.data.from_arrays(images[train_rows], labels[train_rows],
@@ -204,6 +205,7 @@ def test_a_validation_split_chooses_the_best_checkpoint_and_the_test_is_reported
         jdp.load_model(tmp_path, 7)
 
 
+@pytest.mark.slow
 def test_the_best_checkpoint_is_the_best_evaluation_between_saves(tmp_path):
     """Evaluated every 4 steps, saved every 40: each evaluation better than all before
     it is saved too (Keras' save_best_only), so "best" is the best evaluation's step,
@@ -315,6 +317,7 @@ print(len(jax.devices()), bool(np.abs(after - before).max() > 0),
 """
 
 
+@pytest.mark.slow
 def test_an_nnx_model_built_before_fit_trains_on_8_devices_and_comes_back_trained(tmp_path):
     result = run_python("-c", NNX_BEFORE_FIT, timeout=240)  # no XLA_FLAGS: one CPU device
     assert result.returncode == 0, result.stderr
