@@ -17,7 +17,7 @@ from jdp.errors import (
     ReplicaMismatchError,
     UsageError,
 )
-from jdp.training.flags import parse_flags
+from jdp.training.flags import parse_command
 
 
 class _Interrupted(BaseException):
@@ -33,13 +33,15 @@ def _interrupt(number, frame) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     previous = {number: signal.signal(number, _interrupt) for number in _SIGNALS}
     try:
-        config = parse_flags(argv)
+        config, first_lines = parse_command(argv)
         # JAX and the rest after the flags: --help and a bad flag answer at once.
         from jdp.report.console import Console
         from jdp.sample import training_sample
         from jdp.training.loop import fit
 
         console = Console()
+        for line in first_lines:  # where the settings came from: a recipe's, overridden
+            console.first(line)
         result = fit(config, console=console)
     except _Interrupted as interrupted:
         sys.stderr.write(f"jdp.train: {interrupted} outside training steps; nothing saved\n")

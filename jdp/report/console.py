@@ -46,6 +46,7 @@ class Console:
         self._total = 0
         self._done = self._start = 0
         self._next_log = 0
+        self._first: list[str] = []
 
     @property
     def enabled(self) -> bool:
@@ -55,10 +56,17 @@ class Console:
             self._enabled = jax.process_index() == 0
         return self._enabled
 
+    def first(self, text: str) -> None:
+        """A line said before the run's first `line`, once the devices are set up (where
+        asking which process this is may start the backends)."""
+        self._first.append(text)
+
     def line(self, text: str) -> None:
         """One line on stdout (above the progress bar when one is shown)."""
         if not self.enabled:
             return
+        while self._first:
+            print(self._first.pop(0), flush=True)
         if self._bar is not None:
             self._bar.write(text, file=sys.stdout)
         else:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from jdp.errors import UsageError
 from jdp.training.config import TrainConfig
 from jdp.training.presets import PRESETS
-from jdp.training.recipes import load_recipe, recipe_names
+from jdp.training.recipes import layered, load_recipe, recipe_line, recipe_names
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -88,6 +88,14 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "jdp.train") -
         >>> parse_flags(["--preset", "digits-cnn", "--steps", "100"]).model
         'cnn'
     """
+    return parse_command(argv, prog=prog)[0]
+
+
+def parse_command(
+    argv: Sequence[str] | None = None, *, prog: str = "jdp.train"
+) -> tuple[TrainConfig, list[str]]:
+    """`parse_flags`, and the lines a run starts with to say where its settings came
+    from (a recipe's, and which of them the command line overrode)."""
     parser = _parser(prog)
     args = vars(parser.parse_args(argv))
     preset, recipe = args.pop("preset"), args.pop("recipe")
@@ -98,10 +106,12 @@ def parse_flags(argv: Sequence[str] | None = None, *, prog: str = "jdp.train") -
     given = {name: value for name, value in args.items() if value is not None}
     if given.get("epochs") and "steps" in given:
         parser.error("give --epochs or --steps, not both")
-    base = PRESETS[preset]() if preset else TrainConfig()
-    if recipe is not None:
-        try:
-            base = load_recipe(recipe).config()
-        except UsageError as error:
-            parser.error(str(error))
-    return dataclasses.replace(base, **given)
+    if recipe is None:
+        base = PRESETS[preset]() if preset else TrainConfig()
+        return dataclasses.replace(base, **layered({"epochs": base.epochs}, given)), []
+    try:
+        loaded = load_recipe(recipe)
+        config = TrainConfig(**layered(loaded.flags, given))
+    except UsageError as error:
+        parser.error(str(error))
+    return config, [recipe_line(loaded, given)]
