@@ -17,7 +17,7 @@ from jdp.errors import (
     ReplicaMismatchError,
     UsageError,
 )
-from jdp.training.flags import parse_command
+from jdp.training.flags import parse_command, parse_flags  # noqa: F401 (jdp.train.parse_flags)
 
 
 class _Interrupted(BaseException):

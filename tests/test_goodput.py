@@ -95,3 +95,33 @@ def test_a_new_run_in_a_finished_runs_directory_starts_a_new_ledger(tmp_path):
     restarted.progress(25)  # killed again before it reached step 30: 5 steps again so far
     accounting = restarted.finish("preempted")
     assert restarted.redo_until == 30 and accounting["recomputed_steps"] == 5
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"attempts": [{"started": 1.0, "upd',  # cut short
+        '{"attempts": [{"started": 1.0, "updated": 2.0, "parts": {}}]}',  # no steps: edited
+        '{"attempts": [{"started": "1", "updated": 2.0, "start_step": 0, "last_step": 9, '
+        '"parts": {}}]}',  # a time in quotes
+        "[1, 2]",  # another shape
+    ],
+    ids=["cut", "edited", "quoted", "shape"],
+)
+def test_a_damaged_bookkeeping_file_is_set_aside_and_the_run_goes_on(tmp_path, capsys, text):
+    from jdp.report.trackers import _run_ids
+
+    (tmp_path / "goodput.json").write_text(text)
+    ledger = Goodput(Clock(), str(tmp_path))
+    ledger.start(7)  # a resume: what was before is dropped, not a KeyError
+    assert ledger.before == [] and ledger.finish("finished")["wall"] >= 0
+    assert json.loads((tmp_path / "goodput.json").read_text())["attempts"][0]["start_step"] == 7
+    (aside,) = tmp_path.glob("goodput.json.damaged-*")
+    assert aside.read_text() == text
+    (tmp_path / "trackers.json").write_text(text.replace("attempts", "mlflow"))
+    assert _run_ids(str(tmp_path)) == {}  # a new MLflow run, not a silenced tracker
+    assert not (tmp_path / "trackers.json").exists()
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 2 and all(line.startswith("jdp: warning: ") for line in said), said
+    assert f"{tmp_path / 'goodput.json'} is damaged" in said[0] and str(aside) in said[0]
+    assert "trackers.json is damaged" in said[1] and "the run goes on without it" in said[1]

@@ -29,6 +29,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from jdp.report.bookkeeping import read_or_set_aside
+
 PARTS = ("startup", "compile", "step", "recomputed", "input", "checkpoint", "evaluate",
          "other", "stalled", "restart")  # fmt: skip
 FILE = "goodput.json"
@@ -217,10 +219,16 @@ def describe(summary: Mapping[str, Any]) -> str:
 
 
 def _read(path: str) -> list[dict[str, Any]]:
-    """The attempts written before; none when the file is missing or unreadable."""
-    try:
-        with open(path) as file:
-            attempts = json.load(file)["attempts"]
-        return [attempt for attempt in attempts if "updated" in attempt and "parts" in attempt]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+    """The attempts written before (those that got as far as their first write); none
+    when the file is missing, or damaged (set aside: `jdp.report.bookkeeping`)."""
+    return read_or_set_aside(path, _attempts) or []
+
+
+def _attempts(data: Any) -> list[dict[str, Any]]:
+    attempts = [attempt for attempt in data["attempts"] if "updated" in attempt]
+    for attempt in attempts:  # what summarize and a resume read, each of its type
+        numbers = [attempt[key] for key in ("started", "updated", "start_step", "last_step")]
+        numbers += [*attempt["parts"].values(), attempt.get("recomputed_steps", 0)]
+        if not all(isinstance(n, int | float) and not isinstance(n, bool) for n in numbers):
+            raise TypeError("an attempt's times, steps or parts are not numbers")
+    return attempts

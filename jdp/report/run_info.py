@@ -7,12 +7,12 @@ import json
 import os
 import platform
 import sys
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
+from jdp.report.bookkeeping import mapping_of, read_or_set_aside
 from jdp.version import __version__
 
 
@@ -45,7 +45,7 @@ def write_run_info(log_dir: str, config: Mapping[str, Any], facts: Mapping[str, 
         **facts,
     }
     run_path = os.path.join(log_dir, "run.json")
-    first = _read_or_set_aside(run_path)
+    first = read_or_set_aside(run_path, mapping_of(object))
     if first is not None:
         first.setdefault("resumed", []).append(run)
         run = first
@@ -57,7 +57,7 @@ def write_run_info(log_dir: str, config: Mapping[str, Any], facts: Mapping[str, 
 def record_goodput(log_dir: str, accounting: Mapping[str, Any]) -> None:
     """Puts the run's goodput accounting (`jdp.report.goodput.summarize`) in ``run.json``."""
     path = os.path.join(log_dir, "run.json")
-    run = _read_or_set_aside(path) or {}
+    run = read_or_set_aside(path, mapping_of(object)) or {}
     run["goodput"] = dict(accounting)
     write_json(path, run)
 
@@ -70,24 +70,6 @@ def write_json(path: str, value: Any) -> None:
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
-
-
-def _read_or_set_aside(path: str) -> dict | None:
-    """The JSON object in ``path``; None when there is none, or it is damaged (then renamed
-    ``PATH.damaged-TIME`` with a warning, and a new one begun)."""
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as file:
-            value = json.load(file)
-        if isinstance(value, dict):
-            return value
-    except (OSError, ValueError):
-        pass
-    aside = f"{path}.damaged-{int(time.time())}"
-    os.replace(path, aside)
-    print(f"jdp: warning: {path} was unreadable; moved to {aside}", file=sys.stderr, flush=True)
-    return None
 
 
 def _command_line() -> list[str]:

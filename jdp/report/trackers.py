@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jdp.errors import UsageError
+from jdp.report.bookkeeping import mapping_of, read_or_set_aside
 from jdp.report.writers import JsonlWriter, TensorBoardWriter, Writer, curves
 
 TRACKERS = {"tensorboard": None, "mlflow": "mlflow", "wandb": "wandb"}  # name -> its module
@@ -116,11 +117,7 @@ def open_writers(log_dir: str, trackers: Sequence[str] = ("tensorboard",)) -> li
 
 
 def _run_ids(log_dir: str) -> dict[str, str]:
-    path = os.path.join(log_dir, _IDS)
-    if not os.path.exists(path):
-        return {}
-    with open(path) as file:
-        return json.load(file)
+    return read_or_set_aside(os.path.join(log_dir, _IDS), mapping_of(str)) or {}
 
 
 def _keep_run_id(log_dir: str, tracker: str, run_id: str) -> None:
