@@ -147,8 +147,15 @@ def _save(path, **arrays):
                          x_test=np.zeros((2, 20_000_000), np.uint8), y_test=np.arange(2)),
          ["--batch-size", "2"], "the model has 10.2 billion parameters, 41.0 GB a device on "
                                 "this mesh; with their gradients that is more than the "),
+        # One uint8 255 (an "ignore" value) among 0..2: not a 256-way classifier in silence.
+        (lambda p: _save(p, x_train=np.zeros((64, 4), np.float32),
+                         y_train=np.where(np.arange(64) == 5, 255, np.arange(64) % 3).astype(
+                             np.uint8),
+                         x_test=np.zeros((8, 4), np.float32), y_test=np.arange(8) % 3),
+         [], "labels 'y': label 255 (1 example) stands far above the others (up to 2), which "
+             "would make 256 classes; drop or relabel those examples"),
     ],
-    ids=["half-keras", "text", "objects", "label-ids", "huge-model"],
+    ids=["half-keras", "text", "objects", "label-ids", "huge-model", "far-label"],
 )  # fmt: skip
 def test_bad_npz_files_are_one_line_naming_the_fix(tmp_path, make, flags, message):
     file = make(tmp_path / "mine.npz")
@@ -168,3 +175,19 @@ def test_a_validation_fraction_that_leaves_too_few_to_train_names_the_largest():
         "jdp.train: error: --validation-fraction 0.999 leaves 1 of 1438 examples to train on, "
         "fewer than the global batch 128; hold out a smaller fraction (at most 0.91 here)"
     )
+
+
+def test_an_npz_validation_split_may_be_named_val(tmp_path):
+    """x_val/y_val (as jdp's own val/loss names it) is the validation split, not left out."""
+    from jdp.data.custom import load_named
+
+    file = tmp_path / "mine.npz"
+    x, y = np.zeros((12, 4), np.float32), np.arange(12) % 3
+    np.savez(file, x_train=x, y_train=y, x_test=x[:4], y_test=y[:4], x_val=x[:6], y_val=y[:6])
+    assert [len(load_named(f"npz:{file}", name)) for name in ("train", "validation")] == [12, 6]
+    np.savez(file, x_train=x, y_train=y, x_val=x[:6], y_val=y[:6], x_valid=x, y_valid=y)
+    with pytest.raises(jdp.UsageError, match="validation split named both _val and _valid"):
+        load_named(f"npz:{file}", "validation")
+    with pytest.raises(jdp.UsageError, match="stands far above the others"):
+        jdp.data.from_arrays(x, np.where(np.arange(12) == 0, 200, y))
+    assert jdp.data.from_arrays(x, np.where(np.arange(12) == 0, 200, y), num_classes=201)

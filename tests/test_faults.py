@@ -369,7 +369,8 @@ def test_a_damaged_run_json_is_set_aside_and_begun_again(tmp_path, capfd):
     write_run_info(str(tmp_path), {"lr": 0.1}, {"mesh": {"data": 8}})
     (tmp_path / "run.json").write_text('{"started": "2026-')  # cut short
     write_run_info(str(tmp_path), {"lr": 0.1}, {"mesh": {"data": 8}})
-    assert "run.json was unreadable; moved to " in capfd.readouterr().err
+    said = capfd.readouterr().err
+    assert "run.json is damaged (not JSON" in said and "; set aside as " in said, said
     assert json.loads((tmp_path / "run.json").read_text())["mesh"] == {"data": 8}
     write_run_info(str(tmp_path), {"lr": 0.1}, {"mesh": {"data": 4}})
     run = json.loads((tmp_path / "run.json").read_text())

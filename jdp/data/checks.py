@@ -106,13 +106,13 @@ def _check_labels(name: str, labels: np.ndarray | None, classes: int | None) -> 
 
 
 # A classifier over more classes than this is built only for labels that use them.
-_MANY_CLASSES = 1 << 16
+MANY_CLASSES = 1 << 16
 
 
 def _check_sparse(labels: np.ndarray | None, classes: int) -> None:
     """UsageError for labels that are ids, not class indices: a few values that run to a
     huge number, which would make an output layer of that many classes."""
-    if labels is None or classes <= _MANY_CLASSES:
+    if labels is None or classes <= MANY_CLASSES:
         return
     used = len(np.unique(labels))
     if used * 100 < classes:

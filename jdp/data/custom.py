@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from jdp.data.builders import open_builder, read_builder_split
+from jdp.data.checks import MANY_CLASSES
 from jdp.data.image_sources import from_images, from_tfds_images, streamed_image_key
 from jdp.data.images import PACKED_META, class_tree
 from jdp.data.sources import DATASETS, ArraySplit, check_dataset, load_split
@@ -87,8 +88,26 @@ def from_arrays(
                 )
             arrays[label_key] = labels.astype(np.int32)
             if num_classes is None:
-                num_classes = int(labels.max()) + 1 if len(labels) else 0
+                num_classes = _inferred_classes(labels, label_key)
     return ArraySplit(arrays, input_key, label_key, num_classes, transform, map)
+
+
+def _inferred_classes(labels: np.ndarray, name: str) -> int:
+    """The largest label + 1, unless that label stands far above the others (a uint8
+    255, a common "ignore" value, among 0..3 would make a 256-way classifier): then a
+    UsageError naming it. ``num_classes`` given says the classes are meant. Labels that
+    are ids running past 65,536 are the data checks' (`jdp.data.checks`)."""
+    present = np.unique(labels)
+    largest = int(present[-1]) if len(present) else -1
+    if len(present) > 1 and 16 <= largest < MANY_CLASSES and largest > 2 * present[-2] + 2:
+        count = int(np.sum(labels == largest))
+        raise UsageError(
+            f"labels {name!r}: label {largest} ({count} example{'s' * (count != 1)}) stands far "
+            f"above the others (up to {int(present[-2])}), which would make {largest + 1} "
+            f"classes; drop or relabel those examples (255 is often an 'ignore' value), or "
+            f"give num_classes={largest + 1} if they are meant"
+        )
+    return largest + 1
 
 
 def from_tfds(
@@ -256,12 +275,17 @@ def holdout(split, fraction: float, seed: int):
     return split.take(np.sort(order[held:])), split.take(np.sort(order[:held]))
 
 
+# The names an .npz's arrays may give a split: x_val is as common as x_validation.
+_SPLIT_NAMES = {"validation": ("validation", "val", "valid")}
+
+
 def from_npz(path: str | os.PathLike, split: str = "train") -> ArraySplit | None:
     """A split of a NumPy ``.npz`` file whose arrays are named ``FEATURE_SPLIT``.
 
     Keras's ``mnist.npz`` layout (``x_train``, ``y_train``, ``x_test``, ``y_test``)
     is one: feature ``x`` is the input and ``y`` the label; otherwise ``image``
-    and ``label`` are, as in `from_arrays`. uint8 inputs are divided by 255.
+    and ``label`` are, as in `from_arrays`. uint8 inputs are divided by 255. The
+    ``validation`` split's arrays may end in ``_validation``, ``_val`` or ``_valid``.
     Returns None when the file has no array of ``split``.
     """
     file = os.fspath(path)
@@ -277,7 +301,9 @@ def from_npz(path: str | os.PathLike, split: str = "train") -> ArraySplit | None
         )
     try:
         with np.load(file, allow_pickle=False) as arrays:
-            suffix = f"_{split}"
+            named = [name for name in _SPLIT_NAMES.get(split, (split,))
+                     if any(array.endswith(f"_{name}") for array in arrays.files)]  # fmt: skip
+            suffix = f"_{named[0] if named else split}"
             features = {
                 name[: -len(suffix)]: arrays[name] for name in arrays.files if name.endswith(suffix)
             }
@@ -285,6 +311,12 @@ def from_npz(path: str | os.PathLike, split: str = "train") -> ArraySplit | None
         reason = "it holds Python objects, which jdp never unpickles; save numeric arrays" \
             if "pickle" in str(error) else str(error)  # fmt: skip
         raise UsageError(f"cannot read {file} as a NumPy .npz file ({reason})") from None
+    if len(named) > 1:
+        raise UsageError(
+            f"{file} has arrays of the {split} split named both _{named[0]} and _{named[1]}; "
+            "keep one of them"
+        )
+    split = named[0] if named else split
     if not features:
         return None
     if ("x" in features) != ("y" in features):  # Keras's layout, half of it
