@@ -40,6 +40,7 @@ from jdp.data.readers import TrainReader
 from jdp.errors import UsageError
 from jdp.mesh import DATA_AXIS, GROUP_AXIS, parse_mesh_spec
 from jdp.report.console import Console
+from jdp.report.writers import check_writable
 from jdp.rngs import RowKey, step_key
 from jdp.training.config import TrainConfig
 from jdp.training.run import ARCHITECTURE, DATA_FINGERPRINT, Run, build
@@ -76,6 +77,9 @@ def replay(run_dir: str, step: int, *, ckpt_dir: str | None = None, out: str | N
     config = _config(saved, run_dir, ckpt_dir, step)
     console = console or Console(enabled=False)
     run = build(config, console, architecture=saved.get(ARCHITECTURE))
+    out = out or os.path.join(run_dir, f"replay-{step}")
+    if jax.process_index() == 0:  # before the steps are computed again, not after
+        check_writable(out, "--out")
     _same_data(saved, run, run_dir)
     where = _topology(run_dir, run)
     state, start, base = _restore(run, step)
@@ -97,7 +101,6 @@ def replay(run_dir: str, step: int, *, ckpt_dir: str | None = None, out: str | N
                 checked.append(number)
     updates = jax.tree.map(lambda new, old: _norm(new - old), state.params, before)
     loss = float(metrics["loss"])
-    out = out or os.path.join(run_dir, f"replay-{step}")
     largest = _write(out, run, step, loss, seen, updates, start, checked, top)
     return Replayed(step, loss, checked, start, largest, out)
 
@@ -109,17 +112,34 @@ def _run_files(run_dir: str) -> tuple[dict, dict[int, dict]]:
     if not all(os.path.isfile(path) for path in paths):
         raise UsageError(f"{run_dir} holds no config.json and metrics.jsonl; give the "
                          "--log-dir of a run")  # fmt: skip
-    with open(paths[0]) as file:
-        saved = json.load(file)
-    logged = {}
-    with open(paths[1]) as file:
-        for line in file:
+    try:
+        with open(paths[0]) as file:
+            saved = json.load(file)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot read {paths[0]} ({getattr(error, 'strerror', None) or error}); "
+                         "replay reads the config the run recorded there") from None  # fmt: skip
+    if not isinstance(saved, dict):
+        raise UsageError(f"{paths[0]} is not the object of settings a run records")
+    logged, strange = {}, []
+    with open(paths[1], errors="replace") as file:
+        for number, line in enumerate(file, 1):
             try:
                 record = json.loads(line)
             except ValueError:
                 continue  # a line a kill cut short
-            if record.get("kind") == "train":
-                logged[record["step"]] = record
+            if not isinstance(record, dict):
+                strange.append(number)
+            elif record.get("kind") == "train":
+                if isinstance(record.get("step"), int):
+                    logged[record["step"]] = record
+                else:
+                    strange.append(number)
+    if strange:
+        print(
+            f"jdp.replay: warning: {len(strange)} line(s) of {paths[1]} are not jdp's "
+            f"records (line {', '.join(map(str, strange[:5]))}); left out",
+            file=sys.stderr,
+        )
     return saved, logged
 
 
@@ -305,6 +325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(default: RUN_DIR/replay-N)")  # fmt: skip
     parser.add_argument("--top", type=int, default=10, help="examples to name by loss")
     args = parser.parse_args(argv)
+    if args.top < 0:
+        print(f"jdp.replay: error: --top {args.top}: give how many examples to name, 0 or more",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         replayed = replay(args.run_dir, args.step, ckpt_dir=args.ckpt_dir, out=args.out,
                           top=args.top)  # fmt: skip

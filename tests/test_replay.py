@@ -11,6 +11,7 @@ import pytest
 from helpers import run_cli, run_python, run_tool
 
 from jdp.data.readers import global_batch_indices
+from jdp.errors import UsageError
 
 BATCH, EXAMPLES, CKPT_EVERY = 32, 256, 10
 CORRUPTED = [3, 77, 150, 201]  # inputs scaled 30x and labels flipped: a loss spike
@@ -124,6 +125,9 @@ def test_bad_replays_are_one_line(run, tmp_path):
         ((tmp_path, "--step", 3), "holds no config.json and metrics.jsonl"),
         ((root / "log", "--step", 31), "--step 31: the run has steps 1 to 30"),
         ((root / "log", "--step", 3, "--ckpt-dir", tmp_path / "gone"), "which is not here"),
+        ((root / "log", "--step", 3, "--top", -3), "--top -3: give how many examples"),
+        # Refused before the replay's work, not after it.
+        ((root / "log", "--step", 3, "--out", root / "data.npz"), "is a file, not a directory"),
     ):
         result = run_tool("jdp.replay", *args)
         assert result.returncode == 2, result.stderr[-2000:]
@@ -183,3 +187,27 @@ def test_a_diloco_run_is_refused_in_one_line(tmp_path):
         "jdp.replay: error: the run trained DiLoCo groups (--mesh group=2,data=2), whose "
         "synchronisations replay does not repeat"
     )
+
+
+def test_the_runs_files_damaged_are_one_line_or_left_out_with_a_warning(tmp_path, capsys):
+    from jdp.replay import _run_files
+
+    (tmp_path / "config.json").write_text('{"steps": 3')  # cut short
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(UsageError, match=r"^cannot read .*config.json \(.*\); replay reads"):
+        _run_files(str(tmp_path))
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(UsageError, match=r"config\.json is not the object of settings"):
+        _run_files(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"steps": 3}')
+    records = [
+        "[1, 2]",
+        '{"kind": "train", "loss": 1.0}',
+        '{"kind": "train", "step": 2}',
+        '{"kind": "train", "st',
+    ]  # an array, a record without its step, one cut short
+    (tmp_path / "metrics.jsonl").write_text("\n".join(records))
+    saved, logged = _run_files(str(tmp_path))
+    assert saved == {"steps": 3} and list(logged) == [2]
+    (said,) = capsys.readouterr().err.splitlines()
+    assert said.endswith("metrics.jsonl are not jdp's records (line 1, 2); left out"), said
