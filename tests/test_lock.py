@@ -89,3 +89,40 @@ def test_a_removed_directory_stops_the_owner_before_it_writes(tmp_path):
     with pytest.raises(jdp.UsageError, match=r"run was removed or replaced while this run wrote"):
         held.check()
     held.release()
+
+
+# Another run, as far as a lock can tell: a process that holds DIR's lock until killed.
+_HOLD = """import sys, time
+from jdp.checkpoint.lock import DirectoryLock
+held = DirectoryLock(sys.argv[1])
+held.acquire()
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
+def test_no_directory_of_a_run_lies_inside_a_live_runs(tmp_path):
+    """A second run's --ckpt-dir inside a live run's, or its --log-dir equal to or inside
+    it, would interleave files with that run's: each is one line, exit 2."""
+    live = tmp_path / "live"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(live)], stdout=subprocess.PIPE,
+                              text=True, env=subprocess_env())  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        inside = f"is inside {live}, which is in use by another run (pid {holder.pid} on "
+        for flags, said in (
+            (["--ckpt-dir", live / "sub"], f"--ckpt-dir {live / 'sub'} {inside}"),
+            (["--log-dir", live / "logs"], f"--log-dir {live / 'logs'} {inside}"),
+            (["--log-dir", live], f"{live} is in use by another run (pid {holder.pid} on "),
+        ):
+            result = run_cli("--mesh", "data=1", "--steps", "2", *flags)
+            assert result.returncode == 2, result.stderr
+            (line,) = result.stderr.strip().splitlines()
+            assert said in line, line
+        assert not (live / "sub").exists() and not (live / "logs").exists()
+        with pytest.raises(jdp.UsageError, match="which is in use by another run"):
+            DirectoryLock(str(live / "deeper" / "still")).acquire()  # the library's too
+    finally:
+        holder.kill()
+        holder.communicate()
+    lock.refuse_a_live_runs(str(live / "sub"), "--ckpt-dir")  # the run gone: nothing refused

@@ -75,6 +75,48 @@ def _lock_folder(directory: str) -> int | None:
     return folder
 
 
+def _live_owner(path: str) -> dict | None:
+    """Who holds the lock file ``path``, while a live run other than this process does;
+    None for no file, a lock nobody holds, or this process's own."""
+    try:
+        handle = open(path, encoding="utf-8")  # noqa: SIM115 (closed below)
+    except OSError:
+        return None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _read(handle)
+            mine = owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
+            return None if mine else owner
+        except OSError:
+            return None
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
+
+
+def refuse_a_live_runs(directory: str, flag: str, *, itself: bool = True) -> None:
+    """UsageError when ``directory`` lies inside a directory another live run holds (or
+    is one, with ``itself``): its files would be interleaved with that run's."""
+    path = os.path.abspath(directory)
+    here = path if itself else os.path.dirname(path)
+    while True:
+        owner = _live_owner(os.path.join(here, LOCK_NAME))
+        if owner is not None and here == path:
+            raise UsageError(
+                f"{directory} is in use by another run ({_describe(owner)}); wait for it to "
+                f"end, or choose another {flag}"
+            )
+        if owner is not None:
+            raise UsageError(
+                f"{flag} {directory} is inside {here}, which is in use by another run "
+                f"({_describe(owner)}); choose a {flag} outside it"
+            )
+        if os.path.dirname(here) == here:
+            return
+        here = os.path.dirname(here)
+
+
 class DirectoryLock:
     """The lock on ``directory``: `acquire` it once, `release` it at the end.
 
@@ -99,8 +141,10 @@ class DirectoryLock:
         """Takes the lock (or a stale one over); returns the token written in it.
 
         Raises:
-            UsageError: another live run holds it, or the directory cannot be written.
+            UsageError: another live run holds it (or a directory it lies in), or the
+                directory cannot be written.
         """
+        refuse_a_live_runs(self.directory, "--ckpt-dir", itself=False)
         try:
             os.makedirs(self.directory, exist_ok=True)
             handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from jdp.checkpoint.lock import refuse_a_live_runs
 from jdp.errors import UsageError
 from jdp.report.events import event, masked_crc32c
 
@@ -114,6 +115,8 @@ def check_writable(directory: str, flag: str) -> None:
     """
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise UsageError(f"{flag} {directory} is a file, not a directory")
+    if flag in ("--log-dir", "--ckpt-dir"):  # a live run's own is its lock's to refuse
+        refuse_a_live_runs(directory, flag, itself=flag == "--log-dir")
     probe = os.path.join(directory, f".jdp-probe-{os.getpid()}")
     try:
         os.makedirs(directory, exist_ok=True)
