@@ -36,13 +36,13 @@ def read_or_set_aside(path: str, check: Callable[[Any], T]) -> T | None:
         return None
     except (OSError, UnicodeDecodeError) as error:
         why = getattr(error, "strerror", None) or type(error).__name__
-        _warn(f"{path} cannot be read ({why})", path)
+        _set_aside(f"{path} cannot be read ({why})", path)
         return None
     try:
         return check(json.loads(text))
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as error:
         why = "not JSON" if isinstance(error, json.JSONDecodeError) else "not in jdp's form"
-        _warn(f"{path} is damaged ({why}: {type(error).__name__} {error})", path)
+        _set_aside(f"{path} is damaged ({why}: {type(error).__name__} {error})", path)
         return None
 
 
@@ -57,7 +57,7 @@ def mapping_of(kind: type) -> Callable[[Any], dict[str, Any]]:
     return check
 
 
-def _warn(said: str, path: str) -> None:
+def _set_aside(said: str, path: str) -> None:
     aside = f"{path}.damaged-{int(time.time())}"
     try:
         os.replace(path, aside)

@@ -17,6 +17,7 @@ value the row's figure, both held by the tests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.resources
 import os
 import tomllib
@@ -162,10 +163,16 @@ def _check_tables(tables: dict[str, Any], path: str) -> None:
             )
 
 
+@functools.cache
+def _hints() -> dict[str, Any]:
+    """`TrainConfig`'s field types, resolved once (each recipe key is read by one)."""
+    return typing.get_type_hints(TrainConfig)
+
+
 def _value(path: str, table: str, key: str, value: Any) -> Any:
     """``value`` as the flag ``key`` takes it (an int where a float belongs is a float),
     or a UsageError naming the table, the key and what it takes."""
-    hint = typing.get_type_hints(TrainConfig).get(key)
+    hint = _hints().get(key)
     if hint is None:
         return value  # an unknown key: _check names it with the others
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
