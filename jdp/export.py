@@ -24,7 +24,9 @@ from jdp.inference import load_model
 from jdp.models.generate import gpt_for
 from jdp.models.hf import write_hf
 from jdp.models.transformer import EPSILON, stack_layers
+from jdp.report.writers import check_writable
 from jdp.sampling import check_language_model, corpus_directory
+from jdp.tool import command
 
 FORMATS = ("hf",)
 
@@ -41,6 +43,7 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, step: str | int =
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"{out} exists and is not an empty directory; choose a new OUT")
     loaded = load_model(path, step)
+    check_writable(out, "OUT")
     config = loaded.config
     if config.get("model") != "gpt":
         check_language_model(config)  # one line for what it is instead
@@ -82,6 +85,7 @@ def _tokenizer(config: dict) -> str | None:
     return path if os.path.isfile(path) else None
 
 
+@command("jdp.export")
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     step = int(args.step) if args.step.isdigit() else args.step

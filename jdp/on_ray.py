@@ -34,6 +34,7 @@ from jdp.launch import (
     device_flags,
     shell_code,
 )
+from jdp.tool import command
 
 # Ray collapses lines repeated across workers into one by default; each process's
 # lines are its own here (the same summary from two processes is two lines).
@@ -150,6 +151,7 @@ def say(text: str) -> None:
     sys.stderr.flush()
 
 
+@command("jdp.on_ray")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="jdp.on_ray",

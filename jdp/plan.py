@@ -31,6 +31,7 @@ from jdp.plan_costs import build_model as build_model
 from jdp.plan_costs import compiled_figures as compiled_figures
 from jdp.plan_costs import state_bytes as state_bytes
 from jdp.plan_costs import step_model_flops
+from jdp.tool import command
 
 # Meshes up to this many devices are compiled on simulated CPU devices.
 MAX_COMPILED = 64
@@ -203,6 +204,7 @@ def _compile_in_child(argv: Sequence[str], devices: int) -> int:
     return subprocess.call([sys.executable, "-m", "jdp.plan", *argv], env=env)
 
 
+@command("jdp.plan")
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="jdp.plan", description=__doc__.splitlines()[0])

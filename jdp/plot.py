@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from jdp.errors import UsageError
 from jdp.report.goodput import describe
+from jdp.tool import command
 
 # (record kinds, key, panel title, y label, log scale): each panel draws the first
 # of its choices that some run logged.
@@ -162,6 +163,7 @@ def _goodput(run_dir: str) -> str:
     return f" (goodput {accounting['goodput']:.1%})" if accounting else ""
 
 
+@command("jdp.plot")
 def main(argv: Sequence[str] | None = None) -> int:
     description = __doc__.splitlines()[0].replace("``", "")
     parser = argparse.ArgumentParser(prog="jdp.plot", description=description)

@@ -42,6 +42,7 @@ from jdp.mesh import DATA_AXIS, GROUP_AXIS, parse_mesh_spec
 from jdp.report.console import Console
 from jdp.report.writers import check_writable
 from jdp.rngs import RowKey, step_key
+from jdp.tool import command
 from jdp.training.config import TrainConfig
 from jdp.training.run import ARCHITECTURE, DATA_FINGERPRINT, Run, build
 from jdp.training.wiring import data_ledger
@@ -315,6 +316,7 @@ def _write(out: str, run: Run, step: int, loss: float, seen, updates, start: int
     return largest
 
 
+@command("jdp.replay")
 def main(argv: Sequence[str] | None = None) -> int:
     description = __doc__.splitlines()[0].replace("``", "")
     parser = argparse.ArgumentParser(prog="jdp.replay", description=description)

@@ -19,10 +19,12 @@ from jdp.models import hf
 from jdp.models.registry import context
 from jdp.models.transformer import EPSILON
 from jdp.sampling import DEFAULT_NEW_TOKENS, TEMPERATURE, TOP_K, load_sampler, sample_line
+from jdp.tool import command
 from jdp.training.config import TrainConfig
 from jdp.training.results import FitResult
 
 
+@command("jdp.sample")
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:

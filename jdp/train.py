@@ -17,6 +17,7 @@ from jdp.errors import (
     ReplicaMismatchError,
     UsageError,
 )
+from jdp.tool import command
 from jdp.training.flags import parse_command, parse_flags  # noqa: F401 (jdp.train.parse_flags)
 
 
@@ -30,6 +31,7 @@ def _interrupt(number, frame) -> None:
     raise _Interrupted(signal.Signals(number).name)
 
 
+@command("jdp.train")
 def main(argv: Sequence[str] | None = None) -> int:
     previous = {number: signal.signal(number, _interrupt) for number in _SIGNALS}
     try:

@@ -4,7 +4,7 @@ A module belongs to one layer and imports only from its own layer or lower ones:
 
     ground < library < services < training < tools
 
-- ground: errors and the version, importing nothing of jdp;
+- ground: errors, the version and the tools' answer to bad input, importing only each other;
 - library: the mesh, layouts, precision, optimizers, the state, actions and the step;
 - services: report, data, models, checkpoints, processes and inference;
 - training: the only readers of ``TrainConfig`` (config, flags, presets, the run, ``fit``);
@@ -25,7 +25,7 @@ PACKAGE = pathlib.Path(__file__).parent.parent / "jdp"
 ORDER = ("ground", "library", "services", "training", "tools")
 # A module's layer, by its name below jdp (the longest listed prefix decides).
 LAYERS = {
-    "errors": "ground", "version": "ground", "lazy": "ground",
+    "errors": "ground", "version": "ground", "lazy": "ground", "tool": "ground",
     "mesh": "library", "mesh_spec": "library", "layout": "library", "precision": "library",
     "optim": "library", "rngs": "library",
     "state": "library", "actions": "library", "step": "library", "replica": "library",

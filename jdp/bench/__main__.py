@@ -85,6 +85,7 @@ from jdp.bench import (
 )
 from jdp.bench.common import HelpWithDefaults
 from jdp.errors import UsageError
+from jdp.tool import command
 
 # command -> (module, help)
 BENCHMARKS = {
@@ -108,6 +109,7 @@ BENCHMARKS = {
 }
 
 
+@command("jdp.bench")
 def main(argv: Sequence[str] | None = None) -> int:
     description = __doc__.splitlines()[0].replace("``", "")
     parser = argparse.ArgumentParser(prog="jdp.bench", description=description)

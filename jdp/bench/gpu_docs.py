@@ -11,7 +11,6 @@ nothing and exits 1 when a file differs from what the JSON says.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import re
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 from jdp.bench.gpu_host import SWEEP_CASES
 from jdp.bench.gpu_models import GPT2_CELLS
 from jdp.bench.gpu_table import gpt_numbers, table
+from jdp.tool import command, key_of, read_json
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = "docs/performance.md"
@@ -27,6 +27,8 @@ BEGIN, END = "<!-- jdp.bench gpu: begin -->", "<!-- jdp.bench gpu: end -->"
 README = "README.md"  # one line of it, between its own pair of markers
 README_BEGIN, README_END = "<!-- gpu: begin -->", "<!-- gpu: end -->"
 RECIPES = {"gpt2-124m": "gpt2", "imagenet-resnet50": "resnet50"}
+_WHAT = ("a file jdp.bench gpu wrote", "give the JSON its --out wrote")
+
 # What each figure is held to, and where the bar comes from.
 TARGETS = {
     "gpt2_tokens": (400_000, "llm.c's GPT-2 124M runs about 468k tokens/s a GPU on 8 H100s"),
@@ -41,7 +43,9 @@ def merge(paths: list[str]) -> dict[str, Any]:
     date, device, versions and command of the run that measured it."""
     merged: dict[str, Any] = {"parts": {}, "runs": []}
     for path in paths:
-        data = json.loads(pathlib.Path(path).read_text())
+        data = read_json(path, *_WHAT)
+        for key in ("parts", "date", "command"):
+            key_of(data, path, [key], *_WHAT)
         machine = data["parts"].get("machine", {})
         run = {"file": path, "date": data["date"], "command": data["command"],
                "kind": machine.get("kind", "?"),
@@ -211,6 +215,7 @@ def rewrite(merged: dict[str, Any], root: pathlib.Path) -> dict[pathlib.Path, st
     return new
 
 
+@command("jdp.bench.gpu_docs")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jdp.bench.gpu_docs", description=__doc__.splitlines()[0])
     parser.add_argument("json", nargs="+", help="jdp.bench gpu's files, oldest first")

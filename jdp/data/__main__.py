@@ -17,6 +17,7 @@ unchanged and in the same order (`jdp.data.image_sources`); train on them with
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 
@@ -25,8 +26,11 @@ from jdp.data.image_sources import pack
 from jdp.data.sources import DATASETS, prepare
 from jdp.data.tokenize import tokenize
 from jdp.errors import UsageError
+from jdp.report.writers import check_writable
+from jdp.tool import command
 
 
+@command("jdp.data")
 def main(argv: Sequence[str] | None = None) -> int:
     description = __doc__.splitlines()[0].replace("``", "")
     parser = argparse.ArgumentParser(prog="jdp.data", description=description)
@@ -43,7 +47,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     shard_help = "the most megabytes of images in one shard (default: 1024)"
     pack_parser.add_argument("--shard-mb", type=float, default=1024, metavar="MB", help=shard_help)
     args = parser.parse_args(argv)
+    if args.command == "pack" and not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
+        print(f"jdp.data: error: --shard-mb {args.shard_mb}: give a size above 0", file=sys.stderr)
+        return 2
     try:
+        if out := args.out if args.command != "prepare" else args.data_dir:
+            check_writable(out, "--out" if args.command != "prepare" else "--data-dir")
         if args.command == "pack":
             packed = pack(args.folder, args.out, shard_bytes=int(args.shard_mb * 2**20))
             for split, facts in packed.items():

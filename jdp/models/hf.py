@@ -25,9 +25,11 @@ from flax.core import meta
 
 from jdp.errors import UsageError
 from jdp.models.transformer import GPT
+from jdp.tool import key_of, read_json
 
 PREFIX = "hf:"  # --init-from hf:DIR
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+_SAVED_BY = "give a directory GPT2LMHeadModel.save_pretrained wrote"
 INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's
 # GPT-2's activations that are the tanh approximation of GELU, which `GPT` computes.
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
@@ -89,15 +91,9 @@ def from_hf(directory: str | os.PathLike, **options: Any) -> Pretrained:
 def read_architecture(directory: str) -> dict:
     """The `GPT` fields of a ``transformers`` GPT-2 directory's ``config.json``."""
     path = os.path.join(directory, CONFIG_FILE)
-    try:
-        with open(path) as file:
-            config = json.load(file)
-    except FileNotFoundError:
-        raise UsageError(
-            f"{path} does not exist; give a directory GPT2LMHeadModel.save_pretrained wrote"
-        ) from None
-    except (OSError, ValueError) as error:
-        raise UsageError(f"{path}: not readable as JSON ({error})") from None
+    config = read_json(path, "a GPT-2 config.json", _SAVED_BY)
+    if not isinstance(config, dict):
+        raise UsageError(f"{path} is not a GPT-2 config.json: not a JSON object; {_SAVED_BY}")
     if config.get("model_type") != "gpt2":
         raise UsageError(
             f"{path} is a {config.get('model_type')!r} model; jdp loads GPT-2 (model_type gpt2)"
@@ -117,6 +113,7 @@ def read_architecture(directory: str) -> dict:
     missing = [key for key in _SHAPE_KEYS if not isinstance(config.get(key), int)]
     if missing:
         raise UsageError(f"{path} states no {', '.join(missing)}; GPT-2's config.json has them")
+    _check_numbers(path, config)
     width = config["n_embd"]
     return {
         "vocab_size": config["vocab_size"],
@@ -128,6 +125,22 @@ def read_architecture(directory: str) -> dict:
         "epsilon": config.get("layer_norm_epsilon", 1e-5),
         "dropout": config.get("resid_pdrop", 0.1),
     }
+
+
+def _check_numbers(path: str, config: Mapping) -> None:
+    """UsageError naming a key of ``config.json`` whose value no GPT-2 can have."""
+    sizes = [*_SHAPE_KEYS, *(["n_inner"] if config.get("n_inner") is not None else [])]
+    for key in sizes:
+        if not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1:
+            raise UsageError(f"{path}: {key} {config[key]!r} is not a positive whole number")
+    if config["n_embd"] % config["n_head"]:
+        raise UsageError(f"{path}: n_head {config['n_head']} does not divide n_embd "
+                         f"{config['n_embd']}; each head takes an equal share")  # fmt: skip
+    for key, default, low in (("layer_norm_epsilon", 1e-5, "(0"), ("resid_pdrop", 0.1, "[0")):
+        value = config.get(key, default)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not 0 <= value < 1 or (low == "(0" and value == 0):
+            raise UsageError(f"{path}: {key} {value!r} is not a number in {low}, 1)")
 
 
 def read_weights(directory: str, architecture: Mapping) -> dict:
@@ -142,13 +155,20 @@ def read_weights(directory: str, architecture: Mapping) -> dict:
         if name not in named:
             raise UsageError(f"{directory}: the tensor {name} is missing")
         value = named[name]
+        if not np.issubdtype(value.dtype, np.floating) and value.dtype.name != "bfloat16":
+            raise UsageError(f"{directory}: the tensor {name} holds {value.dtype} numbers; "
+                             "GPT-2's weights are floating point")  # fmt: skip
         if value.shape != expected[name]:
             raise UsageError(
                 f"{directory}: the tensor {name} is {value.shape}, and config.json makes it "
                 f"{expected[name]}"
             )
+        value = np.asarray(value, np.float32)
+        if not np.isfinite(value).all():  # else the loss is NaN at step 1, blamed on the data
+            raise UsageError(f"{directory}: the tensor {name} holds NaN or infinite numbers; "
+                             "these weights cannot be trained from")  # fmt: skip
         taken.add(name)
-        return np.asarray(value, np.float32)
+        return value
 
     params: dict = {}
     for path, name in _TOP:
@@ -223,8 +243,13 @@ def _get(tree: Mapping, path: tuple[str, ...]):
 def _read_tensors(directory: str) -> dict[str, np.ndarray]:
     index = os.path.join(directory, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as file:
-            files = sorted(set(json.load(file)["weight_map"].values()))
+        weight_map = key_of(read_json(index, "a safetensors index", _SAVED_BY), index,
+                            ["weight_map"], "a safetensors index", _SAVED_BY)  # fmt: skip
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) and os.sep not in name for name in weight_map.values()
+        ):
+            raise UsageError(f"{index}: weight_map is not tensor names to file names; {_SAVED_BY}")
+        files = sorted(set(weight_map.values()))
     elif os.path.exists(os.path.join(directory, WEIGHTS_FILE)):
         files = [WEIGHTS_FILE]
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing
 from typing import Literal
 
@@ -263,7 +264,29 @@ def image_hw(config) -> tuple[int, int] | None:
     parts = config.image_size.replace("x", ",").split(",")
     if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
         raise UsageError(f"--image-size {config.image_size!r}: give H,W, e.g. 64,64")
-    return int(parts[0]), int(parts[1])
+    height, width = int(parts[0]), int(parts[1])
+    rows = -(-config.batch_size // int(os.environ.get("JDP_NUM_PROCESSES") or 1))  # a host's
+    batch, memory = rows * height * width * 3, _host_bytes()
+    if height * width > MAX_PIXELS or (memory and batch > memory):
+        raise UsageError(
+            f"--image-size {height},{width}: a process's {rows} such crops of a batch are "
+            f"{batch / 2**30:,.1f} GiB of pixels (this host has {memory / 2**30:,.1f} GiB, and "
+            f"no crop may pass {MAX_PIXELS:,} pixels); give a smaller --image-size"
+        )
+    return height, width
+
+
+# The most pixels an image may have (Pillow's limit, `jdp.data.images.MAX_PIXELS`, which a
+# test holds equal): past it a crop is no image's.
+MAX_PIXELS = 178_956_970
+
+
+def _host_bytes() -> int:
+    """This machine's memory (0 where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def profile_window(config) -> tuple[int, int] | None:
