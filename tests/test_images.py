@@ -165,6 +165,69 @@ def test_a_damaged_image_is_one_line_and_exit_2(tree, tmp_path):
     )
 
 
+def _bomb_png(height: int, width: int) -> bytes:
+    """A PNG whose header states ``height`` x ``width`` pixels, with no pixels after it:
+    what a decompression bomb's header says, without its gigabytes."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
+def test_images_that_would_be_dropped_or_break_are_named(tmp_path):
+    root = tmp_path / "tree"
+    write_tree(str(root), {"train": 4, "test": 2}, classes=2)
+    # A class folder only under test/: its images would leave the test split in silence.
+    (root / "test" / "class_009").mkdir()
+    shutil.copy(root / "test" / "class_000" / "000000.jpg", root / "test" / "class_009")
+    for read in (
+        lambda: jdp.data.pack(root, tmp_path / "p"),
+        lambda: jdp.data.from_images(root / "test", classes=("class_000", "class_001")),
+    ):
+        with pytest.raises(
+            jdp.UsageError,
+            match=r"test has class folders the training split "
+            r"lacks \(class_009\): their images would be left out",
+        ):
+            read()  # fmt: skip
+    shutil.rmtree(root / "test" / "class_009")
+    # Names that are not image files, and a name that is not UTF-8 (read as it is).
+    folder = root / "train" / "class_000"
+    for make, needle in [
+        (lambda p: p.mkdir(), "x.jpg is not a file"),
+        (lambda p: p.symlink_to(tmp_path / "gone"), "x.jpg is a broken link"),
+    ]:
+        make(folder / "x.jpg")
+        with pytest.raises(jdp.UsageError, match=needle):
+            jdp.data.from_images(root / "train")
+        (os.rmdir if (folder / "x.jpg").is_dir() else os.remove)(folder / "x.jpg")  # fmt: skip
+    odd = os.path.join(os.fsencode(folder), b"\xff.jpg")
+    shutil.copy(folder / "000000.jpg", odd)
+    split = jdp.data.from_images(root / "train", image_size=(8, 8))
+    assert len(split) == 5 and split.transform(split.read(np.arange(5))["image"]).shape[0] == 5
+    # A decompression bomb's header, and data cut short, name their file.
+    with open(odd, "wb") as file:
+        file.write(_bomb_png(20_000, 20_000))
+    with pytest.raises(jdp.UsageError, match=r"\\xff.jpg \(.*400000000 pixels\) exceeds limit"):
+        split.read(np.arange(5))
+    whole = (folder / "000000.jpg").read_bytes()
+    with open(odd, "wb") as file:
+        file.write(whole[: len(whole) // 2])
+    with pytest.raises(jdp.UsageError, match=r"cannot decode .*class_000/\\xff.jpg \(image file"):
+        split.transform(split.read(np.arange(5))["image"])
+    os.remove(odd)
+    # A pack the packer did not finish (images.json is written last).
+    jdp.data.pack(root, tmp_path / "packed")
+    os.remove(tmp_path / "packed" / "train" / "images.json")
+    with pytest.raises(jdp.UsageError, match="train is a pack that is not complete"):
+        jdp.data.from_images(tmp_path / "packed" / "train")
+
+
 def _cli(dataset, ckpt_dir):
     # ResNet-20's batch norm is ResNet-50's at a fraction of the compile (the layers' count
     # is not this test's point: the statistics' and the workers' state on a kill is).

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zipfile
 from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from jdp.data.builders import open_builder, read_builder_split
 from jdp.data.checks import MANY_CLASSES
-from jdp.data.image_sources import from_images, from_tfds_images, streamed_image_key
-from jdp.data.images import PACKED_META, class_tree
+from jdp.data.image_sources import class_tree, from_images, from_tfds_images, streamed_image_key
+from jdp.data.images import PACKED_META
 from jdp.data.sources import DATASETS, ArraySplit, check_dataset, load_split
 from jdp.data.transforms import Transform
 from jdp.errors import UsageError
@@ -307,9 +308,10 @@ def from_npz(path: str | os.PathLike, split: str = "train") -> ArraySplit | None
             features = {
                 name[: -len(suffix)]: arrays[name] for name in arrays.files if name.endswith(suffix)
             }
-    except (OSError, ValueError) as error:
-        reason = "it holds Python objects, which jdp never unpickles; save numeric arrays" \
-            if "pickle" in str(error) else str(error)  # fmt: skip
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:  # a cut-short file
+        reason = f"{error or type(error).__name__}; is it whole?"
+        if "pickle" in str(error):
+            reason = "it holds Python objects, which jdp never unpickles; save numeric arrays"
         raise UsageError(f"cannot read {file} as a NumPy .npz file ({reason})") from None
     if len(named) > 1:
         raise UsageError(

@@ -20,17 +20,18 @@ import numpy as np
 
 from jdp.data.builders import check_readable, open_builder
 from jdp.data.images import (
+    IMAGE_SUFFIXES,
     PACKED_META,
     FileStore,
     ImageSplit,
     ImageTransform,
     PackedStore,
     TfdsStore,
-    class_tree,
     why_unreadable,
 )
 from jdp.data.images import image_size as header_size
 from jdp.errors import UsageError
+from jdp.tool import shown
 
 FORMAT = "jdp-packed-images"
 SPLITS = ("train", "validation", "test")
@@ -123,6 +124,64 @@ def streamed_image_key(features) -> str | None:
 def _tree(root: str, classes) -> tuple[list[str], list[int], tuple[str, ...]]:
     return class_tree(root, classes, what="a folder of class folders or one python -m "
                       "jdp.data pack wrote")  # fmt: skip
+
+
+def class_files(root: str, classes: tuple[str, ...]) -> tuple[list[str], list[int]]:
+    """The image files under each class folder, and their labels; a class folder without
+    images is refused (its class would be trained on as if it never occurred), and so is
+    an image name that is not a file (a folder named ``x.jpg``, a broken link)."""
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        folder = os.path.join(root, name)
+        if not os.path.isdir(folder):  # a split given the classes of another may lack one
+            continue
+        images = sorted(
+            file for file in os.listdir(folder) if file.lower().endswith(IMAGE_SUFFIXES)
+        )
+        if not images:
+            raise UsageError(
+                f"class folder {shown(folder)} has no images (looked for "
+                f"{', '.join(IMAGE_SUFFIXES)}); add its images, or remove the folder"
+            )
+        for file in images:
+            if not os.path.isfile(path := os.path.join(folder, file)):
+                what = "a broken link" if os.path.islink(path) else "not a file"
+                raise UsageError(f"{shown(path)} is {what}; remove it, or put the image there")
+        files += [os.path.join(folder, file) for file in images]
+        labels += [label] * len(images)
+    return files, labels
+
+
+def class_tree(root: str, classes, *, what: str = "a folder of class folders"
+               ) -> tuple[list[str], list[int], tuple[str, ...]]:  # fmt: skip
+    """The image files of a class-folder tree, their labels and the classes (sorted
+    subfolders, or ``classes``: the training split's, which must hold every class folder
+    here); UsageError for a missing folder, no class folders, or no images. ``what`` is
+    what the missing folder's line asks for."""
+    if not os.path.isdir(root):
+        raise UsageError(f"image folder {shown(root)} does not exist; give {what}")
+    found = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    if any(name.endswith(".array_record") for name in os.listdir(root)):  # no images.json
+        raise UsageError(f"{shown(root)} is a pack that is not complete (its {PACKED_META} is "
+                         "written last: the packer stopped); pack the images again")  # fmt: skip
+    if classes is not None and (extra := sorted(set(found) - set(classes))):
+        raise UsageError(
+            f"{shown(root)} has class folders the training split lacks ({', '.join(extra[:3])}"
+            f"{', ...' if len(extra) > 3 else ''}): their images would be left out; move them "
+            "into the training split too, or remove them"
+        )
+    classes = tuple(classes) if classes is not None else tuple(found)
+    if not classes:
+        raise UsageError(
+            f"{shown(root)} has no class subdirectories; put each class's images in a folder "
+            "of its own"
+        )
+    files, labels = class_files(root, classes)
+    if not files:
+        raise UsageError(
+            f"no images in {shown(root)}'s class folders (looked for {', '.join(IMAGE_SUFFIXES)})"
+        )
+    return files, labels, classes
 
 
 def _meta(path: str) -> dict:

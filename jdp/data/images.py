@@ -22,11 +22,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from typing import NamedTuple
 
 import numpy as np
 
 from jdp.errors import UsageError
+from jdp.tool import shown
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -80,10 +82,10 @@ class ImageTransform:
             try:
                 out[row] = self.one(data, draws)
             except (OSError, ValueError, SyntaxError) as error:
-                why = why_unreadable(error)
+                where, why = getattr(data, "where", "an image of the batch"), why_unreadable(error)
                 raise UsageError(
-                    f"cannot decode an image of the batch ({why}); its header reads but its "
-                    "data is damaged: find and replace it"
+                    f"cannot decode {where} ({why}); its header reads but its data is damaged "
+                    "(cut short?): replace it"
                 ) from None
             if crops is not None and crops.flips[row]:
                 out[row] = out[row, :, ::-1]
@@ -117,7 +119,19 @@ class ImageTransform:
 
 
 def image_size(data: bytes) -> tuple[int, int]:
-    """``(height, width)`` of an encoded image, from its header."""
+    """``(height, width)`` of an encoded image, from its header; ValueError for more pixels
+    than `MAX_PIXELS` (a decompression bomb: a small file that decodes into gigabytes)."""
+    height, width = _header_size(data)
+    if height * width > MAX_PIXELS:
+        raise ValueError(f"{height:,} x {width:,} pixels, more than the {MAX_PIXELS:,} jdp "
+                         "decodes: a decompression bomb?")  # fmt: skip
+    return height, width
+
+
+MAX_PIXELS = 178_956_970  # Pillow's: past it, Image.open refuses (DecompressionBombError)
+
+
+def _header_size(data: bytes) -> tuple[int, int]:
     if data[:2] == _JPEG:
         import simplejpeg
 
@@ -128,8 +142,13 @@ def image_size(data: bytes) -> tuple[int, int]:
             pass  # a JPEG libjpeg-turbo's header reader refuses: Pillow's may not
     from PIL import Image
 
-    with Image.open(_bytes_io(data)) as image:
-        return image.height, image.width
+    try:
+        with warnings.catch_warnings():  # past half the limit Pillow warns; past it, this
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(_bytes_io(data)) as image:
+                return image.height, image.width
+    except Image.DecompressionBombError as error:
+        raise ValueError(str(error)) from None
 
 
 def crop_resize(data: bytes, full: tuple[int, int], box, size: tuple[int, int]) -> np.ndarray:
@@ -203,7 +222,7 @@ class FileStore:
 
     def __init__(self, root: str, names: list[str]):
         self.root = root
-        encoded = [name.encode() for name in names]
+        encoded = [os.fsencode(name) for name in names]  # a name not UTF-8 as its bytes
         self._blob = b"".join(encoded)
         self._ends = np.cumsum([len(name) for name in encoded], dtype=np.int64)
 
@@ -217,10 +236,10 @@ class FileStore:
 
     def name(self, index: int) -> str:
         start = int(self._ends[index - 1]) if index else 0
-        return self._blob[start : int(self._ends[index])].decode()
+        return os.fsdecode(self._blob[start : int(self._ends[index])])
 
     def describe(self, index: int) -> str:
-        return os.path.join(self.root, self.name(index))
+        return shown(os.path.join(self.root, self.name(index)))  # a name not UTF-8 escaped
 
     def read(self, indices: np.ndarray) -> list[bytes]:
         out = []
@@ -330,6 +349,8 @@ class ImageSplit:
                 where, why = self.store.describe(int(record)), why_unreadable(error)
                 raise UsageError(f"cannot read image {where} ({why}); remove or replace it") \
                     from None  # fmt: skip
+        encoded[:] = [_Encoded(data, self.store.describe(int(record)))
+                      for record, data in zip(records, encoded, strict=True)]  # fmt: skip
         return {"image": encoded, "label": labels}
 
     def take(self, indices: np.ndarray) -> ImageSplit:
@@ -339,43 +360,13 @@ class ImageSplit:
         return dataclasses.replace(self, labels=labels, rows=rows)
 
 
-def class_files(root: str, classes: tuple[str, ...]) -> tuple[list[str], list[int]]:
-    """The image files under each class folder, and their labels; a class folder without
-    images is refused (its class would be trained on as if it never occurred)."""
-    files, labels = [], []
-    for label, name in enumerate(classes):
-        folder = os.path.join(root, name)
-        if not os.path.isdir(folder):  # a split given the classes of another may lack one
-            continue
-        images = sorted(
-            file for file in os.listdir(folder) if file.lower().endswith(IMAGE_SUFFIXES)
-        )
-        if not images:
-            raise UsageError(
-                f"class folder {folder} has no images (looked for {', '.join(IMAGE_SUFFIXES)}); "
-                "add its images, or remove the folder"
-            )
-        files += [os.path.join(folder, file) for file in images]
-        labels += [label] * len(images)
-    return files, labels
+class _Encoded(bytes):
+    """An image's bytes that know where they were read, for the line naming a damaged one."""
 
+    def __new__(cls, data: bytes, where: str):
+        encoded = super().__new__(cls, data)
+        encoded.where = where
+        return encoded
 
-def class_tree(root: str, classes, *, what: str = "a folder of class folders"
-               ) -> tuple[list[str], list[int], tuple[str, ...]]:  # fmt: skip
-    """The image files of a class-folder tree, their labels and the classes (sorted
-    subfolders, or ``classes``); UsageError for a missing folder, no class folders, or
-    no images. ``what`` is what the missing folder's line asks for."""
-    if not os.path.isdir(root):
-        raise UsageError(f"image folder {root} does not exist; give {what}")
-    found = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
-    classes = tuple(classes) if classes is not None else tuple(found)
-    if not classes:
-        raise UsageError(
-            f"{root} has no class subdirectories; put each class's images in a folder of its own"
-        )
-    files, labels = class_files(root, classes)
-    if not files:
-        raise UsageError(
-            f"no images in {root}'s class folders (looked for {', '.join(IMAGE_SUFFIXES)})"
-        )
-    return files, labels, classes
+    def __reduce__(self):  # pickled (to a loader worker) with its place
+        return _Encoded, (bytes(self), self.where)
