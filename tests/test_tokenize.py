@@ -123,8 +123,9 @@ def test_the_validation_documents_follow_the_seed(corpus, tmp_path):
         return {path for path, [(split, _)] in found.items() if split == "val"}
 
     def drawn(seed):  # the documents in path order, drawn until they hold 10% of the bytes
-        paths, chosen = sorted(TEXTS), set()
-        for index in np.random.default_rng(seed).permutation(len(paths))[:-1]:
+        paths, chosen = sorted(TEXTS), set()  # (an empty one, holding no text, trains)
+        order = [i for i in np.random.default_rng(seed).permutation(len(paths)) if TEXTS[paths[i]]]
+        for index in order[:-1]:
             if sum(len(TEXTS[path].encode()) for path in chosen) >= 0.1 * TOTAL:
                 break
             chosen.add(paths[index])
@@ -137,7 +138,8 @@ def test_the_validation_documents_follow_the_seed(corpus, tmp_path):
 
 def test_validation_leaves_a_document_for_training(corpus, tmp_path):
     meta = tokenize(corpus, tmp_path / "tokens", val_fraction=0.99, workers=0, progress=False)
-    assert meta["documents"] == {"train": 1, "val": len(TEXTS) - 1}
+    # the one left with text, and the empty one (drawn for neither split's text)
+    assert meta["documents"] == {"train": 2, "val": len(TEXTS) - 2}
 
 
 def test_an_empty_document_after_a_full_shard_names_a_shard_on_disk(tmp_path):
@@ -267,12 +269,27 @@ def test_bad_options_are_refused(corpus, tmp_path, options, expected):
 
 
 def test_no_text_files_and_old_token_files_are_refused(corpus, tmp_path):
-    with pytest.raises(UsageError, match=r"no UTF-8 text files in .* \(1 other files\)"):
+    with pytest.raises(UsageError, match=r"no UTF-8 text files in .* \(1 other files, 0 empty\)"):
         tokenize(corpus / "image.png", tmp_path / "tokens", workers=0, progress=False)
     (tmp_path / "old").mkdir()
     shards.write_llmc(tmp_path / "old" / "corpus_train_000003.bin", np.arange(5))
     with pytest.raises(UsageError, match="already holds token files"):
         tokenize(corpus, tmp_path / "old", workers=0, progress=False)
+
+
+def test_an_empty_document_never_leaves_a_split_without_tokens(tmp_path):
+    # Two documents, one empty: drawn for validation, the text left training on nothing.
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("some text to train on. " * 20)
+    (tmp_path / "text" / "b.txt").write_text("")
+    for seed in range(4):  # either document drawn first
+        meta = tokenize(tmp_path / "text", tmp_path / f"tokens{seed}", val_fraction=0.5,
+                        workers=0, progress=False, seed=seed)  # fmt: skip
+        assert meta["tokens"]["train"] > 0 and meta["tokens"]["val"] > 0, meta
+        assert meta["val_split"] == "tail" and meta["documents"]["val"] == 1, meta
+    (tmp_path / "text" / "a.txt").write_text("")
+    with pytest.raises(UsageError, match=r"no UTF-8 text files in .* \(0 other files, 2 empty"):
+        tokenize(tmp_path / "text", tmp_path / "none", workers=0, progress=False)
 
 
 def test_a_tokenizer_file_needs_the_tokenizers_package(bpe, corpus, tmp_path, monkeypatch):

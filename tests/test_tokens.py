@@ -151,6 +151,43 @@ def test_a_token_outside_the_vocabulary_names_its_file_and_offset(tmp_path):
         wide.read(np.arange(len(wide)))  # read as int32 it would be -1: never trained on
 
 
+def test_a_shard_cut_short_under_a_run_and_a_wrong_dtype_are_one_line(tmp_path):
+    tokens = np.arange(4000, dtype=np.uint16) % 256
+    write_llmc(tmp_path / "train.bin", tokens)
+    split = from_tokens(tmp_path / "train.bin", seq_len=8, vocab_size=256)
+    split.read(np.arange(len(split)))
+    os.truncate(tmp_path / "train.bin", 3000)  # under its map: reading past the end is SIGBUS
+    with pytest.raises(jdp.UsageError, match=r"train.bin changed while the run read it \(9,024 "
+                       r"bytes when opened, now 3,000 bytes\)"):  # fmt: skip
+        split.read(np.arange(len(split)))
+    # uint32 ids (little-endian) declared uint16: every second 16-bit word is a high half, 0.
+    (tmp_path / "wide").mkdir()
+    (np.arange(1, 4001) % 256).astype("<u4").tofile(tmp_path / "wide" / "train.bin")
+    write_meta(tmp_path / "wide", {"dtype": "uint16", "vocab_size": 256})
+    with pytest.raises(jdp.UsageError, match="every second of its uint16 tokens is 0"):
+        from_tokens(tmp_path / "wide", seq_len=8)
+
+
+@pytest.mark.slow
+def test_a_bad_token_met_mid_run_saves_the_state_before_it(tmp_path):
+    """The batch that holds it never trains; the steps before it are not lost."""
+    tokens = np.random.default_rng(0).integers(0, 256, 1000).astype(np.uint16)
+    tokens[517] = 300  # window 64 of 124, met at step 3 of this order
+    (tmp_path / "corpus").mkdir()
+    write_llmc(tmp_path / "corpus" / "c_train_000000.bin", tokens)
+    run = tmp_path / "run"
+    flags = ["--model", "gpt", "--dataset", f"tokens:{tmp_path / 'corpus'}", "--steps", "40",
+             "--vocab-size", "256", "--seq-len", "8", "--batch-size", "8", "--warmup-steps",
+             "0", "--mesh", "data=2", "--ckpt-dir", run]  # fmt: skip
+    result = run_cli(*flags)
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    found = re.search(r"token 300 at token offset 517 .* \(met after step (\d+)\); that step's "
+                      r"state is saved in (.*)$", line)  # fmt: skip
+    assert found and found[2] == str(run), line
+    assert int(found[1]) >= 1 and jdp.checkpoint.read_record(run / found[1]).step == int(found[1])
+
+
 def test_each_process_reads_only_its_rows_of_the_same_global_batch(corpus):
     split = from_tokens(corpus, seq_len=SEQ)
     whole = TrainReader(split, batch_size=16, seed=3, rows=slice(None))

@@ -21,6 +21,7 @@ import numpy as np
 from jdp.data.ledger import LEDGER_KEY
 from jdp.data.ledger import marks as ledger_marks
 from jdp.data.sources import Split
+from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY
 
 # Mixed into the augmentation seeds so their streams never coincide with an epoch order's.
@@ -137,13 +138,33 @@ class TrainReader:
 
 
 class ChunkedReader:
-    """Call ``i`` -> the list of batches of steps ``start + i*steps .. + steps - 1``."""
+    """Call ``i`` -> the list of batches of steps ``start + i*steps .. + steps - 1``.
+
+    Bad data in a chunk (a token outside the vocabulary, an image cut short) is met at
+    its own step: the chunk's batches before it come first, and the next call raises
+    it, so the steps before it train and their state can be saved."""
 
     def __init__(self, reader: TrainReader, *, steps: int, start: int):
         self.reader, self.steps, self.start = reader, steps, start
+        self._bad: UsageError | None = None
 
     def __call__(self, call: int) -> list[dict[str, np.ndarray]]:
-        return self.reader.steps(self.start + call * self.steps, self.steps)
+        if self._bad is not None:
+            raise self._bad
+        first = self.start + call * self.steps
+        try:
+            return self.reader.steps(first, self.steps)
+        except UsageError:
+            good = []
+            for step in range(first, first + self.steps):
+                try:
+                    good += self.reader.steps(step, 1)
+                except UsageError as bad:
+                    self._bad = bad
+                    break
+            if not good:
+                raise
+            return good
 
 
 class EvalReader:

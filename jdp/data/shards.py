@@ -43,6 +43,21 @@ class Shard:
     count: int
     dtype: str
 
+    def check_size(self) -> None:
+        """UsageError when the file no longer holds its tokens (cut short, replaced) since
+        it was opened: reading its map past the new end would kill the process (SIGBUS)."""
+        whole = self.offset + self.count * np.dtype(self.dtype).itemsize
+        try:
+            now = os.path.getsize(self.path)
+        except OSError as error:
+            now = error.strerror
+        if now != whole:
+            now = f"{now:,} bytes" if isinstance(now, int) else now
+            raise UsageError(
+                f"{self.path} changed while the run read it ({whole:,} bytes when opened, now "
+                f"{now}); restore it, or start again on the new data"
+            )
+
     def tokens(self) -> np.ndarray:
         """The shard's tokens, memory-mapped read-only (an empty array for an empty shard).
 
@@ -140,7 +155,19 @@ def open_shard(path: str, dtype: str | None = None, *, llmc: bool = False) -> Sh
             f"{path} is {size} bytes, not a whole number of {dtype} tokens; it is truncated "
             "or not of that dtype"
         )
+    _check_not_wider(path, np.dtype(dtype), size // item)
     return Shard(path, 0, size // item, np.dtype(dtype).str)
+
+
+def _check_not_wider(path: str, dtype: np.dtype, count: int) -> None:
+    """UsageError when a file declared uint16 reads as uint32's halves: every second
+    16-bit word 0 (the high halves of ids below 65,536) over its first 64 Ki tokens."""
+    if dtype != np.uint16 or count < 64:
+        return
+    words = np.fromfile(path, "<u2", count=min(count, 1 << 16))
+    if not words[1::2].any() and words[0::2].any():
+        raise UsageError(f"{path}: every second of its uint16 tokens is 0, as the high halves "
+                         "of uint32 tokens are; declare its dtype uint32")  # fmt: skip
 
 
 def _llmc_shard(path: str, head: np.ndarray, size: int) -> Shard:

@@ -114,7 +114,7 @@ def tokenize(
         "skipped": len(files) - len(paths),
         "seed": seed,
         "val_fraction": val_fraction,
-        "val_split": None if not val_fraction else "tail" if len(paths) == 1 else "documents",
+        "val_split": (val_fraction or None) and ("documents", "tail")[sum(map(bool, sizes)) == 1],
     }
     write_meta(out, meta)
     if spec != "bytes":  # a copy beside the shards: the corpus decodes on its own (jdp.sample)
@@ -218,11 +218,10 @@ def _texts(pool, workers: int, files: list[str], inputs: list) -> tuple[list[str
     """The paths of the text files among ``files``, and their sizes in bytes."""
     texts = _ordered(pool, workers, _text_size, files, [os.path.getsize(f) for f in files])
     found = [(path, size) for path, size in zip(files, texts, strict=True) if size is not None]
-    if not found:
-        raise UsageError(
-            f"no UTF-8 text files in {', '.join(map(os.fspath, inputs))} ({len(files)} "
-            "other files); give text files or directories of them"
-        )
+    if not any(size for _, size in found):  # none, or only empty ones
+        named, other = ", ".join(map(os.fspath, inputs)), len(files) - len(found)
+        raise UsageError(f"no UTF-8 text files in {named} ({other} other files, {len(found)} "
+                         "empty); give files of text, or directories of them")  # fmt: skip
     return [path for path, _ in found], [size for _, size in found]
 
 
@@ -294,11 +293,12 @@ def _ordered(pool, workers: int, function, items: list, sizes: list[int]) -> Ite
 
 
 def _val_documents(sizes: list[int], val_fraction: float, seed: int) -> set[int]:
-    """Documents drawn until they hold ``val_fraction`` of the bytes, one left to train."""
-    if not val_fraction or len(sizes) < 2:
+    """Documents drawn until they hold ``val_fraction`` of the bytes, one with text left."""
+    if not val_fraction or np.count_nonzero(sizes) < 2:
         return set()
     goal, held, chosen = val_fraction * sum(sizes), 0, set()
-    for index in np.random.default_rng(seed).permutation(len(sizes))[:-1].tolist():
+    drawn = np.random.default_rng(seed).permutation(len(sizes)).tolist()  # an empty one trains
+    for index in [index for index in drawn if sizes[index]][:-1]:
         if held >= goal:
             break
         chosen.add(index)
@@ -356,7 +356,7 @@ class _Shards:
 def _pieces(paths, sizes, encoded, val, val_fraction, spec) -> Iterator[tuple]:
     """(split, tokens, path, bytes) of each document; the only one's head and tail apart."""
     for index, (path, size, tokens) in enumerate(zip(paths, sizes, encoded, strict=True)):
-        if len(paths) > 1 or not val_fraction:
+        if np.count_nonzero(sizes) > 1 or not val_fraction or not size:
             yield ("val" if index in val else "train"), tokens, path, size
             continue
         start = _tail_start(tokens, val_fraction, spec == "bytes")

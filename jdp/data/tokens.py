@@ -91,6 +91,7 @@ class TokenSplit:
             chosen = files == file
             starts = (windows[chosen] - self._first[file]) * self.seq_len
             tokens = self._tokens(file)
+            self.shards[file].check_size()  # a file cut short under a live map: SIGBUS, no line
             rows[chosen] = tokens[starts[:, None] + width]
             release(tokens)
         if rows.size and (int(rows.max()) >= self.vocab_size or int(rows.min()) < 0):
@@ -192,9 +193,12 @@ def corpus(path: str | os.PathLike, *, seq_len: int, vocab_size: int | None = No
                 shards, seq_len, int(vocab_size), meta.get("tokenizer"), meta.get("eos_id")
             )
             if not len(split):
+                held = sum(shard.count for shard in shards)
+                fix = ("tokenize the text again with a split that holds text" if not held
+                       else "use a shorter --seq-len")  # fmt: skip
                 raise UsageError(
-                    f"the {name} files of {os.fspath(path)} hold fewer than --seq-len + 1 = "
-                    f"{seq_len + 1} tokens each; use a shorter --seq-len"
+                    f"the {name} files of {os.fspath(path)} hold {held:,} tokens, fewer than "
+                    f"--seq-len + 1 = {seq_len + 1} in one file; {fix}"
                 )
             splits[name] = split
     return splits

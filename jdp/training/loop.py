@@ -160,7 +160,9 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
         watch.at(STARTING if first else READING)
         try:
             batch = next(batches)
-        except (Interrupted, LoaderError) as stop:  # the state is whole: the last step's
+        except (Interrupted, LoaderError, UsageError) as stop:  # the last step's state is whole
+            if isinstance(stop, UsageError) and first:  # bad data before any step: only its line
+                raise
             watch.at(SAVING)
             preemption.now(progress, stop)
             break

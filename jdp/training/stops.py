@@ -10,7 +10,7 @@ import jax
 from jdp.actions import Progress
 from jdp.distributed.preemption import Preemption
 from jdp.distributed.watchdog import SAVING
-from jdp.errors import LoaderError
+from jdp.errors import LoaderError, UsageError
 from jdp.training.run_actions import Checkpoint
 
 
@@ -43,26 +43,28 @@ class StopOnPreemption:
             return Interrupted(f"jdp.train: {self.preemption.signal_name} while waiting for data")
         return None
 
-    def now(self, progress: Progress, why: Interrupted | LoaderError) -> None:
+    def now(self, progress: Progress, why: Interrupted | LoaderError | UsageError) -> None:
         """Saves the state of the last step (whole: the next one never began) and stops,
-        for a loop that cannot go on: ``why`` a signal (stopped as preempted), or a loader
-        that broke (raised, with where the state was saved)."""
+        for a loop that cannot go on: ``why`` a signal (stopped as preempted), a loader
+        that broke, or data found bad mid-run (a token outside the vocabulary at step 250;
+        both raised again as they were, with where the state was saved)."""
         if isinstance(why, Interrupted):
             self._save_and_stop(progress, str(why))
             return
+        error, where = type(why), f"{why} after step {progress.step}"
+        if isinstance(why, UsageError):  # its line ends with its own fix
+            where = f"{why} (met after step {progress.step})"
         if jax.process_count() > 1:  # a save needs every process; the others are in the step
-            raise LoaderError(f"{why} after step {progress.step}; not saved (a save needs "
-                              "every process): the last complete checkpoint is where a "
-                              "rerun resumes") from why  # fmt: skip
+            raise error(f"{where}; not saved (a save needs every process): the last complete "
+                        "checkpoint is where a rerun resumes") from why  # fmt: skip
         if self.checkpoint is None or not progress.ran:
             kept = ("nothing saved (no --ckpt-dir)" if self.checkpoint is None else
                     "no step ran since the last checkpoint, which a rerun resumes")  # fmt: skip
-            raise LoaderError(f"{why} after step {progress.step}; {kept}") from why
+            raise error(f"{where}; {kept}") from why
         self.checkpoint.save_now(progress)
-        raise LoaderError(
-            f"{why} after step {progress.step}; that step's state is saved in "
-            f"{os.path.abspath(self.ckpt_dir)}: run the same command to resume"
-        ) from why
+        resume = "" if error is UsageError else ": run the same command to resume"
+        raise error(f"{where}; that step's state is saved in {os.path.abspath(self.ckpt_dir)}"
+                    f"{resume}") from why  # fmt: skip
 
     def _save_and_stop(self, progress: Progress, what: str) -> None:
         where = f"{what} at step {progress.step}"
