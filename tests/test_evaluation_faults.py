@@ -1,13 +1,15 @@
 """An evaluation never costs the training before it: a failing one saves the state
 first and says where, and one that is not finite chooses and stops nothing."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jdp
-from jdp.training import run_actions
+from jdp.training import results, run_actions
 
 QUIET = jdp.Console(enabled=False)
 
@@ -59,3 +61,42 @@ def test_a_nan_evaluation_names_its_split_and_stops_nothing_early(tmp_path):
         r"\(step 20\)$",
     ):
         jdp.fit(config, model=model, train=_data(), validation=_data(), console=QUIET)
+
+
+class NanWeights(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dense(2, kernel_init=lambda key, shape, dtype: jnp.full(shape, jnp.nan, dtype))(x)
+
+
+def test_parameters_that_are_not_finite_are_named_not_the_data():
+    """NaN weights (imported, say): checked, and named, whichever reads a loss first."""
+    model = jdp.models.from_linen(NanWeights(), jdp.models.classification())
+    for eval_every in (1, 0):  # the evaluation reads first, or the training loss's guard
+        config = jdp.TrainConfig(mesh="data=2", steps=40, batch_size=16, warmup_steps=0,
+                                 eval_every=eval_every)  # fmt: skip
+        with pytest.raises(jdp.NonFiniteError, match=r"the parameters themselves are not finite "
+                           r"\(the initial or imported weights"):  # fmt: skip
+            jdp.fit(config, model=model, train=_data(), validation=_data(), console=QUIET)
+
+
+def test_eval_only_reads_the_latest_again_when_a_live_run_rotates_it(tmp_path, monkeypatch):
+    """The step it chose removed as it is read (a live run keeping its latest few): the
+    new latest is read, not a line blaming the path."""
+    import shutil
+
+    config = jdp.TrainConfig(mesh="data=2", steps=4, batch_size=16, warmup_steps=0,
+                             ckpt_dir=str(tmp_path), ckpt_every=2)  # fmt: skip
+    jdp.fit(config, train=_data(), test=_data(), console=QUIET)
+    real, removed = results.read_params, []
+
+    def rotated(step_dir, **kwargs):  # the live run's rotation, at the worst moment
+        if not removed:
+            removed.append(step_dir)
+            shutil.rmtree(step_dir)
+        return real(step_dir, **kwargs)
+
+    monkeypatch.setattr(results, "read_params", rotated)
+    evaluated = jdp.fit(dataclasses.replace(config, eval_only=True), train=_data(),
+                        test=_data(), console=QUIET)  # fmt: skip
+    assert removed == [str(tmp_path / "4")] and evaluated.steps == 2

@@ -94,12 +94,15 @@ class GuardFinite(PeriodicAction):
         self.skipping, self.max_skipped_fraction = skipping, max_skipped_fraction
         self.ckpt_dir, self.inputs = ckpt_dir, inputs
         self._started: int | None = None  # the step the run started (or resumed) from
+        self._started_finite = True  # its state then, read once
         self._finite_at = 0  # the last step read finite
         self._due: tuple[int, Any] | None = None  # (step, call metrics) to read
 
     def __call__(self, progress: Progress) -> bool:
         if self._started is None:  # the first pass, before the first call
             self._started = self._finite_at = progress.step
+            # Read once, so a loss that is not finite from the start names them if they are.
+            self._started_finite = has_groups(progress.state) or state_finite(progress.state)
         self._check_due()
         return super().__call__(progress)
 
@@ -160,8 +163,13 @@ class GuardFinite(PeriodicAction):
         self._finite_at = step
 
     def _from_the_start(self, name: str, value: float, step: int) -> str:
-        """The line for a loss not finite in the run's first steps: the data named when
-        a batch since the start holds a value that is not finite."""
+        """The line for a loss not finite in the run's first steps: the parameters named
+        when they were not finite before it, the data when a batch since the start holds a
+        value that is not finite."""
+        if not self._started_finite:
+            return (f"{name} is {value} at step {step}: the parameters themselves are not "
+                    f"finite (the initial or imported weights, before step "
+                    f"{self._started + 1}); {self._kept}")  # fmt: skip
         for taken in range(self._started, step) if self.inputs is not None else ():
             batch = self.inputs(taken)
             for key, array in batch.items():

@@ -189,11 +189,17 @@ class Evaluate(PeriodicAction):
             result |= self.derived(result)
         bad = [name for name, value in result.items() if not math.isfinite(value)]
         if bad and self.stop_nonfinite:
+            where = f"the {self._name} split's {bad[0]} is {result[bad[0]]} at step {progress.step}"
+            if not state_finite(progress.state):  # checked, not inferred: every output is NaN
+                raise NonFiniteError(
+                    f"{where}: the parameters themselves are not finite (the initial or "
+                    f"imported weights, or a step that diverged before the loss was read); "
+                    f"{self._kept(progress)}"
+                )
             raise NonFiniteError(
-                f"the {self._name} split's {bad[0]} is {result[bad[0]]} at step "
-                f"{progress.step}, though its inputs are finite and the training loss is: "
-                f"look at the {self._name} labels against the loss, or at a model that "
-                f"overflows; it chooses no checkpoint and stops nothing; {self._kept(progress)}"
+                f"{where}, though its inputs are finite and the parameters are: look at the "
+                f"{self._name} labels against the loss, or at a model that overflows; it "
+                f"chooses no checkpoint and stops nothing; {self._kept(progress)}"
             )
         self.console.line(
             f"step {progress.step}: "
