@@ -33,6 +33,7 @@ from typing import TextIO
 
 from jdp.distributed import cluster
 from jdp.distributed.watchdog import EXIT_STALLED
+from jdp.tool import command
 
 _CPU_COUNT = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
@@ -133,11 +134,10 @@ def launch(
         # mid-step); a second one kills.
         signals.append(number)
         for child in children:
-            if child.poll() is None:
-                if len(signals) == 1:
-                    child.send_signal(signal.SIGTERM)  # the process, not its loader workers
-                else:
-                    _signal_group(child, signal.SIGKILL)
+            if len(signals) == 1:
+                _terminate(child)
+            else:
+                _signal_group(child, signal.SIGKILL)
 
     previous = {
         number: signal.signal(number, stop)
@@ -187,12 +187,14 @@ def _group(command, nproc, devices_per_process, port, grace, lock, children, sig
             children.append(child)
             relays.extend(child_relays)
             _say(lock, f"started process {rank} of {nproc} (pid {child.pid})")
-        return _supervise(children, grace, lock)
+        failed = _supervise(children, grace, lock)
+        while signals and any(map(_members, children)):  # a wrapper's trainer, still saving
+            time.sleep(0.1)
+        return failed
     finally:
-        for child in children:  # nothing outlives the launcher
-            if child.poll() is None:
-                _signal_group(child, signal.SIGKILL)
-                child.wait()
+        for child in children:  # nothing outlives the launcher: a wrapper's trainer neither
+            _signal_group(child, signal.SIGKILL)
+            child.wait()
         for relay in relays:
             relay.join(timeout=5)
 
@@ -270,6 +272,41 @@ def _supervise(
         time.sleep(0.05)
 
 
+def _terminate(child: subprocess.Popen) -> None:
+    """SIGTERM to what runs the work in a process's group: the process, or the trainer a
+    wrapper script of it started (the innermost processes; the wrapper passes on their
+    exit), never loader workers, which their trainer stops."""
+    members = {pid: parent for pid, parent in _members(child).items() if not _loader_worker(pid)}
+    pids = [pid for pid in members if pid not in members.values()] or [child.pid]
+    for pid in pids if members or child.poll() is None else ():  # no /proc: the process
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
+def _members(child: subprocess.Popen) -> dict[int, int]:
+    """The live processes (not zombies) of ``child``'s process group and their parents,
+    read from Linux's ``/proc``; none elsewhere."""
+    members = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as file:  # pid (comm) state ppid pgrp
+                state, parent, group = file.read().rsplit(b")", 1)[1].split()[:3]
+        except (OSError, ValueError):  # not a process, or gone
+            continue
+        if state != b"Z" and int(group) == child.pid:
+            members[int(entry)] = int(parent)
+    return members
+
+
+def _loader_worker(pid: int) -> bool:
+    """Whether ``pid`` is a process Python's multiprocessing started (Grain's workers)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return b"multiprocessing" in file.read()
+    except OSError:
+        return False
+
+
 def _signal_group(child: subprocess.Popen, number: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(child.pid, number)
@@ -313,6 +350,7 @@ def checked_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     return command
 
 
+@command("jdp.launch")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="jdp.launch",

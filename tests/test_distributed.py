@@ -40,12 +40,13 @@ def _env():
     return subprocess_env()  # the commands set up their devices
 
 
-def _train(*flags, nproc=None, grace=10, timeout=240, **popen):
+def _train(*flags, nproc=None, grace=10, timeout=240, wrapper=(), **popen):
     command = [sys.executable, "-m", "jdp.train", *_RUN, *flags]
     if nproc:
         command = [
             sys.executable, "-m", "jdp.launch", "--nproc", str(nproc),
-            "--devices-per-process", str(8 // nproc), "--grace", str(grace), "--", *command,
+            "--devices-per-process", str(8 // nproc), "--grace", str(grace), "--", *wrapper,
+            *command,
         ]  # fmt: skip
     if popen:
         return subprocess.Popen(command, text=True, env=_env(), **popen)
@@ -359,13 +360,21 @@ def test_a_process_that_left_the_handshake_is_missing_not_counted():
 
 @pytest.mark.slow
 def test_sigint_to_the_launcher_stops_a_run_without_checkpoints():
+    """Through a wrapper script (a shell that runs the trainer as its child): the signal
+    reaches the trainers, which stop; the shells pass on their exit codes."""
     launcher = _train(
-        "--steps", "100000", nproc=2, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        "--steps", "100000", nproc=2, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        wrapper=["sh", "-c", '"$@"; exit $?', "wrapper"],
     )  # fmt: skip
-    code, text, errors, _ = _interrupt_mid_run(
-        launcher, lambda err: launcher.send_signal(signal.SIGINT)
-    )
+    pids = []
+
+    def interrupt(err):
+        pids.extend(launched_pids(err).values())  # the shells'
+        launcher.send_signal(signal.SIGINT)
+
+    code, text, errors, _ = _interrupt_mid_run(launcher, interrupt)
     assert code == 0, text[-2000:] + errors[-2000:]
+    assert len(pids) == 2 and not [pid for pid in _all_pids() if _group_of(pid) in pids]
     assert re.search(
         r"^\[0\] jdp\.train: preemption notice \(SIGTERM\) at step \d+; stopped without "
         r"saving \(no --ckpt-dir\)$",
@@ -373,6 +382,18 @@ def test_sigint_to_the_launcher_stops_a_run_without_checkpoints():
         re.M,
     ), text[-2000:]
     assert "KeyboardInterrupt" not in errors
+
+
+def _all_pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            return int(file.read().rsplit(b")", 1)[1].split()[2])
+    except (OSError, ValueError):
+        return None
 
 
 def test_process_0_not_answering_is_named():
