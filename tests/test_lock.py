@@ -126,3 +126,26 @@ def test_no_directory_of_a_run_lies_inside_a_live_runs(tmp_path):
         holder.kill()
         holder.communicate()
     lock.refuse_a_live_runs(str(live / "sub"), "--ckpt-dir")  # the run gone: nothing refused
+
+
+@pytest.mark.slow
+def test_two_runs_never_share_a_log_dir(tmp_path):
+    """A live run holds its --log-dir (without a --ckpt-dir too): a second run given it is
+    one line, exit 2, and the first one's metrics are its own."""
+    logs = tmp_path / "logs"
+    first = subprocess.Popen([sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps",
+                              "100000", "--log-dir", str(logs)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=subprocess_env())  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (logs / "metrics.jsonl").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.2)
+        second = run_cli("--mesh", "data=1", "--steps", "2", "--log-dir", logs)
+        assert second.returncode == 2, second.stderr
+        (line,) = second.stderr.strip().splitlines()
+        assert f"{logs} is in use by another run (pid {first.pid} on " in line, line
+        assert line.endswith("wait for it to end, or choose another --log-dir"), line
+    finally:
+        first.kill()
+        first.communicate()

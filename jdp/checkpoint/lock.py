@@ -130,8 +130,8 @@ class DirectoryLock:
         >>> lock.release()
     """
 
-    def __init__(self, directory: str):
-        self.directory = directory
+    def __init__(self, directory: str, flag: str = "--ckpt-dir"):
+        self.directory, self.flag = directory, flag
         self.path = os.path.join(directory, LOCK_NAME)
         self._handle = None
         self._folder: int | None = None  # the directory's descriptor, flocked
@@ -144,19 +144,19 @@ class DirectoryLock:
             UsageError: another live run holds it (or a directory it lies in), or the
                 directory cannot be written.
         """
-        refuse_a_live_runs(self.directory, "--ckpt-dir", itself=False)
+        refuse_a_live_runs(self.directory, self.flag, itself=False)
         try:
             os.makedirs(self.directory, exist_ok=True)
             handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
         except IsADirectoryError:
             raise UsageError(
                 f"{self.path} is a directory, where jdp keeps the file that locks "
-                f"{self.directory}; remove it (or choose another --ckpt-dir)"
+                f"{self.directory}; remove it (or choose another {self.flag})"
             ) from None
         except OSError as error:
             raise UsageError(
-                f"cannot write checkpoints in {self.directory} ({error.strerror or error}); "
-                "choose a writable --ckpt-dir"
+                f"cannot write in {self.flag} {self.directory} ({error.strerror or error}); "
+                f"choose a writable {self.flag}"
             ) from None
         folder = None
         try:
@@ -169,7 +169,7 @@ class DirectoryLock:
                 os.close(folder)
             raise UsageError(
                 f"{self.directory} is in use by another run ({_describe(owner)}); wait for it "
-                "to end, or choose another --ckpt-dir"
+                f"to end, or choose another {self.flag}"
             ) from None
         previous = _read(handle)
         token = secrets.token_hex(8)

@@ -40,6 +40,7 @@ from jdp.training.wiring import (
     actions_for,
     checkpointer,
     data_ledger,
+    log_dir_lock,
     metric_logger,
     stall_watch,
     tokens_per_example,
@@ -100,6 +101,7 @@ def _fit(config: TrainConfig, console: Console, yours: Yours, callbacks: Sequenc
                       enabled=jax.process_index() == 0)  # fmt: skip
     with contextlib.ExitStack() as stack:
         state, start, checkpoints, ledger = run.state, 0, None, {}
+        stack.enter_context(log_dir_lock(config))
         if config.ckpt_dir:
             checkpoints = stack.enter_context(checkpointer(config, run))
             state, start, ledger = resume(config, checkpoints, state, console, run.recorded)

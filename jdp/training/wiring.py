@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 from jax._src import distributed as jax_distributed  # the runtime's client: no public handle
 
 from jdp.actions import Action, EarlyStopping
 from jdp.checkpoint import Checkpointer
+from jdp.checkpoint.lock import DirectoryLock
 from jdp.checkpoint.params import best_recorded
 from jdp.data.ledger import Ledger
 from jdp.data.pipeline import EvalReader, Loader, TrainReader
@@ -64,6 +65,25 @@ def tokens_per_example(run: Run) -> int | None:
 
 # Metrics where lower is better, for --best-mode auto.
 _LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte", "error")
+
+
+@contextlib.contextmanager
+def log_dir_lock(config: TrainConfig) -> Iterator[None]:
+    """``--log-dir`` held for the run's life on process 0 (the one that writes its
+    metrics), so that a second live run is refused it in one line, not interleaved with
+    it; a ``--ckpt-dir`` of the same path is held by its `Checkpointer` already."""
+    same = config.ckpt_dir and os.path.abspath(config.ckpt_dir) == os.path.abspath(
+        config.log_dir or ""
+    )
+    if not config.log_dir or same or jax.process_index() != 0:
+        yield
+        return
+    lock = DirectoryLock(config.log_dir, "--log-dir")
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def checkpointer(config: TrainConfig, run: Run) -> Checkpointer:
