@@ -129,6 +129,25 @@ def test_a_local_mlflow_store_gets_the_same(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_kept_mlflow_run_the_server_lacks_is_named_and_a_new_one_logged(tmp_path, monkeypatch,
+                                                                         capsys):  # fmt: skip
+    """trackers.json naming a run of another server (or one deleted): one warning naming
+    the file, then a new run kept there; not the tracker dropped on every resume."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'local.db'}")
+    (tmp_path / "trackers.json").write_text(json.dumps({"mlflow": "0123456789abcdef"}))
+    tracker = trackers.MlflowTracker(str(tmp_path))
+    tracker.close()
+    warning = capsys.readouterr().err.strip().splitlines()[-1]
+    assert warning.startswith(
+        f"jdp: warning: the MLflow run 0123456789abcdef that "
+        f"{tmp_path / 'trackers.json'} names is not on this tracking server"
+    )
+    assert warning.endswith("; logging to a new run") and not tracker.resumed
+    assert json.loads((tmp_path / "trackers.json").read_text())["mlflow"] == tracker.run_id
+    assert trackers.MlflowTracker(str(tmp_path)).resumed  # the new one resumes from now on
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_server_killed_mid_run_is_one_warning_and_the_run_finishes(server, tmp_path):
     uri, stop = server

@@ -137,6 +137,15 @@ class MlflowTracker:
         self.client, self.log_dir = MlflowClient(), log_dir
         self.run_id = _run_ids(log_dir).get("mlflow")
         self.resumed = self.run_id is not None
+        if self.resumed:
+            try:
+                self.client.update_run(self.run_id, status="RUNNING")
+            except Exception as error:  # not on this server: another URI, or deleted
+                reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+                print(f"jdp: warning: the MLflow run {self.run_id} that "
+                      f"{os.path.join(log_dir, _IDS)} names is not on this tracking server "
+                      f"({reason}); logging to a new run", file=sys.stderr, flush=True)  # fmt: skip
+                self.run_id, self.resumed = None, False
         if self.run_id is None:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "jdp")
             experiment = self.client.get_experiment_by_name(name)
@@ -145,8 +154,6 @@ class MlflowTracker:
             run_name = os.path.basename(os.path.abspath(log_dir))
             self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
             _keep_run_id(log_dir, "mlflow", self.run_id)
-        else:
-            self.client.update_run(self.run_id, status="RUNNING")
 
     def describe(self, config: Mapping[str, Any], facts: Mapping[str, Any]) -> None:
         from mlflow.entities import Param, RunTag
