@@ -67,6 +67,18 @@ def test_a_resume_reads_its_compiled_step_back_and_computes_the_same(tmp_path):
     assert READ not in damaged
     assert _same(damaged_params, straight)
 
+    # Two entries' files swapped: JAX would run the other program under each name.
+    a, b = sorted((ckpt / DIRNAME).glob("*-cache"), key=lambda entry: entry.stat().st_size)[-2:]
+    a.rename(a.with_name("swap"))
+    b.rename(a)
+    a.with_name("swap").rename(b)
+    shutil.rmtree(ckpt / "6")
+    swapped = run_cli(*FLAGS, "--ckpt-dir", str(ckpt), timeout=180)
+    assert swapped.returncode == 0, swapped.stderr
+    assert f"compiled program(s) in {ckpt / DIRNAME} changed since a run wrote them" in \
+        swapped.stderr  # fmt: skip
+    assert _same(jax.tree.leaves(read_params(ckpt, step=6)), straight)
+
 
 @pytest.mark.slow
 def test_a_shared_cache_directory_serves_another_run(tmp_path):

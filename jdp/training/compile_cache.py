@@ -13,13 +13,17 @@ compiled again (JAX warns). The cache runs code it reads: keep it where only you
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import sys
 from collections.abc import Iterator
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from jdp.errors import UsageError
+from jdp.report.bookkeeping import mapping_of, read_or_set_aside
 from jdp.report.writers import check_writable
 
 DIRNAME = "compile_cache"  # in the checkpoint directory, with --compile-cache auto
@@ -102,6 +106,8 @@ def compile_cache(setting: str, ckpt_dir: str | None) -> Iterator[None]:
             f"--compile-cache: cannot make {directory} ({error.strerror}); name a directory "
             "you can write, or --compile-cache off"
         ) from None
+    if directory is not None:
+        _drop_changed(directory)
     before = (jax.config.jax_compilation_cache_dir,
               jax.config.jax_persistent_cache_min_compile_time_secs)  # fmt: skip
     _use(directory, MIN_COMPILE_SECONDS if directory else before[1])
@@ -109,6 +115,60 @@ def compile_cache(setting: str, ckpt_dir: str | None) -> Iterator[None]:
         yield
     finally:
         _use(*before)
+        if directory is not None and jax.process_index() == 0:
+            with contextlib.suppress(OSError):  # the record is a check, never a failure
+                _record(directory)
+
+
+# Beside the entries: each one's file (inode, size, mtime) and SHA-256 as jdp last saw it.
+ENTRIES = "jdp-entries.json"
+
+
+def _drop_changed(directory: str) -> None:
+    """Removes the entries whose bytes are no longer the ones recorded (swapped with
+    another, edited, cut short): JAX would run the program one holds, keyed by its
+    name. One warning names them; JAX compiles those programs again. A file only
+    moved (another inode, the same bytes) is kept."""
+    recorded = read_or_set_aside(os.path.join(directory, ENTRIES), mapping_of(list)) or {}
+    changed = []
+    for name, value in recorded.items():
+        if len(value) != 2:  # not jdp's record of it
+            continue
+        signature, digest, path = *value, os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            if _signature(path) != signature and _digest(path) != digest:
+                os.remove(path)
+                changed.append(name)
+    if changed:
+        print(f"jdp: warning: {len(changed)} compiled program(s) in {directory} changed since "
+              f"a run wrote them ({', '.join(changed[:2])}{', ...' * (len(changed) > 2)}); "
+              "removed, to be compiled again", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _record(directory: str) -> None:
+    path = os.path.join(directory, ENTRIES)
+    recorded = read_or_set_aside(path, mapping_of(list)) or {}
+    entries = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith("-cache"):
+            signature = _signature(os.path.join(directory, name))
+            known = recorded.get(name)
+            same = known is not None and known[0] == signature  # not read again
+            entries[name] = [signature, known[1] if same else
+                             _digest(os.path.join(directory, name))]  # fmt: skip
+    with open(path + ".tmp", "w") as file:
+        json.dump(entries, file)
+    os.replace(path + ".tmp", path)
+
+
+def _signature(path: str) -> list[int]:
+    stat = os.stat(path)
+    return [stat.st_ino, stat.st_size, stat.st_mtime_ns]
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def _use(directory: str | None, min_seconds: float) -> None:
