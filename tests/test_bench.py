@@ -318,17 +318,19 @@ def test_keras_benchmark_refuses_a_run_of_one_step():
 
 @pytest.mark.slow
 def test_faults_benchmark_runs_the_new_classes_with_nothing_silent_lost_or_hung():
-    flags = "--kills 0 --flips 0 --data-faults 3 --lock-thefts 1 --directory-failures 1 " \
-        "--launcher-kills 1 --seed 1"  # fmt: skip
+    flags = "--kills 0 --flips 0 --data-faults 2 --lock-thefts 1 --directory-failures 1 " \
+        "--launcher-kills 1 --wrapped-stops 1 --tool-faults 2 --seed 1"  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = _bench("faults", flags, timeout=900, env=env)
     assert result.returncode == 0, result.stderr
     summary = dict(re.findall(r"^([a-z ]+): trials=\d+ (.+)$", result.stdout, re.M))
     assert summary == {
-        "data faults": "named=3 silent=0 hang=0 other=0",
+        "data faults": "named=2 silent=0 hang=0 other=0",
         "lock thefts": "kept=1 two-writers=0 lost=0 hang=0",
         "directory failures": "stopped=1 hang=0 other=0",
         "launcher kills": "ended=1 orphaned=0 lost=0",
+        "wrapped stops": "saved=1 orphaned=0 lost=0 hang=0",
+        "tool faults": "one-line=2 traceback=0 other=0",
     }, result.stdout
 
 

@@ -250,3 +250,48 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def wrapped_stops(trials: int, seed: int, emit: Callable[[str], None]) -> Counter:
+    """``jdp.launch`` of 2 processes whose command is a wrapper script (a shell that runs
+    the trainer as its child), sent SIGTERM at a random moment: "saved" (the launcher
+    ended with 0 and the trainers saved a checkpoint after the signal), "orphaned" (a
+    trainer still running once the launcher ended), "lost" (no save) or "hang"."""
+    rng, outcomes = random.Random(seed), Counter()
+    with tempfile.TemporaryDirectory(prefix="jdp-wrapped-stops-") as root:
+        for trial in range(trials):
+            directory = os.path.join(root, f"trial-{trial}")
+            command = [sys.executable, "-m", "jdp.launch", "--nproc", "2",
+                       "--devices-per-process", "1", "--", "sh", "-c", '"$@"; exit $?',
+                       "wrapper", sys.executable, "-m", "jdp.train", *_RUN, "--steps",
+                       "100000", "--ckpt-every", "50", "--ckpt-dir", directory]  # fmt: skip
+            launcher, shells = _launch(command)
+            _until_saved(launcher, directory, rng)
+            before = _checkpoints(directory)
+            launcher.send_signal(signal.SIGTERM)
+            try:
+                code = launcher.wait(timeout=HANG_SECONDS)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                code = None
+            left = [pid for pid in _pids() if _group(pid) in shells and _alive(pid)]
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            verdict = ("hang" if code is None else "orphaned" if left else
+                       "saved" if code == 0 and _checkpoints(directory)[-1:] > before[-1:]
+                       else "lost")  # fmt: skip
+            outcomes[verdict] += 1
+            emit(f"  wrapped stop {trial + 1}: {verdict}")
+    return outcomes
+
+
+def _pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _group(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[-1].split()[2])
+    except (OSError, ValueError):
+        return None

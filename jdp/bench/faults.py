@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import optax
 
-from jdp.bench import fault_trials
+from jdp.bench import fault_trials, tool_faults
 from jdp.bench.common import report_lines
 from jdp.training.run import setup_devices
 
@@ -188,6 +188,8 @@ NEW_CLASSES = (
     ("--lock-thefts", 3, "lock-theft"),
     ("--directory-failures", 6, "unwritable or removed checkpoint directory"),
     ("--launcher-kills", 3, "launcher kill -9"),
+    ("--wrapped-stops", 2, "SIGTERM to jdp.launch of a wrapper script"),
+    ("--tool-faults", 12, "bad path given to a tool"),
 )
 _REPORTS = {
     "data_faults": ("bad data trained on", fault_trials.data_faults,
@@ -198,6 +200,12 @@ _REPORTS = {
                            fault_trials.directory_failures, ("stopped", "hang", "other")),
     "launcher_kills": ("jdp.launch of 2 processes killed with SIGKILL",
                        fault_trials.launcher_kills, ("ended", "orphaned", "lost")),
+    "wrapped_stops": ("jdp.launch of 2 wrapper scripts (a shell running the trainer) sent "
+                      "SIGTERM", fault_trials.wrapped_stops,
+                      ("saved", "orphaned", "lost", "hang")),
+    "tool_faults": ("a python -m jdp.* tool's path argument given a bad path (missing, a "
+                    "loop of links, the wrong kind, empty, cut short, unwritable, not "
+                    "UTF-8)", tool_faults.tool_faults, ("one line", "traceback", "other")),
 }  # fmt: skip
 
 
