@@ -292,6 +292,17 @@ def test_an_empty_document_never_leaves_a_split_without_tokens(tmp_path):
         tokenize(tmp_path / "text", tmp_path / "none", workers=0, progress=False)
 
 
+def test_a_file_name_that_is_not_utf8_is_tokenized_and_listed_as_its_bytes(tmp_path):
+    (tmp_path / "text").mkdir()
+    odd = os.fsencode(tmp_path / "text") + b"/caf\xe9.txt"  # Latin-1's "café.txt"
+    with open(odd, "w") as file:
+        file.write("some text. " * 20)
+    meta = tokenize(tmp_path / "text", tmp_path / "tokens", val_fraction=0, workers=0,
+                    progress=False)  # fmt: skip
+    assert meta["tokens"]["train"] == 220
+    assert odd in (tmp_path / "tokens" / "documents.tsv").read_bytes()
+
+
 def test_a_tokenizer_file_needs_the_tokenizers_package(bpe, corpus, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed
     with pytest.raises(UsageError, match="pip install tokenizers"):

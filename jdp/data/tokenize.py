@@ -187,8 +187,7 @@ def _check_out(out: str | os.PathLike) -> str:
     names = os.listdir(out) if os.path.isdir(out) else []
     if META_FILE in names:
         raise UsageError(f"{out} was tokenized before ({META_FILE}); choose another --out")
-    held = sorted(name for name in names if name.endswith((".bin", ".npy")))
-    if held:
+    if held := sorted(name for name in names if name.endswith((".bin", ".npy"))):
         raise UsageError(
             f"{out} already holds token files ({held[0]}...), which would be read with the new "
             "ones; remove them or choose another --out"
@@ -368,7 +367,8 @@ def _pieces(paths, sizes, encoded, val, val_fraction, spec) -> Iterator[tuple]:
 
 def _write(out: str, name: str, shard_tokens: int, pieces: Iterable[tuple]) -> dict:
     """Writes each piece to its split's shards, and its row of ``documents.tsv``."""
-    with open(os.path.join(out, DOCUMENTS_FILE), "w", newline="", encoding="utf-8") as file:
+    path = os.path.join(out, DOCUMENTS_FILE)  # a name not UTF-8 written as its own bytes
+    with open(path, "w", newline="", encoding="utf-8", errors="surrogateescape") as file:
         table = csv.writer(file, delimiter="\t", lineterminator="\n")
         table.writerow(COLUMNS)
         written = {split: _Shards(out, name, split, shard_tokens, table) for split in SPLITS}
