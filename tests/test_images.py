@@ -179,7 +179,7 @@ def _bomb_png(height: int, width: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
 
 
-def test_images_that_would_be_dropped_or_break_are_named(tmp_path):
+def test_images_that_would_be_dropped_or_break_are_named(tmp_path, capsys):
     root = tmp_path / "tree"
     write_tree(str(root), {"train": 4, "test": 2}, classes=2)
     # A class folder only under test/: its images would leave the test split in silence.
@@ -196,8 +196,16 @@ def test_images_that_would_be_dropped_or_break_are_named(tmp_path):
         ):
             read()  # fmt: skip
     shutil.rmtree(root / "test" / "class_009")
-    # Names that are not image files, and a name that is not UTF-8 (read as it is).
+    # Files that are not images by their names: left out, counted in one warning.
     folder = root / "train" / "class_000"
+    (folder / "notes.txt").write_text("taken on a Tuesday")
+    (folder / ".DS_Store").write_bytes(b"\0")
+    assert len(jdp.data.from_images(root / "train")) == 4
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert warning == [f"jdp: warning: left out 1 file of {root / 'train'}'s class folders that "
+                       f"are not images by their names ({folder / 'notes.txt'}, ...; jdp reads "
+                       ".png, .jpg, .jpeg, .bmp, .gif, .tif, .tiff, .webp)"], warning  # fmt: skip
+    # Names that are not image files, and a name that is not UTF-8 (read as it is).
     for make, needle in [
         (lambda p: p.mkdir(), "x.jpg is not a file"),
         (lambda p: p.symlink_to(tmp_path / "gone"), "x.jpg is a broken link"),

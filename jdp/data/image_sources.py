@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -129,15 +130,18 @@ def _tree(root: str, classes) -> tuple[list[str], list[int], tuple[str, ...]]:
 def class_files(root: str, classes: tuple[str, ...]) -> tuple[list[str], list[int]]:
     """The image files under each class folder, and their labels; a class folder without
     images is refused (its class would be trained on as if it never occurred), and so is
-    an image name that is not a file (a folder named ``x.jpg``, a broken link)."""
-    files, labels = [], []
+    an image name that is not a file (a folder named ``x.jpg``, a broken link). Other
+    files are left out with one warning that counts them (hidden ones, such as
+    ``.DS_Store``, in silence)."""
+    files, labels, others = [], [], []
     for label, name in enumerate(classes):
         folder = os.path.join(root, name)
         if not os.path.isdir(folder):  # a split given the classes of another may lack one
             continue
-        images = sorted(
-            file for file in os.listdir(folder) if file.lower().endswith(IMAGE_SUFFIXES)
-        )
+        names = os.listdir(folder)
+        images = sorted(file for file in names if file.lower().endswith(IMAGE_SUFFIXES))
+        hidden = {file for file in names if file.startswith(".")}
+        others += [os.path.join(folder, file) for file in set(names) - set(images) - hidden]
         if not images:
             raise UsageError(
                 f"class folder {shown(folder)} has no images (looked for "
@@ -149,6 +153,11 @@ def class_files(root: str, classes: tuple[str, ...]) -> tuple[list[str], list[in
                 raise UsageError(f"{shown(path)} is {what}; remove it, or put the image there")
         files += [os.path.join(folder, file) for file in images]
         labels += [label] * len(images)
+    if others:
+        count = f"{len(others):,} file{'s' * (len(others) != 1)}"
+        print(f"jdp: warning: left out {count} of {shown(root)}'s class folders "
+              f"that are not images by their names ({shown(min(others))}, ...; jdp reads "
+              f"{', '.join(IMAGE_SUFFIXES)})", file=sys.stderr, flush=True)  # fmt: skip
     return files, labels
 
 
