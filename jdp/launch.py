@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from jdp.distributed import cluster
+from jdp.distributed.process_groups import alive, terminate
 from jdp.distributed.watchdog import EXIT_STALLED
 from jdp.tool import command
 
@@ -128,6 +129,7 @@ def launch(
     lock = threading.Lock()
     children: list[subprocess.Popen] = []
     signals: list[int] = []
+    stopped: list[int] = []  # the processes the first signal reached
 
     def stop(number, frame):
         # The first signal asks every process to stop as a run stops for preemption
@@ -136,7 +138,7 @@ def launch(
         signals.append(number)
         for child in children:
             if len(signals) == 1:
-                _terminate(child)
+                stopped.extend(terminate(child))
             else:
                 _signal_group(child, signal.SIGKILL)
 
@@ -149,7 +151,7 @@ def launch(
         while True:
             children.clear()
             failed = _group(command, nproc, devices_per_process, port, grace, lock,
-                            children, signals)  # fmt: skip
+                            children, signals, stopped)  # fmt: skip
             if failed is None:
                 return 0
             rank, code = failed
@@ -174,8 +176,8 @@ def launch(
             signal.signal(number, handler)
 
 
-def _group(command, nproc, devices_per_process, port, grace, lock, children, signals
-           ) -> tuple[int, int] | None:  # fmt: skip
+def _group(command, nproc, devices_per_process, port, grace, lock, children, signals,
+           stopped) -> tuple[int, int] | None:  # fmt: skip
     """Starts the ``nproc`` processes once and waits for them: the first failure, or None."""
     port = port or free_port()
     relays: list[threading.Thread] = []
@@ -189,13 +191,14 @@ def _group(command, nproc, devices_per_process, port, grace, lock, children, sig
             relays.extend(child_relays)
             _say(lock, f"started process {rank} of {nproc} (pid {child.pid})")
         failed = _supervise(children, grace, lock)
-        while signals and any(map(_members, children)):  # a wrapper's trainer, still saving
+        while any(map(alive, stopped)):  # a wrapper's trainer, still saving
             time.sleep(0.1)
         return failed
     finally:
-        for child in children:  # nothing outlives the launcher: a wrapper's trainer neither
-            _signal_group(child, signal.SIGKILL)
-            child.wait()
+        for child in children:  # nothing outlives the launcher
+            if child.poll() is None or any(map(alive, stopped)):
+                _signal_group(child, signal.SIGKILL)
+                child.wait()
         for relay in relays:
             relay.join(timeout=5)
 
@@ -271,41 +274,6 @@ def _supervise(
                     _signal_group(child, signal.SIGKILL)
             kill_at = None
         time.sleep(0.05)
-
-
-def _terminate(child: subprocess.Popen) -> None:
-    """SIGTERM to what runs the work in a process's group: the process, or the trainer a
-    wrapper script of it started (the innermost processes; the wrapper passes on their
-    exit), never loader workers, which their trainer stops."""
-    members = {pid: parent for pid, parent in _members(child).items() if not _loader_worker(pid)}
-    pids = [pid for pid in members if pid not in members.values()] or [child.pid]
-    for pid in pids if members or child.poll() is None else ():  # no /proc: the process
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-
-
-def _members(child: subprocess.Popen) -> dict[int, int]:
-    """The live processes (not zombies) of ``child``'s process group and their parents,
-    read from Linux's ``/proc``; none elsewhere."""
-    members = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as file:  # pid (comm) state ppid pgrp
-                state, parent, group = file.read().rsplit(b")", 1)[1].split()[:3]
-        except (OSError, ValueError):  # not a process, or gone
-            continue
-        if state != b"Z" and int(group) == child.pid:
-            members[int(entry)] = int(parent)
-    return members
-
-
-def _loader_worker(pid: int) -> bool:
-    """Whether ``pid`` is a process Python's multiprocessing started (Grain's workers)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as file:
-            return b"multiprocessing" in file.read()
-    except OSError:
-        return False
 
 
 def _signal_group(child: subprocess.Popen, number: int) -> None:

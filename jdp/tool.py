@@ -48,14 +48,16 @@ def command(prog: str) -> Callable:
       cannot take such a name;
     - a `UsageError` is its line, exit 2;
     - an `OSError` is a line naming the path and the fix: exit 2 for a path that cannot
-      be used, 1 for a fault met while working (`_FAULTS`).
+      be used (`_BAD_PATHS`), 1 for any other (a full disk, a network that failed): a
+      fault met while working, which a launcher may restart.
     """
 
     def wrap(main: Callable[[Sequence[str] | None], int]) -> Callable:
         @functools.wraps(main)
         def run(argv: Sequence[str] | None = None) -> int:
             argv = list(sys.argv[1:] if argv is None else argv)
-            if (bad := next((arg for arg in argv if not _is_utf8(arg)), None)) is not None:
+            ours = argv[: argv.index("--")] if "--" in argv else argv  # not a launcher's command
+            if (bad := next((arg for arg in ours if not _is_utf8(arg)), None)) is not None:
                 return _say(prog, f"{shown(bad)} is not UTF-8 text (a file name in another "
                             "encoding?); rename the file or give a UTF-8 name", 2)  # fmt: skip
             try:
@@ -76,10 +78,10 @@ def os_line(error: OSError) -> tuple[str, int]:
     names = [shown(name) for name in (error.filename, error.filename2) if name is not None]
     where = " -> ".join(names) + ": " if names else ""
     reason = error.strerror or str(error)
-    if error.errno in _FAULTS:
-        return f"{where}{reason}; {_FAULTS[error.errno]}", 1
-    fix = _BAD_PATHS.get(error.errno, "check the path and run it again")
-    return f"{where}{reason}; {fix}", 2
+    if error.errno in _BAD_PATHS:
+        return f"{where}{reason}; {_BAD_PATHS[error.errno]}", 2
+    fix = _FAULTS.get(error.errno, "a fault while working (a network's, say); run it again")
+    return f"{where}{reason}; {fix}", 1
 
 
 def shown(path: Any) -> str:

@@ -185,7 +185,21 @@ def test_a_bad_token_met_mid_run_saves_the_state_before_it(tmp_path):
     found = re.search(r"token 300 at token offset 517 .* \(met after step (\d+)\); that step's "
                       r"state is saved in (.*)$", line)  # fmt: skip
     assert found and found[2] == str(run), line
-    assert int(found[1]) >= 1 and jdp.checkpoint.read_record(run / found[1]).step == int(found[1])
+    # Saved is the step just before the first batch that holds the bad token, in the order
+    # a run of this seed reads (each step read alone: the run's reader reads in chunks).
+    reader = TrainReader(from_tokens(tmp_path / "corpus", seq_len=8, vocab_size=256),
+                         batch_size=8, seed=0, rows=slice(None))  # fmt: skip
+    first_bad = next(step for step in range(40) if not _reads(reader, step))
+    assert first_bad >= 1 and int(found[1]) == first_bad, (first_bad, line)
+    assert jdp.checkpoint.read_record(run / found[1]).step == first_bad
+
+
+def _reads(reader, step) -> bool:
+    try:
+        reader(step)
+    except jdp.UsageError:
+        return False
+    return True
 
 
 def test_each_process_reads_only_its_rows_of_the_same_global_batch(corpus):

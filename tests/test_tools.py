@@ -143,7 +143,8 @@ def test_numbers_out_of_range_are_one_line_before_any_work(made, tmp_path, modul
 
 
 def test_the_flags_limit_on_pixels_is_the_decoders():
-    from jdp.data.images import MAX_PIXELS
-    from jdp.training.config_checks import MAX_PIXELS as FLAGS_MAX_PIXELS
+    from PIL import Image
 
-    assert FLAGS_MAX_PIXELS == MAX_PIXELS
+    from jdp.training.config_checks import MAX_PIXELS
+
+    assert MAX_PIXELS == 2 * Image.MAX_IMAGE_PIXELS

@@ -138,17 +138,19 @@ def class_files(root: str, classes: tuple[str, ...]) -> tuple[list[str], list[in
         folder = os.path.join(root, name)
         if not os.path.isdir(folder):  # a split given the classes of another may lack one
             continue
-        names = os.listdir(folder)
-        images = sorted(file for file in names if file.lower().endswith(IMAGE_SUFFIXES))
-        hidden = {file for file in names if file.startswith(".")}
-        others += [os.path.join(folder, file) for file in set(names) - set(images) - hidden]
+        with os.scandir(folder) as entries:  # a file's kind without a stat of its own
+            kinds = {entry.name: entry.is_file() for entry in entries}
+        images = sorted(file for file in kinds if file.lower().endswith(IMAGE_SUFFIXES))
+        others += [os.path.join(folder, file) for file in kinds
+                   if file not in images and not file.startswith(".")]  # fmt: skip
         if not images:
             raise UsageError(
                 f"class folder {shown(folder)} has no images (looked for "
                 f"{', '.join(IMAGE_SUFFIXES)}); add its images, or remove the folder"
             )
         for file in images:
-            if not os.path.isfile(path := os.path.join(folder, file)):
+            if not kinds[file]:
+                path = os.path.join(folder, file)
                 what = "a broken link" if os.path.islink(path) else "not a file"
                 raise UsageError(f"{shown(path)} is {what}; remove it, or put the image there")
         files += [os.path.join(folder, file) for file in images]
@@ -173,7 +175,8 @@ def class_tree(root: str, classes, *, what: str = "a folder of class folders"
     if any(name.endswith(".array_record") for name in os.listdir(root)):  # no images.json
         raise UsageError(f"{shown(root)} is a pack that is not complete (its {PACKED_META} is "
                          "written last: the packer stopped); pack the images again")  # fmt: skip
-    if classes is not None and (extra := sorted(set(found) - set(classes))):
+    visible = {name for name in found if not name.startswith(".")}  # not .ipynb_checkpoints
+    if classes is not None and (extra := sorted(visible - set(classes))):
         raise UsageError(
             f"{shown(root)} has class folders the training split lacks ({', '.join(extra[:3])}"
             f"{', ...' if len(extra) > 3 else ''}): their images would be left out; move them "

@@ -119,19 +119,10 @@ class ImageTransform:
 
 
 def image_size(data: bytes) -> tuple[int, int]:
-    """``(height, width)`` of an encoded image, from its header; ValueError for more pixels
-    than `MAX_PIXELS` (a decompression bomb: a small file that decodes into gigabytes)."""
-    height, width = _header_size(data)
-    if height * width > MAX_PIXELS:
-        raise ValueError(f"{height:,} x {width:,} pixels, more than the {MAX_PIXELS:,} jdp "
-                         "decodes: a decompression bomb?")  # fmt: skip
-    return height, width
-
-
-MAX_PIXELS = 178_956_970  # Pillow's: past it, Image.open refuses (DecompressionBombError)
-
-
-def _header_size(data: bytes) -> tuple[int, int]:
+    """``(height, width)`` of an encoded image, from its header; ValueError for an image
+    Pillow reads with more pixels than it decodes (twice ``Image.MAX_IMAGE_PIXELS``: a
+    decompression bomb, a small file that decodes into gigabytes). A JPEG is decoded at
+    a scale its crop needs (`crop_resize`), so a large one costs little."""
     if data[:2] == _JPEG:
         import simplejpeg
 

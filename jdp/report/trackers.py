@@ -138,9 +138,13 @@ class MlflowTracker:
         self.run_id = _run_ids(log_dir).get("mlflow")
         self.resumed = self.run_id is not None
         if self.resumed:
+            from mlflow.exceptions import MlflowException
+
             try:
                 self.client.update_run(self.run_id, status="RUNNING")
-            except Exception as error:  # not on this server: another URI, or deleted
+            except MlflowException as error:  # not on this server: another URI, or deleted
+                if error.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                    raise  # the server failing: the tracker's one warning (`Guarded`)
                 reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
                 print(f"jdp: warning: the MLflow run {self.run_id} that "
                       f"{os.path.join(log_dir, _IDS)} names is not on this tracking server "

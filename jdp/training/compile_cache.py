@@ -132,8 +132,8 @@ def _drop_changed(directory: str) -> None:
     recorded = read_or_set_aside(os.path.join(directory, ENTRIES), mapping_of(list)) or {}
     changed = []
     for name, value in recorded.items():
-        if len(value) != 2:  # not jdp's record of it
-            continue
+        if len(value) != 2 or name != os.path.basename(name) or not name.endswith("-cache"):
+            continue  # not jdp's record of an entry
         signature, digest, path = *value, os.path.join(directory, name)
         with contextlib.suppress(OSError):
             if _signature(path) != signature and _digest(path) != digest:
@@ -156,9 +156,10 @@ def _record(directory: str) -> None:
             same = known is not None and known[0] == signature  # not read again
             entries[name] = [signature, known[1] if same else
                              _digest(os.path.join(directory, name))]  # fmt: skip
-    with open(path + ".tmp", "w") as file:
+    scratch = f"{path}.{os.getpid()}.tmp"  # runs sharing the cache write their own
+    with open(scratch, "w") as file:
         json.dump(entries, file)
-    os.replace(path + ".tmp", path)
+    os.replace(scratch, path)
 
 
 def _signature(path: str) -> list[int]:

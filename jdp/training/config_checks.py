@@ -276,8 +276,8 @@ def image_hw(config) -> tuple[int, int] | None:
     return height, width
 
 
-# The most pixels an image may have (Pillow's limit, `jdp.data.images.MAX_PIXELS`, which a
-# test holds equal): past it a crop is no image's.
+# The most pixels an image may have: Pillow's default limit (twice its
+# MAX_IMAGE_PIXELS, which a test holds equal), past which it refuses to decode one.
 MAX_PIXELS = 178_956_970
 
 

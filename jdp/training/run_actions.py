@@ -190,7 +190,8 @@ class Evaluate(PeriodicAction):
         bad = [name for name, value in result.items() if not math.isfinite(value)]
         if bad and self.stop_nonfinite:
             where = f"the {self._name} split's {bad[0]} is {result[bad[0]]} at step {progress.step}"
-            if not state_finite(progress.state):  # checked, not inferred: every output is NaN
+            state = progress.state  # checked, not inferred: every output is NaN from them
+            if not (groups_finite(state) if has_groups(state) else state_finite(state)):
                 raise NonFiniteError(
                     f"{where}: the parameters themselves are not finite (the initial or "
                     f"imported weights, or a step that diverged before the loss was read); "

@@ -1,0 +1,70 @@
+"""A launcher's processes as process groups (Linux's ``/proc``): where a stop goes when
+the command is a wrapper script, and whether a process still runs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+
+# Commands that run another and pass on its exit code: a stop goes through them.
+_WRAPPERS = {b"sh", b"bash", b"dash", b"zsh", b"ksh", b"env", b"nice", b"nohup", b"stdbuf",
+             b"ionice", b"taskset", b"numactl", b"time"}  # fmt: skip
+
+
+def terminate(child: subprocess.Popen) -> list[int]:
+    """SIGTERM to what runs the work in a process's group: the process itself, or where it
+    is a wrapper (a shell script running the trainer as its child), what it runs; never
+    loader workers, which their trainer stops. Returns the pids signalled."""
+    members = _members(child)
+    pids, below = [], [child.pid]
+    while below:
+        pid = below.pop()
+        inner = [member for member, (parent, _) in members.items()
+                 if parent == pid and not _loader_worker(member)]  # fmt: skip
+        if members.get(pid, (0, b""))[1] in _WRAPPERS and inner:
+            below += inner
+        elif pid in members or child.poll() is None:  # no /proc: the process itself
+            pids.append(pid)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    return pids
+
+
+def _members(child: subprocess.Popen) -> dict[int, tuple[int, bytes]]:
+    """The live processes (not zombies) of ``child``'s process group: each one's parent and
+    command name, read from Linux's ``/proc``; none elsewhere."""
+    members = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as file:  # pid (comm) state ppid pgrp
+                head, tail = file.read().rsplit(b")", 1)
+            state, parent, group = tail.split()[:3]
+        except (OSError, ValueError):  # not a process, or gone
+            continue
+        if state != b"Z" and int(group) == child.pid:
+            members[int(entry)] = (int(parent), head.split(b"(", 1)[1])
+    return members
+
+
+def _loader_worker(pid: int) -> bool:
+    """Whether ``pid`` is a process Python's multiprocessing started (Grain's workers)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            args = file.read().split(b"\0")
+    except OSError:
+        return False
+    return b"--multiprocessing-fork" in args or any(
+        arg.startswith(b"from multiprocessing.") for arg in args
+    )
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not), read from Linux's ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            return file.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
