@@ -72,9 +72,8 @@ def log_dir_lock(config: TrainConfig) -> Iterator[None]:
     """``--log-dir`` held for the run's life on process 0 (the one that writes its
     metrics), so that a second live run is refused it in one line, not interleaved with
     it; a ``--ckpt-dir`` of the same path is held by its `Checkpointer` already."""
-    same = config.ckpt_dir and os.path.abspath(config.ckpt_dir) == os.path.abspath(
-        config.log_dir or ""
-    )
+    real = os.path.realpath  # one directory by two names is one directory
+    same = config.ckpt_dir and real(config.ckpt_dir) == real(config.log_dir or "")
     if not config.log_dir or same or jax.process_index() != 0:
         yield
         return
