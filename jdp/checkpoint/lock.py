@@ -24,6 +24,7 @@ import os
 import secrets
 import socket
 import sys
+from collections.abc import Iterator
 
 from jdp.errors import UsageError
 
@@ -260,3 +261,30 @@ class DirectoryLock:
         if self._folder is not None:
             os.close(self._folder)
             self._folder = None
+
+
+@contextlib.contextmanager
+def held(directory: str, flag: str) -> Iterator[None]:
+    """``directory`` locked for the block (`DirectoryLock`) by process 0; every process
+    learns whether it could, so a refusal ends each one, not process 0 alone."""
+    from jdp.checkpoint.storage import _all_ok
+
+    lock, problem = DirectoryLock(directory, flag), None
+    if _process_index() == 0:
+        try:
+            lock.acquire()
+        except UsageError as error:
+            problem = error
+    if not _all_ok(problem is None):
+        raise problem or UsageError(f"process 0 could not take {flag} {directory}; its error "
+                                    "says why")  # fmt: skip
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()

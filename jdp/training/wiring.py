@@ -12,7 +12,7 @@ from jax._src import distributed as jax_distributed  # the runtime's client: no 
 
 from jdp.actions import Action, EarlyStopping
 from jdp.checkpoint import Checkpointer
-from jdp.checkpoint.lock import DirectoryLock
+from jdp.checkpoint.lock import held
 from jdp.checkpoint.params import best_recorded
 from jdp.data.ledger import Ledger
 from jdp.data.pipeline import EvalReader, Loader, TrainReader
@@ -69,20 +69,15 @@ _LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte", "error")
 
 @contextlib.contextmanager
 def log_dir_lock(config: TrainConfig) -> Iterator[None]:
-    """``--log-dir`` held for the run's life on process 0 (the one that writes its
-    metrics), so that a second live run is refused it in one line, not interleaved with
-    it; a ``--ckpt-dir`` of the same path is held by its `Checkpointer` already."""
+    """``--log-dir`` held for the run's life (by process 0, which writes its metrics), so
+    that a second live run is refused it in one line, not interleaved with it; a
+    ``--ckpt-dir`` of the same directory is held by its `Checkpointer` already."""
     real = os.path.realpath  # one directory by two names is one directory
-    same = config.ckpt_dir and real(config.ckpt_dir) == real(config.log_dir or "")
-    if not config.log_dir or same or jax.process_index() != 0:
+    if not config.log_dir or (config.ckpt_dir and real(config.ckpt_dir) == real(config.log_dir)):
         yield
         return
-    lock = DirectoryLock(config.log_dir, "--log-dir")
-    lock.acquire()
-    try:
+    with held(config.log_dir, "--log-dir"):
         yield
-    finally:
-        lock.release()
 
 
 def checkpointer(config: TrainConfig, run: Run) -> Checkpointer:
