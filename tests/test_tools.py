@@ -132,6 +132,9 @@ def test_hugging_face_files_no_gpt2_has_are_one_line(gpt2_files, tmp_path):
         ("jdp.data", ["tokenize", "TEXT", "--out", "OUT", "--workers", "-1"],
          "--workers -1: give 0 or 1 (this process) or more"),
         ("jdp.replay", ["LOGS", "--step", "1", "--top", "-1"], "--top -1: give how many"),
+        ("jdp.bench", ["scaling", "--steps", "-5"], "--steps -5: give 1 or more"),
+        ("jdp.bench", ["step", "--rounds", "0"], "--rounds 0: give 1 or more"),
+        ("jdp.bench", ["faults", "--kills", "-1"], "--kills -1: give 0 or more"),
     ],
 )  # fmt: skip
 def test_numbers_out_of_range_are_one_line_before_any_work(made, tmp_path, module, argv, needle):

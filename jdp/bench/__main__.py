@@ -122,6 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker = commands.add_parser("multihost-worker")  # one process of `multihost`: no help
     multihost.add_arguments(worker, worker=True)
     args = parser.parse_args(argv)
+    if bad := _out_of_range(args):
+        print(f"jdp.bench: error: {bad}", file=sys.stderr)
+        return 2
     try:
         if args.command == "multihost-worker":
             multihost.run_worker(args)
@@ -130,6 +133,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         print(f"jdp.bench: error: {error}", file=sys.stderr)
         return 2
+
+
+# Counts a benchmark cannot run without one of (a median of no rounds, no steps).
+_AT_LEAST_ONE = {"rounds", "steps", "repeats"}  # (a batch size of 0: some choose it)
+
+
+def _out_of_range(args: argparse.Namespace) -> str | None:
+    """The line for a count below what it can be: a number of anything is never negative,
+    and rounds and steps are at least 1; None when every one is in range."""
+    for name, value in sorted(vars(args).items()):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        low = 1 if name in _AT_LEAST_ONE else 0
+        if not value >= low:  # NaN too
+            least = "1 or more" if low else "0 or more"
+            return f"--{name.replace('_', '-')} {value}: give {least}"
+    return None
 
 
 if __name__ == "__main__":
