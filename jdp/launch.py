@@ -11,7 +11,7 @@ stalls, `jdp.distributed.watchdog`'s exit code 75, fails as a death does), and
 ``--min-nproc M`` leaves out a process that fails twice in a row while more than
 M remain: the run finishes on fewer, its global batch and data order unchanged.
 SIGTERM, SIGINT or SIGHUP sends SIGTERM to every process (a jdp run saves and
-stops; a wrapper script's trainer gets it, the innermost process of its group);
+stops; through a wrapper script, the trainer it runs gets it);
 a second signal kills them. On Linux the processes get SIGTERM when the
 launcher dies, however it dies: none is left training without it.
 """
