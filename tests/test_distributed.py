@@ -27,6 +27,7 @@ from jdp import distributed
 from jdp.checkpoint import load_params
 from jdp.distributed import Cluster, ReplicaMismatchError, check_replicas
 from jdp.distributed.handshake import handshake
+from jdp.distributed.process_groups import in_groups
 from jdp.errors import UsageError
 from jdp.launch import free_port
 from jdp.mesh import replicated
@@ -374,7 +375,7 @@ def test_sigint_to_the_launcher_stops_a_run_without_checkpoints():
 
     code, text, errors, _ = _interrupt_mid_run(launcher, interrupt)
     assert code == 0, text[-2000:] + errors[-2000:]
-    assert len(pids) == 2 and not [pid for pid in _all_pids() if _group_of(pid) in pids]
+    assert len(pids) == 2 and not in_groups(pids)  # nothing of the shells' groups runs
     assert re.search(
         r"^\[0\] jdp\.train: preemption notice \(SIGTERM\) at step \d+; stopped without "
         r"saving \(no --ckpt-dir\)$",
@@ -382,18 +383,6 @@ def test_sigint_to_the_launcher_stops_a_run_without_checkpoints():
         re.M,
     ), text[-2000:]
     assert "KeyboardInterrupt" not in errors
-
-
-def _all_pids() -> list[int]:
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-
-
-def _group_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            return int(file.read().rsplit(b")", 1)[1].split()[2])
-    except (OSError, ValueError):
-        return None
 
 
 def test_process_0_not_answering_is_named():

@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jdp.distributed.process_groups import alive, in_groups
+
 # What a trial waits for a process that should end before it calls it hung: a run that
 # stops on a fault takes seconds; one left waiting on a failed save, 300.
 HANG_SECONDS = 90
@@ -238,18 +240,10 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     """The processes of ``pids`` still alive after ``timeout`` seconds (zombies are gone)."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = [pid for pid in pids if _alive(pid)]
-        if not alive or time.monotonic() > deadline:
-            return alive
+        left = [pid for pid in pids if alive(pid)]
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(0.2)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wrapped_stops(trials: int, seed: int, emit: Callable[[str], None]) -> Counter:
@@ -274,7 +268,7 @@ def wrapped_stops(trials: int, seed: int, emit: Callable[[str], None]) -> Counte
             except subprocess.TimeoutExpired:
                 launcher.kill()
                 code = None
-            left = [pid for pid in _pids() if _group(pid) in shells and _alive(pid)]
+            left = in_groups(shells)
             for pid in left:
                 os.kill(pid, signal.SIGKILL)
             verdict = ("hang" if code is None else "orphaned" if left else
@@ -283,15 +277,3 @@ def wrapped_stops(trials: int, seed: int, emit: Callable[[str], None]) -> Counte
             outcomes[verdict] += 1
             emit(f"  wrapped stop {trial + 1}: {verdict}")
     return outcomes
-
-
-def _pids() -> list[int]:
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-
-
-def _group(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[-1].split()[2])
-    except (OSError, ValueError):
-        return None

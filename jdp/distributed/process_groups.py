@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import subprocess
+from collections.abc import Collection, Iterator
 
 # Commands that run another and pass on its exit code: a stop goes through them.
 _WRAPPERS = {b"sh", b"bash", b"dash", b"zsh", b"ksh", b"env", b"nice", b"nohup", b"stdbuf",
@@ -35,18 +36,26 @@ def terminate(child: subprocess.Popen) -> list[int]:
 
 def _members(child: subprocess.Popen) -> dict[int, tuple[int, bytes]]:
     """The live processes (not zombies) of ``child``'s process group: each one's parent and
-    command name, read from Linux's ``/proc``; none elsewhere."""
-    members = {}
+    command name; none where there is no ``/proc``."""
+    return {pid: (parent, name) for pid, name, state, parent, group in _processes()
+            if state != b"Z" and group == child.pid}  # fmt: skip
+
+
+def in_groups(groups: Collection[int]) -> list[int]:
+    """The live processes (not zombies) of the process groups ``groups``."""
+    return [pid for pid, _, state, _, group in _processes() if state != b"Z" and group in groups]
+
+
+def _processes() -> Iterator[tuple[int, bytes, bytes, int, int]]:
+    """Each process in Linux's ``/proc``: its pid, name, state, parent and group."""
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         try:
             with open(f"/proc/{entry}/stat", "rb") as file:  # pid (comm) state ppid pgrp
                 head, tail = file.read().rsplit(b")", 1)
             state, parent, group = tail.split()[:3]
+            yield int(entry), head.split(b"(", 1)[1], state, int(parent), int(group)
         except (OSError, ValueError):  # not a process, or gone
             continue
-        if state != b"Z" and int(group) == child.pid:
-            members[int(entry)] = (int(parent), head.split(b"(", 1)[1])
-    return members
 
 
 def _loader_worker(pid: int) -> bool:
