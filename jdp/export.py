@@ -89,11 +89,7 @@ def _tokenizer(config: dict) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     step = int(args.step) if args.step.isdigit() else args.step
-    try:
-        what = export_hf(args.ckpt_dir, args.out, step)
-    except UsageError as error:
-        sys.stderr.write(f"jdp.export: error: {error}\n")
-        return 2
+    what = export_hf(args.ckpt_dir, args.out, step)
     print(f"jdp.export: wrote {args.out}: {what}")
     return 0
 

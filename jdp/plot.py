@@ -170,11 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories of --log-dir")
     parser.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")
     args = parser.parse_args(argv)
-    try:
-        path = plot_runs(args.run_dirs, args.out)
-    except UsageError as error:
-        print(f"jdp.plot: error: {error}", file=sys.stderr)
-        return 2
+    path = plot_runs(args.run_dirs, args.out)
     for run_dir in args.run_dirs:
         if accounting := read_goodput(run_dir):
             print(f"jdp.plot: {run_dir}: {describe(accounting)}")

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import jax
 
 from jdp.data.corpora import is_corpus, load_corpus
-from jdp.errors import UsageError
 from jdp.models import hf
 from jdp.models.registry import context
 from jdp.models.transformer import EPSILON
@@ -27,14 +26,10 @@ from jdp.training.results import FitResult
 @command("jdp.sample")
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        sampler = load_sampler(args.ckpt_dir, _step(args.step), tokenizer=args.tokenizer)
-        text = sampler.sample(args.prompt, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_k=args.top_k or None,
-                              seed=args.seed)  # fmt: skip
-    except UsageError as error:
-        sys.stderr.write(f"jdp.sample: error: {error}\n")
-        return 2
+    sampler = load_sampler(args.ckpt_dir, _step(args.step), tokenizer=args.tokenizer)
+    text = sampler.sample(args.prompt, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k or None,
+                          seed=args.seed)  # fmt: skip
     print(text)
     return 0
 

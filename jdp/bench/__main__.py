@@ -84,7 +84,6 @@ from jdp.bench import (
     step,
 )
 from jdp.bench.common import HelpWithDefaults
-from jdp.errors import UsageError
 from jdp.tool import command
 
 # command -> (module, help)
@@ -125,14 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad := _out_of_range(args):
         print(f"jdp.bench: error: {bad}", file=sys.stderr)
         return 2
-    try:
-        if args.command == "multihost-worker":
-            multihost.run_worker(args)
-            return 0
-        return BENCHMARKS[args.command][0].run(args) or 0
-    except UsageError as error:
-        print(f"jdp.bench: error: {error}", file=sys.stderr)
-        return 2
+    if args.command == "multihost-worker":
+        multihost.run_worker(args)
+        return 0
+    return BENCHMARKS[args.command][0].run(args) or 0
 
 
 # Counts a benchmark cannot run without one of (a median of no rounds, no steps).

@@ -25,7 +25,6 @@ from jdp.data.corpora import CORPORA, prepare_stdlib
 from jdp.data.image_sources import pack
 from jdp.data.sources import DATASETS, prepare
 from jdp.data.tokenize import tokenize
-from jdp.errors import UsageError
 from jdp.report.writers import check_writable
 from jdp.tool import command
 
@@ -50,37 +49,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "pack" and not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
         print(f"jdp.data: error: --shard-mb {args.shard_mb}: give a size above 0", file=sys.stderr)
         return 2
-    try:
-        if out := args.out if args.command != "prepare" else args.data_dir:
-            check_writable(out, "--out" if args.command != "prepare" else "--data-dir")
-        if args.command == "pack":
-            packed = pack(args.folder, args.out, shard_bytes=int(args.shard_mb * 2**20))
-            for split, facts in packed.items():
-                megabytes = facts["bytes"] / 2**20
-                print(f"jdp.data: {split or 'images'}: {facts['count']:,} images, "
-                      f"{megabytes:,.1f} MB in {facts['shards']} shard(s)")  # fmt: skip
-            print(f"jdp.data: packed into {args.out}; train with --dataset images:{args.out}")
-            return 0
-        if args.command == "tokenize":
-            meta = tokenize(
-                args.inputs,
-                args.out,
-                tokenizer=args.tokenizer,
-                val_fraction=args.val_fraction,
-                workers=args.workers,
-                shard_tokens=args.shard_tokens,
-                name=args.name,
-                seed=args.seed,
-            )
-            print(f"jdp.data: {_tokenized(meta)}, in {args.out}")
-            return 0
-        if args.name in CORPORA:
-            path = prepare_stdlib(args.data_dir)
-        else:
-            path = prepare(args.name, args.data_dir)
-    except UsageError as error:
-        print(f"jdp.data: error: {error}", file=sys.stderr)
-        return 2
+    if out := args.out if args.command != "prepare" else args.data_dir:
+        check_writable(out, "--out" if args.command != "prepare" else "--data-dir")
+    if args.command == "pack":
+        packed = pack(args.folder, args.out, shard_bytes=int(args.shard_mb * 2**20))
+        for split, facts in packed.items():
+            megabytes = facts["bytes"] / 2**20
+            print(f"jdp.data: {split or 'images'}: {facts['count']:,} images, "
+                  f"{megabytes:,.1f} MB in {facts['shards']} shard(s)")  # fmt: skip
+        print(f"jdp.data: packed into {args.out}; train with --dataset images:{args.out}")
+        return 0
+    if args.command == "tokenize":
+        meta = tokenize(
+            args.inputs,
+            args.out,
+            tokenizer=args.tokenizer,
+            val_fraction=args.val_fraction,
+            workers=args.workers,
+            shard_tokens=args.shard_tokens,
+            name=args.name,
+            seed=args.seed,
+        )
+        print(f"jdp.data: {_tokenized(meta)}, in {args.out}")
+        return 0
+    if args.name in CORPORA:
+        path = prepare_stdlib(args.data_dir)
+    else:
+        path = prepare(args.name, args.data_dir)
     print(f"jdp.data: {args.name} prepared in {path}")
     return 0
 
