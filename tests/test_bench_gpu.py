@@ -9,9 +9,11 @@ import pathlib
 import shutil
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from jdp.bench import bundle, gpu_docs
+from jdp.bench import arms, bundle, gpu_docs
 from jdp.bench.gpu import PARTS
 from tests.helpers import run_tool
 
@@ -39,10 +41,19 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
         assert "error" not in landed, (part, landed["error"])
     gpt = data["parts"]["gpt2"]["cells"][0]
     assert gpt["check"]["agree"] and gpt["check"]["same_params"], gpt["check"]
-    assert data["parts"]["correctness"]["within"], data["parts"]["correctness"]
+    # The smoke cell turns every compiler setting the GPU cells turn one at a time.
+    assert gpt["cell"]["xla"] == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    assert gpt["cell"]["optimization"] == "O1"
+    assert not jax.config.read("jax_disable_most_optimizations")  # the smoke's, restored
+    assert jax.config.jax_optimization_level == "UNKNOWN"
+    correctness = data["parts"]["correctness"]
+    assert correctness["within"], correctness
+    # The tolerance is derived from a run nudged by a rounding, which must differ.
+    assert correctness["cpu_nudged"] != correctness["cpu"], correctness
     table = result.stdout.split("--- jdp.bench gpu,", 1)[1]
     for said in ("bf16 256-cube product", "GPT-2 small, T = 32", "ResNet-50 toy",
-                 "JPEG loader", "sweep mlp-38k", "correctness: 4 steps"):  # fmt: skip
+                 "JPEG loader", "sweep mlp-38k", "correctness: 4 steps",
+                 "scheduler=true JAX_OPTIMIZATION_LEVEL=O1"):  # fmt: skip
         assert said in table, said
 
 
@@ -62,6 +73,24 @@ def test_the_docs_generator_writes_a_runs_figures_and_checks_them(smoke, tmp_pat
     assert f'throughput = "{data["parts"]["resnet50"]["jdp"]:,.0f} images/s' in recipe
     assert gpu_docs.main([str(out), "--root", str(tmp_path), "--check"]) == 0
     assert gpu_docs.main([*GPU_RUNS, "--root", str(tmp_path), "--check"]) == 1
+
+
+def test_a_cells_xla_options_reach_its_programs_and_its_effort_level_is_undone(tmp_path):
+    """`arms.with_options` compiles the program it wraps, on its first call, with XLA's
+    options (a dump directory appears; a name XLA lacks is refused); the same function
+    jitted without them compiles without them. `arms.optimization_level` is undone."""
+    program, x = jax.jit(lambda x: jnp.sin(x) * 2), jnp.arange(4.0)
+    dumped = tmp_path / "dump"
+    wrapped = arms.with_options(program.lower, {"xla_dump_to": str(dumped)})
+    assert not dumped.exists()
+    assert np.array_equal(wrapped(x), program(x)) and any(dumped.iterdir())
+    assert np.array_equal(wrapped(x + 1), program(x + 1))  # compiled once, called again
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        arms.with_options(program.lower, {"xla_no_such_option": True})(x)
+    before = jax.config.jax_optimization_level
+    with arms.optimization_level("O1"):
+        assert jax.config.jax_optimization_level == "O1"
+    assert jax.config.jax_optimization_level == before
 
 
 def test_the_docs_hold_the_committed_runs_figures():

@@ -10,9 +10,11 @@ Shared by ``python -m jdp.bench step``, ``dispatch`` and ``multihost``.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -178,3 +180,33 @@ def ratios_to(rates: dict[str, list[float]], baseline: str) -> dict[str, float]:
         name: statistics.median(a / b for a, b in zip(values, rates[baseline], strict=True))
         for name, values in rates.items()
     }
+
+
+def with_options(lower: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+    """The program ``lower`` lowers, compiled on its first call with XLA's ``options``
+    (the names XLA_FLAGS takes, without the dashes): for this program alone, so that
+    one process can measure a step under several settings and each arm under the same."""
+    compiled = None
+
+    def call(*args):
+        nonlocal compiled
+        if compiled is None:
+            compiled = lower(*args).compile(dict(options))
+        return compiled(*args)
+
+    return call
+
+
+@contextlib.contextmanager
+def optimization_level(level: str):
+    """JAX's effort level (``jax_optimization_level``: O0-O3) for the programs compiled
+    inside; part of each program's cache key, so none compiled outside is reused."""
+    if not level:
+        yield
+        return
+    before = jax.config.jax_optimization_level
+    jax.config.update("jax_optimization_level", level)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_optimization_level", before)

@@ -18,7 +18,7 @@ from typing import Any
 
 from jdp.bench.gpu_host import SWEEP_CASES
 from jdp.bench.gpu_models import GPT2_CELLS
-from jdp.bench.gpu_table import gpt_numbers, table
+from jdp.bench.gpu_table import gpt_numbers, setting_text, table
 from jdp.tool import command, key_of, read_json
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -82,8 +82,7 @@ def _order(known: tuple, item: Any) -> int:
 
 
 def _cell(cell: dict[str, Any]) -> str:
-    s = cell["setting"]
-    return f"{s['attention']}/{s['remat']}/{'unrolled' if s['unroll'] else 'scanned'} cell"
+    return f"cell ({setting_text(cell['setting'])})"
 
 
 def best_gpt(merged: dict[str, Any]) -> dict[str, Any] | None:
@@ -162,10 +161,9 @@ def recipe_line(merged: dict[str, Any], part: str) -> str | None:
         best = best_gpt(merged)
         if best is None:
             return None
-        s, n = best["setting"], gpt_numbers(best)
-        layers = "unrolled" if s["unroll"] else "scanned"
+        n = gpt_numbers(best)
         said = (f"{n['jdp']:,.0f} tokens/s a device ({n['ratio']:.3f}x hand-written; "
-                f"attention {s['attention']}, remat {s['remat']}, {layers}, "
+                f"{setting_text(best['setting'])}, "
                 f"{best['cell']['batch_size']} rows of {best['cell']['seq_len']}); "
                 f"{where}")  # fmt: skip
     else:

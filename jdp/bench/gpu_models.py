@@ -28,11 +28,22 @@ from jdp.report.throughput import peak_flops
 # A part's ``sizes`` is a `jdp.bench.gpu.Sizes`, its ``report`` the run's `jdp.bench.gpu.Report`.
 Sizes = Report = Any
 
+# XLA's settings for GPUs that JAX documents for performance, each a cell of its own:
+# the latency-hiding scheduler ("GPU performance tips"; NVIDIA's JAX containers turn it
+# on), per program as XLA_FLAGS would set it for all; and XLA's effort level O1
+# (JAX_OPTIMIZATION_LEVEL), which turns on a set of XLA:GPU's performance options at
+# once (openxla.org/xla/effort_levels).
+COMPILER_SETTINGS = (
+    {"xla": {"xla_gpu_enable_latency_hiding_scheduler": True}},
+    {"optimization": "O1"},
+)
+TUNED = {"attention": "cudnn", "remat": "none", "unroll": False}
 GPT2_CELLS = (
-    {"attention": "cudnn", "remat": "none", "unroll": False},
-    {"attention": "xla", "remat": "none", "unroll": False, "rows": 0.5},
-    {"attention": "cudnn", "remat": "dots", "unroll": False},
-    {"attention": "cudnn", "remat": "none", "unroll": True},
+    TUNED,
+    TUNED | {"attention": "xla", "rows": 0.5},
+    TUNED | {"remat": "dots"},
+    *(TUNED | setting for setting in COMPILER_SETTINGS),
+    TUNED | {"unroll": True},  # last: its compile took 3 minutes on an H100
 )
 # Rows per device at T = 1024: llm.c trains 124M with 64 on an 80 GB H100. jdp's 32
 # take 63 GB with XLA's attention, which keeps the (B, H, T, T) scores of every layer
@@ -102,11 +113,16 @@ def gpt_rows(sizes: Sizes) -> int:
     return GPT2_ROWS if stats.get("bytes_limit", 0) >= 40e9 else GPT2_ROWS_SMALL_DEVICE
 
 
-def gpt_cells() -> list[dict[str, Any]]:
-    """The GPT-2 cells this platform can run: cuDNN's attention is a GPU kernel."""
-    if jax.default_backend() == "gpu":
-        return [dict(cell) for cell in GPT2_CELLS]
-    return [cell | {"attention": "xla"} for cell in GPT2_CELLS if cell["attention"] == "cudnn"]
+def gpt_cells(smoke: bool = False) -> list[dict[str, Any]]:
+    """The GPT-2 cells this platform can run: cuDNN's attention is a GPU kernel. The
+    smoke run's first cell turns every compiler setting at once (XLA:CPU takes XLA:GPU's
+    options), so that their path runs in every smoke run at no extra compile."""
+    cells = [dict(cell) for cell in GPT2_CELLS]
+    if jax.default_backend() != "gpu":
+        cells = [cell | {"attention": "xla"} for cell in cells if cell["attention"] == "cudnn"]
+    if smoke:
+        cells[0] = cells[0] | {key: value for s in COMPILER_SETTINGS for key, value in s.items()}
+    return cells
 
 
 def part_gpt2(sizes: Sizes, report: Report, share_end: float,
@@ -115,7 +131,7 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
 
     rows = gpt_rows(sizes)  # on one device: every part's mesh is data=1
     cells, skipped = [], []
-    for index, setting in enumerate(gpt_cells()[: sizes.gpt_cells]):
+    for index, setting in enumerate(gpt_cells(sizes.smoke)[: sizes.gpt_cells]):
         if index and report.elapsed() > share_end:
             skipped.append(setting)
             continue

@@ -9,9 +9,20 @@ from typing import Any
 from jdp.bench.arms import ratios_to
 
 
+def compiler_text(setting: dict[str, Any]) -> str:
+    """The compiler settings a GPT-2 cell turned, as a user sets them for a run:
+    XLA_FLAGS's options and JAX's effort level; "" for the defaults."""
+    said = [f"--{name}={str(value).lower()}" for name, value in setting.get("xla", {}).items()]
+    if setting.get("optimization"):
+        said.append(f"JAX_OPTIMIZATION_LEVEL={setting['optimization']}")
+    return " ".join(said)
+
+
 def setting_text(setting: dict[str, Any]) -> str:
     layers = "unrolled" if setting["unroll"] else "scanned"
-    return f"attention {setting['attention']}, remat {setting['remat']}, {layers}"
+    compiler = compiler_text(setting)
+    return (f"attention {setting['attention']}, remat {setting['remat']}, {layers}"
+            + (f", {compiler}" if compiler else ""))  # fmt: skip
 
 
 def gpt_numbers(result: dict[str, Any]) -> dict[str, float]:
@@ -63,13 +74,14 @@ def _gpt2(gpt: dict[str, Any]) -> list[str]:
         f"GPT-2 {gpt['size']}, T = {gpt['seq_len']}, {gpt['rows']} rows, "
         f"{gpt.get('precision', 'bf16')}:",
         f"  {'attention':<10}{'remat':<6}{'layers':<10}{'rows':>5}{'jdp tokens/s':>13}"
-        f"{'hand tokens/s':>14}{'ratio':>8}{'MFU':>7}{'causal':>8}{'peak mem':>9}",
+        f"{'hand tokens/s':>14}{'ratio':>8}{'MFU':>7}{'causal':>8}{'peak mem':>9}  compiler",
     ]
     for index, cell in enumerate(gpt["cells"]):
         s = cell["setting"]
         layers = "unrolled" if s["unroll"] else "scanned"
         if "error" in cell:
-            lines.append(f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}  {cell['error'][:60]}")
+            lines.append(f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}  {cell['error'][:60]}"
+                         f"  {compiler_text(s)}")  # fmt: skip
             continue
         n = gpt_numbers(cell)
         mfu = f"{n['mfu']:>7.1%}{n['mfu_causal']:>8.1%}" if "mfu" in n else f"{'-':>7}{'-':>8}"
@@ -79,7 +91,7 @@ def _gpt2(gpt: dict[str, Any]) -> list[str]:
         rows = cell["cell"]["batch_size"]
         lines.append(f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}{rows:>5}"
                      f"{n['jdp']:>13,.0f}{n['hand']:>14,.0f}{n['ratio']:>7.3f}x{mfu}"
-                     f"{memory}")  # fmt: skip
+                     f"{memory}  {compiler_text(s) or 'default'}")  # fmt: skip
     return lines + [f"  {setting_text(s)}: not run (budget)" for s in gpt["skipped_for_budget"]]
 
 

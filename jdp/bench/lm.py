@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdp.bench.arms import interleaved_rates, jdp_loop, ratios_to
+from jdp.bench.arms import interleaved_rates, jdp_loop, optimization_level, ratios_to, with_options
 from jdp.bench.common import names
 from jdp.bench.lm_hand import HandWritten, hand_lm_loop, hand_written_lm_step
 from jdp.bench.step import first_batch
@@ -43,6 +43,7 @@ from jdp.models.transformer import ATTENTION_IMPLEMENTATIONS, GPT, REMAT_POLICIE
 from jdp.precision import PRECISIONS
 from jdp.report.console import Console
 from jdp.report.throughput import peak_flops
+from jdp.step.contract import bounded
 from jdp.training.config import TrainConfig
 from jdp.training.run import Run, build, setup_devices
 
@@ -80,6 +81,10 @@ class Cell:
     rounds: int
     steps: int
     unroll: bool = False  # layers unrolled rather than under one `nn.scan`
+    # XLA's options for both arms' step programs alone (`with_options`), and JAX's
+    # effort level for every program of the cell ("": the platform's default).
+    xla: dict[str, Any] = dataclasses.field(default_factory=dict)
+    optimization: str = ""
 
 
 def resolve(args: argparse.Namespace, mesh: str, remat: str, attention: str) -> Cell:
@@ -133,7 +138,7 @@ def gpt_module(cell: Cell, vocab_size: int) -> GPT:
                attention=cell.attention, unroll=cell.unroll, **options)  # fmt: skip
 
 
-def first_losses(run: Run, hand: HandWritten, params, tokens, dtype
+def first_losses(run: Run, step, hand: HandWritten, params, tokens, dtype
                  ) -> tuple[dict[str, Any], dict[str, float]]:  # fmt: skip
     """Both arms' loss in their first step, from the same parameters on the same batch,
     and the tolerance within which they must agree; and each arm's seconds in that
@@ -146,7 +151,7 @@ def first_losses(run: Run, hand: HandWritten, params, tokens, dtype
     """
     state, opt_state = jax.tree.map(jnp.copy, run.state), hand.start(params)
     started = time.perf_counter()
-    _, metrics = run.train_step(state, {"tokens": tokens})
+    _, metrics = step(state, {"tokens": tokens})
     jdp = float(metrics["loss"])
     first_s = {"jdp": time.perf_counter() - started}
     started = time.perf_counter()
@@ -164,6 +169,11 @@ def first_losses(run: Run, hand: HandWritten, params, tokens, dtype
 def measure_cell(cell: Cell) -> dict[str, Any]:
     """One cell in this process (its devices set up for ``cell.mesh`` already): each
     arm's tokens/s per round and compile time, and the first-loss check."""
+    with optimization_level(cell.optimization):
+        return _measure_cell(cell)
+
+
+def _measure_cell(cell: Cell) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         run = jdp_run(cell, cell.data or synthetic_corpus(scratch, cell))
         tokens = first_batch(run, cell.batch_size)["tokens"]
@@ -172,14 +182,18 @@ def measure_cell(cell: Cell) -> dict[str, Any]:
                                 weight_decay=WEIGHT_DECAY, b1=B1, b2=B2)  # fmt: skip
     init_rng, _ = jax.random.split(jax.random.key(run.config.seed))  # as jdp's run splits it
     params = hand.init(init_rng, tokens[:1])
+    step = run.train_step
+    if cell.xla:  # both arms' step programs under the same options, the rest as they were
+        step = bounded(with_options(run.train_step.lower, cell.xla), lambda out: out[1])
+        hand = hand._replace(step=with_options(hand.step.lower, cell.xla))
     pairs = zip(jax.tree.leaves(params), jax.tree.leaves(run.state.params), strict=True)
     same = all(np.array_equal(a, b) for a, b in pairs)
     batch = {"tokens": tokens}
-    check, first_s = first_losses(run, hand, params, tokens, PRECISIONS[cell.precision])
+    check, first_s = first_losses(run, step, hand, params, tokens, PRECISIONS[cell.precision])
     cpu: dict[str, list[float]] = {}
     arms = {
         "hand-written": _on_cpu_time(hand_lm_loop(hand, params, tokens), cpu, "hand-written"),
-        "jdp": _on_cpu_time(jdp_loop(run.train_step, run, batch, run.optimizer), cpu, "jdp"),
+        "jdp": _on_cpu_time(jdp_loop(step, run, batch, run.optimizer), cpu, "jdp"),
     }
     rates = interleaved_rates(arms, rounds=cell.rounds, round_seconds=0.0,
                               rows=cell.batch_size * cell.seq_len, multiple=cell.steps)  # fmt: skip
