@@ -155,6 +155,10 @@ def step_overhead(step, first, batch, lower=None) -> dict[str, float]:
 # --- 6. correctness: the accelerator against its CPU --------------------------------------
 
 
+# Seconds the correctness part waits for its CPU reference, after its own run.
+REFERENCE_TIMEOUT = 600
+
+
 def correctness_losses(steps: int, nudges: tuple[bool, ...] = (False,)) -> list[list[float]]:
     """For each of ``nudges``, the losses of ``steps`` steps of ``gpt`` small (fp32, XLA
     attention, exact fp32 matrix products) on this process's default platform; nudged,
@@ -185,8 +189,20 @@ def correctness_losses(steps: int, nudges: tuple[bool, ...] = (False,)) -> list[
     return runs
 
 
-def part_correctness(steps: int) -> dict[str, Any]:
-    """This platform's losses against a CPU process's, with the tolerance derived there.
+def start_cpu_reference(steps: int) -> subprocess.Popen:
+    """``python -m jdp.bench gpu --cpu-reference STEPS`` started on the CPU platform,
+    with this process's compiler setting; `part_correctness` reads what it prints."""
+    command = [sys.executable, "-m", "jdp.bench", "gpu", "--cpu-reference", str(steps)]
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
+    if jax.config.read("jax_disable_most_optimizations"):  # the smoke run's programs there
+        env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    pipe = subprocess.PIPE
+    return subprocess.Popen(command, stdout=pipe, stderr=pipe, text=True, env=env)
+
+
+def part_correctness(steps: int, reference: subprocess.Popen) -> dict[str, Any]:
+    """This platform's losses against the CPU ``reference`` process's
+    (`start_cpu_reference`), with the tolerance derived there.
 
     Both runs compute in fp32 with exact products (no TF32), so they differ only in
     the order of their sums: differences of a few fp32 roundings that training then
@@ -197,16 +213,15 @@ def part_correctness(steps: int) -> dict[str, Any]:
     and never below 64 roundings of the loss.
     """
     (accelerator,) = correctness_losses(steps)
-    command = [sys.executable, "-m", "jdp.bench", "gpu", "--cpu-reference", str(steps)]
-    env = os.environ | {"JAX_PLATFORMS": "cpu"}
-    if jax.config.read(
-        "jax_disable_most_optimizations"
-    ):  # the smoke run's: the same programs there
-        env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"the CPU reference failed: {done.stderr.strip()[-400:]}")
-    cpu, nudged = json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        stdout, stderr = reference.communicate(timeout=REFERENCE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        reference.kill()
+        reference.communicate()
+        raise RuntimeError(f"the CPU reference took over {REFERENCE_TIMEOUT} s") from None
+    if reference.returncode != 0:
+        raise RuntimeError(f"the CPU reference failed: {stderr.strip()[-400:]}")
+    cpu, nudged = json.loads(stdout.strip().splitlines()[-1])
     eps = float(np.finfo(np.float32).eps)
     tolerance = [max(100 * abs(a - b), 64 * eps * abs(a)) for a, b in zip(cpu, nudged, strict=True)]
     differences = [abs(a - b) for a, b in zip(accelerator, cpu, strict=True)]

@@ -169,8 +169,9 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
 
 
 # The smoke run's ResNet: ResNet-50's kinds of layers (the ImageNet stem, bottleneck
-# blocks, four stages) with one narrow block a stage, to compile in seconds on a CPU.
-TOY_RESNET = {"stages": (1, 1, 1, 1), "widths": (8, 8, 8, 8), "bottleneck": True,
+# blocks, a strided stage's projection) with one narrow block in each of two stages,
+# to compile in seconds on a CPU (four stages took 2.7 s more of the smoke run).
+TOY_RESNET = {"stages": (1, 1), "widths": (8, 8), "bottleneck": True,
               "imagenet_stem": True}  # fmt: skip
 
 
