@@ -8,6 +8,7 @@ names the file and the key on any malformation.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -60,16 +61,68 @@ def command(prog: str) -> Callable:
             if (bad := next((arg for arg in ours if not _is_utf8(arg)), None)) is not None:
                 return _say(prog, f"{shown(bad)} is not UTF-8 text (a file name in another "
                             "encoding?); rename the file or give a UTF-8 name", 2)  # fmt: skip
-            try:
-                return main(argv)
-            except UsageError as error:
-                return _say(prog, str(error), 2)
-            except OSError as error:
-                return _say(prog, *os_line(error))
+            with _outliving_its_reader():
+                try:
+                    return main(argv)
+                except UsageError as error:
+                    return _say(prog, str(error), 2)
+                except OSError as error:
+                    return _say(prog, *os_line(error))
 
         return run
 
     return wrap
+
+
+class _Survivor:
+    """A text stream that outlives its reader: once writing to it meets a broken pipe
+    (the reader, say a launcher's relay, was killed), its file descriptor is pointed at
+    /dev/null, so the tool goes on (a run saves and stops) instead of dying at its next
+    line; everything else is the stream's own."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_null()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_null()
+
+    def _to_null(self) -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, self._stream.fileno())
+        finally:
+            os.close(null)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _outliving_its_reader():
+    """`_Survivor` in place of stdout and stderr while a tool runs (streams backed by a
+    file descriptor only: nothing else has a pipe to break)."""
+    before = sys.stdout, sys.stderr
+    try:
+        for stream in before:
+            stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        yield
+        return
+    sys.stdout, sys.stderr = _Survivor(sys.stdout), _Survivor(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = before
 
 
 def os_line(error: OSError) -> tuple[str, int]:

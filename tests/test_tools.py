@@ -151,3 +151,18 @@ def test_the_flags_limit_on_pixels_is_the_decoders():
     from jdp.training.config_checks import MAX_PIXELS
 
     assert MAX_PIXELS == 2 * Image.MAX_IMAGE_PIXELS
+
+
+def test_a_tools_output_outlives_its_reader():
+    """A launcher killed with -9 leaves its workers' output pipes without a reader: a
+    line written then is dropped, not a `BrokenPipeError` that ends the run unsaved."""
+    from jdp.tool import _Survivor
+
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as stream:
+        survivor = _Survivor(stream)
+        for line in ("step 60/600\n", "step 120/600\n"):
+            assert survivor.write(line) == len(line)
+            survivor.flush()
+        assert survivor.writable() and survivor.fileno() == write

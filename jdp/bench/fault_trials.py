@@ -27,6 +27,10 @@ from jdp.distributed.process_groups import alive, in_groups
 # What a trial waits for a process that should end before it calls it hung: a run that
 # stops on a fault takes seconds; one left waiting on a failed save, 300.
 HANG_SECONDS = 90
+# A launcher kill's run: killed within 1.5 s of its first save (step 50; the default
+# MLP runs about 100 steps a second on the 2-core machine), then finished by the same
+# command.
+LAUNCHER_STEPS = 600
 _RUN = ["--mesh", "data=2", "--batch-size", "16", "--warmup-steps", "2"]
 
 
@@ -199,7 +203,7 @@ def launcher_kills(trials: int, seed: int, emit: Callable[[str], None]) -> Count
             directory = os.path.join(root, f"trial-{trial}")
             command = [sys.executable, "-m", "jdp.launch", "--nproc", "2",
                        "--devices-per-process", "1", "--", sys.executable, "-m", "jdp.train",
-                       *_RUN, "--steps", "600", "--ckpt-every", "50",
+                       *_RUN, "--steps", str(LAUNCHER_STEPS), "--ckpt-every", "50",
                        "--ckpt-dir", directory]  # fmt: skip
             launcher, pids = _launch(command)
             _until_saved(launcher, directory, rng)
@@ -212,7 +216,7 @@ def launcher_kills(trials: int, seed: int, emit: Callable[[str], None]) -> Count
                                       timeout=600)  # fmt: skip
             if alive:
                 verdict = "orphaned"
-            elif finished.returncode != 0 or _checkpoints(directory)[-1:] != [600]:
+            elif finished.returncode != 0 or _checkpoints(directory)[-1:] != [LAUNCHER_STEPS]:
                 verdict = "lost"
             else:
                 verdict = "ended"
