@@ -330,7 +330,7 @@ def test_faults_benchmark_runs_the_new_classes_with_nothing_silent_lost_or_hung(
         "data faults": "named=1 silent=0 hang=0 other=0",
         "lock thefts": "kept=1 two-writers=0 lost=0 hang=0",
         "directory failures": "stopped=1 hang=0 other=0",
-        "launcher kills": "ended=1 orphaned=0 lost=0",
+        "launcher kills": "ended=1 late=0 orphaned=0 lost=0",
         "wrapped stops": "saved=1 orphaned=0 lost=0 hang=0",
         "tool faults": "one-line=1 traceback=0 other=0",
     }, result.stdout

@@ -199,7 +199,7 @@ _REPORTS = {
     "directory_failures": ("checkpoint directory made immutable or removed mid-run",
                            fault_trials.directory_failures, ("stopped", "hang", "other")),
     "launcher_kills": ("jdp.launch of 2 processes killed with SIGKILL",
-                       fault_trials.launcher_kills, ("ended", "orphaned", "lost")),
+                       fault_trials.launcher_kills, ("ended", "late", "orphaned", "lost")),
     "wrapped_stops": ("jdp.launch of 2 wrapper scripts (a shell running the trainer) sent "
                       "SIGTERM", fault_trials.wrapped_stops,
                       ("saved", "orphaned", "lost", "hang")),
