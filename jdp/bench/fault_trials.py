@@ -199,7 +199,7 @@ def _chattr(path: str, flag: str) -> bool:
 
 def launcher_kills(trials: int, seed: int, emit: Callable[[str], None]) -> Counter:
     """``jdp.launch`` of 2 processes killed with SIGKILL at a random moment: "ended" (its
-    processes saved and gone within `LAUNCHER_GONE_SECONDS` and the same command then
+    processes gone within `LAUNCHER_GONE_SECONDS` and the same command then
     finishes the run), "late" (gone only within the hang limit: one process died unsaved
     and another waited for it in a collective until the stall watchdog), "orphaned" (a
     process left running) or "lost" (the run could not finish)."""
