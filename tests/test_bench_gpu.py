@@ -99,6 +99,29 @@ def test_the_docs_hold_the_committed_runs_figures():
     assert gpu_docs.main([*GPU_RUNS, "--check"]) == 0
 
 
+def test_runs_are_merged_by_kind_of_device_the_newest_first(tmp_path):
+    """An H100's rows never stand in an H200's table: each kind of device is merged
+    apart, and a run that skipped the machine part is of the kind of the run before."""
+    paths = []
+    for index, parts in enumerate(
+        [
+            {"machine": {"kind": "A"}},
+            {"machine": {"kind": "B"}},
+            {"resnet50": {"jdp": 1.0}},
+            {"machine": {"kind": "A"}},
+        ]
+    ):
+        path = tmp_path / f"{index}.json"
+        path.write_text(json.dumps({"date": "d", "command": f"c{index}", "parts": parts}))
+        paths.append(str(path))
+    groups = gpu_docs.by_device(paths)
+    assert [[run["command"] for run in group["runs"]] for group in groups] == [
+        ["c0", "c3"],
+        ["c1", "c2"],
+    ]
+    assert groups[1]["parts"]["resnet50"]["run"]["kind"] == "B"
+
+
 def test_the_bundle_carries_what_a_fake_pip_list_lacks(tmp_path):
     """The offline closure of jdp's dependencies, against a target that has all but two."""
     closure = bundle.local_closure(bundle.jdp_requirements(), "3.12")
@@ -132,6 +155,7 @@ def test_pip_freeze_and_pip_list_read_alike():
         (("--bundle", "DIR"), "--have FREEZE"),
         (("--resolve-only", "--have", "/no/such/file"), "no such file"),
         (("--parts", "gpt2,nope", "--smoke"), "unknown part 'nope'"),
+        (("--gpt2-cells", "4,9", "--smoke"), "'9' is not a cell number"),
         pytest.param((), "no accelerator here",
                      marks=pytest.mark.skipif(jax.default_backend() != "cpu",
                                               reason="an accelerator is here: it would run")),

@@ -86,6 +86,7 @@ class Sizes:
     sweep_rounds: int = 9
     round_seconds: float = 0.5
     gpt_cells: int = len(GPT2_CELLS)
+    gpt_picks: tuple[int, ...] = ()  # --gpt2-cells: cell numbers from 1, in their order
     sweep_cases: tuple[str, ...] = SWEEP_CASES
     correctness_steps: int = CORRECTNESS_STEPS
     smoke: bool = False
@@ -139,6 +140,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the share of the budget within which GPT-2 cells may start",
     )
     parser.add_argument(
+        "--gpt2-cells",
+        default="",
+        help=f"the GPT-2 cells to run, by number (1 to {len(GPT2_CELLS)}, the table's order), "
+        "comma-separated, in the order given (default: all)",
+    )
+    parser.add_argument(
         "--gpt-rows",
         type=int,
         default=0,
@@ -169,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
     # Before JAX starts: the process may take 92% of an accelerator's memory, not 75%.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     sizes = dataclasses.replace(SMOKE if args.smoke else Sizes(), **(
-        {"gpt_rows": args.gpt_rows} if args.gpt_rows else {}))  # fmt: skip
+        {"gpt_rows": args.gpt_rows} if args.gpt_rows else {}),
+        gpt_picks=_picks(args.gpt2_cells))  # fmt: skip
     if not args.smoke and jax.default_backend() == "cpu":
         print(
             "jdp.bench gpu: no accelerator here (JAX's platform is cpu); the full sizes "
@@ -189,6 +197,16 @@ def run(args: argparse.Namespace) -> int:
     for line in table(report.data):
         say(line)
     return 1 if failed_parts(report.data["parts"]) else 0
+
+
+def _picks(said: str) -> tuple[int, ...]:
+    picks = []
+    for word in filter(None, (w.strip() for w in said.split(","))):
+        if not word.isdigit() or not 1 <= int(word) <= len(GPT2_CELLS):
+            raise UsageError(f"--gpt2-cells: {word!r} is not a cell number from 1 to "
+                             f"{len(GPT2_CELLS)}")  # fmt: skip
+        picks.append(int(word))
+    return tuple(picks)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,10 @@
 """``python -m jdp.bench.gpu_docs JSON...``: the GPU section of the docs, from the JSON files
 ``python -m jdp.bench gpu`` wrote; nothing in it is typed by hand.
 
-Each file's parts replace the same parts of the files before it (a later run that
-measured only ``gpt2`` replaces that part alone). It rewrites the section of
+Runs on one kind of device are merged: each file's parts replace the same parts of the
+files before it (a later run that measured only ``gpt2`` replaces that part alone). Each
+kind of device gets a table of its own, the newest first; the README's line and the
+recipes' throughput are the newest kind's. It rewrites the section of
 ``docs/performance.md`` between its two markers, and the ``throughput`` line of
 the ``gpt2-124m`` and ``imagenet-resnet50`` recipes. ``--check`` rewrites
 nothing and exits 1 when a file differs from what the JSON says.
@@ -38,7 +40,7 @@ TARGETS = {
 }
 
 
-def merge(paths: list[str]) -> dict[str, Any]:
+def merge(paths: list[str], kind: str = "?") -> dict[str, Any]:
     """The runs' parts, later files' parts replacing earlier ones', each part with the
     date, device, versions and command of the run that measured it."""
     merged: dict[str, Any] = {"parts": {}, "runs": []}
@@ -48,7 +50,7 @@ def merge(paths: list[str]) -> dict[str, Any]:
             key_of(data, path, [key], *_WHAT)
         machine = data["parts"].get("machine", {})
         run = {"file": path, "date": data["date"], "command": data["command"],
-               "kind": machine.get("kind", "?"),
+               "kind": machine.get("kind", kind),
                "versions": machine.get("versions", {})}  # fmt: skip
         merged["runs"].append(run)
         for part, result in data["parts"].items():
@@ -68,6 +70,19 @@ def merge(paths: list[str]) -> dict[str, Any]:
                     result[rows] = sorted(kept + result[rows], key=order)
             merged["parts"][part] = result
     return merged
+
+
+def by_device(paths: list[str]) -> list[dict[str, Any]]:
+    """One merge of the runs per kind of device, newest first; a run that skipped the
+    machine part is of the kind of the run before it."""
+    kinds: dict[str, list[str]] = {}
+    kind = "?"
+    for path in paths:
+        data = read_json(path, *_WHAT)
+        kind = data.get("parts", {}).get("machine", {}).get("kind", kind)
+        kinds.setdefault(kind, []).append(path)
+        kinds[kind] = kinds.pop(kind)  # the newest kind last
+    return [merge(group, kind) for kind, group in reversed(kinds.items())]
 
 
 # The parts merged row by row: what names a row, the rows' list, the rows' order.
@@ -116,8 +131,21 @@ def targets(merged: dict[str, Any]) -> list[str]:
     return lines
 
 
-def section(merged: dict[str, Any]) -> str:
-    """The markdown between the markers."""
+def section(groups: list[dict[str, Any]]) -> str:
+    """The markdown between the markers: a table for each kind of device."""
+    files = [run["file"] for merged in reversed(groups) for run in merged["runs"]]
+    body = [
+        f"<!-- made by `python -m jdp.bench.gpu_docs {' '.join(files)}`: edit the JSON's "
+        "run, not this -->",
+        "",
+        "Measured by the runs below; their JSON files are in [gpu/](gpu/).",
+    ]
+    for merged in groups:
+        body += ["", f"### {merged['runs'][-1]['kind']}", "", *_device_section(merged)]
+    return "\n".join(body)
+
+
+def _device_section(merged: dict[str, Any]) -> list[str]:
     runs = merged["runs"]
     provenance = []
     for run in runs:
@@ -130,13 +158,7 @@ def section(merged: dict[str, Any]) -> str:
                   if row.get("run") is run and merged["parts"][p]["run"] is not run]  # fmt: skip
         provenance.append(f"- {run['date']}, {run['kind']} ({said}): `{run['command']}`; "
                           f"the parts {', '.join(parts) or 'none (replaced later)'}")  # fmt: skip
-    body = [
-        "<!-- made by `python -m jdp.bench.gpu_docs "
-        + " ".join(run["file"] for run in runs)
-        + "`: edit the JSON's run, not this -->",
-        "",
-        "Measured by the runs below; their JSON files are in [gpu/](gpu/).",
-        "",
+    return [
         *provenance,
         "",
         "```",
@@ -147,7 +169,6 @@ def section(merged: dict[str, Any]) -> str:
         "| --- | --- | --- | --- |",
         *targets(merged),
     ]
-    return "\n".join(body)
 
 
 def recipe_line(merged: dict[str, Any], part: str) -> str | None:
@@ -193,11 +214,11 @@ def _between(text: str, begin: str, end: str, body: str, name: str) -> str:
     return head + begin + "\n" + body + "\n" + end + rest.split(end, 1)[1]
 
 
-def rewrite(merged: dict[str, Any], root: pathlib.Path) -> dict[pathlib.Path, str]:
+def rewrite(groups: list[dict[str, Any]], root: pathlib.Path) -> dict[pathlib.Path, str]:
     """``{path: new text}`` of every file the figures land in."""
-    doc, readme = root / DOC, root / README
+    doc, readme, merged = root / DOC, root / README, groups[0]
     new = {
-        doc: _between(doc.read_text(), BEGIN, END, section(merged), DOC),
+        doc: _between(doc.read_text(), BEGIN, END, section(groups), DOC),
         readme: _between(readme.read_text(), README_BEGIN, README_END, readme_line(merged),
                          README),
     }  # fmt: skip
@@ -224,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         if not pathlib.Path(path).is_file():
             print(f"jdp.bench.gpu_docs: {path}: no such file", file=sys.stderr)
             return 2
-    new = rewrite(merge(args.json), pathlib.Path(args.root))
+    new = rewrite(by_device(args.json), pathlib.Path(args.root))
     stale = [path for path, text in new.items() if path.read_text() != text]
     if args.check:
         for path in stale:

@@ -135,7 +135,12 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
 
     rows = gpt_rows(sizes)  # on one device: every part's mesh is data=1
     cells, skipped = [], []
-    for index, setting in enumerate(gpt_cells(sizes.smoke)[: sizes.gpt_cells]):
+    chosen = gpt_cells(sizes.smoke)
+    chosen = [chosen[n - 1] for n in sizes.gpt_picks] or chosen[: sizes.gpt_cells]
+    ran = {"cells": cells, "skipped_for_budget": skipped, "rows": rows,
+           "seq_len": sizes.seq_len, "size": sizes.gpt_size,
+           "precision": sizes.gpt_precision}  # fmt: skip
+    for index, setting in enumerate(chosen):
         if index and report.elapsed() > share_end:
             skipped.append(setting)
             continue
@@ -162,11 +167,10 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
         result["bytes_limit"] = stats.get("bytes_limit")
         cells.append(result)
         on_line(gpt_line(result))
+        report.land("gpt2", ran | {"partial": True})  # a run cut short keeps its cells
         gc.collect()
         jax.clear_caches()
-    return {"cells": cells, "skipped_for_budget": skipped, "rows": rows,
-            "seq_len": sizes.seq_len, "size": sizes.gpt_size,
-            "precision": sizes.gpt_precision}  # fmt: skip
+    return ran
 
 
 # --- 3. ResNet-50 ------------------------------------------------------------------

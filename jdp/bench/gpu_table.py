@@ -118,10 +118,12 @@ def _sweep(sweep: dict[str, Any]) -> list[str]:
         where = (f"; kernels {o['hand-written']['kernels']} vs {o['jdp']['kernels']}, host "
                  f"{o['hand-written']['dispatch_us']:.0f} vs {o['jdp']['dispatch_us']:.0f} "
                  "us a call" if o else "")  # fmt: skip
+        fed = (f", fed from the host {r['fed from the host']:.3f}x, fed on the device "
+               f"{r['fed on the device']:.3f}x" if "fed on the device" in r else "")  # fmt: skip
         lines.append(f"sweep {case['case']} ({case['params']}), {case['rows']} rows: "
                      f"hand-written {case['rates']['hand-written']:,.0f} examples/s; jdp "
                      f"{r['jdp']:.3f}x, 4 steps per call {r['jdp, 4 steps per call']:.3f}x"
-                     f"{where}")  # fmt: skip
+                     f"{fed}{where}")  # fmt: skip
     return lines
 
 
