@@ -75,6 +75,7 @@ class Sizes:
     gpt_rounds: int = 7
     gpt_steps: int = 3
     gpt_precision: str = "bf16"
+    gpt_vocab: int = 0  # 0: GPT-2's tokenizer's
     resnet_size: str = "standard"
     resnet_px: int = 224
     resnet_rows: int = RESNET_ROWS
@@ -93,8 +94,10 @@ class Sizes:
 
 
 # The smoke run computes in fp32: XLA:CPU compiles bf16 programs several times slower.
+# Its GPT-2 cell has `bench lm`'s small vocabulary of bytes: GPT-2's 50,257 made each of
+# its 20-odd steps 0.18 s with XLA's optimizations off.
 SMOKE = Sizes(matmul=256, gpt_size="small", seq_len=32, gpt_rows=4, gpt_rounds=2,
-              gpt_steps=1, gpt_precision="fp32", resnet_size="toy", resnet_px=32,
+              gpt_steps=1, gpt_precision="fp32", gpt_vocab=256, resnet_size="toy", resnet_px=32,
               resnet_precision="fp32", resnet_rows=4, resnet_rounds=2, jpegs=8, jpeg_rows=4,
               sweep_rows=16, sweep_rounds=2, round_seconds=0.01,
               gpt_cells=1, sweep_cases=SWEEP_CASES[:1], correctness_steps=4,

@@ -148,7 +148,7 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
         batch = max(1, int(rows * setting.get("rows", 1)))
         cell = lm.Cell(mesh="data=1", model_size=sizes.gpt_size, seq_len=sizes.seq_len,
                        batch_size=batch, precision=sizes.gpt_precision,
-                       vocab_size=lm.GPT2_VOCAB, data="",
+                       vocab_size=sizes.gpt_vocab or lm.GPT2_VOCAB, data="",
                        rounds=sizes.gpt_rounds, steps=sizes.gpt_steps, **options)  # fmt: skip
         started = time.monotonic()
         try:
@@ -157,7 +157,7 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
             cells.append({"setting": setting, "error": f"{type(error).__name__}: {error}"[:500]})
             on_line(f"  gpt2 {setting_text(setting)}: {cells[-1]['error'][:200]}")
             continue
-        module = lm.gpt_module(cell, lm.GPT2_VOCAB)
+        module = lm.gpt_module(cell, cell.vocab_size)
         result["flops_per_token_causal"] = causal_flops_per_token(
             result["flops_per_token"], module.layers, module.width, cell.seq_len
         )
