@@ -342,3 +342,17 @@ def test_dropout_is_drawn_per_example_the_same_on_any_mesh():
     params, model_state = jax.jit(model.init)(jax.random.key(0), batch)
     outputs, _ = model.apply(params, model_state, batch, train=False)
     assert abs(float(model.objective.loss(outputs, batch).mean()) - losses[0]) > 1e-3
+
+
+def test_token_accuracy_is_the_argmaxs_without_ties_and_counts_a_tie_as_right():
+    """The language model's token accuracy reads the largest logit without an argmax."""
+    objective = jdp.models.language_model()
+    logits = jax.random.normal(jax.random.key(0), (3, 16, 300))  # no ties: continuous draws
+    tokens = jax.random.randint(jax.random.key(1), (3, 17), 0, 300)
+    tokens = tokens.at[:, 1:9].set(jnp.argmax(logits[:, :8], -1))  # half of them right
+    expected = (jnp.argmax(logits, -1) == tokens[:, 1:]).mean(-1)
+    assert np.array_equal(objective.metrics(logits, {"tokens": tokens})["token_accuracy"],
+                          expected) and float(expected.min()) >= 0.5  # fmt: skip
+    tied = jnp.zeros((1, 2, 8), jnp.bfloat16)  # every token ties the largest
+    accuracy = objective.metrics(tied, {"tokens": jnp.array([[0, 5, 7]])})["token_accuracy"]
+    assert accuracy.tolist() == [1.0]
