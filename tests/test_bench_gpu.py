@@ -15,6 +15,7 @@ import pytest
 
 from jdp.bench import arms, bundle, gpu_docs
 from jdp.bench.gpu import PARTS
+from jdp.bench.gpu_models import GPT2_CELLS
 from tests.helpers import run_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -122,6 +123,20 @@ def test_runs_are_merged_by_kind_of_device_the_newest_first(tmp_path):
     assert groups[1]["parts"]["resnet50"]["run"]["kind"] == "B"
 
 
+def test_a_later_runs_cells_and_skips_merge_with_an_earlier_runs(tmp_path):
+    """A cell one run skipped for its budget stays "not run" unless another measured it."""
+    tuned, unrolled, xla, dots = (GPT2_CELLS[n] for n in (0, 3, 4, 5))
+    paths = []
+    for index, (cells, skipped) in enumerate([([tuned], [xla, dots]), ([xla], [unrolled])]):
+        gpt = {"cells": [{"setting": cell} for cell in cells], "skipped_for_budget": skipped}
+        path = tmp_path / f"{index}.json"
+        path.write_text(json.dumps({"date": "d", "command": "c", "parts": {"gpt2": gpt}}))
+        paths.append(str(path))
+    merged = gpu_docs.merge(paths)["parts"]["gpt2"]
+    assert [cell["setting"] for cell in merged["cells"]] == [tuned, xla]
+    assert merged["skipped_for_budget"] == [dots, unrolled]
+
+
 def test_the_bundle_carries_what_a_fake_pip_list_lacks(tmp_path):
     """The offline closure of jdp's dependencies, against a target that has all but two."""
     closure = bundle.local_closure(bundle.jdp_requirements(), "3.12")
@@ -156,6 +171,7 @@ def test_pip_freeze_and_pip_list_read_alike():
         (("--resolve-only", "--have", "/no/such/file"), "no such file"),
         (("--parts", "gpt2,nope", "--smoke"), "unknown part 'nope'"),
         (("--gpt2-cells", "4,9", "--smoke"), "'9' is not a cell number"),
+        (("--gpt2-cells", "4,4", "--smoke"), "'4' is not a cell number from 1 to 6 named once"),
         pytest.param((), "no accelerator here",
                      marks=pytest.mark.skipif(jax.default_backend() != "cpu",
                                               reason="an accelerator is here: it would run")),

@@ -203,11 +203,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _picks(said: str) -> tuple[int, ...]:
-    picks = []
+    picks: list[int] = []
     for word in filter(None, (w.strip() for w in said.split(","))):
-        if not word.isdigit() or not 1 <= int(word) <= len(GPT2_CELLS):
+        if word not in {str(n) for n in range(1, len(GPT2_CELLS) + 1)} or int(word) in picks:
             raise UsageError(f"--gpt2-cells: {word!r} is not a cell number from 1 to "
-                             f"{len(GPT2_CELLS)}")  # fmt: skip
+                             f"{len(GPT2_CELLS)} named once")  # fmt: skip
         picks.append(int(word))
     return tuple(picks)
 

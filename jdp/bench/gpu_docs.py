@@ -68,6 +68,7 @@ def merge(paths: list[str], kind: str = "?") -> dict[str, Any]:
                     kept = [row for row in earlier[rows]
                             if key(row) not in later and "error" not in row]  # fmt: skip
                     result[rows] = sorted(kept + result[rows], key=order)
+                    result["skipped_for_budget"] = _still_skipped(part, earlier, result)
             merged["parts"][part] = result
     return merged
 
@@ -90,6 +91,18 @@ ROWS = {
     "gpt2": (lambda cell: _cell(cell), "cells", lambda cell: _order(GPT2_CELLS, cell["setting"])),
     "sweep": (lambda case: case["case"], "cases", lambda case: _order(SWEEP_CASES, case["case"])),
 }
+
+
+def _still_skipped(part: str, earlier: dict[str, Any], later: dict[str, Any]) -> list[Any]:
+    """Both runs' rows skipped for the budget, but those either run measured."""
+    key, rows, _ = ROWS[part]
+    name = (lambda s: key({"setting": s})) if part == "gpt2" else str
+    measured = {key(row) for row in later[rows]}
+    skipped: dict[str, Any] = {}
+    for item in earlier.get("skipped_for_budget", []) + later.get("skipped_for_budget", []):
+        if name(item) not in measured:
+            skipped.setdefault(name(item), item)
+    return list(skipped.values())
 
 
 def _order(known: tuple, item: Any) -> int:

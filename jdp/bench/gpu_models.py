@@ -117,14 +117,15 @@ def gpt_rows(sizes: Sizes) -> int:
     return GPT2_ROWS if stats.get("bytes_limit", 0) >= 40e9 else GPT2_ROWS_SMALL_DEVICE
 
 
-def gpt_cells(smoke: bool = False) -> list[dict[str, Any]]:
-    """The GPT-2 cells this platform can run: cuDNN's attention is a GPU kernel. The
-    smoke run's first cell turns every compiler setting at once (XLA:CPU takes XLA:GPU's
-    options), so that their path runs in every smoke run at no extra compile."""
-    cells = [dict(cell) for cell in GPT2_CELLS]
+def gpt_cells(smoke: bool = False, picks: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+    """The GPT-2 cells this platform can run (``picks``: those of these numbers, from 1
+    in `GPT2_CELLS`' order): cuDNN's attention is a GPU kernel. The smoke run's first
+    cell turns every compiler setting at once (XLA:CPU takes XLA:GPU's options), so
+    that their path runs in every smoke run at no extra compile."""
+    cells = [dict(GPT2_CELLS[n - 1]) for n in picks] or [dict(c) for c in GPT2_CELLS]
     if jax.default_backend() != "gpu":
         cells = [cell | {"attention": "xla"} for cell in cells if cell["attention"] == "cudnn"]
-    if smoke:
+    if smoke and cells:
         cells[0] = cells[0] | {key: value for s in COMPILER_SETTINGS for key, value in s.items()}
     return cells
 
@@ -135,8 +136,7 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
 
     rows = gpt_rows(sizes)  # on one device: every part's mesh is data=1
     cells, skipped = [], []
-    chosen = gpt_cells(sizes.smoke)
-    chosen = [chosen[n - 1] for n in sizes.gpt_picks] or chosen[: sizes.gpt_cells]
+    chosen = gpt_cells(sizes.smoke, sizes.gpt_picks)[: sizes.gpt_cells]
     ran = {"cells": cells, "skipped_for_budget": skipped, "rows": rows,
            "seq_len": sizes.seq_len, "size": sizes.gpt_size,
            "precision": sizes.gpt_precision}  # fmt: skip

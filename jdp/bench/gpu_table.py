@@ -92,7 +92,10 @@ def _gpt2(gpt: dict[str, Any]) -> list[str]:
         lines.append(f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}{rows:>5}"
                      f"{n['jdp']:>13,.0f}{n['hand']:>14,.0f}{n['ratio']:>7.3f}x{mfu}"
                      f"{memory}  {compiler_text(s) or 'default'}")  # fmt: skip
-    return lines + [f"  {setting_text(s)}: not run (budget)" for s in gpt["skipped_for_budget"]]
+    lines += [f"  {setting_text(s)}: not run (budget)" for s in gpt["skipped_for_budget"]]
+    if gpt.get("partial"):  # landed after a cell, and the run ended before the part did
+        lines.append("  (the run ended within this part: the cells after these were not run)")
+    return lines
 
 
 def _resnet50(resnet: dict[str, Any]) -> list[str]:

@@ -22,14 +22,13 @@ from jdp.models.transformer import GPT
 class HandWritten(NamedTuple):
     """The hand-written arm: ``step(params, opt_state, key, tokens) -> (params,
     opt_state, key, loss)``, ``init(key, tokens) -> params``, ``start(params) ->
-    opt_state``, ``loss(params, tokens, key)`` and ``key(seed)``, each jitted (``key``
+    opt_state`` and ``key(seed)``, each jitted (``key``
     placed as the step returns its key, so that the step's second call compiles
     nothing new); and its ``optimizer``."""
 
     step: Any
     init: Callable[..., Any]
     start: Callable[..., Any]
-    loss: Callable[..., Any]
     optimizer: optax.GradientTransformation
     key: Callable[[int], Any]
 
@@ -85,7 +84,6 @@ def hand_written_lm_step(module: GPT, mesh: Mesh, compute_dtype: Any, *, lr: flo
                 donate_argnums=(0, 1, 2)),
         jax.jit(init, out_shardings=whole),
         jax.jit(optimizer.init, out_shardings=whole),
-        jax.jit(loss),
         optimizer,
         jax.jit(jax.random.key, out_shardings=whole),
     )  # fmt: skip
