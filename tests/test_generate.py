@@ -85,7 +85,8 @@ def test_cached_greedy_is_uncached_greedy_token_for_token(model, prompt):
     assert tokens.dtype == jnp.int32 and logits.shape == (ROWS, NEW, PADDED)
     assert len({tuple(row) for row in np.asarray(tokens).tolist()}) == ROWS
     # Each new position's cached logits are the full model's at that position.
-    full = module.apply({"params": params}, jnp.concatenate([prompt, tokens[:, :-1]], axis=1))
+    grown = jnp.concatenate([prompt, tokens[:, :-1]], axis=1)
+    full = jax.jit(module.apply)({"params": params}, grown)  # jitted: op by op took seconds
     np.testing.assert_allclose(logits, full[:, PROMPT - 1 :], rtol=0, atol=FP32_ATOL)
 
 
@@ -185,7 +186,8 @@ def test_bf16_parameters_generate_in_bf16(model, prompt):
     options = {"max_new_tokens": NEW, "temperature": 0, "vocab_size": VOCAB}
     tokens, logits = jdp.models.generate(module, half, prompt, with_logits=True, **options)
     assert logits.dtype == jnp.bfloat16 and (np.asarray(tokens) < VOCAB).all()
-    full = module.apply({"params": half}, jnp.concatenate([prompt, tokens[:, :-1]], axis=1))
+    grown = jnp.concatenate([prompt, tokens[:, :-1]], axis=1)
+    full = jax.jit(module.apply)({"params": half}, grown)
     assert full.dtype == jnp.bfloat16
     # bf16 keeps 8 significant bits: a logit of magnitude up to 16 is rounded to 2**-4, and
     # a different summation order may move it by a few such steps.

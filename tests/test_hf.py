@@ -22,7 +22,13 @@ from tests.closeness import EPS32, relative_distance
 from tests.helpers import interop, run_cli, run_python
 
 pytestmark = pytest.mark.interop
-torch, transformers = interop("torch", "transformers")
+
+
+def _stack():
+    """``(torch, transformers)``, imported where a test needs them, not as the suite is
+    collected: a worker that runs none of these tests never loads PyTorch."""
+    return interop("torch", "transformers")
+
 
 # GPT-2's shape at toy size; vocabulary 256 so the bundled corpus (UTF-8 bytes) fits.
 TOY = {"vocab_size": 256, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 4}
@@ -38,6 +44,7 @@ LOGITS_BOUND = PRODUCTS * 128 * EPS32
 
 
 def _hf_model(directory, seed=0, **overrides):
+    torch, transformers = _stack()
     config = transformers.GPT2Config(**{**TOY, "bos_token_id": None, "eos_token_id": None,
                                         **overrides})  # fmt: skip
     torch.manual_seed(seed)
@@ -47,6 +54,7 @@ def _hf_model(directory, seed=0, **overrides):
 
 
 def _hf_logits(model, tokens):
+    torch, _ = _stack()
     with torch.no_grad():
         return model(torch.tensor(np.asarray(tokens))).logits.numpy()
 
@@ -78,6 +86,7 @@ def test_gpt2_weights_give_transformers_logits(toy):
 
 @pytest.mark.slow
 def test_greedy_generation_matches_transformers(toy):
+    torch, _ = _stack()
     directory, model = toy
     gpt = jdp.models.from_hf(directory)
     prompt = _tokens(rows=2, length=5)
@@ -92,6 +101,7 @@ def test_greedy_generation_matches_transformers(toy):
 def test_other_ways_the_weights_are_saved(toy, tmp_path, how):
     """Sharded files with an index, half precision, and the Hub's GPT-2 names (no
     ``transformer.`` prefix, causal-mask buffers, the tied head written out)."""
+    torch, _ = _stack()
     directory, model = toy
     if how == "sharded":
         model.save_pretrained(tmp_path, max_shard_size="20KB")
@@ -161,6 +171,7 @@ def test_a_config_that_is_not_gpt2_is_refused(toy, tmp_path):
 @pytest.mark.slow
 def test_an_export_loads_in_transformers_with_jdps_logits(tmp_path):
     """A gpt trained by jdp (its own epsilon, scanned layers), exported and loaded."""
+    _, transformers = _stack()
     run = str(tmp_path / "run")
     config = jdp.TrainConfig(mesh="data=2", model="gpt", dataset="python_stdlib", seq_len=32,
                              batch_size=8, steps=3, warmup_steps=1, ckpt_dir=run)  # fmt: skip
@@ -226,6 +237,7 @@ def test_bad_imports_and_exports_are_one_line(toy, tmp_path):
 @pytest.mark.slow
 def test_a_jdp_gpt_written_as_gpt2_loads_in_transformers(tmp_path):
     """`write_hf` on jdp's own epsilon (1e-6), as a library user calls it."""
+    _, transformers = _stack()
     gpt = jdp.models.GPT(vocab_size=40, width=16, heads=2, layers=2, hidden=32, max_len=8)
     params = meta.unbox(jax.jit(gpt.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
     write_hf(tmp_path, gpt, jax.tree.map(np.asarray, params["params"]))

@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import subprocess_env
+from helpers import cli, subprocess_env
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jdp.plot import main as plot_main
@@ -40,9 +40,11 @@ def _records(log_dir, kind):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
+    """A run in this process (what it writes is the point, not its start); the command
+    line a run directory records is checked on a fresh one's, `test_only_process_0_writes`."""
     log_dir = tmp_path_factory.mktemp("run") / "adam"
-    result = _train("--log-dir", str(log_dir), "--log-every", "10", "--profile-steps", "5:8",
-                    "--grad-norm")  # fmt: skip
+    result = cli(*_RUN, "--log-dir", str(log_dir), "--log-every", "10", "--profile-steps",
+                 "5:8", "--grad-norm")  # fmt: skip
     assert result.returncode == 0, result.stderr
     return log_dir, result.stdout
 
@@ -82,7 +84,6 @@ def test_run_directory_says_how_to_rerun(run_dir):
     config = json.loads((log_dir / "config.json").read_text())
     assert config["mesh"] == "data=8" and config["steps"] == 60 and config["log_every"] == 10
     run = json.loads((log_dir / "run.json").read_text())
-    assert run["command"][:3] == ["python", "-m", "jdp.train"]
     assert run["versions"]["jax"] == jax.__version__ and "jdp" in run["versions"]
     assert run["mesh"] == {"data": 8} and run["devices"] == 8 and run["processes"] == 1
     assert run["device_kinds"] == ["cpu"] and run["peak_flops_per_device"] is None
@@ -124,7 +125,10 @@ def test_only_process_0_writes(tmp_path):
     events = [name for name in os.listdir(log_dir) if "tfevents" in name]
     assert len(events) == 1  # one writer, process 0's (the file name holds its pid)
     assert [r["step"] for r in _records(log_dir, "train")] == [20, 40, 60]
-    assert json.loads((log_dir / "run.json").read_text())["processes"] == 2
+    run = json.loads((log_dir / "run.json").read_text())
+    assert run["processes"] == 2
+    assert run["command"] == ["python", "-m", "jdp.train", *_RUN, "--log-dir", str(log_dir),
+                              "--log-every", "20"]  # as typed, to rerun it  # fmt: skip
 
 
 def test_a_disabled_logger_writes_nothing(mesh8):
@@ -223,7 +227,7 @@ def test_peak_flops_table(kind, peak):
     ],
 )
 def test_bad_logging_flags_are_one_line(flags, needle):
-    result = _train(*flags, timeout=60)
+    result = cli(*_RUN, *flags)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert needle in result.stderr

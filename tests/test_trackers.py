@@ -19,7 +19,6 @@ import jdp
 from jdp.report import trackers
 from jdp.report.trackers import Guarded, check_trackers
 
-(mlflow,) = interop("mlflow")
 # MLflow's client on a local store warns of its own dependencies' deprecations (SQLAlchemy's).
 pytestmark = [pytest.mark.interop, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -37,6 +36,7 @@ def _free_port() -> int:
 @pytest.fixture
 def server(tmp_path):
     """``(uri, stop)``: an MLflow tracking server on 127.0.0.1, as a user starts one."""
+    interop("mlflow", load=False)
     port = _free_port()
     command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port",
                str(port), "--workers", "1", "--backend-store-uri",
@@ -97,6 +97,7 @@ def _check_same_as_jsonl(client, run_id, log_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_an_mlflow_server_gets_the_runs_metrics_params_and_checkpoint(server, tmp_path):
+    (mlflow,) = interop("mlflow")  # here, not at import: the fast lane needs none
     uri, _ = server
     log_dir, ckpt = tmp_path / "log", tmp_path / "ckpt"
     first = _run(uri, log_dir, "--steps", "40", "--ckpt-dir", str(ckpt))
@@ -121,6 +122,7 @@ def test_an_mlflow_server_gets_the_runs_metrics_params_and_checkpoint(server, tm
 
 @pytest.mark.slow
 def test_a_local_mlflow_store_gets_the_same(tmp_path):
+    (mlflow,) = interop("mlflow")  # here, not at import: the fast lane needs none
     uri = f"sqlite:///{tmp_path / 'local.db'}"
     result = _run(uri, tmp_path / "log", "--steps", "20")
     assert result.returncode == 0, result.stderr
@@ -133,6 +135,7 @@ def test_a_kept_mlflow_run_the_server_lacks_is_named_and_a_new_one_logged(tmp_pa
                                                                          capsys):  # fmt: skip
     """trackers.json naming a run of another server (or one deleted): one warning naming
     the file, then a new run kept there; not the tracker dropped on every resume."""
+    interop("mlflow", load=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'local.db'}")
     (tmp_path / "trackers.json").write_text(json.dumps({"mlflow": "0123456789abcdef"}))
     tracker = trackers.MlflowTracker(str(tmp_path))
@@ -150,6 +153,7 @@ def test_a_kept_mlflow_run_the_server_lacks_is_named_and_a_new_one_logged(tmp_pa
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_server_killed_mid_run_is_one_warning_and_the_run_finishes(server, tmp_path):
+    (mlflow,) = interop("mlflow")  # here, not at import: the fast lane needs none
     uri, stop = server
     log_dir = tmp_path / "log"
     process = _run(uri, log_dir, "--steps", "30000", "--log-every", "5",
@@ -175,6 +179,7 @@ def test_the_server_killed_mid_run_is_one_warning_and_the_run_finishes(server, t
 
 @pytest.mark.slow
 def test_no_server_at_the_start_is_one_warning_and_the_run_trains(tmp_path):
+    interop("mlflow", load=False)  # the run is a fresh process
     result = _run(f"http://127.0.0.1:{_free_port()}", tmp_path / "log", "--steps", "20")
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "tracker failed" in line]
