@@ -9,7 +9,9 @@ jdp is held to the best a careful engineer writes, not to a weak baseline.
 Two more arms give jdp's ``jit`` step each step's batch as a run's loader makes it:
 "fed host", read and placed by the host loader, and "on device", gathered on the
 devices from the split placed there (`jdp.data.on_device`; "-" where it stays on the
-host): what the input costs the step. The arms themselves (the hand-written steps,
+host): what the input costs the step. A last arm, "ahead", cycles through `AHEAD`
+batches the device loader made before the rounds: a fresh batch each step, and no
+input work while timed. The arms themselves (the hand-written steps,
 the loops that run them and jdp's, the interleaved rounds) are in `jdp.bench.arms`;
 here, the sweep's cases and cells.
 """
@@ -158,10 +160,15 @@ def bench_step(
             emit(
                 f"  {'model':<10}{'params':>8}  {'mesh':<8}{'hand-written ex/s':>19}  "
                 f"{'best of':<11}{'itself':>10}{'jdp jit':>9}{'jdp pmap':>10}"
-                f"{'fed host':>10}{'on device':>10}"
+                f"{'fed host':>10}{'on device':>10}{'ahead':>8}"
             )
         emit(row)
     return lines
+
+
+# Batches made before the rounds for the "ahead" arm: a step never sees one it ran just
+# before, as in a run, and they take little memory on any case of the sweep.
+AHEAD = 16
 
 
 # Seconds one cell may take; the slowest default cell (the 10.8M MLP on data=8) takes
@@ -221,6 +228,9 @@ def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_se
     best = max(hand, key=lambda name: statistics.median(pilot[name]))
     again = hand_written_step(run.model, optimizer, run.mesh, kind=best)
     host = on_host(run.train)
+    with train_batches(run.train, run.mesh, batch_size=batch_size, seed=0,
+                       place=places_ahead(run.mesh)) as loader:  # fmt: skip
+        made = [next(loader) for _ in range(AHEAD)]
     with contextlib.ExitStack() as stack:
         fed = {  # the jit step given each step's batch as a run's loader makes it
             arm: jdp_loop(run.train_step, run, stack.enter_context(
@@ -234,6 +244,7 @@ def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_se
             "jit": jdp_loop(run.train_step, run, batch, optimizer),
             "pmap": jdp_loop(pmap.train_step, pmap, batch, optimizer),
             **fed,
+            "ahead": jdp_loop(run.train_step, run, itertools.cycle(made), optimizer),
         }
         rates = interleaved_rates(
             arms, rounds=rounds, round_seconds=round_seconds, rows=batch_size, multiple=1
@@ -245,6 +256,7 @@ def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_se
         f"{statistics.median(rates[best]):>19,.0f}  {best:<11}{ratios['again']:>9.3f}x"
         f"{ratios['jit']:>8.3f}x{ratios['pmap']:>9.3f}x{ratios['host']:>9.3f}x"
         + (f"{ratios['device']:>9.3f}x" if on == "device" else f"{on:>10}")
+        + f"{ratios['ahead']:>7.3f}x"
     )
     return jax.devices()[0].device_kind, row
 
