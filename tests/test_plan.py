@@ -108,10 +108,11 @@ def test_the_compiled_figures_are_the_steps(devices):
 
 @pytest.mark.slow
 def test_the_planner_fits_and_suggests_for_a_device():
+    # The MLP: the comparison and the suggestion are the point, not the model; its ten
+    # layouts compile in 8 s where the gpt's took 45 (its layouts' figures are checked above).
     result = run_python(
-        "-m", "jdp.plan", "--mesh", "data=8", "--model", "gpt", "--model-size", "small",
-        "--batch-size", "16", "--seq-len", "64", "--vocab-size", "1000", "--device", "v5e",
-        "--suggest", timeout=600,
+        "-m", "jdp.plan", "--mesh", "data=8", "--model", "mlp", "--batch-size", "16",
+        "--device", "v5e", "--suggest", timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     compared = re.findall(r"^mesh (\S+) \(8 devices\)", result.stdout, re.M)
