@@ -6,7 +6,9 @@ smoke form in the line before it, ``<!-- smoke: FLAGS -->``: FLAGS are added to
 each ``python -m jdp...`` command in it, so benchmarks run in seconds. Blocks
 for a cluster (Slurm, Kubernetes, Cloud TPU tools) are recipes for there, and
 TensorBoard is a server that runs until stopped: those lines are the only ones
-left out, each for that reason.
+left out, each for that reason. A block whose every command is a row of the
+README's figures table is not run twice: the table's check runs it whole
+(tests/test_readme.py).
 """
 
 import pathlib
@@ -17,6 +19,8 @@ import sys
 
 import pytest
 from helpers import interop, subprocess_env
+
+from jdp.bench import readme
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = [
@@ -29,6 +33,10 @@ CLUSTER_TOOLS = ("srun", "sbatch", "gcloud", "kubectl")
 BLOCK = re.compile(r"(?:<!-- smoke: (?P<smoke>[^>]*?) -->\n)?```bash\n(?P<body>.*?)```", re.S)
 
 
+# The README's figures rows: tests/test_readme.py runs each whole, in a fresh process.
+FIGURES = {row.command for row in readme.table((ROOT / "README.md").read_text())}
+
+
 def _blocks():
     """(doc, index, script or None, why left out) for every bash block of the docs."""
     for doc in DOCS:
@@ -37,6 +45,11 @@ def _blocks():
             words = set(re.findall(r"[\w.-]+", body))
             if words & set(CLUSTER_TOOLS):
                 yield doc, index, None, "a recipe for a cluster"
+                continue
+            commands = re.sub(r"^pip install \S+ && ", "", body.replace("\\\n", " "), flags=re.M)
+            commands = [" ".join(line.split()) for line in commands.strip().splitlines()]
+            if commands and all(command in FIGURES for command in commands):
+                yield doc, index, None, "a README figures row, run whole by its check"
                 continue
             lines, in_jdp = [], False
             for line in body.splitlines():
@@ -61,7 +74,10 @@ BLOCKS = list(_blocks())
 def test_every_block_runs_or_says_why_not():
     left_out = {(doc, index): why for doc, index, script, why in BLOCKS if script is None}
     assert left_out == {
+        ("README.md", 0): "a README figures row, run whole by its check",  # the first command
         ("README.md", 1): "nothing runnable here",  # pip install '.[test]' && python -m pytest
+        ("README.md", 3): "a README figures row, run whole by its check",  # python_stdlib's gpt
+        ("docs/multihost.md", 0): "a README figures row, run whole by its check",  # jdp.launch
         ("docs/multihost.md", 2): "a recipe for a cluster",  # Slurm
         ("docs/multihost.md", 3): "a recipe for a cluster",  # Cloud TPU
     }
