@@ -1,8 +1,8 @@
 """Set before JAX starts, for the tests and the docstring examples alike: 8 simulated
-CPU devices compiled at LLVM's optimization level 1, implicit rank promotion
-refused (a broadcast nobody asked for is a bug waiting in a model), and a
-compilation cache for the session. Fresh processes
-the tests start inherit them all.
+CPU devices, LLVM's optimization level (`pytest_configure`), implicit rank
+promotion refused (a broadcast nobody asked for is a bug waiting in a model), and
+a compilation cache for the session. Fresh processes the tests start inherit them
+all.
 
 Strict dtype promotion cannot be on everywhere: Optax's Adam raises under it (its
 bias correction takes a float to an int32 count's power). tests/test_step.py runs
@@ -13,18 +13,9 @@ import os
 import shutil
 import tempfile
 
-# Most tests compile more than they run. LLVM's optimization level 1 in place of the
-# default 3 took a fifth off the fast lane's CPU time (406 s to 326 s) and left a
-# 100-step seq2seq run as fast; level 0 saved more but ran that run 1.5x slower.
-# Programs compiled alike still agree bit for bit, which is what the equivalence
-# tests compare; but one of the numerics fingerprint's twelve values (a loss) gets
-# other last bits than at level 3, so the README's rows, compared with figures
-# recorded at the default, drop the flag.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=1"
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
 
 # About 60 tests start fresh processes (the CLI, the launcher, the README's and the
@@ -43,6 +34,24 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import pytest
 
 pytest_plugins = ["tests.suite_report"]  # python -m pytest --suite-report FILE
+
+
+def pytest_configure(config):
+    """LLVM's optimization level, unless ``XLA_FLAGS`` gives one: 1 for the suite, 0 for
+    a lane without the slow tests.
+
+    Most tests compile more than they run. On the 2-core machine, the fast lane took
+    406 s of CPU at the default level 3 and 326 s at level 1 (back to back), and
+    276 s at 1 against 235 s at 0 an hour later; a 100-step seq2seq run was as fast
+    at 1 as at 3, and 1.5x slower at 0, so the whole suite, whose slow tests train,
+    stays at 1. Programs compiled alike agree bit for bit, as the equivalence tests
+    compare them; one of the numerics fingerprint's twelve values (a loss) has other
+    last bits than at 3, so the README's rows, compared with figures recorded at the
+    default, drop the flag (`jdp.bench.readme.row_env`). Set here, before any test
+    starts JAX's backend, and inherited by the fresh processes tests start."""
+    if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+        level = 0 if "not slow" in (config.option.markexpr or "") else 1
+        os.environ["XLA_FLAGS"] += f" --xla_backend_optimization_level={level}"
 
 
 @pytest.fixture(autouse=True)
