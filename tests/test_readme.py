@@ -80,6 +80,19 @@ def test_a_tolerance_is_the_spread_of_the_reruns_and_at_least_one_example():
     assert readme.tolerance(["1.0000"] * 5, 2000) == "0.0005"
 
 
+def test_the_rows_run_as_typed_not_as_the_suite_compiles(monkeypatch):
+    """The suite's device count and optimization level (conftest.py) are not the rows':
+    figures recorded at XLA's defaults are compared with runs at its defaults."""
+    suite = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1"
+    monkeypatch.setenv("XLA_FLAGS", suite + " --xla_cpu_max_isa=AVX2")
+    assert readme.row_env()["XLA_FLAGS"] == "--xla_cpu_max_isa=AVX2"
+    assert readme.row_env("--xla_cpu_max_isa=AVX")["XLA_FLAGS"].endswith(
+        "=AVX2 --xla_cpu_max_isa=AVX"
+    )
+    monkeypatch.setenv("XLA_FLAGS", suite)
+    assert "XLA_FLAGS" not in readme.row_env()
+
+
 @pytest.mark.slow
 def test_the_fingerprint_changes_with_the_vector_code_xla_emits():
     """Another CPU, simulated: the same machine told to compile for AVX only gives
