@@ -30,12 +30,20 @@ def interop(*modules: str, load: bool = True) -> list:
     return [pytest.importorskip(name) for name in modules] if load else []
 
 
+_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\d+")
+
+
 def subprocess_env(devices: int | None = None) -> dict[str, str]:
     """This environment for a fresh process, which sets up its own devices unless
-    ``devices`` fixes the CPU device count (as hardware does)."""
-    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    ``devices`` fixes the CPU device count (as hardware does). The suite's other XLA
+    flags stay: its LLVM level (conftest.py) is what most fresh runs, a few steps each,
+    spend their time on."""
+    env = dict(os.environ)
+    flags = _DEVICE_COUNT.sub("", env.pop("XLA_FLAGS", "")).split()
     if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     return env
 
 

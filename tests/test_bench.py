@@ -1,14 +1,13 @@
 """``python -m jdp.bench``: each benchmark runs end to end and reports measured figures."""
 
 import json
-import os
 import re
 import shlex
 import subprocess
 import sys
 
 import pytest
-from helpers import run_main
+from helpers import run_main, subprocess_env
 
 
 def _bench(command, flags, timeout=240, env=None):
@@ -148,7 +147,7 @@ def test_a_step_cell_that_fails_is_one_line_naming_it():
 @pytest.mark.slow
 def test_a_step_cell_runs_with_the_devices_its_mesh_asks_for():
     # As `jdp.train --mesh data=1` runs: one device, not the test session's 8.
-    environment = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    environment = subprocess_env()
     flags = "--cell --cases mlp-38k --meshes data=1 --rounds 1 --round-seconds 0.05"
     result = _bench("step", flags, env=environment)
     assert result.returncode == 0, result.stderr
@@ -214,8 +213,8 @@ def test_corpus_benchmark_reports_memory_and_input_wait_per_mesh():
 
 @pytest.mark.slow
 def test_lm_benchmark_races_jdp_against_the_hand_written_step_on_the_same_model():
-    # Each cell sets up the devices its mesh asks for, as `jdp.train` does: no XLA_FLAGS.
-    environment = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # Each cell sets up the devices its mesh asks for, as `jdp.train` does.
+    environment = subprocess_env()
     flags = "--mesh data=1,data=8 --seq-len 32 --vocab-size 256 --rounds 2 --steps 2"
     result = _bench("lm", flags, timeout=300, env=environment)
     assert result.returncode == 0, result.stderr
@@ -322,7 +321,7 @@ def test_faults_benchmark_runs_the_new_classes_with_nothing_silent_lost_or_hung(
     # One trial of each class: each class's cases are the tests' of its own module.
     flags = "--kills 0 --flips 0 --data-faults 1 --lock-thefts 1 --directory-failures 1 " \
         "--launcher-kills 1 --wrapped-stops 1 --tool-faults 1 --seed 1"  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     result = _bench("faults", flags, timeout=900, env=env)
     assert result.returncode == 0, result.stderr
     summary = dict(re.findall(r"^([a-z ]+): trials=\d+ (.+)$", result.stdout, re.M))

@@ -119,7 +119,7 @@ def test_a_documented_block_runs(script, tmp_path):
 
 
 def test_the_readmes_library_example_runs_as_pasted(tmp_path):
-    """Pasted into a script on a laptop (one CPU device, no XLA_FLAGS), it runs."""
+    """Pasted into a script on a laptop (one CPU device), it runs."""
     (example,) = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     script = tmp_path / "example.py"
     script.write_text(example)

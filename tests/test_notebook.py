@@ -6,6 +6,7 @@ import re
 
 import nbformat
 import pytest
+from helpers import subprocess_env
 from nbclient import NotebookClient
 
 NOTEBOOK = pathlib.Path(__file__).parent.parent / "colab" / "jdp_tpu.ipynb"
@@ -31,7 +32,11 @@ def test_committed_notebook_has_no_outputs():
 @pytest.mark.timeout(600)
 @pytest.mark.slow
 def test_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the notebook sets up its own devices
+    # The notebook sets up its own devices; the suite's other XLA flags stay.
+    flags = subprocess_env().get("XLA_FLAGS")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    if flags:
+        monkeypatch.setenv("XLA_FLAGS", flags)
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(
         notebook,
