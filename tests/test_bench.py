@@ -202,7 +202,9 @@ def test_diloco_benchmark_refuses_an_unknown_workload():
 
 @pytest.mark.slow
 def test_corpus_benchmark_reports_memory_and_input_wait_per_mesh():
-    result = _bench("corpus", "--gigabytes 0.01 --steps 6 --meshes data=1,data=2", timeout=300)
+    # Short windows: what is checked is the report, not the model's arithmetic.
+    flags = "--gigabytes 0.01 --steps 6 --meshes data=1,data=2 --seq-len 32"
+    result = _bench("corpus", flags, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("jdp.bench corpus: 5,000,000 tokens in 0.01 GiB"), lines
@@ -337,9 +339,10 @@ def test_faults_benchmark_runs_the_new_classes_with_nothing_silent_lost_or_hung(
 
 @pytest.mark.slow
 def test_resume_benchmark_reads_the_programs_back_in_the_cached_arm():
-    result = _bench("resume", "--models resnet20 --rounds 1", timeout=300)
+    # The MLP: the mechanism is not the model's (a ResNet-20 took 86 s here, the MLP 33 s).
+    result = _bench("resume", "--models mlp --rounds 1", timeout=300)
     assert result.returncode == 0, result.stderr
-    (row,) = re.findall(r"^  resnet20 +([\d.]+) +([\d.]+) +([\d.]+)x  (.+)$", result.stdout, re.M)
+    (row,) = re.findall(r"^  mlp +([\d.]+) +([\d.]+) +([\d.]+)x  (.+)$", result.stdout, re.M)
     cached, compiling, ratio, read = row
     cached, compiling, ratio = float(cached), float(compiling), float(ratio)
     # Seconds print to 0.05 and the ratio to 0.005: compiling / cached moves by at most
