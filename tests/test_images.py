@@ -2,6 +2,7 @@
 jdp's order; Inception crops drawn from (seed, step, example), the same on every
 topology; evaluation counts each image once; resume is bitwise; memory stays flat."""
 
+import io
 import json
 import os
 import re
@@ -287,19 +288,34 @@ print(json.dumps(figures))
 """
 
 
-@pytest.mark.slow
-def test_a_5_gb_split_trains_an_epoch_in_flat_memory(tmp_path):
-    """5.2 GB of encoded images (8 distinct 2 MB JPEGs of noise, hard-linked 2,688 times,
-    then packed into array_record shards: 5.2 GB on disk) train for a whole epoch
-    while the process grows by less than 1 GiB: the split is read per batch, never held."""
+def _padded_jpeg(path, index: int, size: int) -> None:
+    """A smooth 1500 x 1100 picture (other for each ``index``) as a JPEG of ``size`` bytes:
+    after its start, application segments (APP15) of random bytes, which decoders read
+    past. Noise of that size took 13 ms to decode at the scale a small crop needs; this
+    takes 2 ms, and reads the same bytes."""
     from PIL import Image
 
-    rng = np.random.default_rng(0)
-    sources = []
-    for index in range(8):
-        pixels = rng.integers(0, 256, (1100, 1500, 3), dtype=np.uint8)
-        sources.append(tmp_path / f"source{index}.jpg")
-        Image.fromarray(pixels).save(sources[-1], quality=95)
+    y, x = np.mgrid[0:1100, 0:1500]
+    pixels = np.stack([x * 255 // 1500, y * 255 // 1100, (x + y + 32 * index) % 256], axis=-1)
+    encoded = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(encoded, format="JPEG", quality=95)
+    picture, rng = encoded.getvalue(), np.random.default_rng(index)
+    missing = size - len(picture)
+    count = -(-missing // 65_000)  # segments of at most 65,535 bytes, their marker apart
+    lengths = [missing // count] * (count - 1) + [missing - missing // count * (count - 1)]
+    # Each: the marker, then a length that counts its own two bytes and the data's.
+    segments = [b"\xff\xef" + (n - 2).to_bytes(2, "big") + rng.bytes(n - 4) for n in lengths]
+    path.write_bytes(picture[:2] + b"".join(segments) + picture[2:])
+
+
+@pytest.mark.slow
+def test_a_5_gb_split_trains_an_epoch_in_flat_memory(tmp_path):
+    """5.2 GB of encoded images (8 distinct JPEGs of 1.95 MB, hard-linked 2,688 times,
+    then packed into array_record shards: 5.2 GB on disk) train for a whole epoch
+    while the process grows by less than 1 GiB: the split is read per batch, never held."""
+    sources = [tmp_path / f"source{index}.jpg" for index in range(8)]
+    for index, source in enumerate(sources):
+        _padded_jpeg(source, index, 1_950_000)
     tree, packed = tmp_path / "tree", tmp_path / "packed"
     try:
         for split, count in (("train", 2688), ("test", 8)):
