@@ -335,53 +335,60 @@ _KILL_RUN = ["--model", "gpt", "--seq-len", str(SEQ), "--batch-size", "16", "--m
              "--steps", "40", "--ckpt-every", "10", "--warmup-steps", "5"]  # fmt: skip
 
 
-@pytest.mark.slow
-def test_sigkill_then_resume_on_token_data_is_bitwise_identical(corpus, tmp_path):
-    def command(directory):
-        return [sys.executable, "-m", "jdp.train", *_KILL_RUN, "--dataset", f"tokens:{corpus}",
-                "--ckpt-dir", str(directory)]  # fmt: skip
+def _train(corpus, directory, *launch, log=True) -> subprocess.CompletedProcess:
+    """`_KILL_RUN` on ``corpus`` into ``directory`` (its ``ckpt`` and, with ``log``, ``log``
+    of every step's loss), under ``launch`` if given."""
+    command = [sys.executable, "-m", "jdp.train", *_KILL_RUN, "--dataset", f"tokens:{corpus}",
+               "--ckpt-dir", str(directory / "ckpt")]  # fmt: skip
+    if log:
+        command += ["--log-dir", str(directory / "log"), "--log-every", "1"]
+    result = subprocess.run([*launch, *command], capture_output=True, text=True, timeout=300,
+                            env=subprocess_env())  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return result
 
-    reference = subprocess.run(command(tmp_path / "whole"), capture_output=True, text=True,
-                               timeout=240, env=subprocess_env())  # fmt: skip
-    assert reference.returncode == 0, reference.stderr
-    process = subprocess.Popen(command(tmp_path / "killed"), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=subprocess_env())  # fmt: skip
+
+def _losses(directory) -> list[float]:
+    with open(directory / "log" / "metrics.jsonl") as records:
+        return [r["loss"] for r in map(json.loads, records) if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def whole(corpus, tmp_path_factory):
+    """One process's uninterrupted `_KILL_RUN`: the reference of the kill's and the
+    launcher's tests (logging reads the losses; it changes no step)."""
+    directory = tmp_path_factory.mktemp("whole")
+    _train(corpus, directory)
+    return directory
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_on_token_data_is_bitwise_identical(corpus, whole, tmp_path):
+    command = [sys.executable, "-m", "jdp.train", *_KILL_RUN, "--dataset", f"tokens:{corpus}",
+               "--ckpt-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=subprocess_env())  # fmt: skip
     deadline = time.monotonic() + 180
-    while not (tmp_path / "killed" / "10").exists():
+    while not (tmp_path / "ckpt" / "10").exists():
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     process.communicate()
     assert process.returncode == -signal.SIGKILL, "the run ended before it was killed"
-    resumed = subprocess.run(command(tmp_path / "killed"), capture_output=True, text=True,
-                             timeout=240, env=subprocess_env())  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr
+    resumed = _train(corpus, tmp_path, log=False)
     assert re.search(r"^jdp: resuming from step \d+ in ", resumed.stdout, re.M)
-    assert_bitwise_equal(
-        saved_arrays(tmp_path / "killed", 40), saved_arrays(tmp_path / "whole", 40)
-    )
+    assert_bitwise_equal(saved_arrays(tmp_path / "ckpt", 40), saved_arrays(whole / "ckpt", 40))
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_on_token_data(corpus, tmp_path):
-    def train(directory, *launch):
-        command = [sys.executable, "-m", "jdp.train", *_KILL_RUN, "--dataset", f"tokens:{corpus}",
-                   "--ckpt-dir", str(directory / "ckpt"), "--log-dir", str(directory / "log"),
-                   "--log-every", "1"]  # fmt: skip
-        result = subprocess.run([*launch, *command] if launch else command, capture_output=True,
-                                text=True, timeout=300, env=subprocess_env())  # fmt: skip
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-        with open(directory / "log" / "metrics.jsonl") as records:
-            return [r["loss"] for r in map(json.loads, records) if r["kind"] == "train"]
-
-    single = train(tmp_path / "one")
+def test_two_processes_match_one_on_token_data(corpus, whole, tmp_path):
     launcher = [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "4",
                 "--"]  # fmt: skip
-    double = train(tmp_path / "two", *launcher)
+    _train(corpus, tmp_path, *launcher)
+    single, double = _losses(whole), _losses(tmp_path)
     # Gloo sums the two processes' gradients in another order: the warmup's bound.
     assert_sequences_close(double[:5], single[:5], rtol=EARLY_STEPS)
-    assert_drift_within(load_params(str(tmp_path / "two" / "ckpt")),
-                        load_params(str(tmp_path / "one" / "ckpt")))  # fmt: skip
+    assert_drift_within(load_params(str(tmp_path / "ckpt")), load_params(str(whole / "ckpt")))
 
 
 def test_python_stdlib_is_the_standard_librarys_text_and_decodes_back(tmp_path):
