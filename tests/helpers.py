@@ -16,6 +16,16 @@ import pytest
 
 INTEROP = "pip install '.[interop]'"
 
+# Benchmark runs that tests/test_bench.py makes and that are also docs blocks with their
+# smoke flags (``python -m jdp.bench NAME FLAGS``, in `subprocess_env`): tests/test_docs.py
+# leaves those blocks out rather than run them twice.
+BENCH_RUNS = {
+    "dispatch": "--rounds 1 --round-seconds 0.05 --steps-per-call 1,4",
+    "diloco": "--workloads mlp --steps 20 --sync-every 1,10",
+    "lm": "--mesh data=1,data=8 --seq-len 32 --vocab-size 256 --rounds 2 --steps 2",
+    "keras": "--steps 40 --rounds 2",
+}
+
 
 def interop(*modules: str, load: bool = True) -> list:
     """The heavy third-party stacks a round trip needs (the interop lane: PyTorch with

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import run_main, subprocess_env
+from helpers import BENCH_RUNS, run_main, subprocess_env
 
 
 def _bench(command, flags, timeout=240, env=None):
@@ -157,7 +157,7 @@ def test_a_step_cell_runs_with_the_devices_its_mesh_asks_for():
 
 @pytest.mark.slow
 def test_dispatch_benchmark_reports_steps_per_call_and_collectives():
-    result = _bench("dispatch", "--rounds 1 --round-seconds 0.05 --steps-per-call 1,4")
+    result = _bench("dispatch", BENCH_RUNS["dispatch"], env=subprocess_env())  # a docs block's
     assert result.returncode == 0, result.stderr
     names = re.findall(r"^  (\S.*?\S) {2,}[\d,]+ +[\d.]+x", result.stdout, re.M)
     assert names == [
@@ -177,7 +177,7 @@ def test_dispatch_benchmark_reports_steps_per_call_and_collectives():
 
 @pytest.mark.slow
 def test_diloco_benchmark_reports_metric_bytes_and_speed_per_arm():
-    result = _bench("diloco", "--workloads mlp --steps 20 --sync-every 1,10")
+    result = _bench("diloco", BENCH_RUNS["diloco"], env=subprocess_env())  # a docs block's
     assert result.returncode == 0, result.stderr
     rows = re.findall(
         r"^  mlp on digits +(sync|DiLoCo H=\d+) +([\d.]+) +([\d,]+) +([\d.]+) +([\d,]+) +"
@@ -215,10 +215,8 @@ def test_corpus_benchmark_reports_memory_and_input_wait_per_mesh():
 
 @pytest.mark.slow
 def test_lm_benchmark_races_jdp_against_the_hand_written_step_on_the_same_model():
-    # Each cell sets up the devices its mesh asks for, as `jdp.train` does.
-    environment = subprocess_env()
-    flags = "--mesh data=1,data=8 --seq-len 32 --vocab-size 256 --rounds 2 --steps 2"
-    result = _bench("lm", flags, timeout=300, env=environment)
+    # Each cell sets up the devices its mesh asks for, as `jdp.train` does; a docs block's.
+    result = _bench("lm", BENCH_RUNS["lm"], timeout=300, env=subprocess_env())
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("jdp.bench lm: gpt small (0.83M parameters, vocabulary 256), T = 32")
@@ -284,7 +282,7 @@ def test_keras_benchmark_races_fit_against_keras_and_the_step_alone():
     from helpers import interop
 
     interop("keras", load=False)  # Keras picks its backend as it is imported: in the benchmark
-    result = _bench("keras", "--steps 40 --rounds 2", timeout=600)
+    result = _bench("keras", BENCH_RUNS["keras"], timeout=600, env=subprocess_env())
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("jdp.bench keras: mlp small on digits (38k parameters)"), lines

@@ -8,7 +8,8 @@ for a cluster (Slurm, Kubernetes, Cloud TPU tools) are recipes for there, and
 TensorBoard is a server that runs until stopped: those lines are the only ones
 left out, each for that reason. A block whose every command is a row of the
 README's figures table is not run twice: the table's check runs it whole
-(tests/test_readme.py).
+(tests/test_readme.py); nor is a benchmark's smoke run that tests/test_bench.py
+makes with the same flags (`helpers.BENCH_RUNS`).
 """
 
 import pathlib
@@ -18,7 +19,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import interop, subprocess_env
+from helpers import BENCH_RUNS, interop, subprocess_env
 
 from jdp.bench import readme
 
@@ -35,6 +36,8 @@ BLOCK = re.compile(r"(?:<!-- smoke: (?P<smoke>[^>]*?) -->\n)?```bash\n(?P<body>.
 
 # The README's figures rows: tests/test_readme.py runs each whole, in a fresh process.
 FIGURES = {row.command for row in readme.table((ROOT / "README.md").read_text())}
+# A benchmark's smoke run that tests/test_bench.py makes, in the same environment.
+BENCH_TESTS = {f"python -m jdp.bench {name} {flags}" for name, flags in BENCH_RUNS.items()}
 
 
 def _blocks():
@@ -65,6 +68,9 @@ def _blocks():
                     line += f" {smoke}"  # after the command's own flags, so the smoke's win
                 lines.append(line)
             script = "\n".join(lines).strip()
+            if script in BENCH_TESTS:
+                yield doc, index, None, "tests/test_bench.py runs it so"
+                continue
             yield doc, index, script or None, "nothing runnable here" if not script else ""
 
 
@@ -78,6 +84,10 @@ def test_every_block_runs_or_says_why_not():
         ("README.md", 1): "nothing runnable here",  # pip install '.[test]' && python -m pytest
         ("README.md", 3): "a README figures row, run whole by its check",  # python_stdlib's gpt
         ("docs/multihost.md", 0): "a README figures row, run whole by its check",  # jdp.launch
+        ("docs/performance.md", 2): "tests/test_bench.py runs it so",  # dispatch
+        ("docs/performance.md", 5): "tests/test_bench.py runs it so",  # lm
+        ("docs/performance.md", 6): "tests/test_bench.py runs it so",  # keras
+        ("docs/performance.md", 7): "tests/test_bench.py runs it so",  # diloco
         ("docs/multihost.md", 2): "a recipe for a cluster",  # Slurm
         ("docs/multihost.md", 3): "a recipe for a cluster",  # Cloud TPU
     }
