@@ -88,7 +88,8 @@ def replay(run_dir: str, step: int, *, ckpt_dir: str | None = None, out: str | N
         raise UsageError(f"the checkpoint before step {step} resumes at step {start}")
     checked, place = [], places_ahead(run.mesh)
     loader = train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=config.seed,
-                           start_step=start, place=place, ledger=config.data_ledger)  # fmt: skip
+                           start_step=start, place=place, ledger=config.data_ledger,
+                           steps=step - start)  # fmt: skip
     with loader as batches:
         ledger = data_ledger(config, run, batches, start, base)
         for number in range(start + 1, step + 1):

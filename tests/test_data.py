@@ -8,6 +8,7 @@ import pytest
 import jdp
 from jdp.data.digits import TEST_SIZE
 from jdp.data.pipeline import (
+    TRAIN_CHUNK,
     EvalReader,
     Loader,
     TrainReader,
@@ -138,6 +139,21 @@ def test_reading_steps_in_bulk_equals_reading_each_step():
         expected = _AUGMENTED(split.image[indices], draw.take(rows))
         np.testing.assert_array_equal(batch["image"], expected)
         np.testing.assert_array_equal(batch["label"], split.label[indices])
+
+
+def test_a_run_of_fewer_steps_than_a_chunk_makes_only_those(mesh8, monkeypatch):
+    """A run that says how many steps it takes reads (and, on the devices, gathers)
+    chunks of no more: a 3-step run no longer makes 64 steps' batches first."""
+    counts, steps = [], TrainReader.steps
+    monkeypatch.setattr(TrainReader, "steps", lambda self, first, count: (
+        counts.append(count), steps(self, first, count))[1])  # fmt: skip
+    bounded = _labels(train_batches(_split(), mesh8, batch_size=16, seed=2, steps=3), 5)
+    assert max(counts) == 3  # and past its steps the batches go on, the same:
+    counts.clear()
+    unbounded = _labels(train_batches(_split(), mesh8, batch_size=16, seed=2), 5)
+    assert max(counts) == TRAIN_CHUNK
+    for got, expected in zip(bounded, unbounded, strict=True):
+        np.testing.assert_array_equal(got, expected)
 
 
 def test_start_step_resumes_the_same_stream(mesh8):

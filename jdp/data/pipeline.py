@@ -290,6 +290,7 @@ def train_batches(
     steps_per_call: int = 1,
     place: bool = True,
     ledger: str = "off",
+    steps: int | None = None,
 ) -> Loader:
     """Global training batches (sharded on ``data``) from ``start_step`` on, forever.
 
@@ -305,6 +306,10 @@ def train_batches(
             leading axis, for a step built with the same ``steps_per_call``.
         place: False yields the host's NumPy batches, which a train step's call
             places itself (where `places_ahead` says that costs the host less).
+        steps: how many batches the caller means to take (None: not known). Batches are
+            made a chunk of steps at a time; a run of fewer steps makes (and, on the
+            devices, compiles the gather for) no more than it takes. Past them the
+            batches go on, the same as ever.
 
     Raises:
         UsageError: the batch is larger than the split.
@@ -339,7 +344,7 @@ def train_batches(
         steps_per_item=steps_per_call,
         # Chunks are for the loader's own thread, whose per-batch cost they save;
         # Grain workers pay that cost in other processes.
-        chunk=_chunk_steps(reader, start_step) if steps_per_call == 1 and not workers else 1,
+        chunk=_chunk_steps(reader, start_step, steps) if steps_per_call == 1 and not workers else 1,
         place=place,
         device=split if on_device else None,
     )
@@ -361,17 +366,19 @@ def places_ahead(mesh: Mesh) -> bool:
                 and all(device.platform == "cpu" for device in devices))  # fmt: skip
 
 
-def _chunk_steps(reader: TrainReader, step: int) -> int:
-    """How many steps' batches to read and place at once (see TRAIN_CHUNK); one for a
-    split that decodes each batch (`jdp.data.images`), whose encoded bytes read in bulk
-    would be TRAIN_CHUNK batches' worth held at once, for an overhead that decoding dwarfs."""
+def _chunk_steps(reader: TrainReader, step: int, steps: int | None) -> int:
+    """How many steps' batches to read and place at once (see TRAIN_CHUNK), at most the
+    ``steps`` a run takes; one for a split that decodes each batch (`jdp.data.images`),
+    whose encoded bytes read in bulk would be TRAIN_CHUNK batches' worth held at once,
+    for an overhead that decoding dwarfs."""
     if getattr(reader.split, "decodes", False):
         return 1
     if isinstance(reader.split, OnDevice):  # the rows gathered, not their indices
         nbytes = reader.split.nbytes * reader.batch_size // len(reader.split)
     else:
         nbytes = sum(value.nbytes for value in reader(step).values())
-    return max(1, min(TRAIN_CHUNK, CHUNK_BYTES // max(1, nbytes)))
+    most = TRAIN_CHUNK if steps is None else min(TRAIN_CHUNK, steps)
+    return max(1, min(most, CHUNK_BYTES // max(1, nbytes)))
 
 
 def eval_batches(split: Split, mesh: Mesh, *, batch_size: int, prefetch: int = 2,

@@ -242,4 +242,5 @@ def _train_loader(config: TrainConfig, run: Run, start: int):
         steps_per_call=config.steps_per_call,
         place=places_ahead(run.mesh),
         ledger=config.data_ledger,
+        steps=config.steps - start,
     )
