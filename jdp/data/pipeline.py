@@ -306,10 +306,9 @@ def train_batches(
             leading axis, for a step built with the same ``steps_per_call``.
         place: False yields the host's NumPy batches, which a train step's call
             places itself (where `places_ahead` says that costs the host less).
-        steps: how many batches the caller means to take (None: not known). Batches are
-            made a chunk of steps at a time; a run of fewer steps makes (and, on the
-            devices, compiles the gather for) no more than it takes. Past them the
-            batches go on, the same as ever.
+        steps: the batches a run will take (None: not known); chunks of steps made at
+            once are no longer (nor, on the devices, their gather's program). Past
+            them the batches go on, the same.
 
     Raises:
         UsageError: the batch is larger than the split.
