@@ -7,6 +7,7 @@ back exactly as it reads a real ``tfds build`` output: ``tfds.data_source`` over
 array_record, no TensorFlow.
 """
 
+import os
 import shlex
 
 import numpy as np
@@ -46,6 +47,20 @@ def test_mnist_reads_back_exactly(prepared_mnist):
         )
         np.testing.assert_array_equal(got[0], expected[0])
         np.testing.assert_array_equal(got[1], expected[1])
+
+
+def test_a_split_is_read_once_a_process_until_its_files_change(prepared_mnist):
+    data_dir, _ = prepared_mnist
+    first, again = (load_split("mnist", "train", str(data_dir)) for _ in range(2))
+    assert again.image is first.image  # not deserialized again
+    with pytest.raises(ValueError, match="read-only"):
+        first.image[0] = 0  # shared by both splits: no split writes into another's
+    (record,) = data_dir.glob("mnist/*/mnist-train.array_record*")
+    stat = record.stat()
+    os.utime(record, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # prepared again, say
+    changed = load_split("mnist", "train", str(data_dir))
+    assert changed.image is not first.image
+    np.testing.assert_array_equal(changed.image, first.image)
 
 
 def test_cifar10_reads_back_with_its_augmenting_transform(tmp_path):
