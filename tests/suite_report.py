@@ -1,15 +1,24 @@
 """``python -m pytest --suite-report FILE``: where the suite's time goes, as markdown.
 
-Per test file and per test: the wall time of its setup, call and teardown, and the
-fresh processes it started (each ``subprocess.Popen``: a ``python -m jdp.*`` run, a
-launcher, a server), each paying Python's, JAX's and the imports' start. With test
-workers, each test's figures travel to the main process on its reports.
+Per test file and per test: the wall time of its setup, call and teardown, the CPU
+time they took, and the fresh processes it started (each ``subprocess.Popen``: a
+``python -m jdp.*`` run, a launcher, a server), each paying Python's, JAX's and the
+imports' start. With test workers, each test's figures travel to the main process on
+its reports.
+
+The CPU time is the budget on a machine whose cores are all busy: a test's wall there
+is stretched by whatever runs beside it, its CPU much less so (two tests, alone and then
+beside two busy loops on the 2-core machine: wall 25.5 and 19.9 s to 45.0 and 33.5 s,
+CPU 25.2 and 22.1 s to 28.3 and 23.2 s). It is the worker process's own (every thread
+of it) and that of the fresh processes it waited for, user and system, from the test's
+setup to its teardown.
 """
 
 from __future__ import annotations
 
 import collections
 import pathlib
+import resource
 import subprocess
 
 import pytest
@@ -17,7 +26,15 @@ import pytest
 SLOWEST = 40  # tests listed one by one
 
 _started = [0]  # processes this worker has started
-_before: dict[str, int] = {}
+_before: dict[str, tuple[int, float]] = {}
+
+
+def _cpu() -> float:
+    """This process's CPU seconds and its waited-for children's, user and system."""
+    return sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
 
 
 def pytest_addoption(parser):
@@ -47,45 +64,50 @@ class _Report:
         self.path = pathlib.Path(path)
         self.wall = collections.Counter()
         self.processes = collections.Counter()
+        self.cpu = collections.Counter()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item):
-        _before[item.nodeid] = _started[0]
+        _before[item.nodeid] = (_started[0], _cpu())
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
         outcome = yield
         if call.when == "teardown":
-            started = _started[0] - _before.pop(item.nodeid, _started[0])
-            outcome.get_result().user_properties.append(("processes", started))
+            started, cpu = _before.pop(item.nodeid, (_started[0], _cpu()))
+            properties = outcome.get_result().user_properties
+            properties += [("processes", _started[0] - started), ("cpu", _cpu() - cpu)]
 
     def pytest_runtest_logreport(self, report):
         self.wall[report.nodeid] += report.duration
         for name, value in report.user_properties:
-            if name == "processes" and report.when == "teardown":
-                self.processes[report.nodeid] = value
+            if report.when == "teardown" and name in ("processes", "cpu"):
+                getattr(self, name)[report.nodeid] = value
 
     def pytest_sessionfinish(self, session):
         if hasattr(session.config, "workerinput") or not self.wall:
             return  # a worker: its reports went to the main process
-        self.path.write_text(table(self.wall, self.processes))
+        self.path.write_text(table(self.wall, self.cpu, self.processes))
 
 
-def table(wall: dict[str, float], processes: dict[str, int]) -> str:
-    """The report: each file's tests, wall and processes, slowest first; then the
-    `SLOWEST` slowest tests."""
-    files = collections.defaultdict(lambda: [0, 0.0, 0])
+def table(wall: dict[str, float], cpu: dict[str, float], processes: dict[str, int]) -> str:
+    """The report: each file's tests, wall, CPU and processes, costliest CPU first; then
+    the `SLOWEST` costliest tests."""
+    files = collections.defaultdict(lambda: [0, 0.0, 0.0, 0])
     for test, seconds in wall.items():
         row = files[test.split("::")[0]]
         row[0] += 1
         row[1] += seconds
-        row[2] += processes.get(test, 0)
-    total = [sum(row[i] for row in files.values()) for i in range(3)]
-    lines = ["| file | tests | wall (s) | fresh processes |", "| --- | ---: | ---: | ---: |"]
-    for name, (count, seconds, started) in sorted(files.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"| `{name}` | {count} | {seconds:.0f} | {started} |")
-    lines.append(f"| all | {total[0]} | {total[1]:.0f} | {total[2]} |")
-    lines += ["", "| test | wall (s) | fresh processes |", "| --- | ---: | ---: |"]
-    for test, seconds in sorted(wall.items(), key=lambda kv: -kv[1])[:SLOWEST]:
-        lines.append(f"| `{test}` | {seconds:.1f} | {processes.get(test, 0)} |")
+        row[2] += cpu.get(test, 0.0)
+        row[3] += processes.get(test, 0)
+    total = [sum(row[i] for row in files.values()) for i in range(4)]
+    lines = ["| file | tests | wall (s) | CPU (s) | fresh processes |",
+             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for name, (count, seconds, used, started) in sorted(files.items(), key=lambda kv: -kv[1][2]):
+        lines.append(f"| `{name}` | {count} | {seconds:.0f} | {used:.0f} | {started} |")
+    lines.append(f"| all | {total[0]} | {total[1]:.0f} | {total[2]:.0f} | {total[3]} |")
+    lines += ["", "| test | wall (s) | CPU (s) | fresh processes |", "| --- | ---: | ---: | ---: |"]
+    for test in sorted(wall, key=lambda test: -cpu.get(test, 0.0))[:SLOWEST]:
+        lines.append(f"| `{test}` | {wall[test]:.1f} | {cpu.get(test, 0.0):.1f} "
+                     f"| {processes.get(test, 0)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
