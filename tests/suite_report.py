@@ -11,7 +11,8 @@ is stretched by whatever runs beside it, its CPU much less so (two tests, alone 
 beside two busy loops on the 2-core machine: wall 25.5 and 19.9 s to 45.0 and 33.5 s,
 CPU 25.2 and 22.1 s to 28.3 and 23.2 s). It is the worker process's own (every thread
 of it) and that of the fresh processes it waited for, user and system, from the test's
-setup to its teardown.
+setup to its teardown: a thread an earlier test left running counts here, and a child
+reaped later (a killed loader worker) counts where it is reaped.
 """
 
 from __future__ import annotations

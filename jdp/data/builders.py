@@ -217,40 +217,42 @@ def read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], obje
         return _read_builder_split(builder, split)
 
 
-# Splits read in this process, by their files' (name, size, mtime): a notebook's second
-# run, or a test's, read digits' 1,438 examples again for 60-300 ms of deserializing.
-# The arrays are read-only, shared by every split made from them; the last few are kept.
-_READ: dict[tuple, dict[str, np.ndarray]] = {}
-_READ_KEPT = 4
+# Small splits read in this process: a notebook's second run, or a test's, read digits'
+# 1,438 examples again for 60-300 ms of deserializing, where a copy takes microseconds.
+# Each caller gets its own copy, as from a read; the copies kept are the cache's own.
+# A split is read again when any of its files changed (name, size, inode, times).
+_READ: dict[tuple[str, str], tuple[tuple, dict[str, np.ndarray]]] = {}
+_READ_KEPT = 4  # splits, each of at most
+_READ_BYTES = 32 * 1024 * 1024
 
 
 def _read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], object]:
     check_readable(builder, split)
-    key = _files_key(builder, split)
-    if key is not None and key in _READ:
-        return _READ[key], builder.info
+    key, files = (os.path.realpath(builder.data_dir), split), _files(builder, split)
+    kept = _READ.get(key)
+    if kept is not None and files is not None and kept[0] == files:
+        return {name: array.copy() for name, array in kept[1].items()}, builder.info
     arrays, info = _read_examples(builder, split)
-    for array in arrays.values():
-        array.setflags(write=False)
-    if key is not None:
-        _READ[key] = arrays
+    _READ.pop(key, None)
+    if files is not None and sum(array.nbytes for array in arrays.values()) <= _READ_BYTES:
+        _READ[key] = (files, {name: array.copy() for name, array in arrays.items()})
         while len(_READ) > _READ_KEPT:
             del _READ[next(iter(_READ))]
     return arrays, info
 
 
-def _files_key(builder, split: str) -> tuple | None:
-    """What identifies a prepared split's bytes: its directory, and each of its files'
-    name, size and modification time (a split prepared again, or damaged, is read again);
-    None where they cannot be listed."""
-    directory = str(builder.data_dir)
+def _files(builder, split: str) -> tuple | None:
+    """What identifies a prepared split's bytes: each of its files' name, size, inode and
+    modification and change times (a split prepared again, copied over, or damaged is
+    read again); None where they cannot be listed."""
     try:
-        files = sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
-                       for entry in os.scandir(directory)
-                       if f"-{split}." in entry.name)  # fmt: skip
+        with os.scandir(builder.data_dir) as entries:
+            stats = [(entry.name, entry.stat()) for entry in entries if f"-{split}." in entry.name]
     except OSError:
         return None
-    return (directory, split, tuple(files)) if files else None
+    files = sorted((name, stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns)
+                   for name, stat in stats)  # fmt: skip
+    return tuple(files) or None
 
 
 def _read_examples(builder, split: str) -> tuple[dict[str, np.ndarray], object]:
