@@ -361,3 +361,69 @@ def test_startup_benchmark_sets_import_jdp_against_import_jax():
     ]
     assert rows['python -c "import jax"'] == "1.00"
     assert float(rows['python -c "import jdp"']) > 0
+
+
+def _xspace(kernels: list[tuple[str, float, float]]):
+    """A profiler trace with one GPU stream running ``(name, start us, length us)``."""
+    from jax.profiler import ProfileData
+
+    names = sorted({name for name, _, _ in kernels})
+    events = "".join(
+        f"events {{ metadata_id: {names.index(name) + 1} offset_ps: {int(start * 1e6)} "
+        f"duration_ps: {int(length * 1e6)} }} "
+        for name, start, length in kernels
+    )
+    metadata = "".join(
+        f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{name}" }} }} '
+        for i, name in enumerate(names)
+    )
+    text = (
+        f'planes {{ name: "/device:GPU:0" lines {{ name: "Stream #14(Compute)" {events}}} '
+        f'lines {{ name: "XLA Ops" {events}}} {metadata}}} '
+        f'planes {{ name: "/host:CPU" lines {{ name: "python" {events}}} {metadata}}}'
+    )
+    return ProfileData.from_serialized_xspace(ProfileData.text_proto_to_serialized_xspace(text))
+
+
+def test_kernel_profiles_name_what_one_arm_runs_alone():
+    from jdp.bench import kernels
+
+    # jdp: the same gemm 10% slower, and a reduce the hand-written step does not run;
+    # two kernels overlap for 1 us, which the busy time counts once.
+    jdp = kernels.device_kernels(
+        _xspace([("gemm", 0, 11), ("fusion_1", 11, 2), ("reduce_36", 12, 3), ("gemm", 15, 11)])
+    )
+    hand = kernels.device_kernels(_xspace([("gemm", 0, 10), ("fusion_1", 10, 2), ("gemm", 12, 10)]))
+    assert jdp.pop("__busy__") == [0, pytest.approx(26e3)]  # 0-26 us, the overlap once
+    assert jdp == {"gemm": [2, 22e3], "fusion_1": [1, 2e3], "reduce_36": [1, 3e3]}
+    hand.pop("__busy__")
+    traced = {arm: {"wall_ms": 0.03, "busy_ms": 0.026,
+                    "kernels": {name: [count, ns / 1e6] for name, (count, ns) in found.items()}}
+              for arm, found in (("jdp", jdp), ("hand-written", hand))}  # fmt: skip
+    lines = kernels.compare(traced)
+    assert (
+        lines[0] == "kernels jdp: 0.030 ms a step, device busy 0.026 ms, 4 kernels taking 0.027 ms"
+    )
+    assert lines[2] == "kernels both run: 2, 0.024 ms jdp, 0.022 ms hand-written (1.091x)"
+    assert lines[3:] == ["  jdp alone:    0.003 ms  1x  reduce_36"]
+
+
+def test_a_kernel_trace_on_the_cpu_says_it_has_none(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from jdp.bench import kernels
+
+    add = jax.jit(lambda x: x + 1)
+
+    def loop(count):
+        x = jnp.zeros(4)
+        for _ in range(count):
+            x = add(x)
+        jax.block_until_ready(x)
+
+    traced = kernels.trace(loop, 2, str(tmp_path))
+    assert traced["steps"] == 2 and traced["wall_ms"] > 0 and traced["kernels"] == {}
+    assert kernels.compare({"a": traced, "b": traced}) == [
+        "kernels: none in the trace (XLA on a CPU runs none that it names)"
+    ]

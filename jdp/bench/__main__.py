@@ -37,7 +37,8 @@ process's memory growth and the loop's input waiting, on ``data=1`` and ``data=8
 
 ``lm``: the ``gpt`` language model's step at a size and sequence length given by
 flags, jdp's against a hand-written JAX + Optax step of the same model: tokens/s,
-MFU, compile time, ratio; ``--remat`` and ``--attention`` sweeps (`jdp.bench.lm`).
+MFU, compile time, ratio; ``--remat`` and ``--attention`` sweeps (`jdp.bench.lm`);
+``--profile DIR`` traces both arms and names the kernels one runs alone (`jdp.bench.kernels`).
 
 ``keras``: ``python -m jdp.train --mesh data=1`` against Keras 3's ``model.fit`` on
 the JAX backend: the same MLP, batches in the same order and Adam schedule, each

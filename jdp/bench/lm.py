@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdp.bench import kernels
 from jdp.bench.arms import interleaved_rates, jdp_loop, optimization_level, ratios_to, with_options
 from jdp.bench.common import names
 from jdp.bench.lm_hand import HandWritten, hand_lm_loop, hand_written_lm_step
@@ -62,6 +63,7 @@ CPU_DEFAULTS = {"model_size": "small", "seq_len": 128, "precision": "fp32", "bat
 ACCELERATOR_DEFAULTS = {"model_size": "124m", "seq_len": 1024, "precision": "bf16"}
 ACCELERATOR_ROWS_PER_DEVICE = 16
 ARMS = ("hand-written", "jdp")
+PROFILE_STEPS = 6  # steps of each arm traced for --profile
 CELL_TIMEOUT = 3600  # seconds; a default CPU cell takes about a minute
 
 
@@ -85,6 +87,7 @@ class Cell:
     # effort level for every program of the cell ("": the platform's default).
     xla: dict[str, Any] = dataclasses.field(default_factory=dict)
     optimization: str = ""
+    profile: str = ""  # a folder: both arms' kernels traced into it (`jdp.bench.kernels`)
 
 
 def resolve(args: argparse.Namespace, mesh: str, remat: str, attention: str) -> Cell:
@@ -106,6 +109,7 @@ def resolve(args: argparse.Namespace, mesh: str, remat: str, attention: str) -> 
         precision=args.precision or defaults["precision"],
         vocab_size=args.vocab_size or (0 if args.data else synthetic_vocab), data=args.data,
         rounds=args.rounds, steps=args.steps,
+        profile=args.profile and f"{args.profile}/{mesh}-{remat}-{attention}",
     )  # fmt: skip
 
 
@@ -211,7 +215,9 @@ def _measure_cell(cell: Cell) -> dict[str, Any]:
     per_token = flops_per_token(count, layers=module.layers, width=module.width,
                                 seq_len=cell.seq_len, max_len=module.max_len)  # fmt: skip
     kind = jax.devices()[0].device_kind
-    return {
+    traced = {arm: kernels.trace(arms[arm], PROFILE_STEPS, f"{cell.profile}/{arm}")
+              for arm in ARMS if cell.profile}  # fmt: skip
+    return {"kernels": traced} | {
         "cell": dataclasses.asdict(cell), "kind": kind, "devices": run.mesh.devices.size,
         "params": int(count), "vocab": module.vocab_size, "flops_per_token": per_token,
         "peak": peak_flops(kind, cell.precision), "compile_s": compile_s,
@@ -242,7 +248,7 @@ def _cell_in_own_process(args: argparse.Namespace, mesh: str, remat: str, attent
              "--model-size": args.model_size, "--seq-len": args.seq_len,
              "--batch-size": args.batch_size, "--precision": args.precision,
              "--vocab-size": args.vocab_size, "--data": args.data, "--rounds": args.rounds,
-             "--steps": args.steps}  # fmt: skip
+             "--steps": args.steps, "--profile": args.profile}  # fmt: skip
     command = [sys.executable, "-m", "jdp.bench", "lm", "--cell"]
     command += [part for flag, value in flags.items() if value for part in (flag, str(value))]
     name = f"the cell --mesh {mesh} --remat {remat} --attention {attention}"
@@ -303,7 +309,7 @@ def rows(result: dict[str, Any]) -> list[str]:
         f"{'agree' if check['agree'] else 'DISAGREE'} within {check['tolerance']:.5f} "
         "(dropout's noise); same initial parameters: " + ("yes" if check["same_params"] else "NO")
     )
-    return lines
+    return lines + (kernels.compare(result["kernels"]) if result.get("kernels") else [])
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -355,6 +361,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=0,
                         help=f"the tokens' vocabulary (0: synthetic, {GPT2_VOCAB} or "
                         f"{BYTES_VOCAB} for small; a corpus, its tokens.json)")  # fmt: skip
+    profile = "trace each arm's kernels into DIR; print where they differ"
+    parser.add_argument("--profile", default="", metavar="DIR", help=profile)
     # One cell in this process, printed as JSON: what the sweep starts for each cell.
     parser.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
 
