@@ -29,7 +29,7 @@ def bench(*flags):
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu") / "gpu.json"
-    result = bench("--smoke", "--out", out)
+    result = bench("--smoke", "--gpt2-profile", "--out", out)
     return result, json.loads(out.read_text()), out
 
 
@@ -45,6 +45,12 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
     # The smoke cell turns every compiler setting the GPU cells turn one at a time.
     assert gpt["cell"]["xla"] == {"xla_gpu_enable_latency_hiding_scheduler": True}
     assert gpt["cell"]["optimization"] == "O1"
+    # --gpt2-profile traced both arms (a CPU's trace names no kernels, and says so).
+    assert {arm: traced["steps"] for arm, traced in gpt["kernels"].items()} == {
+        "hand-written": 6,
+        "jdp": 6,
+    }
+    assert "    kernels: none in the trace (XLA on a CPU runs none that it names)" in result.stdout
     assert not jax.config.read("jax_disable_most_optimizations")  # the smoke's, restored
     assert jax.config.jax_optimization_level == "UNKNOWN"
     correctness = data["parts"]["correctness"]

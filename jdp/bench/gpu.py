@@ -88,6 +88,7 @@ class Sizes:
     round_seconds: float = 0.5
     gpt_cells: int = len(GPT2_CELLS)
     gpt_picks: tuple[int, ...] = ()  # --gpt2-cells: cell numbers from 1, in their order
+    gpt_profile: bool = False  # --gpt2-profile
     sweep_cases: tuple[str, ...] = SWEEP_CASES
     correctness_steps: int = CORRECTNESS_STEPS
     smoke: bool = False
@@ -149,6 +150,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "comma-separated, in the order given (default: all)",
     )
     parser.add_argument(
+        "--gpt2-profile",
+        action="store_true",
+        help="trace each GPT-2 cell's two arms: their kernels land in the JSON, and the "
+        "kernels one arm runs alone are printed (jdp.bench lm --profile's)",
+    )
+    parser.add_argument(
         "--gpt-rows",
         type=int,
         default=0,
@@ -180,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     sizes = dataclasses.replace(SMOKE if args.smoke else Sizes(), **(
         {"gpt_rows": args.gpt_rows} if args.gpt_rows else {}),
-        gpt_picks=_picks(args.gpt2_cells))  # fmt: skip
+        gpt_picks=_picks(args.gpt2_cells), gpt_profile=args.gpt2_profile)  # fmt: skip
     if not args.smoke and jax.default_backend() == "cpu":
         print(
             "jdp.bench gpu: no accelerator here (JAX's platform is cpu); the full sizes "

@@ -4,12 +4,14 @@ machine's matrix-product rate, GPT-2 124M's cells (jdp's step against a hand-wri
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import platform
 import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +22,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jdp.bench import kernels
 from jdp.bench.arms import interleaved_rates, ratios_to
 from jdp.bench.gpu_table import gpt_line, setting_text
 from jdp.mesh_spec import DATA_AXIS
@@ -152,7 +155,10 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
                        rounds=sizes.gpt_rounds, steps=sizes.gpt_steps, **options)  # fmt: skip
         started = time.monotonic()
         try:
-            result = lm.measure_cell(cell)
+            with tempfile.TemporaryDirectory() as traces:
+                if sizes.gpt_profile:
+                    cell = dataclasses.replace(cell, profile=traces)
+                result = lm.measure_cell(cell)
         except Exception as error:
             cells.append({"setting": setting, "error": f"{type(error).__name__}: {error}"[:500]})
             on_line(f"  gpt2 {setting_text(setting)}: {cells[-1]['error'][:200]}")
@@ -167,6 +173,8 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
         result["bytes_limit"] = stats.get("bytes_limit")
         cells.append(result)
         on_line(gpt_line(result))
+        for line in kernels.compare(result["kernels"]) if result["kernels"] else []:
+            on_line(f"    {line}")
         report.land("gpt2", ran | {"partial": True})  # a run cut short keeps its cells
         gc.collect()
         jax.clear_caches()
