@@ -363,8 +363,9 @@ def test_startup_benchmark_sets_import_jdp_against_import_jax():
     assert float(rows['python -c "import jdp"']) > 0
 
 
-def _xspace(kernels: list[tuple[str, float, float]]):
-    """A profiler trace with one GPU stream running ``(name, start us, length us)``."""
+def _xspace(kernels: list[tuple[str, float, float]], devices: int = 1):
+    """A profiler trace with ``devices`` GPUs, each of whose streams runs ``(name, start
+    us, length us)``."""
     from jax.profiler import ProfileData
 
     names = sorted({name for name, _, _ in kernels})
@@ -377,35 +378,63 @@ def _xspace(kernels: list[tuple[str, float, float]]):
         f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{name}" }} }} '
         for i, name in enumerate(names)
     )
-    text = (
-        f'planes {{ name: "/device:GPU:0" lines {{ name: "Stream #14(Compute)" {events}}} '
-        f'lines {{ name: "XLA Ops" {events}}} {metadata}}} '
-        f'planes {{ name: "/host:CPU" lines {{ name: "python" {events}}} {metadata}}}'
+    gpus = "".join(
+        f'planes {{ name: "/device:GPU:{device}" lines {{ name: "Stream #14(Compute)" '
+        f'{events}}} lines {{ name: "XLA Ops" {events}}} {metadata}}} '
+        for device in range(devices)
     )
+    text = gpus + f'planes {{ name: "/host:CPU" lines {{ name: "python" {events}}} {metadata}}}'
     return ProfileData.from_serialized_xspace(ProfileData.text_proto_to_serialized_xspace(text))
+
+
+def _traced(found, wall_ms=0.03, busy_ms=0.026):
+    kernels, _, _ = found
+    per_step = {name: [count, ns / 1e6] for name, (count, ns) in kernels.items()}
+    return {"wall_ms": wall_ms, "busy_ms": busy_ms, "kernels": per_step}
 
 
 def test_kernel_profiles_name_what_one_arm_runs_alone():
     from jdp.bench import kernels
 
     # jdp: the same gemm 10% slower, and a reduce the hand-written step does not run;
-    # two kernels overlap for 1 us, which the busy time counts once.
+    # two kernels overlap for 1 us, which the busy time counts once. The hand-written
+    # step runs fusion_1 twice and a copy of its own.
     jdp = kernels.device_kernels(
         _xspace([("gemm", 0, 11), ("fusion_1", 11, 2), ("reduce_36", 12, 3), ("gemm", 15, 11)])
     )
-    hand = kernels.device_kernels(_xspace([("gemm", 0, 10), ("fusion_1", 10, 2), ("gemm", 12, 10)]))
-    assert jdp.pop("__busy__") == [0, pytest.approx(26e3)]  # 0-26 us, the overlap once
-    assert jdp == {"gemm": [2, 22e3], "fusion_1": [1, 2e3], "reduce_36": [1, 3e3]}
-    hand.pop("__busy__")
-    traced = {arm: {"wall_ms": 0.03, "busy_ms": 0.026,
-                    "kernels": {name: [count, ns / 1e6] for name, (count, ns) in found.items()}}
-              for arm, found in (("jdp", jdp), ("hand-written", hand))}  # fmt: skip
-    lines = kernels.compare(traced)
-    assert (
-        lines[0] == "kernels jdp: 0.030 ms a step, device busy 0.026 ms, 4 kernels taking 0.027 ms"
-    )
-    assert lines[2] == "kernels both run: 2, 0.024 ms jdp, 0.022 ms hand-written (1.091x)"
-    assert lines[3:] == ["  jdp alone:    0.003 ms  1x  reduce_36"]
+    assert jdp[1:] == (pytest.approx(26e3), 1)  # busy 0-26 us, the overlap once; 1 device
+    assert jdp[0] == {"gemm": [2, 22e3], "fusion_1": [1, 2e3], "reduce_36": [1, 3e3]}
+    hand = kernels.device_kernels(
+        _xspace([("gemm", 0, 10), ("fusion_1", 10, 2), ("fusion_1", 12, 2), ("copy", 14, 1),
+                 ("gemm", 15, 10)])
+    )  # fmt: skip
+    lines = kernels.compare({"jdp": _traced(jdp), "hand-written": _traced(hand)})
+    assert lines == [
+        "kernels jdp: 0.030 ms a step; a device busy 0.026 ms, 4 kernels taking 0.027 ms",
+        "kernels hand-written: 0.030 ms a step; a device busy 0.026 ms, 5 kernels taking 0.025 ms",
+        "kernels both run: 1, 0.022 ms jdp, 0.020 ms hand-written (1.100x)",
+        "  jdp alone:    0.003 ms  1x  reduce_36",
+        "  jdp alone:    0.002 ms  1x  fusion_1; 2 in hand-written",
+        "  hand-written alone:    0.004 ms  2x  fusion_1; 1 in jdp",
+        "  hand-written alone:    0.001 ms  1x  copy",
+    ]
+
+
+def test_a_kernel_trace_is_per_step_and_per_device(tmp_path, monkeypatch):
+    import jax.numpy as jnp
+
+    from jdp.bench import kernels
+
+    # Two devices, each running 2 steps of a gemm (3 us) and a reduce (1 us).
+    step = [("gemm", 0, 3), ("reduce", 3, 1), ("gemm", 4, 3), ("reduce", 7, 1)]
+    monkeypatch.setattr(kernels.ProfileData, "from_file", lambda path: _xspace(step, devices=2))
+    traced = kernels.trace(lambda count: jnp.zeros(count).block_until_ready(), 2, str(tmp_path))
+    assert traced["devices"] == 2 and traced["steps"] == 2 and traced["wall_ms"] > 0
+    assert traced["busy_ms"] == pytest.approx(0.004)  # 8 us of 2 steps, a device
+    assert traced["kernels"] == {"gemm": [1, pytest.approx(0.003)],
+                                 "reduce": [1, pytest.approx(0.001)]}  # fmt: skip
+    # A second trace into the same folder is a trace of its own.
+    assert kernels.trace(lambda count: None, 2, str(tmp_path))["devices"] == 2
 
 
 def test_a_kernel_trace_on_the_cpu_says_it_has_none(tmp_path):
@@ -422,8 +451,33 @@ def test_a_kernel_trace_on_the_cpu_says_it_has_none(tmp_path):
             x = add(x)
         jax.block_until_ready(x)
 
-    traced = kernels.trace(loop, 2, str(tmp_path))
-    assert traced["steps"] == 2 and traced["wall_ms"] > 0 and traced["kernels"] == {}
-    assert kernels.compare({"a": traced, "b": traced}) == [
-        "kernels: none in the trace (XLA on a CPU runs none that it names)"
+    def broken(count):
+        raise OSError("no tracer")
+
+    traced = kernels.trace_arms({"a": loop, "b": loop}, 2, str(tmp_path))
+    assert traced["a"]["steps"] == 2 and traced["a"]["kernels"] == {}
+    assert kernels.compare(traced) == [
+        "kernels: none in the trace (a CPU's XLA names none; on a GPU, its tracer did not start)"
     ]
+    # A trace that fails is its arm's error, and the cell's other figures stand.
+    failed = kernels.trace_arms({"a": loop, "b": broken}, 2, str(tmp_path))
+    assert failed["b"] == {"error": "OSError: no tracer"}
+    assert kernels.compare(failed) == ["kernels b: OSError: no tracer"]
+
+
+def test_lm_benchmark_passes_profile_to_each_cells_process(monkeypatch):
+    import argparse
+    import subprocess as sp
+
+    from jdp.bench import lm
+
+    parser = argparse.ArgumentParser()
+    lm.add_arguments(parser)
+    args = parser.parse_args(["--profile", "traces"])
+    ran = []
+    monkeypatch.setattr(
+        lm.subprocess, "run",
+        lambda command, **_: ran.append(command) or sp.CompletedProcess(command, 0, "{}\n", ""),
+    )  # fmt: skip
+    assert lm._cell_in_own_process(args, "data=1", "none", "xla") == {}
+    assert ran[0][ran[0].index("--profile") + 1] == "traces"

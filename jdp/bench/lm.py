@@ -215,8 +215,7 @@ def _measure_cell(cell: Cell) -> dict[str, Any]:
     per_token = flops_per_token(count, layers=module.layers, width=module.width,
                                 seq_len=cell.seq_len, max_len=module.max_len)  # fmt: skip
     kind = jax.devices()[0].device_kind
-    traced = {arm: kernels.trace(arms[arm], PROFILE_STEPS, f"{cell.profile}/{arm}")
-              for arm in ARMS if cell.profile}  # fmt: skip
+    traced = kernels.trace_arms(arms, PROFILE_STEPS, cell.profile) if cell.profile else {}
     return {"kernels": traced} | {
         "cell": dataclasses.asdict(cell), "kind": kind, "devices": run.mesh.devices.size,
         "params": int(count), "vocab": module.vocab_size, "flops_per_token": per_token,
