@@ -46,6 +46,28 @@ def test_input_benchmark_reports_loaders_step_and_waiting():
     assert waiting and 0.0 <= float(waiting.group(1)) <= 100.0, result.stdout
 
 
+def test_a_loader_with_workers_is_timed_once_each_has_started(monkeypatch):
+    """Batch i comes from worker i % workers, which start one after another: the rate is
+    timed after two batches of each (its start, what it buffered), over at least four."""
+    from jdp.bench import common
+
+    assert common.worker_window(0, 8) == (1, 8)  # no workers: only the first batch
+    assert common.worker_window(8, 8) == (16, 32)
+    assert common.worker_window(2, 30) == (4, 30)
+    clock = [0.0]
+
+    def stream(warm):  # 10 s for each batch of the start-up, then 1 s a batch
+        for index in range(100):
+            clock[0] += 10.0 if index < warm else 1.0
+            yield index
+
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+    warm, timed = common.worker_window(4, 8)
+    assert common.batches_per_sec(stream(warm), timed, warm=warm) == 1.0
+    # Timed from the first batch, the workers still starting slow it tenfold and more.
+    assert common.batches_per_sec(stream(warm), timed) == timed / (7 * 10.0 + 9)
+
+
 def test_bench_bad_input_is_one_line_and_exit_2():
     result = _here("input", "--dataset imagenet")
     assert result.returncode == 2

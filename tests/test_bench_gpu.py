@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdp.bench import arms, bundle, gpu_docs
+from jdp.bench import arms, bundle, common, gpu_docs, gpu_table
 from jdp.bench.gpu import PARTS
 from jdp.bench.gpu_models import GPT2_CELLS
 from tests.helpers import run_tool
@@ -53,6 +53,10 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
     assert "    kernels: none in the trace (a CPU's XLA names none" in result.stdout
     assert not jax.config.read("jax_disable_most_optimizations")  # the smoke's, restored
     assert jax.config.jax_optimization_level == "UNKNOWN"
+    loader = data["parts"]["loader"]  # timed once each worker has started
+    assert (loader["warm_batches"], loader["timed_batches"]) == common.worker_window(
+        loader["workers"], 2
+    ), loader
     correctness = data["parts"]["correctness"]
     assert correctness["within"], correctness
     # The tolerance is derived from a run nudged by a rounding, which must differ.
@@ -80,6 +84,18 @@ def test_the_docs_generator_writes_a_runs_figures_and_checks_them(smoke, tmp_pat
     assert f'throughput = "{data["parts"]["resnet50"]["jdp"]:,.0f} images/s' in recipe
     assert gpu_docs.main([str(out), "--root", str(tmp_path), "--check"]) == 0
     assert gpu_docs.main([*GPU_RUNS, "--root", str(tmp_path), "--check"]) == 1
+
+
+def test_a_loaders_figure_timed_while_its_workers_started_says_so():
+    """Runs before the loader's workers were timed once started keep their figure, named
+    as what it was."""
+    loader = {"jpegs": 256, "mean_kb": 72.4, "per_core": 372.1, "workers": 8,
+              "with_workers": 436.7}  # fmt: skip
+    (old,) = gpu_table._loader(loader)
+    assert old.endswith("437 with 8 workers (timed from the first batch, the other workers "
+                        "still starting)")  # fmt: skip
+    (new,) = gpu_table._loader(loader | {"warm_batches": 16, "timed_batches": 32})
+    assert new.endswith("437 with 8 workers")
 
 
 def test_a_cells_xla_options_reach_its_programs_and_its_effort_level_is_undone(tmp_path):

@@ -78,14 +78,27 @@ def names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def batches_per_sec(batches: Iterable, count: int) -> float:
-    """Batches per second over ``count`` batches, after the first (start-up) one."""
+def batches_per_sec(batches: Iterable, count: int, *, warm: int = 1) -> float:
+    """Batches per second over ``count`` batches, after the first ``warm`` (start-up)."""
     iterator = iter(batches)
-    next(iterator)
+    for _ in range(warm):
+        next(iterator)
     started = time.perf_counter()
     for _ in range(count):
         next(iterator)
     return count / (time.perf_counter() - started)
+
+
+def worker_window(workers: int, batches: int) -> tuple[int, int]:
+    """``(warm, timed)`` batches to time a loader of ``workers`` Grain worker processes by.
+
+    Batch ``i`` comes from worker ``i % workers``, and the workers start one after
+    another, each importing jdp and its split: timed from the first batch, the next
+    ones wait on the workers still starting. Over the 8 batches after the first, 4
+    workers on the 2-core machine read 563-1,103 images/s in three runs, 1,014-1,033
+    over 24 batches after those. So each worker gives two batches first (its start,
+    then what it buffered meanwhile), and at least four more are timed."""
+    return max(1, 2 * workers), max(batches, 4 * workers)
 
 
 def steps_per_sec(run, batch, count: int) -> float:

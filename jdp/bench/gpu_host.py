@@ -36,6 +36,7 @@ CORRECTNESS_STEPS = 20
 def part_loader(sizes: Sizes, device_rate: float | None) -> dict[str, Any]:
     import pathlib
 
+    from jdp.bench.common import worker_window
     from jdp.bench.images import decode_rates, loader_rate, write_tree
     from jdp.data.image_sources import from_images
 
@@ -60,9 +61,10 @@ def part_loader(sizes: Sizes, device_rate: float | None) -> dict[str, Any]:
             os.environ.pop("JAX_PLATFORMS")
         else:
             os.environ["JAX_PLATFORMS"] = platforms
+    warm, timed = worker_window(workers, batches)
     result = {"jpegs": len(blobs), "mean_kb": size / len(blobs) / 1e3, "decoders": decoders,
               "per_core": one, "workers": workers, "with_workers": many,
-              "cores": os.cpu_count()}  # fmt: skip
+              "warm_batches": warm, "timed_batches": timed, "cores": os.cpu_count()}  # fmt: skip
     if device_rate:
         result["device_rate"] = device_rate
         result["cores_per_device"] = device_rate / one

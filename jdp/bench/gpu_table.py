@@ -109,9 +109,14 @@ def _loader(loader: dict[str, Any]) -> list[str]:
     if "device_rate" in loader:
         need = (f"; one device at {loader['device_rate']:,.0f} images/s needs "
                 f"{loader['cores_per_device']:.1f} such cores")  # fmt: skip
+    # Runs before `worker_window` timed the workers from the first batch, while the
+    # others were still starting: their figure is not the workers' rate.
+    when = ("" if "timed_batches" in loader else
+            " (timed from the first batch, the other workers still starting)")  # fmt: skip
     return [f"JPEG loader ({loader['jpegs']} JPEGs of ImageNet's sizes, {loader['mean_kb']:.0f} "
             f"KB): {loader['per_core']:,.0f} images/s on one core, "
-            f"{loader['with_workers']:,.0f} with {loader['workers']} workers{need}"]  # fmt: skip
+            f"{loader['with_workers']:,.0f} with {loader['workers']} workers{when}"
+            f"{need}"]  # fmt: skip
 
 
 def _sweep(sweep: dict[str, Any]) -> list[str]:

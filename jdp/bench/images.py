@@ -94,13 +94,15 @@ def decode_rates(blobs: list[bytes], rounds: int = 3) -> dict[str, float]:
 
 
 def loader_rate(split, *, batch_size: int, workers: int, batches: int) -> float:
-    """Training images/s the loader makes (read, decoded, cropped), after its first batch."""
-    from jdp.bench.common import batches_per_sec
+    """Training images/s the loader makes (read, decoded, cropped), once its workers
+    have started (`jdp.bench.common.worker_window`)."""
+    from jdp.bench.common import batches_per_sec, worker_window
     from jdp.data.pipeline import TrainReader, host_batches
 
     reader = TrainReader(split, batch_size=batch_size, seed=0, rows=slice(None))
     stream = host_batches(reader, start=0, stop=None, workers=workers)
-    return batches_per_sec(stream, batches) * batch_size
+    warm, timed = worker_window(workers, batches)
+    return batches_per_sec(stream, timed, warm=warm) * batch_size
 
 
 def bench_images(args) -> list[str]:

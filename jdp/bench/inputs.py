@@ -10,7 +10,13 @@ import argparse
 import jax
 
 from jdp.bench import images
-from jdp.bench.common import add_run_flags, batches_per_sec, config_from, steps_per_sec
+from jdp.bench.common import (
+    add_run_flags,
+    batches_per_sec,
+    config_from,
+    steps_per_sec,
+    worker_window,
+)
 from jdp.data.on_device import on_host
 from jdp.data.pipeline import TrainReader, host_batches, train_batches
 from jdp.mesh import process_rows
@@ -28,7 +34,9 @@ def bench_input(config: TrainConfig, *, workers: int, batches: int, steps: int) 
     reader = TrainReader(host, batch_size=size, seed=config.seed, rows=process_rows(run.mesh, size))
     rows = []
     for count in sorted({0, workers}):
-        rate = batches_per_sec(host_batches(reader, start=0, stop=None, workers=count), batches)
+        warm, timed = worker_window(count, batches)
+        stream = host_batches(reader, start=0, stop=None, workers=count)
+        rate = batches_per_sec(stream, timed, warm=warm)
         rows.append((f"loader, {count} Grain workers: host batches", rate * size))
     arms = [("loader, 0 Grain workers, batches placed on the mesh", host)]
     if run.train is not host:  # --data-on-device placed it
