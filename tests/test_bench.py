@@ -273,6 +273,34 @@ def test_lm_benchmark_refuses_a_remat_it_does_not_have():
     )
 
 
+def test_the_hand_written_step_with_jdps_scalars_does_the_same_update(mesh1):
+    """The sweep's third arm times the hand-written step carrying jdp's scalar arrays: it
+    must update the parameters as the plain one does, and carry the arrays on."""
+    import jax
+    import numpy as np
+    import optax
+
+    import jdp
+    from jdp.bench import arms
+
+    model = jdp.models.get_model("mlp", jdp.load_split("digits", "train"))
+    batch = {"image": np.ones((8, 8, 8, 1), np.float32), "label": np.arange(8) % 10}
+    params, _ = jax.jit(model.init)(jax.random.key(0), batch)
+    optimizer = optax.adam(1e-2)
+
+    def first(step, *extra):
+        copy = jax.tree.map(np.array, params)  # each step donates its own
+        return step(copy, optimizer.init(copy), *extra, batch)
+
+    plain = first(arms.hand_written_step(model, optimizer, mesh1, kind="one-device"))
+    carried = first(arms.hand_written_with_scalars(model, optimizer), arms.jdp_scalars())
+    assert jax.tree.all(jax.tree.map(np.array_equal, plain[0], carried[0]))
+    count, key, scale, good, skipped = carried[2]
+    assert (int(count), int(good), float(scale), int(skipped)) == (1, 1, 1.0, 0)
+    assert np.array_equal(key, jax.random.key_data(jax.random.key(0)))
+    assert set(carried[3]) == set(plain[2]) | {"lr"}
+
+
 def test_lm_benchmarks_hand_written_optimizer_is_jdps_adamw(mesh1):
     import jax
     import numpy as np

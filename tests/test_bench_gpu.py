@@ -57,13 +57,16 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
     assert (loader["warm_batches"], loader["timed_batches"]) == common.worker_window(
         loader["workers"], 2
     ), loader
+    overhead = data["parts"]["sweep"]["cases"][0]["overhead"]  # host time a call, by arm
+    assert list(overhead) == ["hand-written", "hand-written, jdp's scalars", "jdp"], overhead
+    assert all(arm["dispatch_us"] > 0 for arm in overhead.values()), overhead
     correctness = data["parts"]["correctness"]
     assert correctness["within"], correctness
     # The tolerance is derived from a run nudged by a rounding, which must differ.
     assert correctness["cpu_nudged"] != correctness["cpu"], correctness
     table = result.stdout.split("--- jdp.bench gpu,", 1)[1]
     for said in ("bf16 256-cube product", "GPT-2 small, T = 32", "ResNet-50 toy",
-                 "JPEG loader", "sweep mlp-38k", "correctness: 4 steps",
+                 "JPEG loader", "sweep mlp-38k", "with jdp's scalars) vs", "correctness: 4 steps",
                  "scheduler=true JAX_OPTIMIZATION_LEVEL=O1"):  # fmt: skip
         assert said in table, said
 

@@ -11,6 +11,7 @@ Shared by ``python -m jdp.bench step``, ``dispatch`` and ``multihost``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -54,21 +55,9 @@ def hand_written_step(model: Model, optimizer: optax.GradientTransformation, mes
     ``grad_norm``).
     """
 
-    def update(params, opt_state, batch, average, vary=lambda params: params):
-        def loss_fn(params):
-            loss, metrics, _ = model.loss_fn(params, {}, batch, jax.random.key(0))
-            return loss, metrics
-
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(vary(params))
-        grads, loss, metrics = average(grads, loss, metrics)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss, **metrics}
-
+    update = functools.partial(_update, model, optimizer)
     if kind == "one-device":
-        return jax.jit(
-            lambda params, opt_state, batch: update(params, opt_state, batch, lambda *t: t),
-            donate_argnums=(0, 1),
-        )
+        return jax.jit(update, donate_argnums=(0, 1))
 
     def average(grads, loss, metrics):
         if kind == "raveled":
@@ -89,6 +78,42 @@ def hand_written_step(model: Model, optimizer: optax.GradientTransformation, mes
         out_specs=PartitionSpec(),
     )
     return jax.jit(mapped, donate_argnums=(0, 1))
+
+
+def _update(model: Model, optimizer: optax.GradientTransformation, params, opt_state, batch,
+            average=lambda *averaged: averaged, vary=lambda params: params):  # fmt: skip
+    """The hand-written steps' gradient (of ``vary(params)``), ``average``, and update."""
+
+    def loss_fn(params):
+        loss, metrics, _ = model.loss_fn(params, {}, batch, jax.random.key(0))
+        return loss, metrics
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(vary(params))
+    grads, loss, metrics = average(grads, loss, metrics)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss, **metrics}
+
+
+def jdp_scalars() -> tuple[jax.Array, ...]:
+    """The arrays jdp's state holds besides parameters, optimizer and model state: the
+    step count, the key's data and the loss scale's three (`jdp.TrainState`)."""
+    count = jnp.zeros((), jnp.int32)
+    key = jax.random.key_data(jax.random.key(0))
+    return count, key, jnp.ones((), jnp.float32), jnp.zeros_like(count), jnp.zeros_like(count)
+
+
+def hand_written_with_scalars(model: Model, optimizer: optax.GradientTransformation):
+    """The one-device hand-written step carrying `jdp_scalars` too (donated, the count
+    advanced) and returning a learning rate as jdp's step does: what those arrays cost
+    a call, apart from jdp's own code. ``step(params, opt_state, scalars, batch)``."""
+
+    def step(params, opt_state, scalars, batch):
+        params, opt_state, metrics = _update(model, optimizer, params, opt_state, batch)
+        count, key, scale, good, skipped = scalars
+        metrics["lr"] = 1e-3 * count.astype(jnp.float32)
+        return params, opt_state, (count + 1, key, scale, good + 1, skipped), metrics
+
+    return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
 def hand_loop(step, run: Run, batch) -> Callable[[int], None]:

@@ -76,7 +76,12 @@ def part_loader(sizes: Sizes, device_rate: float | None) -> dict[str, Any]:
 
 def part_sweep(sizes: Sizes, report: Report, end: float,
                on_line: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
-    from jdp.bench.arms import hand_loop, hand_written_step
+    from jdp.bench.arms import (
+        hand_loop,
+        hand_written_step,
+        hand_written_with_scalars,
+        jdp_scalars,
+    )
     from jdp.bench.step import CASES, _params, case_run, first_batch
     from jdp.data.on_device import on_host
     from jdp.data.pipeline import places_ahead, train_batches
@@ -108,8 +113,12 @@ def part_sweep(sizes: Sizes, report: Report, end: float,
                                       round_seconds=sizes.round_seconds, rows=rows)  # fmt: skip
         ratios = ratios_to(rates, "hand-written")
         opt_state = run.optimizer.init(run.state.params)
+        scalars = hand_written_with_scalars(run.model, run.optimizer)
         overhead = {
             "hand-written": step_overhead(hand, (run.state.params, opt_state), batch),
+            "hand-written, jdp's scalars": step_overhead(
+                scalars, (run.state.params, opt_state, jdp_scalars()), batch
+            ),
             "jdp": step_overhead(run.train_step.unbounded, run.state, batch, run.train_step.lower),
         }
         results.append({"case": name, "params": _params(run), "rows": rows,

@@ -124,8 +124,8 @@ def _sweep(sweep: dict[str, Any]) -> list[str]:
     for case in sweep["cases"]:
         r, o = case["ratios"], case.get("overhead")
         where = (f"; kernels {o['hand-written']['kernels']} vs {o['jdp']['kernels']}, host "
-                 f"{o['hand-written']['dispatch_us']:.0f} vs {o['jdp']['dispatch_us']:.0f} "
-                 "us a call" if o else "")  # fmt: skip
+                 f"{o['hand-written']['dispatch_us']:.0f}{_scalars(o)} vs "
+                 f"{o['jdp']['dispatch_us']:.0f} us a call" if o else "")  # fmt: skip
         fed = (f", fed from the host {r['fed from the host']:.3f}x, fed on the device "
                f"{r['fed on the device']:.3f}x" if "fed on the device" in r else "")  # fmt: skip
         lines.append(f"sweep {case['case']} ({case['params']}), {case['rows']} rows: "
@@ -133,6 +133,12 @@ def _sweep(sweep: dict[str, Any]) -> list[str]:
                      f"{r['jdp']:.3f}x, 4 steps per call {r['jdp, 4 steps per call']:.3f}x"
                      f"{fed}{where}")  # fmt: skip
     return lines
+
+
+def _scalars(overhead: dict[str, Any]) -> str:
+    """The hand-written step's host time with jdp's scalar arrays, where measured."""
+    with_them = overhead.get("hand-written, jdp's scalars")
+    return f" ({with_them['dispatch_us']:.0f} with jdp's scalars)" if with_them else ""
 
 
 def _correctness(check: dict[str, Any]) -> list[str]:
