@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdp.bench import arms, bundle, common, gpu_docs, gpu_table
+from jdp.bench import arms, bundle, common, gpu_docs, gpu_host, gpu_table
 from jdp.bench.gpu import PARTS
 from jdp.bench.gpu_models import GPT2_CELLS
 from tests.helpers import run_tool
@@ -99,6 +99,17 @@ def test_a_loaders_figure_timed_while_its_workers_started_says_so():
                         "still starting)")  # fmt: skip
     (new,) = gpu_table._loader(loader | {"warm_batches": 16, "timed_batches": 32})
     assert new.endswith("437 with 8 workers")
+
+
+def test_the_sweeps_arm_with_jdps_scalars_that_fails_is_its_error_not_the_cases():
+    failed = gpu_host.or_error(lambda steps: steps / 0, 1)
+    assert failed == {"error": "ZeroDivisionError: division by zero"}
+    arm = "hand-written, jdp's scalars"
+    assert gpu_table._scalars({arm: failed}) == f" (with jdp's scalars: {failed['error']})"
+    assert gpu_table._scalars({arm: {"kernels": 23, "dispatch_us": 71.9}}) == (
+        " (72 with jdp's scalars)"
+    )
+    assert gpu_table._scalars({}) == ""  # a run from before the arm
 
 
 def test_a_cells_xla_options_reach_its_programs_and_its_effort_level_is_undone(tmp_path):

@@ -138,7 +138,11 @@ def _sweep(sweep: dict[str, Any]) -> list[str]:
 def _scalars(overhead: dict[str, Any]) -> str:
     """The hand-written step's host time with jdp's scalar arrays, where measured."""
     with_them = overhead.get("hand-written, jdp's scalars")
-    return f" ({with_them['dispatch_us']:.0f} with jdp's scalars)" if with_them else ""
+    if not with_them:
+        return ""
+    if "error" in with_them:
+        return f" (with jdp's scalars: {with_them['error']})"
+    return f" ({with_them['dispatch_us']:.0f} with jdp's scalars)"
 
 
 def _correctness(check: dict[str, Any]) -> list[str]:
