@@ -358,3 +358,18 @@ def test_token_accuracy_is_the_argmaxs_ties_and_all():
     figures = objective.metrics(logits, {"tokens": tokens})
     assert np.array_equal(figures["token_accuracy"], expected), (figures, expected)
     assert 0.3 <= float(expected.min()) < 0.5  # the ties at 7 are wrong, 3's right
+    # Logits of four values over 50 tokens: ties everywhere, the label often among them.
+    ties = jax.random.randint(jax.random.key(2), (4, 64, 50), 0, 4).astype(jnp.bfloat16)
+    tokens = jax.random.randint(jax.random.key(3), (4, 65), 0, 50)
+    tokens = tokens.at[:, 1::2].set(jnp.argmax(ties, -1)[:, ::2])  # half argmax's
+    expected = (jnp.argmax(ties, -1) == tokens[:, 1:]).mean(-1)
+    figures = objective.metrics(ties, {"tokens": tokens})
+    assert np.array_equal(figures["token_accuracy"], expected), (figures, expected)
+    # Rows of one value (the first token is right), of -inf and +inf alike, and NaN's
+    # (nothing is right: no logit equals the maximum).
+    flat = jnp.stack([jnp.zeros(300), jnp.full(300, -jnp.inf), jnp.full(300, jnp.inf),
+                      jnp.full(300, jnp.nan)])[None]  # fmt: skip
+    for label, right in ((0, [1, 1, 1, 0]), (5, [0, 0, 0, 0])):
+        tokens = jnp.full((1, 5), label, jnp.int32)
+        figures = objective.metrics(flat, {"tokens": tokens})
+        assert figures["token_accuracy"].tolist() == [sum(right) / 4], (label, figures)

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 Batch = dict[str, jax.Array]
 
@@ -134,16 +135,20 @@ def language_model(key: str = "tokens", *, bits_per_byte: bool = False) -> Objec
         return losses.mean(-1)
 
     def metrics(logits, batch):
-        # argmax's answer (the first of the largest logits) without its reduce, whose
-        # index-carrying pass XLA:CPU runs slowly: the max, then the first index
-        # holding it (gpt small's train step at a vocabulary of 50,257 against a
-        # hand-written one without metrics: 0.82x to 0.91x on one CPU device, 1.06x
-        # to 1.08x on eight).
-        wide = logits.astype(jnp.float32)
+        # argmax's answer (the first of the largest logits is the label's) without its
+        # index-carrying reduce, which XLA:CPU runs slowly, and without a second pass
+        # that waits on the maximum: the label's logit is the row's maximum and every
+        # logit before it is smaller. The two maxima read only the logits and the
+        # labels, so XLA can compute them in one pass, beside the loss's own maximum.
+        # gpt small's train step at a vocabulary of 50,257 on the 2-core machine
+        # (fp32): 1,162 ms with the first index of the maximum, 1,043 with this, 1,027
+        # without the metric on one device; on eight, 2,464, 2,283 and 2,147.
+        wide, labels = logits.astype(jnp.float32), batch[key][:, 1:]
         top = wide.max(-1)
-        index = jnp.arange(wide.shape[-1], dtype=jnp.int32)
-        first = jnp.where(wide == top[..., None], index, wide.shape[-1]).min(-1)
-        right = first == batch[key][:, 1:]
+        index = lax.broadcasted_iota(jnp.int32, wide.shape, wide.ndim - 1)
+        before = jnp.where(index < labels[..., None], wide, -jnp.inf).max(-1)
+        at = jnp.take_along_axis(wide, labels[..., None], -1)[..., 0]
+        right = (at == top) & ((labels == 0) | (before < top))
         figures = {"token_accuracy": right.astype(jnp.float32).mean(-1)}
         if bits_per_byte:
             figures["bits_per_byte"] = loss(logits, batch) / math.log(2.0)
