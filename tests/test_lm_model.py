@@ -348,28 +348,29 @@ def test_dropout_is_drawn_per_example_the_same_on_any_mesh():
 def test_token_accuracy_is_the_argmaxs_ties_and_all():
     """The language model's token accuracy gives argmax's answer without its reduce:
     right where the next token is the first of the largest logits."""
-    objective = jdp.models.language_model()
-    logits = jax.random.normal(jax.random.key(0), (3, 16, 300))
-    logits = logits.at[:, :4, 7].set(9.0).at[:, :4, 3].set(9.0)  # ties: 3 is argmax's
-    logits = logits.astype(jnp.bfloat16)  # as a bf16 model's, where ties are likelier
-    tokens = jax.random.randint(jax.random.key(1), (3, 17), 0, 300)
-    tokens = tokens.at[:, 1:9].set(jnp.argmax(logits[:, :8], -1)).at[:, 1:3].set(7)
-    expected = (jnp.argmax(logits, -1) == tokens[:, 1:]).mean(-1)
-    figures = objective.metrics(logits, {"tokens": tokens})
-    assert np.array_equal(figures["token_accuracy"], expected), (figures, expected)
-    assert 0.3 <= float(expected.min()) < 0.5  # the ties at 7 are wrong, 3's right
+    metrics = jax.jit(jdp.models.language_model().metrics)  # a program, not op by op
+    rng = np.random.default_rng(0)
+
+    def check(logits, tokens):  # bf16 logits, as a bf16 model's, where ties are likelier
+        expected = (np.argmax(logits, -1) == tokens[:, 1:]).mean(-1)
+        figures = metrics(logits, {"tokens": tokens})
+        assert np.array_equal(figures["token_accuracy"], expected), (figures, expected)
+        return expected
+
+    logits = rng.normal(size=(3, 16, 300)).astype(jnp.bfloat16)
+    logits[:, :4, 7] = logits[:, :4, 3] = 9.0  # ties: 3 is argmax's
+    tokens = rng.integers(0, 300, (3, 17))
+    tokens[:, 1:9] = np.argmax(logits[:, :8], -1)
+    tokens[:, 1:3] = 7
+    assert 0.3 <= check(logits, tokens).min() < 0.5  # the ties at 7 are wrong, 3's right
     # Logits of four values over 50 tokens: ties everywhere, the label often among them.
-    ties = jax.random.randint(jax.random.key(2), (4, 64, 50), 0, 4).astype(jnp.bfloat16)
-    tokens = jax.random.randint(jax.random.key(3), (4, 65), 0, 50)
-    tokens = tokens.at[:, 1::2].set(jnp.argmax(ties, -1)[:, ::2])  # half argmax's
-    expected = (jnp.argmax(ties, -1) == tokens[:, 1:]).mean(-1)
-    figures = objective.metrics(ties, {"tokens": tokens})
-    assert np.array_equal(figures["token_accuracy"], expected), (figures, expected)
+    ties = rng.integers(0, 4, (4, 64, 50)).astype(jnp.bfloat16)
+    tokens = rng.integers(0, 50, (4, 65))
+    tokens[:, 1::2] = np.argmax(ties, -1)[:, ::2]  # half argmax's
+    assert 0.5 <= check(ties, tokens).min() < 1
     # Rows of one value (the first token is right), of -inf and +inf alike, and NaN's
-    # (nothing is right: no logit equals the maximum).
-    flat = jnp.stack([jnp.zeros(300), jnp.full(300, -jnp.inf), jnp.full(300, jnp.inf),
-                      jnp.full(300, jnp.nan)])[None]  # fmt: skip
-    for label, right in ((0, [1, 1, 1, 0]), (5, [0, 0, 0, 0])):
-        tokens = jnp.full((1, 5), label, jnp.int32)
-        figures = objective.metrics(flat, {"tokens": tokens})
-        assert figures["token_accuracy"].tolist() == [sum(right) / 4], (label, figures)
+    # (nothing is right: no logit equals the maximum, where argmax takes the first NaN).
+    flat = np.array([0, -np.inf, np.inf, np.nan], np.float32)[None, :, None].repeat(300, -1)
+    for label, right in ((0, 0.75), (5, 0.0)):
+        tokens = np.full((1, 5), label, np.int32)
+        assert metrics(flat, {"tokens": tokens})["token_accuracy"].tolist() == [right], label
