@@ -374,3 +374,7 @@ def test_token_accuracy_is_the_argmaxs_ties_and_all():
     for label, right in ((0, 0.75), (5, 0.0)):
         tokens = np.full((1, 5), label, np.int32)
         assert metrics(flat, {"tokens": tokens})["token_accuracy"].tolist() == [right], label
+    # A negative label (no token is) is wrong, though the last logit is the largest.
+    last = np.arange(300, dtype=np.float32)[None, None]
+    tokens = np.array([[0, -1]], np.int32)
+    assert metrics(last, {"tokens": tokens})["token_accuracy"].tolist() == [0.0]

@@ -97,7 +97,7 @@ def worker_window(workers: int, batches: int) -> tuple[int, int]:
     ones wait on the workers still starting. Over the 8 batches after the first, 4
     workers on the 2-core machine read 563-1,103 images/s in three runs, 1,014-1,033
     over 24 batches after those. So each worker gives two batches first (its start,
-    then what it buffered meanwhile), and at least four more are timed."""
+    then what it buffered meanwhile), and at least four a worker are timed."""
     return max(1, 2 * workers), max(batches, 4 * workers)
 
 

@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batches",
         type=int,
         default=None,
-        help="batches timed per loader (default: 1000; --images: 8)",
+        help="batches timed per loader, at least 4 a worker, after 2 a worker "
+        "(default: 1000; --images: 8)",
     )
     parser.add_argument("--step-repeats", type=int, default=200, help="train steps timed")
     parser.add_argument(

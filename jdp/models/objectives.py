@@ -148,7 +148,8 @@ def language_model(key: str = "tokens", *, bits_per_byte: bool = False) -> Objec
         index = lax.broadcasted_iota(jnp.int32, wide.shape, wide.ndim - 1)
         before = jnp.where(index < labels[..., None], wide, -jnp.inf).max(-1)
         at = jnp.take_along_axis(wide, labels[..., None], -1)[..., 0]
-        right = (at == top) & ((labels == 0) | (before < top))
+        # (A negative label, which take_along_axis would count from the end, is wrong.)
+        right = (at == top) & ((labels == 0) | (before < top)) & (labels >= 0)
         figures = {"token_accuracy": right.astype(jnp.float32).mean(-1)}
         if bits_per_byte:
             figures["bits_per_byte"] = loss(logits, batch) / math.log(2.0)
