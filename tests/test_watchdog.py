@@ -31,6 +31,7 @@ from jdp.distributed.watchdog import (
 )
 from jdp.errors import LoaderError
 from jdp.report.goodput import Clock, Goodput
+from jdp.training import finite
 
 S = 10.0
 
@@ -124,6 +125,15 @@ def test_a_slow_compile_evaluation_and_save_are_not_stalls(tmp_path, monkeypatch
         return save(self, *args, **kwargs)
 
     monkeypatch.setattr(Checkpointer, "save", slow_save)
+    read, reads = finite.state_finite, []
+
+    def slow_first_read(state):  # the guard's first read of the state compiles it
+        reads.append(state)
+        if len(reads) == 1:
+            time.sleep(SLOW)
+        return read(state)
+
+    monkeypatch.setattr(finite, "state_finite", slow_first_read)
     model = jdp.models.from_linen(_SlowToTrace(SLOW), jdp.models.classification())
     config = jdp.TrainConfig(mesh="data=8", steps=12, warmup_steps=2, batch_size=64,
                              ckpt_dir=str(tmp_path), stall_timeout=SHORT)  # fmt: skip
@@ -134,6 +144,7 @@ def test_a_slow_compile_evaluation_and_save_are_not_stalls(tmp_path, monkeypatch
 
     result = jdp.fit(config, model=model, console=jdp.Console(enabled=False), callbacks=[look])
     assert fired == [] and result.steps == 12 and all(watching) and watching
+    assert reads  # the guard read the state (before the first call, first, slowly)
     assert not (tmp_path / "stalls").exists()
 
 

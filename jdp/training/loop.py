@@ -14,7 +14,15 @@ from jdp.actions import NEVER, Action, Progress
 from jdp.checkpoint import Checkpointer
 from jdp.data.pipeline import places_ahead, train_batches
 from jdp.data.sources import Split
-from jdp.distributed.watchdog import COMPILING, READING, SAVING, STARTING, STEPPING, Watch
+from jdp.distributed.watchdog import (
+    ACTIONS,
+    COMPILING,
+    READING,
+    SAVING,
+    STARTING,
+    STEPPING,
+    Watch,
+)
 from jdp.errors import LoaderError, UsageError
 from jdp.models import Model
 from jdp.report.console import Console
@@ -153,7 +161,9 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
     preemption = next(action for action in actions if isinstance(action, StopOnPreemption))
     batches.interrupt = preemption.interrupted if jax.process_count() == 1 else None
     always = [action for action in actions if not hasattr(action, "quiet_through")]
-    _call_each(actions, progress, clock, watch, phases)  # a profile may start before the first call
+    # A profile may start before the first call, and the finiteness guard compiles its
+    # read of the state: compiling, as the first call does, which is never a stall.
+    _call_each(actions, progress, clock, watch, phases, starting=True)
     console.start_progress(config.steps, start)
     timer = SteadyTimer(batches, console)
     for step in range(start + calls, config.steps + 1, calls):
@@ -208,11 +218,13 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
 
 
 def _call_each(actions: Sequence[Action], progress: Progress, clock: Clock, watch: Watch,
-               phases: dict[int, tuple[str, str]]) -> None:  # fmt: skip
+               phases: dict[int, tuple[str, str]], *, starting: bool = False) -> None:  # fmt: skip
     """Each action in turn, its time given to its part of the goodput ledger (``part``:
-    a checkpoint's, an evaluation's) or to the step's, and its phase to the watch."""
+    a checkpoint's, an evaluation's) or to the step's, and its phase to the watch
+    (``starting``: before the first call, the loop's own actions' is compiling)."""
     for action in actions:
-        watch.at(*phases[id(action)])
+        phase = phases[id(action)]
+        watch.at(*((COMPILING, "") if starting and phase[0] == ACTIONS else phase))
         part = getattr(action, "part", None)
         previous = clock.switch(part) if part else None
         action(progress)
