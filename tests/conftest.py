@@ -48,7 +48,28 @@ def backend(request):
 FAST_LANE_TIMEOUT = 120
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow") is None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(FAST_LANE_TIMEOUT))
+    _scheduled_lane_apart(config, items)
+
+
+def _scheduled_lane_apart(config, items):
+    """The scheduled lane's tests run only where ``-m`` names the lane (``python -m pytest
+    -m scheduled``) or the command names the test itself: the README's test command, the
+    fast lane and the interop lane leave them out. Each is a long end-to-end run whose
+    code path a per-change test already exercises (docs/testing.md)."""
+    if "scheduled" in (config.option.markexpr or ""):
+        return
+    named = [arg for arg in config.args if "::" in arg]
+    kept, left = [], []
+    for item in items:
+        asked = any(
+            item.nodeid == arg or item.nodeid.startswith((f"{arg}[", f"{arg}::")) for arg in named
+        )
+        scheduled = item.get_closest_marker("scheduled") is not None
+        (left if scheduled and not asked else kept).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept

@@ -31,12 +31,13 @@ def interop(*modules: str, load: bool = True) -> list:
     """The heavy third-party stacks a round trip needs (the interop lane: PyTorch with
     transformers, Ray, MLflow's server, W&B, Keras, datasets), imported (unless not
     ``load``: a fresh process of the test's imports them), or the test skipped with one
-    line naming the extra that installs them."""
+    line naming the extra that installs them. At a module's top level too: the module is
+    then skipped whole, never reported as a collection error."""
     import importlib.util
 
     for name in modules:
         if importlib.util.find_spec(name) is None:
-            pytest.skip(f"needs {name}: {INTEROP}")
+            pytest.skip(f"needs {name}: {INTEROP}", allow_module_level=True)
     return [pytest.importorskip(name) for name in modules] if load else []
 
 

@@ -21,12 +21,14 @@ import collections
 import pathlib
 import resource
 import subprocess
+import time
 
 import pytest
 
 SLOWEST = 40  # tests listed one by one
 
 _started = [0]  # processes this worker has started
+_lane = [0.0, 0.0]  # when this run started; the CPU seconds its workers reported
 _before: dict[str, tuple[int, float]] = {}
 
 
@@ -48,6 +50,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    _lane[:] = [time.monotonic(), 0.0]
     if config.getoption("suite_report") is None:
         return
     config.pluginmanager.register(_Report(config.getoption("suite_report")), "suite-report")
@@ -58,6 +61,35 @@ def pytest_configure(config):
         start(self, *args, **kwargs)
 
     subprocess.Popen.__init__ = counted
+
+
+def pytest_sessionfinish(session):
+    """A worker's CPU, every thread and the fresh processes it waited for, to the main
+    process (xdist carries ``workeroutput`` there)."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["cpu"] = _cpu()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _lane[1] += getattr(node, "workeroutput", {}).get("cpu", 0.0)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    """Every run ends with its wall and CPU time: the budget, in the run's own log."""
+    if hasattr(config, "workerinput"):
+        return
+    wall = time.monotonic() - _lane[0]
+    if _lane[1]:  # the workers' CPU, and this process's own (it collects, it reports)
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = _lane[1] + own.ru_utime + own.ru_stime
+    else:
+        cpu = _cpu()
+    terminalreporter.write_line(
+        f"suite: {wall:.0f} s of wall, {cpu:.0f} s of CPU (user + system: the test "
+        f"processes and the fresh processes they started), markers {config.option.markexpr!r}"
+    )
 
 
 class _Report:

@@ -366,7 +366,10 @@ def test_keras_benchmark_refuses_a_run_of_one_step():
     assert "need --steps >= 2 (the first is compilation)" in result.stderr
 
 
+# The scheduled lane: each class's cases are the per-change tests' of its own module
+# (tests/test_faults.py, test_lock.py, test_no_hangs.py, test_distributed.py, test_tools.py).
 @pytest.mark.slow
+@pytest.mark.scheduled
 def test_faults_benchmark_runs_the_new_classes_with_nothing_silent_lost_or_hung():
     # One trial of each class: each class's cases are the tests' of its own module.
     flags = "--kills 0 --flips 0 --data-faults 1 --lock-thefts 1 --directory-failures 1 " \

@@ -17,8 +17,10 @@ def _run(*flags, **options):
     return run_cli(*flags, fresh=True, **options)
 
 
-# The README's figures check (tests/test_readme.py) runs these and the pmap, bf16 and fp16
-# forms again, each held to its exact accuracy; here, what a user sees of the devices.
+# The README's first command and its data=1 form, as typed, in a fresh process: what a user
+# sees of the devices. The README's figures check (the scheduled lane) runs these and the
+# other rows again at full size, each held to its exact accuracy. The tiny runs below are
+# the CLI's other model families, in this process: a fresh one is not their point.
 @pytest.mark.parametrize(
     "flags", [["--mesh", "data=8"], ["--mesh", "data=1"]], ids=["jit-data8", "data1"]
 )
@@ -40,7 +42,7 @@ def test_default_run_reaches_095_on_digits(flags):
 
 @pytest.mark.slow
 def test_large_batch_rules_print_the_effective_lr():
-    result = _run(
+    result = run_cli(
         *shlex.split(
             "--mesh data=4 --steps 12 --batch-size 64 --warmup-steps 2 --optimizer lars "
             "--lr 0.2 --lr-scaling linear --lr-reference-batch 256 --accumulate 2 "
@@ -55,7 +57,7 @@ def test_large_batch_rules_print_the_effective_lr():
 
 @pytest.mark.slow
 def test_tiny_cnn_run_with_periodic_eval():
-    result = _run(
+    result = run_cli(
         *shlex.split(
             "--mesh data=4 --model cnn --steps 20 --batch-size 32 --warmup-steps 2 --eval-every 10"
         )
@@ -67,7 +69,7 @@ def test_tiny_cnn_run_with_periodic_eval():
 
 @pytest.mark.slow
 def test_tiny_seq2seq_run_on_numbers2words():
-    result = _run(
+    result = run_cli(
         *shlex.split(
             "--mesh data=4 --model seq2seq --dataset numbers2words --steps 20 --batch-size 32 "
             "--warmup-steps 2 --eval-every 10"

@@ -7,9 +7,11 @@ each ``python -m jdp...`` command in it, so benchmarks run in seconds. Blocks
 for a cluster (Slurm, Kubernetes, Cloud TPU tools) are recipes for there, and
 TensorBoard is a server that runs until stopped: those lines are the only ones
 left out, each for that reason. A block whose every command is a row of the
-README's figures table is not run twice: the table's check runs it whole
-(tests/test_readme.py); nor is a benchmark's smoke run that tests/test_bench.py
-makes with the same flags (`helpers.BENCH_RUNS`).
+README's figures table is not run twice: the table's check runs it whole in the
+scheduled lane (tests/test_readme.py), and a per-change test runs its path at a
+smaller size; nor is a benchmark's smoke run that tests/test_bench.py makes with the
+same flags (`helpers.BENCH_RUNS`). Blocks whose code path another test runs are in
+the scheduled lane (`SCHEDULED`).
 """
 
 import pathlib
@@ -52,7 +54,7 @@ def _blocks():
             commands = re.sub(r"^pip install \S+ && ", "", body.replace("\\\n", " "), flags=re.M)
             commands = [" ".join(line.split()) for line in commands.strip().splitlines()]
             if commands and all(command in FIGURES for command in commands):
-                yield doc, index, None, "a README figures row, run whole by its check"
+                yield doc, index, None, "a README figures row, run whole in the scheduled lane"
                 continue
             lines, in_jdp = [], False
             for line in body.splitlines():
@@ -78,12 +80,17 @@ BLOCKS = list(_blocks())
 
 
 def test_every_block_runs_or_says_why_not():
+    runnable = {(doc, index) for doc, index, script, _ in BLOCKS if script}
+    assert set(SCHEDULED) <= runnable, sorted(set(SCHEDULED) - runnable)
     left_out = {(doc, index): why for doc, index, script, why in BLOCKS if script is None}
     assert left_out == {
-        ("README.md", 0): "a README figures row, run whole by its check",  # the first command
+        ("README.md", 0): "a README figures row, run whole in the scheduled lane",  # test_cli
         ("README.md", 1): "nothing runnable here",  # pip install '.[test]' && python -m pytest
-        ("README.md", 3): "a README figures row, run whole by its check",  # python_stdlib's gpt
-        ("docs/multihost.md", 0): "a README figures row, run whole by its check",  # jdp.launch
+        ("README.md", 3): "a README figures row, run whole in the scheduled lane",  # test_tokens
+        (
+            "docs/multihost.md",
+            0,
+        ): "a README figures row, run whole in the scheduled lane",  # test_distributed
         ("docs/performance.md", 2): "tests/test_bench.py runs it so",  # dispatch
         ("docs/performance.md", 5): "tests/test_bench.py runs it so",  # lm
         ("docs/performance.md", 6): "tests/test_bench.py runs it so",  # keras
@@ -91,6 +98,25 @@ def test_every_block_runs_or_says_why_not():
         ("docs/multihost.md", 2): "a recipe for a cluster",  # Slurm
         ("docs/multihost.md", 3): "a recipe for a cluster",  # Cloud TPU
     }
+
+
+# Blocks in the scheduled lane (tests/conftest.py), each with the per-change test that runs
+# its code path: a benchmark's docs form whose benchmark tests/test_bench.py runs, or a
+# block another block runs whole.
+SCHEDULED = {
+    ("docs/data.md", 1): "docs/data.md#2 tokenizes these docs and trains the gpt on them",
+    ("docs/performance.md", 0): "tests/test_bench.py's step sweep",
+    ("docs/performance.md", 1): "tests/test_bench.py's step sweep",
+    ("docs/performance.md", 3): "tests/test_bench.py's step sweep",
+    ("docs/performance.md", 4): "tests/test_bench.py's dispatch run",
+    ("docs/performance.md", 8): "tests/test_bench.py's diloco run",
+    ("docs/performance.md", 9): "tests/test_bench.py's input run and loader window",
+}
+
+
+def _marks(doc, index, script):
+    marks = [pytest.mark.interop] if _needs(script) else []
+    return marks + ([pytest.mark.scheduled] if (doc, index) in SCHEDULED else [])
 
 
 # What a block runs that only the interop extra installs, by a word it holds.
@@ -105,8 +131,8 @@ def _needs(script: str) -> list[str]:
 @pytest.mark.parametrize(
     "script",
     [
-        pytest.param(script, marks=[pytest.mark.interop] if _needs(script) else [])
-        for _, _, script, _ in BLOCKS
+        pytest.param(script, marks=_marks(doc, index, script))
+        for doc, index, script, _ in BLOCKS
         if script
     ],
     ids=[f"{doc}#{index}" for doc, index, script, _ in BLOCKS if script],

@@ -409,7 +409,10 @@ def test_tfds_image_datasets_stream_their_jpegs_undecoded(name, classes, tmp_pat
     assert re.search(r"step 4: val_loss=\S+ val_accuracy=", result.stdout), result.stdout
 
 
+# The scheduled lane: per change, the recipe's smoke form (tests/test_recipes.py) runs the
+# same path on JPEGs; this is the check that it learns.
 @pytest.mark.slow
+@pytest.mark.scheduled
 def test_the_imagenet_recipe_learns_from_jpegs_on_the_cpu_mesh(tmp_path):
     """The recipe's optimizer, schedule, label smoothing, weight decay and bf16, at a
     quarter of ResNet-50's width on 32 px crops of 4 classes of JPEGs, 40 steps: ResNet-50

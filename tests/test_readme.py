@@ -105,8 +105,13 @@ def test_the_fingerprint_changes_with_the_vector_code_xla_emits():
     assert native == readme.machine_numerics(readme.row_env())  # and it is deterministic
 
 
+# The scheduled lane: 21 full training runs, a quarter of the whole suite's CPU. Per change,
+# tests/test_cli.py runs the first command as typed, and the in-process equivalence tests
+# (tests/test_layout.py, test_step.py, test_distributed.py, test_models.py, test_optim.py)
+# each row's path; the checker itself is the tests above.
 @pytest.mark.timeout(1500)
 @pytest.mark.slow
+@pytest.mark.scheduled
 def test_the_readme_figures_are_what_their_commands_print():
     result = run_python("-m", "jdp.bench", "readme", "--check", timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]

@@ -81,8 +81,23 @@ def _stand_in_data(recipe, tmp_path) -> list[str]:
     return []
 
 
+# Smoke forms whose path a per-change run takes from the CLI already are in the scheduled
+# lane: the gpt on python_stdlib (tests/test_tokens.py), seq2seq on numbers2words
+# (tests/test_cli.py). The recipe's own reading is every other recipe's too.
+ALSO_RUN = {
+    "python-stdlib-gpt": "test_a_language_model_trains_on_python_stdlib_from_the_cli",
+    "numbers2words-seq2seq": "test_tiny_seq2seq_run_on_numbers2words",
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", recipe_names())
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[pytest.mark.scheduled] if name in ALSO_RUN else [])
+        for name in recipe_names()
+    ],
+)
 def test_every_recipes_smoke_form_runs(name, tmp_path):
     recipe = load_recipe(name)
 
