@@ -37,6 +37,7 @@ BLOCK = re.compile(r"(?:<!-- smoke: (?P<smoke>[^>]*?) -->\n)?```bash\n(?P<body>.
 
 
 # The README's figures rows: tests/test_readme.py runs each whole, in a fresh process.
+ROW = "a README figures row, run whole in the scheduled lane"
 FIGURES = {row.command for row in readme.table((ROOT / "README.md").read_text())}
 # A benchmark's smoke run that tests/test_bench.py makes, in the same environment.
 BENCH_TESTS = {f"python -m jdp.bench {name} {flags}" for name, flags in BENCH_RUNS.items()}
@@ -54,7 +55,7 @@ def _blocks():
             commands = re.sub(r"^pip install \S+ && ", "", body.replace("\\\n", " "), flags=re.M)
             commands = [" ".join(line.split()) for line in commands.strip().splitlines()]
             if commands and all(command in FIGURES for command in commands):
-                yield doc, index, None, "a README figures row, run whole in the scheduled lane"
+                yield doc, index, None, ROW
                 continue
             lines, in_jdp = [], False
             for line in body.splitlines():
@@ -84,13 +85,10 @@ def test_every_block_runs_or_says_why_not():
     assert set(SCHEDULED) <= runnable, sorted(set(SCHEDULED) - runnable)
     left_out = {(doc, index): why for doc, index, script, why in BLOCKS if script is None}
     assert left_out == {
-        ("README.md", 0): "a README figures row, run whole in the scheduled lane",  # test_cli
+        ("README.md", 0): ROW,  # per change: tests/test_cli.py
         ("README.md", 1): "nothing runnable here",  # pip install '.[test]' && python -m pytest
-        ("README.md", 3): "a README figures row, run whole in the scheduled lane",  # test_tokens
-        (
-            "docs/multihost.md",
-            0,
-        ): "a README figures row, run whole in the scheduled lane",  # test_distributed
+        ("README.md", 3): ROW,  # per change: tests/test_tokens.py
+        ("docs/multihost.md", 0): ROW,  # per change: tests/test_distributed.py
         ("docs/performance.md", 2): "tests/test_bench.py runs it so",  # dispatch
         ("docs/performance.md", 5): "tests/test_bench.py runs it so",  # lm
         ("docs/performance.md", 6): "tests/test_bench.py runs it so",  # keras
