@@ -35,9 +35,8 @@ from typing import TextIO
 from jdp.distributed import cluster
 from jdp.distributed.process_groups import alive, terminate
 from jdp.distributed.watchdog import EXIT_STALLED
+from jdp.mesh_spec import child_environment
 from jdp.tool import command
-
-_CPU_COUNT = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
 
 def free_port() -> int:
@@ -71,8 +70,7 @@ def device_flags(devices_per_process: int | None) -> dict[str, str]:
     flags kept); nothing when None."""
     if not devices_per_process:
         return {}
-    flags = _CPU_COUNT.sub("", os.environ.get("XLA_FLAGS", "")).strip()
-    return {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_process}"}
+    return {"XLA_FLAGS": child_environment(devices_per_process)["XLA_FLAGS"]}
 
 
 def describe_exit(code: int) -> str:

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jdp.errors import UsageError
+from jdp.mesh_spec import CPU_COUNT_FLAG
 from jdp.mesh_spec import DATA_AXIS as DATA_AXIS
 from jdp.mesh_spec import FSDP_AXIS as FSDP_AXIS
 from jdp.mesh_spec import GROUP_AXIS as GROUP_AXIS
@@ -29,8 +30,6 @@ from jdp.mesh_spec import requested_device_count as requested_device_count
 
 # Batch key that marks real rows (1) and padding (0) in eval batches.
 MASK_KEY = "mask"
-
-_CPU_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def check_spec_fits_batch(spec: str, global_batch: int) -> None:
@@ -70,7 +69,7 @@ def simulate_cpu_devices(count: int) -> bool:
         >>> len(jax.devices("cpu"))
         8
     """
-    if _CPU_COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
+    if CPU_COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
         return False
     from jax._src import xla_bridge  # no public way to ask "already started?"
 
@@ -84,7 +83,7 @@ def simulate_cpu_devices(count: int) -> bool:
             raise UsageError(
                 f"JAX already started with {have} CPU device(s), {count} wanted; call "
                 f"jdp.simulate_cpu_devices({count}) before any JAX computation, or set "
-                f"XLA_FLAGS={_CPU_COUNT_FLAG}={count} before starting Python"
+                f"XLA_FLAGS={CPU_COUNT_FLAG}={count} before starting Python"
             )
         # Started already (say, by building a Flax NNX model): start the CPU
         # backend again with more devices. Arrays made before stay readable on
@@ -156,7 +155,7 @@ def make_mesh(spec: str, *, devices: Sequence[jax.Device] | None = None) -> Mesh
 
 def _cpu_hint(devices: Sequence[jax.Device], needed: int) -> str:
     if devices and devices[0].platform == "cpu":
-        return f", or simulate CPU devices with XLA_FLAGS={_CPU_COUNT_FLAG}={needed}"
+        return f", or simulate CPU devices with XLA_FLAGS={CPU_COUNT_FLAG}={needed}"
     return ""
 
 

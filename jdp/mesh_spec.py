@@ -11,6 +11,7 @@ the same objects.
 from __future__ import annotations
 
 import math
+import os
 import re
 
 from jdp.errors import UsageError
@@ -33,6 +34,9 @@ KNOWN_AXES = (GROUP_AXIS, DATA_AXIS, FSDP_AXIS, MODEL_AXIS)
 # trains a sharded layout.
 SHARDING_AXES = (FSDP_AXIS, MODEL_AXIS)
 
+# The XLA flag that simulates CPU devices (`jdp.simulate_cpu_devices`).
+CPU_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_CPU_COUNT = re.compile(rf"{CPU_COUNT_FLAG}=\d+")
 _SPEC_ITEM = re.compile(r"^([A-Za-z_]\w*)=(-?\d+)$")
 
 
@@ -125,3 +129,17 @@ def requested_device_count(spec: str) -> int | None:
     if any(size == -1 for _, size in axes):
         return None
     return math.prod(size for _, size in axes)
+
+
+def child_environment(devices: int | None = None) -> dict[str, str]:
+    """This process's environment for a fresh process jdp starts (a launched process, a
+    benchmark's run): ``XLA_FLAGS`` kept, so the compiler options a user set apply to
+    it too, but for the simulated CPU device count, which is ``devices`` when given and
+    otherwise the fresh process's own (its command's ``--mesh`` asks for it)."""
+    env = dict(os.environ)
+    flags = _CPU_COUNT.sub("", env.pop("XLA_FLAGS", "")).split()
+    if devices:
+        flags.append(f"{CPU_COUNT_FLAG}={devices}")
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    return env

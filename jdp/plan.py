@@ -26,6 +26,7 @@ import sys
 from collections.abc import Sequence
 
 from jdp.errors import UsageError
+from jdp.mesh_spec import child_environment
 from jdp.plan_costs import Plan as Plan
 from jdp.plan_costs import build_model as build_model
 from jdp.plan_costs import compiled_figures as compiled_figures
@@ -196,9 +197,7 @@ def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan
 
 def _compile_in_child(argv: Sequence[str], devices: int) -> int:
     """Runs this command again in a process with ``devices`` simulated CPU devices."""
-    env = dict(os.environ)
-    flags = [flag for flag in env.get("XLA_FLAGS", "").split() if "device_count" not in flag]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    env = child_environment(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["JDP_PLAN_CHILD"] = "1"
     return subprocess.call([sys.executable, "-m", "jdp.plan", *argv], env=env)

@@ -4,6 +4,7 @@ from jax.sharding import AxisType, PartitionSpec
 
 import jdp
 from jdp.mesh import check_batch_size, parse_mesh_spec, process_rows
+from jdp.mesh_spec import child_environment
 
 
 @pytest.mark.parametrize(
@@ -47,6 +48,20 @@ def test_bad_mesh_specs_name_the_fix(devices, spec, needle):
     with pytest.raises(jdp.UsageError, match=needle) as error:
         jdp.make_mesh(spec)
     assert "\n" not in str(error.value)
+
+
+def test_a_fresh_process_keeps_your_xla_flags_but_the_device_count(monkeypatch):
+    """A launched process or a benchmark's run compiles with the options the user set
+    (here an instruction set); the simulated device count is its own or the one asked."""
+    monkeypatch.setenv(
+        "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2"
+    )
+    assert child_environment()["XLA_FLAGS"] == "--xla_cpu_max_isa=AVX2"
+    assert child_environment(2)["XLA_FLAGS"] == (
+        "--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=2"
+    )
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert "XLA_FLAGS" not in child_environment()
 
 
 def test_parse_keeps_order():

@@ -26,6 +26,7 @@ import tempfile
 import numpy as np
 
 from jdp.data.shards import write_llmc, write_meta
+from jdp.mesh_spec import child_environment
 
 SHARD_TOKENS = 100_000_000  # llm.c's shard size
 # A small language model's vocabulary: the logits of GPT-2's 50,257 at batch 16 and
@@ -124,8 +125,9 @@ def _one_run(args: argparse.Namespace, directory: str, mesh: str) -> str:
         "--mesh", mesh, "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
         "--steps", str(args.steps),
     ]  # fmt: skip
-    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=child_environment(), check=False
+    )
     if done.returncode:
         return f"  mesh {mesh}: failed (exit {done.returncode}): {done.stderr.strip()[-500:]}"
     figures = json.loads(done.stdout.strip().splitlines()[-1])

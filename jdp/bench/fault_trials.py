@@ -23,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jdp.distributed.process_groups import alive, in_groups
+from jdp.mesh_spec import child_environment
 
 # What a trial waits for a process that should end before it calls it hung: a run that
 # stops on a fault takes seconds; one left waiting on a failed save, 300.
@@ -39,7 +40,7 @@ _RUN = ["--mesh", "data=2", "--batch-size", "16", "--warmup-steps", "2"]
 
 
 def _env() -> dict[str, str]:
-    return {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    return child_environment()
 
 
 def _train(*flags: str, timeout: float = 300) -> subprocess.CompletedProcess | None:

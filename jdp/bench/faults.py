@@ -34,6 +34,7 @@ import optax
 
 from jdp.bench import fault_trials, tool_faults
 from jdp.bench.common import report_lines
+from jdp.mesh_spec import child_environment
 from jdp.training.run import setup_devices
 
 # A run long enough for kills to land anywhere in it, short enough for many trials.
@@ -139,7 +140,7 @@ def _train(directory: str, env: dict, timeout: float = 600) -> subprocess.Comple
 
 def kills(trials: int, seed: int, emit: Callable[[str], None]) -> Counter:
     """Kills a run at a random moment, resumes it; counts bitwise-equal final checkpoints."""
-    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    env = child_environment()
     rng = random.Random(seed)
     outcomes: Counter = Counter()
     steps = int(shlex.split(KILL_RUN)[shlex.split(KILL_RUN).index("--steps") + 1])

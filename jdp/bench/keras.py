@@ -58,6 +58,7 @@ from typing import Any
 
 from jdp.bench.common import report_lines
 from jdp.errors import UsageError
+from jdp.mesh_spec import child_environment
 
 # Seconds one run may take: the default 4,000 steps take about 2 s and the start-up
 # (imports, data, compilation) a few more on the 2-core development machine.
@@ -167,9 +168,7 @@ def _round_line(name: str, rates: dict[str, float], ratios: dict | None = None) 
 
 def _environment() -> dict[str, str]:
     """This environment on one CPU device: no simulated device count, JAX on the CPU."""
-    env = dict(os.environ)
-    flags = [flag for flag in env.get("XLA_FLAGS", "").split() if "device_count" not in flag]
-    env["XLA_FLAGS"] = " ".join(flags)
+    env = child_environment()
     # Keras's own layers promote ranks implicitly, which a caller's "raise" refuses
     # (jdp's tests set it): every arm runs with JAX's default.
     env.pop("JAX_NUMPY_RANK_PROMOTION", None)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from jdp.bench.common import names, report_lines
 from jdp.errors import UsageError
+from jdp.mesh_spec import child_environment
 from jdp.training.compile_cache import DIRNAME
 
 # Seconds one run may take to its first step: gpt's compilation takes about 15 s on the
@@ -88,9 +89,9 @@ def _command(model: str, ckpt_dir: str) -> list[str]:
 
 def _environment() -> dict[str, str]:
     # No cache of yours (it would take the place of CKPT_DIR/compile_cache), no device count.
-    dropped = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR",
-               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")  # fmt: skip
-    env = {key: value for key, value in os.environ.items() if key not in dropped}
+    env = child_environment()
+    for cache in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
+        env.pop(cache, None)
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
