@@ -1,5 +1,5 @@
 """Set before JAX starts, for the tests and the docstring examples alike: 8 simulated
-CPU devices, LLVM's optimization level (`pytest_configure`), implicit rank
+CPU devices, XLA's quickest compiles (`pytest_configure`), implicit rank
 promotion refused (a broadcast nobody asked for is a bug waiting in a model), and
 a compilation cache for the session. Fresh processes the tests start inherit them
 all.
@@ -11,6 +11,8 @@ jdp's own step code under it instead."""
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 os.environ["XLA_FLAGS"] = (
@@ -35,23 +37,43 @@ import pytest
 
 pytest_plugins = ["tests.suite_report"]  # python -m pytest --suite-report FILE
 
+QUICK_COMPILE = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
+
 
 def pytest_configure(config):
-    """LLVM's optimization level, unless ``XLA_FLAGS`` gives one: 1 for the suite, 0 for
-    a lane without the slow tests.
+    """XLA's quickest compiles, unless ``XLA_FLAGS`` gives an optimization level:
+    `QUICK_COMPILE`, LLVM's level 0, XLA's older CPU emitters for fusions (the newer
+    ones compile slower) and one LLVM module per program, not split for threads.
 
-    Most tests compile more than they run. On the 2-core machine, the fast lane took
-    406 s of CPU at the default level 3 and 326 s at level 1 (back to back), and
-    276 s at 1 against 235 s at 0 an hour later; a 100-step seq2seq run was as fast
-    at 1 as at 3, and 1.5x slower at 0, so the whole suite, whose slow tests train,
-    stays at 1. Programs compiled alike agree bit for bit, as the equivalence tests
-    compare them; one of the numerics fingerprint's twelve values (a loss) has other
-    last bits than at 3, so the README's rows, compared with figures recorded at the
-    default, drop the flag (`jdp.bench.readme.row_env`). Set here, before any test
-    starts JAX's backend, and inherited by the fresh processes tests start."""
-    if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-        level = 0 if "not slow" in (config.option.markexpr or "") else 1
-        os.environ["XLA_FLAGS"] += f" --xla_backend_optimization_level={level}"
+    Most tests compile far more than they run. A tiny GPT's train step compiled for
+    three meshes and run 3 steps each took 37 s of CPU at LLVM's level 1 (the suite's
+    setting before), 29 s at 0, 17 s at 0 with the older emitters and 14.5 s with one
+    module as well; a 100-step seq2seq run, which trains, took 84 s at 1 and 124 s
+    with all three (its steps ran 3x slower). The per-change lane took 5,320 s of
+    CPU at level 1 and 4,095 s with these (2026-11-29, the 2-core machine), the
+    fast lane less too. Programs compiled alike agree bit for bit, as the
+    equivalence tests compare them; figures recorded at XLA's defaults (the README's
+    rows, the numerics fingerprint) are compared with runs that drop these flags
+    (`jdp.bench.readme.row_env`). Set here, before any test starts JAX's backend,
+    and inherited by the fresh processes tests start."""
+    if "--xla_backend_optimization_level" in os.environ["XLA_FLAGS"]:
+        return
+    flags = " ".join(QUICK_COMPILE)
+    if not _xla_knows(flags):  # a JAX whose XLA renamed one: the level alone
+        flags = QUICK_COMPILE[0]
+    os.environ["XLA_FLAGS"] += f" {flags}"
+
+
+def _xla_knows(flags: str) -> bool:
+    """Whether this JAX's XLA takes ``flags``: it ends the process on one it does not
+    know, so a fresh process is asked (once a session, about 2 s)."""
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} {flags}"}
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
 
 
 @pytest.fixture(autouse=True)

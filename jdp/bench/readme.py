@@ -50,11 +50,12 @@ SUMMARY = re.compile(
 TEST_COUNT = re.compile(r"\b(?P<count>[\d,]+) (?P<split>test|validation)\)")
 SETTINGS = re.compile(r"^Recorded with: (?P<settings>.+)\.$", re.M)
 FINGERPRINT = re.compile(r"numerics (?P<key>[0-9a-f]{12})")
-# Each row chooses its own device count, and compiles at XLA's default optimization
-# level as a user's command does (the test suite compiles at a lower one, which
-# gives some results other last bits).
+# Each row chooses its own device count, and compiles with XLA's defaults as a user's
+# command does (the test suite compiles with less effort, which gives some results
+# other last bits).
 _NOT_CARRIED = re.compile(
     r"--xla_force_host_platform_device_count=\d+|--xla_backend_optimization_level=\d+"
+    r"|--xla_cpu_use_fusion_emitters=\w+|--xla_cpu_parallel_codegen_split_count=\d+"
 )
 
 # The reruns --spread makes of each row: other seeds (another initialisation and
