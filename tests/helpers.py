@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jdp.mesh_spec import child_environment
+
 INTEROP = "pip install '.[interop]'"
 
 # Benchmark runs that tests/test_bench.py makes and that are also docs blocks with their
@@ -41,21 +43,12 @@ def interop(*modules: str, load: bool = True) -> list:
     return [pytest.importorskip(name) for name in modules] if load else []
 
 
-_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\d+")
-
-
 def subprocess_env(devices: int | None = None) -> dict[str, str]:
     """This environment for a fresh process, which sets up its own devices unless
-    ``devices`` fixes the CPU device count (as hardware does). The suite's other XLA
-    flags stay: its LLVM level (conftest.py) is what most fresh runs, a few steps each,
-    spend their time on."""
-    env = dict(os.environ)
-    flags = _DEVICE_COUNT.sub("", env.pop("XLA_FLAGS", "")).split()
-    if devices:
-        flags.append(f"--xla_force_host_platform_device_count={devices}")
-    if flags:
-        env["XLA_FLAGS"] = " ".join(flags)
-    return env
+    ``devices`` fixes the CPU device count (as hardware does): the suite's other XLA
+    flags stay, as for the processes jdp starts. Its quick compiles (conftest.py) are
+    what most fresh runs, a few steps each, spend their time on."""
+    return child_environment(devices)
 
 
 def run_python(*args, timeout=240, devices=None, **popen) -> subprocess.CompletedProcess:
