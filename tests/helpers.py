@@ -24,7 +24,7 @@ INTEROP = "pip install '.[interop]'"
 BENCH_RUNS = {
     "dispatch": "--rounds 1 --round-seconds 0.05 --steps-per-call 1,4",
     "diloco": "--workloads mlp --steps 20 --sync-every 1,10",
-    "lm": "--mesh data=1,data=8 --seq-len 32 --vocab-size 256 --rounds 2 --steps 2",
+    "lm": "--mesh data=2 --seq-len 32 --vocab-size 256 --rounds 2 --steps 2",
     "keras": "--steps 40 --rounds 2",
 }
 

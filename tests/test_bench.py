@@ -130,9 +130,10 @@ def test_logging_benchmark_reports_the_ratio():
 def test_step_benchmark_sweeps_sizes_against_the_best_hand_written_step():
     # Two sizes on one mesh: the sweep over meshes is the docs' block's
     # (docs/performance.md: mlp-38k on data=1 and data=2, exit 0 checked), and a cell's
-    # own devices the test below; gpt-small's two meshes took 90 of this test's 110 s.
+    # own devices the test below. A cell's code is the same for every case; the gpt case
+    # took 60 of this test's 90 s of CPU, and its step is tests/test_lm_model.py's.
     result = _bench(
-        "step", "--cases mlp-38k,gpt-small --meshes data=2 --rounds 1 --round-seconds 0.05"
+        "step", "--cases mlp-38k,mlp-0.7m --meshes data=2 --rounds 1 --round-seconds 0.05"
     )
     assert result.returncode == 0, result.stderr
     rows = re.findall(
@@ -143,7 +144,7 @@ def test_step_benchmark_sweeps_sizes_against_the_best_hand_written_step():
     )
     assert [(row[0], row[1], row[2]) for row in rows] == [
         ("mlp-38k", "38k", "data=2"),
-        ("gpt-small", "829k", "data=2"),
+        ("mlp-0.7m", "648k", "data=2"),
     ], result.stdout
     for *_, rate, _, itself, jit, pmap, host, device, ahead in rows:  # digits on the devices
         assert int(rate.replace(",", "")) > 0
@@ -249,8 +250,9 @@ def test_lm_benchmark_races_jdp_against_the_hand_written_step_on_the_same_model(
         result.stdout,
         re.M,
     )
-    cells = [(mesh, arm) for mesh in ("data=1", "data=8") for arm in ("hand-written", "jdp")]
-    assert [row[:2] for row in rows] == cells, result.stdout
+    assert [row[:2] for row in rows] == [("data=2", "hand-written"), ("data=2", "jdp")], (
+        result.stdout
+    )
     for _, arm, rate, ms, compile_s, ratio in rows:
         assert int(rate.replace(",", "")) > 0 and float(ms) > 0 and float(compile_s) >= 0
         assert float(ratio) == 1.0 if arm == "hand-written" else float(ratio) > 0
@@ -260,7 +262,7 @@ def test_lm_benchmark_races_jdp_against_the_hand_written_step_on_the_same_model(
         result.stdout,
         re.M,
     )
-    assert len(checks) == 2, result.stdout
+    assert len(checks) == 1, result.stdout
     for jdp_loss, hand_loss, tolerance in checks:
         assert abs(float(jdp_loss) - float(hand_loss)) <= float(tolerance) < 0.5
 

@@ -21,9 +21,9 @@ from helpers import alive, assert_bitwise_equal, launched_pids, loader_workers, 
 
 from jdp.checkpoint import load_params
 
-STEPS = 600
+STEPS = 300
 TRAIN = [sys.executable, "-m", "jdp.train", "--mesh", "data=-1", "--steps", str(STEPS),
-         "--ckpt-every", "100", "--eval-every", "0", "--log-every", "20"]  # fmt: skip
+         "--ckpt-every", "50", "--eval-every", "0", "--log-every", "20"]  # fmt: skip
 # Seconds a run's processes may take to exit after its summary line (Orbax's and the
 # distributed runtime's threads), and the launcher to start (its imports: JAX, Orbax,
 # Grain), on a loaded 2-core machine: outside the ledger's wall.
@@ -35,14 +35,14 @@ FAILS_AGAIN = (
     "    sys.exit(1)\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
-# Process 1 sleeps inside a callback of its own at step 250, on the run's first start only
+# Process 1 sleeps inside a callback of its own at step 130, on the run's first start only
 # (sys.argv[1] is made then): the others go on into step 251's all-reduce and wait there.
 STALLS_IN_A_CALLBACK = (
     "import os, sys, time\n"
     "from jdp.training.flags import parse_flags\n"
     "from jdp.training.loop import fit\n"
     "def hang_once(progress):\n"
-    "    if (progress.step == 250 and os.environ['JDP_PROCESS_ID'] == '1'\n"
+    "    if (progress.step == 130 and os.environ['JDP_PROCESS_ID'] == '1'\n"
     "            and not os.path.exists(sys.argv[1])):\n"
     "        open(sys.argv[1], 'w').close()\n"
     "        time.sleep(3600)\n"
@@ -169,7 +169,7 @@ def whole(tmp_path_factory):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("when", ["mid-run", "during a save"])
 def test_a_killed_process_is_restarted_and_the_run_ends_bitwise(whole, tmp_path, when):
-    ready = _logged(tmp_path, 140) if when == "mid-run" else _saving_after(tmp_path, 100)
+    ready = _logged(tmp_path, 80) if when == "mid-run" else _saving_after(tmp_path, 50)
     began = time.monotonic()
     code, out, err = _kill_when(_launcher(tmp_path, "--max-restarts", "2"), ready)
     stopwatch = time.monotonic() - began
@@ -189,8 +189,8 @@ def test_a_killed_process_is_restarted_and_the_run_ends_bitwise(whole, tmp_path,
     lost = killed["last_step"] - int(resumed[1])  # as far as the killed start wrote
     assert goodput["recomputed_steps"] == lost >= 0
     assert (goodput["parts"]["recomputed"] > 0) == (lost > 0)
-    if when == "mid-run":  # killed once step 140 was logged, which it writes first
-        assert killed["last_step"] >= 140
+    if when == "mid-run":  # killed once step 80 was logged, which it writes first
+        assert killed["last_step"] >= 80
     assert abs(sum(goodput["parts"].values()) - goodput["wall"]) <= 0.02 * goodput["wall"]
     assert stopwatch - EXIT_SECONDS <= goodput["wall"] <= stopwatch
 
@@ -204,7 +204,7 @@ def test_a_process_that_cannot_come_back_is_left_out(whole, tmp_path):
     wrapper = [sys.executable, "-c", FAILS_AGAIN, str(mark)]
     launcher = _launcher(tmp_path / "ckpt", "--max-restarts", "3", "--min-nproc", "1",
                          wrapper=wrapper)  # fmt: skip
-    code, _, err = _kill_when(launcher, _saved(tmp_path / "ckpt", 100), then=mark.touch)
+    code, _, err = _kill_when(launcher, _saved(tmp_path / "ckpt", 50), then=mark.touch)
     assert code == 0, err[-3000:]
     assert "process 1 failed twice in a row; going on with 1 processes (--min-nproc 1)" in err
     assert "restart 2 of 3: 1 processes" in err
@@ -219,7 +219,7 @@ def test_spent_restarts_end_in_one_line_with_the_last_checkpoint_intact(tmp_path
     mark = tmp_path / "fails-again"
     wrapper = [sys.executable, "-c", FAILS_AGAIN, str(mark)]
     launcher = _launcher(tmp_path / "ckpt", "--max-restarts", "1", wrapper=wrapper)
-    code, _, err = _kill_when(launcher, _saved(tmp_path / "ckpt", 100), then=mark.touch)
+    code, _, err = _kill_when(launcher, _saved(tmp_path / "ckpt", 50), then=mark.touch)
     assert code == 1
     assert err.strip().splitlines()[-1] == (
         "jdp.launch: --max-restarts 1 spent; the last complete checkpoint is where a rerun resumes"
@@ -238,7 +238,7 @@ def test_a_stalled_process_ends_the_group_and_the_restart_ends_bitwise(whole, tm
     assert launcher.returncode == 0, err[-3000:]
     stacks = f"{_log_dir(tmp_path / 'ckpt')}/stalls/process-1.txt"
     line = re.search(r"\[0\] jdp: process 1 of 2 stalled in a callback \(hang_once\) after "
-                     rf"step 250: no progress for (\d+) s \(--stall-timeout {STALL}\); its "
+                     rf"step 130: no progress for (\d+) s \(--stall-timeout {STALL}\); its "
                      rf"Python stacks are in {re.escape(stacks)}; ending the run with exit code "
                      "75", err)  # fmt: skip
     assert line and STALL <= int(line[1]) <= STALL + 10, err[-3000:]
@@ -246,7 +246,7 @@ def test_a_stalled_process_ends_the_group_and_the_restart_ends_bitwise(whole, tm
     assert "jdp.launch: restart 1 of 1" in err
     with open(stacks) as file:
         text = file.read()
-    assert text.startswith("process 1: in a callback (hang_once), step 250"), text[:300]
+    assert text.startswith("process 1: in a callback (hang_once), step 130"), text[:300]
     assert "line 8 in hang_once" in text  # the sleep
     assert_bitwise_equal(_params(tmp_path / "ckpt"), _params(whole))
     goodput, attempts = _goodput(tmp_path / "ckpt")

@@ -83,10 +83,13 @@ def _stand_in_data(recipe, tmp_path) -> list[str]:
 
 # Smoke forms whose path a per-change run takes from the CLI already are in the scheduled
 # lane: the gpt on python_stdlib (tests/test_tokens.py), seq2seq on numbers2words
-# (tests/test_cli.py). The recipe's own reading is every other recipe's too.
+# (tests/test_cli.py), and GPT-2 small, the same gpt on a token corpus at 124M parameters
+# (100 s of CPU; its parameters are counted in tests/test_lm_model.py).
+# The recipe's own reading is every other recipe's too.
 ALSO_RUN = {
     "python-stdlib-gpt": "test_a_language_model_trains_on_python_stdlib_from_the_cli",
     "numbers2words-seq2seq": "test_tiny_seq2seq_run_on_numbers2words",
+    "gpt2-124m": "test_gpt2_124m_has_gpt2s_parameters",
 }
 
 

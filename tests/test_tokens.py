@@ -332,7 +332,7 @@ def test_the_cli_names_a_missing_vocabulary_and_dtype(tmp_path):
 
 
 _KILL_RUN = ["--model", "gpt", "--seq-len", str(SEQ), "--batch-size", "16", "--mesh", "data=8",
-             "--steps", "40", "--ckpt-every", "10", "--warmup-steps", "5"]  # fmt: skip
+             "--steps", "20", "--ckpt-every", "5", "--warmup-steps", "5"]  # fmt: skip
 
 
 def _train(corpus, directory, *launch, log=True) -> subprocess.CompletedProcess:
@@ -377,7 +377,7 @@ def test_sigkill_then_resume_on_token_data_is_bitwise_identical(corpus, whole, t
     assert process.returncode == -signal.SIGKILL, "the run ended before it was killed"
     resumed = _train(corpus, tmp_path, log=False)
     assert re.search(r"^jdp: resuming from step \d+ in ", resumed.stdout, re.M)
-    assert_bitwise_equal(saved_arrays(tmp_path / "ckpt", 40), saved_arrays(whole / "ckpt", 40))
+    assert_bitwise_equal(saved_arrays(tmp_path / "ckpt", 20), saved_arrays(whole / "ckpt", 20))
 
 
 @pytest.mark.slow
@@ -421,7 +421,8 @@ def test_python_stdlib_is_the_standard_librarys_text_and_decodes_back(tmp_path):
 def test_a_language_model_trains_on_python_stdlib_from_the_cli(tmp_path):
     result = run_cli(
         "--model", "gpt", "--dataset", "python_stdlib", "--data-dir", tmp_path, "--seq-len", "64",
-        "--batch-size", "16", "--steps", "30", "--mesh", "data=2", "--log-dir", tmp_path / "log",
+        "--batch-size", "16", "--steps", "12", "--mesh", "data=2", "--log-dir", tmp_path / "log",
+        "--eval-batches", "4",  # not the whole val split: 19 of the run's 80 s
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     line = result.stdout.strip().splitlines()[-1]

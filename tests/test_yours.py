@@ -256,10 +256,10 @@ def test_an_optax_optimizer_of_ones_own_logs_its_lr_and_resumes_bitwise(tmp_path
 @pytest.mark.slow
 def test_a_batchnorm_model_comes_back_and_predicts_its_reported_accuracy(tmp_path):
     ckpt = str(tmp_path / "resnet")
-    config = _config(model="resnet20", steps=60, warmup_steps=6, ckpt_dir=ckpt, lr=3e-3)
+    config = _config(model="resnet20", steps=30, warmup_steps=6, ckpt_dir=ckpt, lr=3e-3)
     result = _fit(config)
     loaded = jdp.load_model(ckpt)
-    assert "batch_stats" in loaded.model_state and loaded.step == 60
+    assert "batch_stats" in loaded.model_state and loaded.step == 30
     test = jdp.load_split("digits", "test")
     logits = jdp.predict(loaded.model, loaded.params, test, model_state=loaded.model_state,
                          mesh=jdp.make_mesh("data=8"), batch_size=config.batch_size)  # fmt: skip
