@@ -218,3 +218,36 @@ def test_bad_input_is_one_line_and_exit_2(flags, said):
     assert result.returncode == 2, result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and said in lines[0], result.stderr
+
+
+def test_the_peers_named_are_checked_and_those_left_out_say_why(tmp_path):
+    """``--peers``: an unknown arm, or a nanoGPT folder without its model.py, is one line;
+    ``auto`` races each arm this machine can run and says why it left out the others."""
+    import importlib.util
+
+    from jdp.bench import peers
+    from jdp.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^--peers: unknown arm 'jax'; choose from: "
+                       r"transformers, nanogpt, torchvision, torch eager, torch graphs, or "
+                       r"auto, or none$"):  # fmt: skip
+        peers.choose("jax", "")
+    with pytest.raises(UsageError, match=r"no model.py there; give a checkout of karpathy/nanoGPT"):
+        peers.choose("auto", str(tmp_path))
+    assert peers.choose("none", "") == ([], {})
+    racing, left_out = peers.choose("auto", "")
+    for arm in peers.ALL:  # each left out for the first thing it lacks, or racing
+        needs = [m for m in ("torch", peers.NEEDS.get(arm)) if m]
+        missing = [m for m in needs if importlib.util.find_spec(m) is None]
+        if missing:
+            assert left_out[arm] == f"needs {missing[0]}: pip install {missing[0]}"
+        elif arm == "nanogpt":
+            assert left_out[arm] == "needs a nanoGPT checkout: --nanogpt DIR"
+        else:
+            assert arm in racing
+    result = bench("--smoke", "--parts", "machine", "--peers", "jax", "--out", tmp_path / "o")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "jdp.bench: error: --peers: unknown arm 'jax'; choose from: transformers, nanogpt, "
+        "torchvision, torch eager, torch graphs, or auto, or none"
+    ]

@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 
+from jdp.bench import peers
 from jdp.bench.gpu_host import (
     CORRECTNESS_STEPS,
     SWEEP_CASES,
@@ -92,6 +93,8 @@ class Sizes:
     sweep_cases: tuple[str, ...] = SWEEP_CASES
     correctness_steps: int = CORRECTNESS_STEPS
     smoke: bool = False
+    peers: tuple[str, ...] = ()  # the PyTorch arms that race (`jdp.bench.peers`)
+    nanogpt: str = ""  # --nanogpt DIR: a checkout of karpathy/nanoGPT
 
 
 # The smoke run computes in fp32: XLA:CPU compiles bf16 programs several times slower.
@@ -156,6 +159,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "kernels one arm runs alone are printed (jdp.bench lm --profile's)",
     )
     parser.add_argument(
+        "--peers",
+        default="auto",
+        help="the PyTorch arms raced in the same rounds, comma-separated, from "
+        f"{', '.join(peers.ALL)}; auto: each this machine can run; none",
+    )
+    parser.add_argument(
+        "--nanogpt",
+        default="",
+        metavar="DIR",
+        help="a checkout of karpathy/nanoGPT: its model.py races GPT-2 as the nanogpt arm",
+    )
+    parser.add_argument(
         "--gpt-rows",
         type=int,
         default=0,
@@ -183,11 +198,21 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--parts: unknown part {part!r}; choose from: {', '.join(PARTS)}")
     if args.budget <= 0:
         raise UsageError("--budget must be positive (seconds)")
-    # Before JAX starts: the process may take 92% of an accelerator's memory, not 75%.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
-    sizes = dataclasses.replace(SMOKE if args.smoke else Sizes(), **(
-        {"gpt_rows": args.gpt_rows} if args.gpt_rows else {}),
-        gpt_picks=_picks(args.gpt2_cells), gpt_profile=args.gpt2_profile)  # fmt: skip
+    racing, left_out = peers.choose(args.peers, args.nanogpt)
+    # Before JAX starts: the process may take 92% of an accelerator's memory, not 75%;
+    # with peers racing, only what it uses, so that their processes have the rest.
+    if racing:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    else:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    sizes = dataclasses.replace(
+        SMOKE if args.smoke else Sizes(),
+        **({"gpt_rows": args.gpt_rows} if args.gpt_rows else {}),
+        gpt_picks=_picks(args.gpt2_cells),
+        gpt_profile=args.gpt2_profile,
+        peers=tuple(racing),
+        nanogpt=os.path.abspath(args.nanogpt) if args.nanogpt else "",
+    )
     if not args.smoke and jax.default_backend() == "cpu":
         print(
             "jdp.bench gpu: no accelerator here (JAX's platform is cpu); the full sizes "
@@ -196,11 +221,14 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     report = Report(args.out, args.budget, args.smoke)
+    report.data["peers"] = {"racing": racing, "left_out": left_out}
 
     def say(line: str) -> None:
         print(line, flush=True)
 
     say(f"jdp.bench gpu: parts {', '.join(parts)}; budget {args.budget:.0f} s; -> {args.out}")
+    left = "".join(f"; {name} left out ({why})" for name, why in left_out.items())
+    say(f"jdp.bench gpu: PyTorch peers {', '.join(racing) or 'none'}{left}")
     with _compiles_for(args.smoke):
         _run_parts(args, parts, sizes, report, say)
     say(f"--- jdp.bench gpu, {report.elapsed():.0f} s, {report.data['date']} ---")

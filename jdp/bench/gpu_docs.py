@@ -37,7 +37,16 @@ TARGETS = {
     "gpt2_ratio": (0.97, "jdp's step against the hand-written one"),
     "resnet_images": (2_500, "NVIDIA's PyTorch ResNet-50, mixed precision: 2,470 on an A100"),
     "sweep_ratio": (0.9, "the small models' step against the hand-written one"),
+    "gpt2_peer": (1.0, "jdp's GPT-2 against the best PyTorch arm on the same GPU"),
+    "resnet_peer": (1.0, "jdp's ResNet-50 against torchvision's under torch.compile"),
+    "sweep_peer": (1.0, "the small models: jdp against PyTorch with CUDA graphs"),
 }
+
+
+def best_peer(peers: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The fastest PyTorch arm that ran (``jdp.bench.peers``), by its median rate."""
+    ran = [(arm, peer) for arm, peer in peers.items() if "error" not in peer]
+    return max(ran, key=lambda item: item[1]["rate"], default=None)
 
 
 def merge(paths: list[str], kind: str = "?") -> dict[str, Any]:
@@ -141,6 +150,19 @@ def targets(merged: dict[str, Any]) -> list[str]:
     cases = parts.get("sweep", {}).get("cases", [])
     worst = min((case["ratios"]["jdp"] for case in cases), default=None)
     line("sweep_ratio", worst, f"{worst or 0:.3f}x (the worst case)")
+    peer = best_peer(best.get("peers", {})) if best else None
+    ratio = peer[1]["jdp_over_peer"] if peer else None
+    line("gpt2_peer", ratio, f"{ratio or 0:.3f}x ({peer[0] if peer else '-'})")
+    torchvision = resnet.get("peers", {}).get("torchvision", {})
+    ratio = torchvision.get("jdp_over_peer")
+    line("resnet_peer", ratio, f"{ratio or 0:.3f}x")
+    graphs = [
+        case["peers"]["torch graphs"]["jdp_over_peer"]
+        for case in cases
+        if "jdp_over_peer" in case.get("peers", {}).get("torch graphs", {})
+    ]
+    worst = min(graphs, default=None)
+    line("sweep_peer", worst, f"{worst or 0:.3f}x (the worst case)")
     return lines
 
 
@@ -214,9 +236,20 @@ def readme_line(merged: dict[str, Any]) -> str:
         return "No accelerator figure yet: `python -m jdp.bench gpu` measures them."
     n, run = gpt_numbers(best), best.get("run") or merged["parts"]["gpt2"]["run"]
     mfu = f", {n['mfu']:.1%} MFU" if "mfu" in n else ""
+    against = vision = ""
+    peer = best_peer(best.get("peers", {}))
+    if peer:
+        name, figures = peer
+        against = (
+            f", {figures['jdp_over_peer']:.3f}x the best PyTorch arm "
+            f"({name}, {figures['rate']:,.0f})"
+        )
+    torchvision = resnet.get("peers", {}).get("torchvision", {})
+    if "jdp_over_peer" in torchvision:
+        vision = f", {torchvision['jdp_over_peer']:.3f}x torchvision's ({torchvision['rate']:,.0f})"
     return (f"On one {run['kind']} (`python -m jdp.bench gpu`, {run['date']}): GPT-2 124M "
             f"(T = 1024, bf16) at {n['jdp']:,.0f} tokens/s, {n['ratio']:.3f}x a hand-written "
-            f"step{mfu}; ResNet-50 at {resnet['jdp']:,.0f} images/s "
+            f"step{mfu}{against}; ResNet-50 at {resnet['jdp']:,.0f} images/s{vision} "
             "([performance](docs/performance.md#accelerator-figures)).")  # fmt: skip
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdp.bench import peers
 from jdp.bench.arms import interleaved_rates, jdp_loop, ratios_to
 
 # A part's ``sizes`` is a `jdp.bench.gpu.Sizes`, its ``report`` the run's `jdp.bench.gpu.Report`.
@@ -74,6 +75,20 @@ def part_loader(sizes: Sizes, device_rate: float | None) -> dict[str, Any]:
 # --- 5. the small-model sweep ------------------------------------------------------------
 
 
+def peer_spec(case, run, batch, smoke: bool) -> dict[str, Any]:
+    """What the PyTorch MLPs train for a sweep case: its layers, rows and Adam's rate."""
+    from jdp.models.registry import MODELS
+
+    return {
+        "rows": int(batch["image"].shape[0]),
+        "inputs": int(np.prod(batch["image"].shape[1:])),
+        "hidden": list(case.hidden or MODELS[case.model].sizes[case.model_size]["hidden"]),
+        "classes": run.train.num_classes,
+        "lr": run.config.lr,
+        "smoke": smoke,
+    }
+
+
 def part_sweep(sizes: Sizes, report: Report, end: float,
                on_line: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
     from jdp.bench.arms import (
@@ -109,8 +124,16 @@ def part_sweep(sizes: Sizes, report: Report, end: float,
                                        place=places_ahead(run.mesh))  # fmt: skip
                 loader = stack.enter_context(loader)
                 arms[arm] = jdp_loop(run.train_step, run, loader, run.optimizer)
-            rates = interleaved_rates(arms, rounds=sizes.sweep_rounds,
+            # The same MLP in PyTorch (the gpt case has no PyTorch arm of its own).
+            racing = [
+                a for a in sizes.peers if a in peers.ARMS["sweep"] and CASES[name].model == "mlp"
+            ]
+            spec = peer_spec(CASES[name], run, batch, sizes.smoke) if racing else {}
+            racers = peers.racing(racing, lambda arm, spec=spec: spec)
+            built, failed = stack.enter_context(racers)
+            rates = interleaved_rates(arms | built, rounds=sizes.sweep_rounds,
                                       round_seconds=sizes.round_seconds, rows=rows)  # fmt: skip
+            raced = peers.results(built, failed, rates)
         ratios = ratios_to(rates, "hand-written")
         opt_state = run.optimizer.init(run.state.params)
         scalars = hand_written_with_scalars(run.model, run.optimizer)
@@ -125,6 +148,8 @@ def part_sweep(sizes: Sizes, report: Report, end: float,
         results.append({"case": name, "params": _params(run), "rows": rows,
                         "rates": {arm: statistics.median(r) for arm, r in rates.items()},
                         "ratios": ratios, "overhead": overhead})  # fmt: skip
+        if racing:
+            results[-1]["peers"] = raced
         on_line(
             f"  sweep {name} ({_params(run)}): hand-written "
             f"{results[-1]['rates']['hand-written']:,.0f} examples/s; jdp "

@@ -22,9 +22,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdp.bench import kernels
+from jdp.bench import kernels, peers
 from jdp.bench.arms import interleaved_rates, ratios_to
-from jdp.bench.gpu_table import gpt_line, setting_text
+from jdp.bench.gpu_table import gpt_line, peer_lines, setting_text
 from jdp.mesh_spec import DATA_AXIS
 from jdp.report.throughput import peak_flops
 
@@ -154,11 +154,19 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
                        vocab_size=sizes.gpt_vocab or lm.GPT2_VOCAB, data="",
                        rounds=sizes.gpt_rounds, steps=sizes.gpt_steps, **options)  # fmt: skip
         started = time.monotonic()
+        # The PyTorch peers race the first cell, the tuned default.
+        racing = [arm for arm in sizes.peers if arm in peers.ARMS["gpt2"]] if not index else []
+        spec = gpt2_peer_spec(cell, sizes) if racing else {}
         try:
-            with tempfile.TemporaryDirectory() as traces:
+            with (
+                tempfile.TemporaryDirectory() as traces,
+                peers.racing(racing, lambda arm, spec=spec: spec) as (built, failed),
+            ):
                 if sizes.gpt_profile:
                     cell = dataclasses.replace(cell, profile=traces)
-                result = lm.measure_cell(cell)
+                result = lm.measure_cell(cell, built)
+                if racing:
+                    result["peers"] = peers.results(built, failed, result["rates"])
         except Exception as error:
             cells.append({"setting": setting, "error": f"{type(error).__name__}: {error}"[:500]})
             on_line(f"  gpt2 {setting_text(setting)}: {cells[-1]['error'][:200]}")
@@ -173,12 +181,40 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
         result["bytes_limit"] = stats.get("bytes_limit")
         cells.append(result)
         on_line(gpt_line(result))
+        for line in peer_lines(result.get("peers", {}), "tokens", result):
+            on_line(line)
         for line in kernels.compare(result["kernels"]) if result["kernels"] else []:
             on_line(f"    {line}")
         report.land("gpt2", ran | {"partial": True})  # a run cut short keeps its cells
         gc.collect()
         jax.clear_caches()
     return ran
+
+
+def gpt2_peer_spec(cell, sizes: Sizes) -> dict[str, Any]:
+    """What a PyTorch peer trains for a GPT-2 cell: the same rows, tokens, layers,
+    widths and dropout, and the cell's AdamW; nanoGPT pads the vocabulary to a multiple
+    of 64 as its train.py does (GPT-2's 50,257 to 50,304)."""
+    from jdp.bench import lm
+
+    module = lm.gpt_module(cell, cell.vocab_size)
+    return {
+        "rows": cell.batch_size,
+        "seq_len": cell.seq_len,
+        "vocab": cell.vocab_size,
+        "nanogpt_vocab": -(-cell.vocab_size // 64) * 64,
+        "layers": module.layers,
+        "width": module.width,
+        "heads": module.heads,
+        "hidden": module.hidden,
+        "dropout": module.dropout,
+        "lr": lm.LR,
+        "weight_decay": lm.WEIGHT_DECAY,
+        "betas": [lm.B1, lm.B2],
+        "precision": cell.precision,
+        "smoke": sizes.smoke,
+        "nanogpt": sizes.nanogpt,
+    }
 
 
 # --- 3. ResNet-50 ------------------------------------------------------------------
@@ -272,14 +308,33 @@ def part_resnet50(sizes: Sizes) -> dict[str, Any]:
         jax.block_until_ready(metrics)
 
     arms = {"hand-written": hand_arm, "jdp": jdp_arm}
-    rates = interleaved_rates(arms, rounds=sizes.resnet_rounds, round_seconds=sizes.round_seconds,
-                              rows=rows, multiple=1)  # fmt: skip
+    racing = [arm for arm in sizes.peers if arm in peers.ARMS["resnet50"]]
+    # torchvision's ResNet-50 at the same rows and pixels, SGD as the hand-written step's.
+    spec = {
+        "rows": rows,
+        "px": px,
+        "lr": 0.1,
+        "momentum": 0.9,
+        "precision": sizes.resnet_precision,
+        "smoke": sizes.smoke,
+    }
+    with peers.racing(racing, lambda arm: spec) as (built, failed):
+        rates = interleaved_rates(
+            arms | built,
+            rounds=sizes.resnet_rounds,
+            round_seconds=sizes.round_seconds,
+            rows=rows,
+            multiple=1,
+        )
+        raced = peers.results(built, failed, rates)
     count = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
     result = {"rows": rows, "px": px, "size": sizes.resnet_size, "params": int(count),
               "precision": sizes.resnet_precision,
               "rates": rates, "jdp": statistics.median(rates["jdp"]),
               "hand": statistics.median(rates["hand-written"]),
               "ratio": ratios_to(rates, "hand-written")["jdp"]}  # fmt: skip
+    if racing:
+        result["peers"] = raced
     gc.collect()
     jax.clear_caches()
     return result

@@ -92,6 +92,8 @@ def _gpt2(gpt: dict[str, Any]) -> list[str]:
         lines.append(f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}{rows:>5}"
                      f"{n['jdp']:>13,.0f}{n['hand']:>14,.0f}{n['ratio']:>7.3f}x{mfu}"
                      f"{memory}  {compiler_text(s) or 'default'}")  # fmt: skip
+    for cell in gpt["cells"][:1]:  # the PyTorch peers race the first cell
+        lines += peer_lines(cell.get("peers", {}), "tokens", cell)
     lines += [f"  {setting_text(s)}: not run (budget)" for s in gpt["skipped_for_budget"]]
     if gpt.get("partial"):  # landed after a cell, and the run ended before the part did
         lines.append("  (the run ended within this part: the cells after these were not run)")
@@ -99,9 +101,35 @@ def _gpt2(gpt: dict[str, Any]) -> list[str]:
 
 
 def _resnet50(resnet: dict[str, Any]) -> list[str]:
-    return [f"ResNet-50 {resnet['size']}, {resnet['px']} px synthetic, {resnet['rows']} rows, "
+    line = (f"ResNet-50 {resnet['size']}, {resnet['px']} px synthetic, {resnet['rows']} rows, "
             f"{resnet.get('precision', 'bf16')}: jdp {resnet['jdp']:,.0f} images/s, "
-            f"hand-written {resnet['hand']:,.0f}, {resnet['ratio']:.3f}x"]  # fmt: skip
+            f"hand-written {resnet['hand']:,.0f}, {resnet['ratio']:.3f}x")  # fmt: skip
+    return [line, *peer_lines(resnet.get("peers", {}), "images")]
+
+
+def peer_lines(peers: dict[str, Any], unit: str, cell: dict[str, Any] | None = None) -> list[str]:
+    """A line for each PyTorch peer: its rate, jdp's ratio to it (within each round),
+    its compile time and what it chose; with a GPT-2 ``cell``, its MFU by the cell's
+    counts of FLOPs per token."""
+    lines = []
+    for arm, peer in peers.items():
+        if "error" in peer:
+            lines.append(f"  vs {arm}: FAILED: {peer['error'][:200]}")
+            continue
+        mfu = ""
+        if cell and cell.get("peak"):
+            mfu = (
+                f", MFU {cell['flops_per_token'] * peer['rate'] / cell['peak']:.1%} "
+                f"(causal {cell['flops_per_token_causal'] * peer['rate'] / cell['peak']:.1%})"
+            )
+        chose = ", ".join(f"{key} {peer[key]}" for key in ("attention", "layout") if key in peer)
+        lines.append(
+            f"  vs {arm} (PyTorch {peer['torch']}): {peer['rate']:,.0f} {unit}/s{mfu}; jdp "
+            f"{peer['jdp_over_peer']:.3f}x; compile {peer['compile_s']:.1f} s; "
+            f"{peer['compile']}, {peer['precision']}, {peer['optimizer']}"
+            + (f", {chose}" if chose else "")
+        )
+    return lines
 
 
 def _loader(loader: dict[str, Any]) -> list[str]:
@@ -132,6 +160,7 @@ def _sweep(sweep: dict[str, Any]) -> list[str]:
                      f"hand-written {case['rates']['hand-written']:,.0f} examples/s; jdp "
                      f"{r['jdp']:.3f}x, 4 steps per call {r['jdp, 4 steps per call']:.3f}x"
                      f"{fed}{where}")  # fmt: skip
+        lines += peer_lines(case.get("peers", {}), "examples")
     return lines
 
 

@@ -173,14 +173,17 @@ def first_losses(run: Run, step, hand: HandWritten, params, tokens, dtype
     return check, first_s
 
 
-def measure_cell(cell: Cell) -> dict[str, Any]:
+def measure_cell(cell: Cell, peers: dict[str, Callable[[int], None]] | None = None
+                 ) -> dict[str, Any]:  # fmt: skip
     """One cell in this process (its devices set up for ``cell.mesh`` already): each
-    arm's tokens/s per round and compile time, and the first-loss check."""
+    arm's tokens/s per round and compile time, and the first-loss check. ``peers``:
+    more arms (`jdp.bench.peers`), raced in the same rounds; their rates land in
+    ``rates`` beside the two arms'."""
     with optimization_level(cell.optimization):
-        return _measure_cell(cell)
+        return _measure_cell(cell, peers or {})
 
 
-def _measure_cell(cell: Cell) -> dict[str, Any]:
+def _measure_cell(cell: Cell, peers: dict[str, Callable[[int], None]]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         run = jdp_run(cell, cell.data or synthetic_corpus(scratch, cell))
         tokens = first_batch(run, cell.batch_size)["tokens"]
@@ -202,7 +205,7 @@ def _measure_cell(cell: Cell) -> dict[str, Any]:
         "hand-written": _on_cpu_time(hand_lm_loop(hand, params, tokens), cpu, "hand-written"),
         "jdp": _on_cpu_time(jdp_loop(step, run, batch, run.optimizer), cpu, "jdp"),
     }
-    rates = interleaved_rates(arms, rounds=cell.rounds, round_seconds=0.0,
+    rates = interleaved_rates(arms | peers, rounds=cell.rounds, round_seconds=0.0,
                               rows=cell.batch_size * cell.seq_len, multiple=cell.steps)  # fmt: skip
     # The first two calls of each arm settle (`interleaved_rates`).
     cpu_ms = {arm: 1e3 * statistics.median(cpu[arm][2:]) / cell.steps for arm in ARMS}
