@@ -14,6 +14,7 @@ autotuning as nanoGPT's train.py and PyTorch's tuning guide set them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -90,8 +91,6 @@ def _build(spec: dict[str, Any]) -> _Arm:
 
 
 def _autocast(torch, spec, device):
-    import contextlib
-
     if spec["precision"] == "bf16":
         return lambda: torch.autocast(device, dtype=torch.bfloat16)
     return contextlib.nullcontext
@@ -117,13 +116,7 @@ def _gpt2(torch, spec, device) -> _Arm:
     autocast = _autocast(torch, spec, device)
     tokens = torch.randint(0, spec["vocab"], (rows, length + 1), device=device)
 
-    def step(inputs, targets):
-        with autocast():
-            loss = loss_of(compiled, inputs, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    step = _step(lambda inputs, targets: loss_of(compiled, inputs, targets), optimizer, autocast)
 
     info = {
         "arm": spec["arm"],
@@ -219,13 +212,7 @@ def _resnet50(torch, spec, device) -> _Arm:
     images = torch.randn(rows, 3, px, px, device=device).to(memory_format=torch.channels_last)
     labels = torch.randint(0, 1000, (rows,), device=device)
 
-    def step(images, labels):
-        with autocast():
-            loss = F.cross_entropy(compiled(images), labels)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    step = _step(lambda x, y: F.cross_entropy(compiled(x), y), optimizer, autocast)
 
     info = {
         "arm": "torchvision",
@@ -259,15 +246,9 @@ def _mlp(torch, spec, device) -> _Arm:
     labels = torch.randint(0, spec["classes"], (rows,), device=device)
     # CUDA graphs replay into the same memory: each iteration begins a step, as
     # PyTorch's docs ask of a training loop under "reduce-overhead".
-    begin = torch.compiler.cudagraph_mark_step_begin if "reduce" in how else lambda: None
-
-    def step(inputs, labels):
-        begin()
-        loss = F.cross_entropy(compiled(inputs), labels)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    begin = torch.compiler.cudagraph_mark_step_begin if "reduce" in how else None
+    loss_of = lambda x, y: F.cross_entropy(compiled(x), y)  # noqa: E731
+    step = _step(loss_of, optimizer, contextlib.nullcontext, begin)
 
     info = {
         "arm": spec["arm"],
@@ -278,6 +259,24 @@ def _mlp(torch, spec, device) -> _Arm:
         "optimizer": "Adam" + (" (fused)" if device == "cuda" else ""),
     }
     return _Arm(torch, step, (inputs, labels), info, device)
+
+
+def _step(loss_of, optimizer, autocast, begin=None):
+    """A training step as PyTorch's docs write the loop: ``begin()`` (CUDA graphs' step
+    mark), the loss under ``autocast()``, backward, the optimizer's step, the gradients
+    set to None; the loss back, detached."""
+
+    def step(*batch):
+        if begin is not None:
+            begin()
+        with autocast():
+            loss = loss_of(*batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
 
 
 def _precision(spec) -> str:
