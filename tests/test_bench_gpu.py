@@ -228,9 +228,12 @@ def test_the_peers_named_are_checked_and_those_left_out_say_why(tmp_path):
     from jdp.bench import peers
     from jdp.errors import UsageError
 
-    with pytest.raises(UsageError, match=r"^--peers: unknown arm 'jax'; choose from: "
-                       r"transformers, nanogpt, torchvision, torch eager, torch graphs, or "
-                       r"auto, or none$"):  # fmt: skip
+    with pytest.raises(
+        UsageError,
+        match=r"^--peers: unknown arm 'jax'; choose from: "
+        r"transformers, nanogpt, torchvision, torch eager, torch graphs, or "
+        r"auto, or none$",
+    ):
         peers.choose("jax", "")
     with pytest.raises(UsageError, match=r"no model.py there; give a checkout of karpathy/nanoGPT"):
         peers.choose("auto", str(tmp_path))

@@ -21,8 +21,17 @@ ARMS = ("transformers", "torchvision", "torch eager", "torch graphs")
 def test_the_pytorch_peers_race_jdp_in_the_same_rounds(tmp_path):
     interop("torch", "transformers", "torchvision", load=False)  # the peers' processes import them
     out = tmp_path / "gpu.json"
-    result = run_tool("jdp.bench.__main__", "gpu", "--smoke", "--parts", "gpt2,resnet50,sweep",
-                      "--peers", ",".join(ARMS), "--out", out)  # fmt: skip
+    result = run_tool(
+        "jdp.bench.__main__",
+        "gpu",
+        "--smoke",
+        "--parts",
+        "gpt2,resnet50,sweep",
+        "--peers",
+        ",".join(ARMS),
+        "--out",
+        out,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["peers"] == {"racing": list(ARMS), "left_out": {}}

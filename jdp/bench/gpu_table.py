@@ -101,9 +101,11 @@ def _gpt2(gpt: dict[str, Any]) -> list[str]:
 
 
 def _resnet50(resnet: dict[str, Any]) -> list[str]:
-    line = (f"ResNet-50 {resnet['size']}, {resnet['px']} px synthetic, {resnet['rows']} rows, "
-            f"{resnet.get('precision', 'bf16')}: jdp {resnet['jdp']:,.0f} images/s, "
-            f"hand-written {resnet['hand']:,.0f}, {resnet['ratio']:.3f}x")  # fmt: skip
+    line = (
+        f"ResNet-50 {resnet['size']}, {resnet['px']} px synthetic, {resnet['rows']} rows, "
+        f"{resnet.get('precision', 'bf16')}: jdp {resnet['jdp']:,.0f} images/s, "
+        f"hand-written {resnet['hand']:,.0f}, {resnet['ratio']:.3f}x"
+    )
     return [line, *peer_lines(resnet.get("peers", {}), "images")]
 
 

@@ -173,8 +173,9 @@ def first_losses(run: Run, step, hand: HandWritten, params, tokens, dtype
     return check, first_s
 
 
-def measure_cell(cell: Cell, peers: dict[str, Callable[[int], None]] | None = None
-                 ) -> dict[str, Any]:  # fmt: skip
+def measure_cell(
+    cell: Cell, peers: dict[str, Callable[[int], None]] | None = None
+) -> dict[str, Any]:
     """One cell in this process (its devices set up for ``cell.mesh`` already): each
     arm's tokens/s per round and compile time, and the first-loss check. ``peers``:
     more arms (`jdp.bench.peers`), raced in the same rounds; their rates land in
@@ -243,8 +244,9 @@ def _on_cpu_time(loop: Callable[[int], None], seconds: dict[str, list[float]], a
     return timed
 
 
-def _cell_in_own_process(args: argparse.Namespace, mesh: str, remat: str, attention: str
-                         ) -> dict[str, Any]:  # fmt: skip
+def _cell_in_own_process(
+    args: argparse.Namespace, mesh: str, remat: str, attention: str
+) -> dict[str, Any]:
     """`measure_cell`'s result, from ``python -m jdp.bench lm --cell`` started for it."""
     flags = {"--mesh": mesh, "--remat": remat, "--attention": attention,
              "--model-size": args.model_size, "--seq-len": args.seq_len,
