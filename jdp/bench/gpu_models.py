@@ -135,7 +135,7 @@ def gpt_cells(smoke: bool = False, picks: tuple[int, ...] = ()) -> list[dict[str
 
 def part_gpt2(sizes: Sizes, report: Report, share_end: float,
               on_line: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
-    from jdp.bench import lm
+    from jdp.bench import lm, lm_cell
 
     rows = gpt_rows(sizes)  # on one device: every part's mesh is data=1
     cells, skipped = [], []
@@ -149,9 +149,9 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
             continue
         options = {key: value for key, value in setting.items() if key != "rows"}
         batch = max(1, int(rows * setting.get("rows", 1)))
-        cell = lm.Cell(mesh="data=1", model_size=sizes.gpt_size, seq_len=sizes.seq_len,
+        cell = lm_cell.Cell(mesh="data=1", model_size=sizes.gpt_size, seq_len=sizes.seq_len,
                        batch_size=batch, precision=sizes.gpt_precision,
-                       vocab_size=sizes.gpt_vocab or lm.GPT2_VOCAB, data="",
+                       vocab_size=sizes.gpt_vocab or lm_cell.GPT2_VOCAB, data="",
                        rounds=sizes.gpt_rounds, steps=sizes.gpt_steps, **options)  # fmt: skip
         started = time.monotonic()
         # The PyTorch peers race the first cell, the tuned default.
