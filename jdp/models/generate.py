@@ -38,7 +38,6 @@ from jdp.models.transformer import (
     EPSILON,
     GPT,
     FeedForward,
-    greedy_decode,
     layer_norm,
     stack_layers,
 )
@@ -338,14 +337,28 @@ def translate(model: Model, params, model_state, batch, *, bos: int, eos: int) -
     """Greedy decoding of ``batch``'s sources by a built-in sequence model (seq2seq, gpt).
 
     Returns ``(rows, target length)`` tokens from ``<bos>``, as long as ``batch["target"]``
-    (whose contents are not read); see `greedy_decode`.
+    (whose contents are not read), each the most likely given those before it; after
+    ``<eos>`` a row continues with ``<eos>`` (as `greedy_decode`).
+
+    One program decodes every position: each step runs the model on the whole target
+    buffer and reads the logits at its position. The decoder is causal, so the
+    positions not yet decoded are never attended to: each token is the one a call on
+    its prefix alone gives, and the one the evaluation's exact match reads from the
+    same call (`sequence`).
     """
-
-    @jax.jit  # compiled once per prefix length
-    def next_logits(prefix):
-        feed = {**batch, "target": jnp.pad(prefix, ((0, 0), (0, 1)))}  # the model reads [:, :-1]
-        outputs, _ = model.apply(params, model_state, feed, train=False)
-        return outputs[:, -prefix.shape[1] :]
-
     rows, length = batch["target"].shape
-    return greedy_decode(next_logits, rows, length - 1, bos=bos, eos=eos)
+
+    @jax.jit
+    def decode(batch):
+        def step(index, carry):
+            tokens, done = carry
+            outputs, _ = model.apply(params, model_state, {**batch, "target": tokens}, train=False)
+            # The target's positions are the last (a gpt reads the source before them).
+            token = jnp.argmax(outputs[:, index - (length - 1)], -1).astype(jnp.int32)
+            token = jnp.where(done, eos, token)
+            return tokens.at[:, index + 1].set(token), done | (token == eos)
+
+        tokens = jnp.full((rows, length), eos, jnp.int32).at[:, 0].set(bos)
+        return jax.lax.fori_loop(0, length - 1, step, (tokens, jnp.zeros(rows, bool)))[0]
+
+    return decode(batch)
