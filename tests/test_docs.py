@@ -102,7 +102,8 @@ def test_every_block_runs_or_says_why_not():
 # its code path: a benchmark's docs form whose benchmark tests/test_bench.py runs, or a
 # block another block runs whole.
 SCHEDULED = {
-    ("docs/data.md", 1): "docs/data.md#2 tokenizes these docs and trains the gpt on them",
+    ("docs/data.md", 1): "tests/test_tokenize.py, tests/test_tokens.py's stdlib run",
+    ("docs/data.md", 2): "tests/test_tokenize.py, tests/test_tokens.py, tests/test_generate.py",
     ("docs/performance.md", 0): "tests/test_bench.py's step sweep",
     ("docs/performance.md", 1): "tests/test_bench.py's step sweep",
     ("docs/performance.md", 3): "tests/test_bench.py's step sweep",

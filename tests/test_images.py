@@ -247,7 +247,10 @@ def _cli(dataset, ckpt_dir):
     return [sys.executable, "-m", "jdp.train", *flags]
 
 
+# The scheduled lane: per change, tests/test_checkpoint.py kills and resumes bitwise, and
+# tests/test_streams.py a run on streamed batches; tests/test_replay.py resumes BatchNorm.
 @pytest.mark.slow
+@pytest.mark.scheduled
 def test_kill_9_and_resume_is_bitwise_with_batchnorm_and_workers(tree, tmp_path):
     reference = subprocess.run(_cli(tree[1], tmp_path / "whole"), capture_output=True,
                                text=True, timeout=400, env=subprocess_env())  # fmt: skip
@@ -308,7 +311,10 @@ def _padded_jpeg(path, index: int, size: int) -> None:
     path.write_bytes(picture[:2] + b"".join(segments) + picture[2:])
 
 
+# The scheduled lane: a size, not a path; per change the packed shards are read by
+# test_a_streamed_run_on_data8_matches_data1_and_the_packed_form_bitwise.
 @pytest.mark.slow
+@pytest.mark.scheduled
 def test_a_5_gb_split_trains_an_epoch_in_flat_memory(tmp_path):
     """5.2 GB of encoded images (8 distinct JPEGs of 1.95 MB, hard-linked 2,688 times,
     then packed into array_record shards: 5.2 GB on disk) train for a whole epoch

@@ -237,8 +237,9 @@ def test_a_run_reports_the_model_flops_not_xlas_count_of_a_loop(tmp_path):
 @pytest.mark.slow
 def test_a_gpt_checkpoint_of_unrolled_layers_starts_a_scanned_run(tmp_path):
     """--init-from a checkpoint written before scanned layers: its layers are stacked."""
+    # One evaluation batch: the test reads parameters, not metrics.
     base = {"mesh": "data=2", "model": "gpt", "dataset": "numbers2words", "batch_size": 16,
-            "warmup_steps": 1}  # fmt: skip
+            "warmup_steps": 1, "eval_batches": 1}  # fmt: skip
     old = str(tmp_path / "old")
     jdp.fit(jdp.TrainConfig(**base, steps=2, unroll_layers=True, ckpt_dir=old),
             console=jdp.Console(enabled=False))  # fmt: skip

@@ -362,7 +362,12 @@ def whole(corpus, tmp_path_factory):
     return directory
 
 
+# The scheduled lane, with the next: per change, tests/test_checkpoint.py kills and
+# resumes bitwise, each step's windows follow (seed, step) alone
+# (test_each_process_reads_only_its_rows_of_the_same_global_batch) and
+# tests/test_distributed.py runs two processes under the launcher.
 @pytest.mark.slow
+@pytest.mark.scheduled
 def test_sigkill_then_resume_on_token_data_is_bitwise_identical(corpus, whole, tmp_path):
     command = [sys.executable, "-m", "jdp.train", *_KILL_RUN, "--dataset", f"tokens:{corpus}",
                "--ckpt-dir", str(tmp_path / "ckpt")]  # fmt: skip
@@ -381,6 +386,7 @@ def test_sigkill_then_resume_on_token_data_is_bitwise_identical(corpus, whole, t
 
 
 @pytest.mark.slow
+@pytest.mark.scheduled
 def test_two_processes_match_one_on_token_data(corpus, whole, tmp_path):
     launcher = [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "4",
                 "--"]  # fmt: skip
