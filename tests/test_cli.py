@@ -72,7 +72,7 @@ def test_tiny_seq2seq_run_on_numbers2words():
     result = run_cli(
         *shlex.split(
             "--mesh data=4 --model seq2seq --dataset numbers2words --steps 20 --batch-size 32 "
-            "--warmup-steps 2 --eval-every 10"
+            "--warmup-steps 2 --eval-every 10 --eval-batches 2"
         )
     )
     assert result.returncode == 0, result.stderr
