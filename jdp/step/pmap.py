@@ -18,11 +18,23 @@ from jdp.mesh import (
 from jdp.step.contract import as_step, check_rows
 
 
-def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, outputs: int, donate,
-             shardings: tuple[NamedSharding, NamedSharding]):  # fmt: skip
+def _pmapped(
+    replica_fn,
+    mesh: Mesh,
+    batch_axis: int,
+    steps: int,
+    outputs: int,
+    donate,
+    shardings: tuple[NamedSharding, NamedSharding],
+    *,
+    axis_name: str = DATA_AXIS,
+    train_state: bool = True,
+):
     """The pmap backend's (call, lower): the global batch split per device first.
     ``shardings``: the state's and the batch's, as `CompiledStep` holds them;
-    every output is replicated, as the state."""
+    every output is replicated, as the state. ``axis_name``: the replicas' name inside
+    ``replica_fn``. ``train_state``: the state is jdp's `TrainState` (checked to be
+    replicated, its compiled programs found by its placement); False for any pytree."""
     replicas = data_size(mesh)
 
     def per_output(value):
@@ -31,7 +43,7 @@ def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, outputs: int, 
     def pmap(donate_argnums):
         return jax.pmap(
             replica_fn,
-            axis_name=DATA_AXIS,
+            axis_name=axis_name,
             in_axes=(None, 0),
             out_axes=per_output(None),
             devices=list(mesh.devices.flat),
@@ -63,17 +75,26 @@ def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, outputs: int, 
             out_shardings=per_output(shardings[0]),
             donate_argnums=donate,
         )
-        return stepped(_checked_state(fused)), fused.lower
+        return stepped(_checked_state(fused) if train_state else fused), fused.lower
     pmapped = pmap(donate)
     split = jax.jit(per_device, out_shardings=NamedSharding(mesh, PartitionSpec(DATA_AXIS)))
+    call = _across_processes(pmapped, split, mesh, train_state=train_state)
+    return stepped(call), lambda state, batch: pmapped.lower(state, split(batch))
 
-    # Called, jax.pmap re-derives its arguments' layout in Python each time (about
-    # 70 us a call more than its program compiled ahead of time, on a 2-core CPU:
-    # a tenth of a small model's step). Its programs are compiled once per state
-    # placement and batch shape, found again by them, and called as they are.
+
+def _across_processes(pmapped, split, mesh: Mesh, *, train_state: bool):
+    """The pmap backend's call where each process holds some of the devices: the
+    global batch split per device in a call of its own (``split``), then ``pmapped``.
+
+    Called, jax.pmap re-derives its arguments' layout in Python each time (about
+    70 us a call more than its program compiled ahead of time, on a 2-core CPU: a
+    tenth of a small model's step). A `TrainState`'s programs are compiled once per
+    placement and batch shape, found again by them, and called as they are."""
     programs: dict[tuple, jax.stages.Compiled] = {}
 
     def call(state, batch):
+        if not train_state:
+            return _on_mesh(pmapped(state, split(batch)), mesh)
         _check_pmap_state(state)
         per_device_batch = split(batch)
         leaves, structure = jax.tree.flatten(per_device_batch)
@@ -82,10 +103,7 @@ def _pmapped(replica_fn, mesh: Mesh, batch_axis: int, steps: int, outputs: int, 
             programs[key] = pmapped.lower(state, per_device_batch).compile()
         return _on_mesh(programs[key](state, per_device_batch), mesh)
 
-    def lower(state, batch):
-        return pmapped.lower(state, split(batch))
-
-    return stepped(call), lower
+    return call
 
 
 def _check_pmap_state(state: Any) -> None:
