@@ -42,6 +42,7 @@ __getattr__, __dir__, __all__ = lazy.attach(
         "jdp.step": (
             "CompiledStep",
             "SyncStep",
+            "data_parallel_step",
             "evaluate",
             "make_eval_step",
             "make_sync_step",

@@ -29,6 +29,7 @@ def test_public_names_are_pinned():
         "actions",
         "create_train_state",
         "data",
+        "data_parallel_step",
         "diloco",
         "distributed",
         "eval_batches",

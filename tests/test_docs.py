@@ -30,7 +30,7 @@ DOCS = [
     "README.md", "docs/library.md", "docs/cli.md", "docs/data.md", "docs/models.md",
     "docs/sharding.md", "docs/diloco.md", "docs/multihost.md", "docs/checkpoints.md",
     "docs/observability.md", "docs/performance.md", "docs/examples.md", "docs/layout.md",
-    "docs/figures.md", "docs/testing.md", "colab/README.md",
+    "docs/figures.md", "docs/testing.md", "docs/adopt.md", "colab/README.md",
 ]  # fmt: skip
 CLUSTER_TOOLS = ("srun", "sbatch", "gcloud", "kubectl")
 BLOCK = re.compile(r"(?:<!-- smoke: (?P<smoke>[^>]*?) -->\n)?```bash\n(?P<body>.*?)```", re.S)

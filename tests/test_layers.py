@@ -248,14 +248,21 @@ def _handlers(source: str) -> list[str]:
 
 def test_the_step_picks_its_program_without_catching_errors():
     """The step chooses its program from the mesh and the state's placement: in
-    jdp/step only the step's call (`as_step`) catches an error, to say why the
-    arguments were refused, and no one-element list holds closure state."""
+    jdp/step only the steps' calls catch an error, to say in one line why the
+    arguments were refused (`as_step`, `data_parallel_step`'s), or the function an
+    axis name it does not bind (`bound_axes`, reading JAX's error in `unbound_axis`),
+    and no one-element list holds closure state."""
     found = {
         f"{path.name}: {what}"
         for path in sorted((PACKAGE / "step").glob("*.py"))
         for what in _handlers(path.read_text())
     }
-    assert found == {"contract.py: except in as_step.call"}
+    assert found == {
+        "contract.py: except in as_step.call",
+        "adopt.py: except in _called.step",
+        "axes.py: except in bound_axes.traced",
+        "axes.py: except in unbound_axis.trace",
+    }
 
 
 def test_the_handler_check_sees_a_planted_switch():

@@ -17,6 +17,7 @@ from jdp.diloco.state import check_group_mesh
 from jdp.diloco.steps import compile_groups, synchronised_eval
 from jdp.errors import UsageError
 from jdp.mesh import (
+    DATA_AXIS,
     GROUP_AXIS,
     batch_axes,
     data_size,
@@ -28,6 +29,7 @@ from jdp.reduce import pack_leaf_bytes
 from jdp.replica import LossFn, Metrics
 from jdp.rngs import wants_row_keys
 from jdp.state import TrainState
+from jdp.step.axes import bound_axes
 from jdp.step.contract import Backend, CompiledStep, _check_backend
 from jdp.step.data_parallel import _compile
 from jdp.step.sharded import _compile_sharded, _sharded_eval, _sharded_train
@@ -62,10 +64,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
             fp16 loss scaling); create the state with the same one.
         accumulate: micro-batches per replica, scanned; one all-reduce per update.
         lr_schedule: the optimizer's schedule, to report ``lr``.
-        steps_per_call: optimizer steps per call, scanned (less host dispatch per
-            step), equal to as many single steps: the batch stacks them, leaves
-            ``(steps_per_call, rows, ...)`` (`shard_batch(..., stacked=True)`), and
-            each metric comes back ``(steps_per_call,)``.
+        steps_per_call: optimizer steps per call, scanned (less host dispatch), equal
+            to as many single steps: batch leaves ``(steps_per_call, rows, ...)``
+            (`shard_batch(..., stacked=True)`), each metric ``(steps_per_call,)``.
         skip_nonfinite: keep the state as it was when the loss or the averaged
             gradient is not finite, counting ``skipped_steps``.
         grad_norm: also report ``grad_norm``, the averaged gradient's global norm
@@ -79,7 +80,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     Raises:
         UsageError: an unknown backend, a mesh without ``data``, ``pmap`` on several
             axes, counts below 1; when called, a batch whose rows do not split over
-            the replicas, or a donated state.
+            the replicas, a donated state, or a loss reducing over another axis name.
 
     Examples:
         >>> def loss_fn(params, batch, rng):
@@ -99,6 +100,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
                    lr_schedule=lr_schedule, skip_nonfinite=skip_nonfinite,
                    grad_norm=grad_norm, row_keys=wants_row_keys(loss_fn))  # fmt: skip
     loss = replica.loss_with_state(loss_fn, has_aux=has_aux, has_model_state=has_model_state)
+    loss = _axes_named(loss, mesh)
     sharded = _sharded_train(loss, optimizer, mesh, steps, **options)
     if way == "sharded":
         return _compile_sharded(sharded, mesh, outputs=2, donate_state=True, steps=steps)
@@ -113,6 +115,21 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
         scanned if steps > 1 else one_step, mesh, backend, outputs=2, donate_state=True,
         steps=steps, sharded=sharded if backend == "jit" else None,
     )  # fmt: skip
+
+
+def _axes_named(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+    """``fn`` (the user's loss or metrics) whose reductions over an axis the step does not
+    bind (a model written with ``axis_name="batch"``) fail in one line that names it."""
+    return bound_axes(fn, {axis: mesh.shape[axis] for axis in manual_axes(mesh)}, _rename)
+
+
+def _rename(axis: str) -> str:
+    """The fix for a model that names its replicas' axis ``axis``."""
+    return (
+        f"name the model's axis {DATA_AXIS!r} (nn.BatchNorm(axis_name={DATA_AXIS!r}), "
+        f"lax.pmean(x, {DATA_AXIS!r})), or keep a train step of your own and run it with "
+        f"jdp.data_parallel_step(train_step, mesh, axis_name={axis!r})"
+    )
 
 
 def _check_counts(accumulate: int, steps_per_call: int) -> None:
@@ -161,7 +178,9 @@ def make_eval_step(
     """
     _check_backend(backend, mesh)
     way = _way(mesh)
-    metrics = replica.metrics_with_state(metrics_fn, has_model_state=has_model_state)
+    metrics = _axes_named(
+        replica.metrics_with_state(metrics_fn, has_model_state=has_model_state), mesh
+    )
     if way == "groups":  # the synchronised parameters, replicated: no layout to follow
         compiled = _compile(
             replica.eval_step(metrics, batch_axes(mesh)), mesh, backend, outputs=1,
