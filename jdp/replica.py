@@ -71,6 +71,16 @@ def _check_params(params: Any) -> None:
             )
 
 
+# The metrics a train step reports of its own, which no aux metric may replace.
+STEP_METRICS = {
+    "loss": "the whole objective loss_fn returns, penalties included",
+    "lr": "the learning rate",
+    "grad_norm": "the averaged gradient's norm",
+    "loss_scale": "fp16's loss scale",
+    "skipped_steps": "the steps skipped for a non-finite loss or gradient",
+}
+
+
 def _check_objective(loss: Any, aux: Any) -> None:
     """One line for a loss or aux that has no useful gradient or average."""
     shape, dtype = jnp.shape(loss), jnp.result_type(loss)
@@ -85,6 +95,12 @@ def _check_objective(loss: Any, aux: Any) -> None:
         )
     if not isinstance(aux, Mapping):
         raise UsageError(f"aux must be a dict of scalar metrics, got {type(aux).__name__}")
+    for name in STEP_METRICS:
+        if name in aux:
+            raise UsageError(
+                f"aux metric {name!r} is a name the step reports itself ({STEP_METRICS[name]}), "
+                f"which yours would replace; name it another way (e.g. {name + '_aux'!r})"
+            )
     for name, value in aux.items():
         if jnp.shape(value) != ():
             raise UsageError(

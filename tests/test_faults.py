@@ -338,6 +338,11 @@ def _aux_vector(params, batch, rng):
     return jnp.mean(out**2), {"per_example": out.sum(axis=1)}
 
 
+def _aux_named_loss(params, batch, rng):  # the cross-entropy of a loss with a penalty
+    cross_entropy = jnp.mean((batch["x"] @ params["w"]) ** 2)
+    return cross_entropy + 1e-4 * jnp.sum(params["w"] ** 2), {"loss": cross_entropy}
+
+
 def _aux_missing(params, batch, rng):
     return jnp.mean((batch["x"] @ params["w"]) ** 2)
 
@@ -349,6 +354,13 @@ def _aux_missing(params, batch, rng):
         (_loss_int, False, None, "loss_fn returned a int32 loss, which has no gradient"),
         (_aux_vector, True, None, "aux metric 'per_example' has shape (1,); aux holds scalars"),
         (_aux_missing, True, None, "with has_aux=True, loss_fn must return (loss, aux); it "),
+        (
+            _aux_named_loss,
+            True,
+            None,
+            "aux metric 'loss' is a name the step reports itself (the "
+            "whole objective loss_fn returns, penalties included), which yours would replace",
+        ),
         (_aux_missing, False, {"w": jnp.ones((4, 1), jnp.int32)}, "parameter ['w'] is int32"),
     ],
 )
