@@ -21,7 +21,7 @@ import optax
 from jax import lax
 
 from jdp.errors import UsageError
-from jdp.mesh import DATA_AXIS, MASK_KEY
+from jdp.mesh import DATA_AXIS
 from jdp.precision import Precision, all_finite, cast_floats
 from jdp.reduce import global_norm, pmean_bucketed, pmean_floats
 from jdp.rngs import micro_rng, replica_rng
@@ -107,13 +107,6 @@ def _check_objective(loss: Any, aux: Any) -> None:
                 f"aux metric {name!r} has shape {jnp.shape(value)}; aux holds scalars, "
                 "averaged over replicas (e.g. jnp.mean(per_example))"
             )
-
-
-def metrics_with_state(metrics_fn: LossFn, *, has_model_state: bool) -> LossFn:
-    """``metrics_fn`` as ``(params, model_state, batch) -> {name: per-example values}``."""
-    if has_model_state:
-        return metrics_fn
-    return lambda params, model_state, batch: metrics_fn(params, batch)
 
 
 def check_accumulate(rows: int, accumulate: int, replicas: int = 1) -> None:
@@ -357,34 +350,5 @@ def train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, **optio
     def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         grads, metrics, model_state = parts.gradients(state, batch)
         return parts.update(state, grads, model_state, metrics)
-
-    return step
-
-
-def eval_step(metrics_fn: LossFn, axes: tuple[str, ...] = (DATA_AXIS,)
-              ) -> Callable[[TrainState, Any], Metrics]:  # fmt: skip
-    """Masked sums of per-example metrics over one replica's slice, summed over replicas
-    (over ``axes``, the axes the batch is split over).
-
-    ``metrics_fn`` has the form `metrics_with_state` gives.
-    """
-
-    def step(state: TrainState, batch: Any) -> Metrics:
-        per_example = metrics_fn(state.params, state.model_state, batch)
-        rows = jax.tree.leaves(batch)[0].shape[0]
-        if isinstance(batch, Mapping) and MASK_KEY in batch:
-            mask = batch[MASK_KEY].astype(jnp.float32)
-        else:
-            mask = jnp.ones((rows,), jnp.float32)
-        sums = {}
-        for name, values in per_example.items():
-            if values.shape != (rows,):
-                raise UsageError(
-                    f"eval metric {name!r} has shape {values.shape}; metrics_fn must "
-                    f"return one value per example, shape ({rows},)"
-                )
-            sums[name] = jnp.sum(values.astype(jnp.float32) * mask)
-        sums["count"] = jnp.sum(mask)
-        return lax.psum(sums, axes)
 
     return step

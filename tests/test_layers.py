@@ -29,6 +29,7 @@ LAYERS = {
     "mesh": "library", "mesh_spec": "library", "layout": "library", "precision": "library",
     "optim": "library", "rngs": "library",
     "state": "library", "actions": "library", "step": "library", "replica": "library",
+    "replica_eval": "library",
     "reduce": "library", "diloco": "library",
     "report": "services", "data": "services", "models": "services", "checkpoint": "services",
     "distributed": "services",

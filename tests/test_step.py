@@ -219,6 +219,44 @@ def test_exact_eval_counts_every_example_once(mesh8, mesh1, backend):
         assert result["loss"] == pytest.approx(expected_loss, rel=1e-5)
 
 
+def test_eval_takes_batch_means_with_their_weights(mesh8, mesh1):
+    """A script's evaluation that returns batch means: each with its weight (here the real
+    rows it averaged), the same means as per-example values give, on a padded split."""
+    from jdp.data.pipeline import eval_batches
+    from jdp.data.sources import Split
+
+    def means(metrics_fn):
+        def weighted(params, model_state, batch):
+            mask = batch["mask"].astype(jnp.float32)
+            rows = jnp.sum(mask)
+            per_example = metrics_fn(params, model_state, batch)
+            return {
+                k: (jnp.sum(v * mask) / jnp.maximum(rows, 1), rows) for k, v in per_example.items()
+            }
+
+        return weighted
+
+    for mesh in (mesh8, mesh1):
+        _, model, images, labels, state = _mlp_setup(mesh)
+        split = Split(images, labels, num_classes=4)
+        results = [
+            jdp.evaluate(
+                jdp.make_eval_step(fn, mesh, has_model_state=True),
+                state,
+                eval_batches(split, mesh, batch_size=16),
+            )
+            for fn in (model.metrics_fn, means(model.metrics_fn))
+        ]
+        assert results[1].keys() == results[0].keys()
+        # The same 37 terms summed in another order (per replica, means times rows): at
+        # most 37 EPS32 = 4.4e-6 relative for non-negative terms (tests/closeness.py).
+        for name in ("loss", "accuracy"):
+            assert results[1][name] == pytest.approx(results[0][name], rel=5e-6)
+    wrong = jdp.make_eval_step(lambda params, batch: {"m": jnp.ones(2)}, mesh1)
+    with pytest.raises(jdp.UsageError, match=r"or a mean over the real rows with its weight"):
+        wrong(state, jdp.shard_batch({"x": np.ones((4, 1), np.float32)}, mesh1))
+
+
 def test_classification_trains_the_mlp(mesh8, backend):
     _, model, images, labels, state = _mlp_setup(mesh8)
     step = jdp.make_train_step(

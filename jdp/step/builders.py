@@ -11,7 +11,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh
 
-from jdp import replica
+from jdp import replica, replica_eval
 from jdp.diloco import inner
 from jdp.diloco.state import check_group_mesh
 from jdp.diloco.steps import compile_groups, synchronised_eval
@@ -152,12 +152,16 @@ def make_eval_step(
     ``metrics_fn`` returns one value per example; the step sums them over the
     examples whose ``batch["mask"]`` is 1 (padding rows have 0) on every replica,
     so a padded last batch counts each real example exactly once. Pass the sums
-    of all batches to `evaluate`, or divide by ``sums["count"]`` yourself.
+    of all batches to `evaluate`, or divide by ``sums["count"]`` yourself. A metric
+    may instead be a batch mean with its weight, ``(mean, weight)`` (the mean over
+    this replica's real rows and how many they are, say): its sums are the pair
+    ``(mean * weight, weight)``, and `evaluate` divides the one by the other.
 
     Args:
         metrics_fn: ``metrics_fn(params, batch) -> {name: values}`` (or
             ``metrics_fn(params, model_state, batch)`` with ``has_model_state=True``),
-            each ``values`` of shape ``(rows,)`` for this replica's rows.
+            each ``values`` of shape ``(rows,)`` for this replica's rows, or
+            ``(mean, weight)``.
         mesh: a mesh with a ``data`` axis.
         backend: ``"jit"`` or ``"pmap"``.
         has_model_state: see ``metrics_fn``.
@@ -179,19 +183,19 @@ def make_eval_step(
     _check_backend(backend, mesh)
     way = _way(mesh)
     metrics = _axes_named(
-        replica.metrics_with_state(metrics_fn, has_model_state=has_model_state), mesh
+        replica_eval.metrics_with_state(metrics_fn, has_model_state=has_model_state), mesh
     )
     if way == "groups":  # the synchronised parameters, replicated: no layout to follow
         compiled = _compile(
-            replica.eval_step(metrics, batch_axes(mesh)), mesh, backend, outputs=1,
+            replica_eval.eval_step(metrics, batch_axes(mesh)), mesh, backend, outputs=1,
             donate_state=False,
         )  # fmt: skip
         return synchronised_eval(compiled)
-    sharded = _sharded_eval(replica.eval_step(metrics, manual_axes(mesh)), mesh)
+    sharded = _sharded_eval(replica_eval.eval_step(metrics, manual_axes(mesh)), mesh)
     if way == "sharded":
         return _compile_sharded(sharded, mesh, outputs=1, donate_state=False)
     return _compile(
-        replica.eval_step(metrics, batch_axes(mesh)), mesh, backend, outputs=1,
+        replica_eval.eval_step(metrics, batch_axes(mesh)), mesh, backend, outputs=1,
         donate_state=False, sharded=sharded if backend == "jit" else None,
     )  # fmt: skip
 
@@ -238,6 +242,11 @@ def evaluate(
         raise UsageError("evaluate got no batches; the eval split is empty")
     total = jax.device_get(total)
     count = float(total.pop("count"))
-    means = {name: float(value) / count for name, value in total.items()}
+    means = {
+        name: float(value[0]) / float(value[1])
+        if isinstance(value, tuple)
+        else float(value) / count
+        for name, value in total.items()
+    }
     means["count"] = int(count)
     return means
