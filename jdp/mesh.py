@@ -155,7 +155,10 @@ def make_mesh(spec: str, *, devices: Sequence[jax.Device] | None = None) -> Mesh
 
 def _cpu_hint(devices: Sequence[jax.Device], needed: int) -> str:
     if devices and devices[0].platform == "cpu":
-        return f", or simulate CPU devices with XLA_FLAGS={CPU_COUNT_FLAG}={needed}"
+        return (
+            f", or simulate {needed} CPU devices: jdp.simulate_cpu_devices({needed}) before "
+            f"the first JAX computation (or XLA_FLAGS={CPU_COUNT_FLAG}={needed})"
+        )
     return ""
 
 

@@ -164,6 +164,44 @@ def test_the_readmes_library_example_runs_as_pasted(tmp_path):
     assert result.stdout.split() == ["1", "1.0"], result.stdout
 
 
+# Pages whose Python blocks are each a complete program, run as written: what each prints
+# last, a float to the digits a float32 result shows (8 EPS32 relative: a few rounded steps).
+PYTHON_PAGES = {
+    "docs/library.md": [[1, 1.0], ["None"]],
+    "docs/adopt.md": [[1, 1.0], [1, 2, 0.04]],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("doc", "index"), [(doc, i) for doc, lasts in PYTHON_PAGES.items() for i in range(len(lasts))]
+)
+def test_a_python_block_runs_as_written(doc, index, tmp_path):
+    """Pasted into a script on a laptop (one CPU device: each simulates its own), it runs
+    and prints what the page says."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)
+    assert len(blocks) == len(PYTHON_PAGES[doc]), f"{doc}: a block without its check here"
+    script = tmp_path / "block.py"
+    script.write_text(blocks[index])
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout.strip().splitlines()[-1].split()
+    expected = PYTHON_PAGES[doc][index]
+    assert len(printed) == len(expected), printed
+    for word, want in zip(printed, expected, strict=True):
+        if isinstance(want, float):
+            assert float(word) == pytest.approx(want, rel=8 * 1.2e-7), printed
+        else:
+            assert word == str(want), printed
+
+
 # A newcomer reads the README in five minutes; everything else is a docs page it links.
 README_LIMIT = 12_000
 LINK = re.compile(r"\]\((?P<target>[^)\s#]+\.md)(?:#(?P<anchor>[^)\s]+))?\)")
