@@ -173,6 +173,11 @@ def scale_lr(base_lr: float, global_batch: int, rule: str, reference_batch: int 
     return {"none": base_lr, "linear": base_lr * ratio, "sqrt": base_lr * math.sqrt(ratio)}[rule]
 
 
+# The optimizers whose weight decay is decoupled from the gradient, as their papers define
+# it; the others add it to the gradient (L2).
+DECOUPLED_DECAY = ("adamw", "lamb", "lars")
+
+
 def make_optimizer(
     name: str | optax.GradientTransformation,
     learning_rate: float | optax.Schedule = 1e-3,
@@ -238,7 +243,7 @@ def make_optimizer(
     parts = []
     if clip_norm is not None:
         parts.append(optax.clip_by_global_norm(clip_norm))
-    if name in decoupled:
+    if name in DECOUPLED_DECAY:
         parts.append(decoupled[name]())
     else:
         if weight_decay:

@@ -50,7 +50,11 @@ def test_large_batch_rules_print_the_effective_lr():
         )
     )
     assert result.returncode == 0, result.stderr
-    assert "lars, lr 0.2 x 64/256 (linear scaling) = 0.05 peak" in result.stdout
+    assert (
+        "jdp: lars (momentum 0.9), lr 0.2 x 64/256 (linear scaling) = 0.05 peak, cosine "
+        "schedule to 0 at step 12, 2 warmup steps, weight decay 0.0001 decoupled, gradients "
+        "clipped at global norm 1; precision fp16"
+    ) in result.stdout
     assert "loss_scale=" in result.stdout and "grad_norm=" in result.stdout
     assert SUMMARY.search(result.stdout)
 

@@ -228,3 +228,31 @@ def test_decay_mask_reads_names_through_nnx_variables_and_linen_boxes():
     # A name that says neither, or PyTorch's ``weight`` (a norm's scale too): the rank.
     assert decay_mask({"w2": jnp.ones((2, 3)), "v": jnp.ones(3)}) == {"w2": True, "v": False}
     assert decay_mask({"weight": jnp.ones(3)}) == {"weight": False}
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (
+            dict(optimizer="adam", weight_decay=0.1, beta2=0.95),
+            "adam (b1 0.9, b2 0.95), lr 0.003 = 0.003 peak, cosine schedule to 0 at step 400, "
+            "40 warmup steps, weight decay 0.1 as L2, added to the gradient (decoupled: "
+            "--optimizer adamw)",
+        ),
+        (
+            dict(optimizer="adamw", weight_decay=0.1, end_lr=3e-4, decay_steps=300, clip_norm=1),
+            "adamw (b1 0.9, b2 0.999), lr 0.003 = 0.003 peak, cosine schedule to 0.0003 at step "
+            "300, 40 warmup steps, weight decay 0.1 decoupled, gradients clipped at global norm 1",
+        ),
+        (
+            dict(optimizer="sgd", schedule="constant"),
+            "sgd, lr 0.003 = 0.003 peak, constant schedule, 40 warmup steps",
+        ),
+    ],
+)
+def test_the_first_lines_say_the_optimizer_whole(flags, said):
+    """What the run's first lines say of the optimizer: each setting that changes it, and
+    whether weight decay is decoupled (AdamW's) or L2 (Adam's, added to the gradient)."""
+    from jdp.training.optimizer import describe
+
+    assert describe(jdp.TrainConfig(**flags)) == said

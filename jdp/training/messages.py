@@ -24,7 +24,7 @@ from jdp.report.logger import MetricLogger
 from jdp.report.run_info import write_run_info
 from jdp.report.throughput import model_flops, peak_flops, step_flops
 from jdp.training.config import TrainConfig
-from jdp.training.optimizer import peak_lr
+from jdp.training.optimizer import describe
 from jdp.training.parts import Data, Run, Yours
 
 
@@ -138,15 +138,8 @@ def say_what_was_built(config: TrainConfig, console: Console, mesh: Mesh, model:
             f"{config.reduce_dtype})"
         )
         return
-    scaling = (
-        f" x {config.batch_size}/{config.lr_reference_batch} ({config.lr_scaling} scaling)"
-        if config.lr_scaling != "none"
-        else ""
-    )
     console.line(
-        f"jdp: {config.optimizer}, lr {config.lr:g}{scaling} = {peak_lr(config):.4g} peak, "
-        f"{config.schedule} schedule, {config.warmup_steps} warmup steps, "
-        f"precision {config.precision} (all-reduce {config.reduce_dtype})"
+        f"jdp: {describe(config)}; precision {config.precision} (all-reduce {config.reduce_dtype})"
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import optax
 
-from jdp.optim import make_optimizer, make_schedule, scale_lr
+from jdp.optim import DECOUPLED_DECAY, make_optimizer, make_schedule, scale_lr
 from jdp.training.config import TrainConfig
 
 
@@ -40,3 +40,41 @@ def config_optimizer(config: TrainConfig) -> tuple[optax.Schedule, optax.Gradien
         clip_norm=config.clip_norm or None,
     )
     return schedule, optimizer
+
+
+def describe(config: TrainConfig) -> str:
+    """The optimizer as the run's first lines say it: its name and moments, the learning
+    rate and schedule, warmup, weight decay (decoupled or L2) and clipping."""
+    name = config.optimizer
+    moments = (
+        f" (b1 {config.beta1:g}, b2 {config.beta2:g})"
+        if name in ("adam", "adamw", "lamb")
+        else f" (momentum {config.momentum:g})"
+        if name in ("momentum", "nesterov", "lars")
+        else ""
+    )
+    scaling = (
+        f" x {config.batch_size}/{config.lr_reference_batch} ({config.lr_scaling} scaling)"
+        if config.lr_scaling != "none"
+        else ""
+    )
+    decay = ""
+    if config.schedule in ("cosine", "linear"):
+        decay = f" to {config.end_lr:g} at step {config.decay_steps or config.steps}"
+    parts = [
+        f"{name}{moments}, lr {config.lr:g}{scaling} = {peak_lr(config):.4g} peak",
+        f"{config.schedule} schedule{decay}",
+        f"{config.warmup_steps} warmup steps",
+    ]
+    if config.weight_decay:
+        how = (
+            "decoupled"
+            if name in DECOUPLED_DECAY
+            else "as L2, added to the gradient (decoupled: --optimizer adamw)"
+            if name == "adam"
+            else "as L2, added to the gradient"
+        )
+        parts.append(f"weight decay {config.weight_decay:g} {how}")
+    if config.clip_norm:
+        parts.append(f"gradients clipped at global norm {config.clip_norm:g}")
+    return ", ".join(parts)
