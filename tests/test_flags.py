@@ -1,6 +1,7 @@
 """Flags derived from TrainConfig's typed fields, and the named presets."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -38,6 +39,10 @@ def test_help_shows_the_choices(capsys):
     out = capsys.readouterr().out
     assert "--model {cnn,gpt,mlp,resnet18,resnet20,resnet50,seq2seq}" in out
     assert "--preset {digits-mlp,digits-cnn," in out
+    # Listed by what a flag does: steps per call packs the step, the seed is no model's.
+    groups = dict(re.findall(r"\n(\w+) flags:\n(.*?)(?=\n\w+ flags:|\Z)", out, re.S))
+    assert "--steps-per-call" in groups["step"] and "--seed" in groups["seed"]
+    assert "--seed" not in groups["model"] and "--steps-per-call" not in groups["layout"]
 
 
 def test_a_preset_is_a_start_that_flags_override(capsys):

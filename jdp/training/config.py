@@ -6,6 +6,23 @@ import dataclasses
 from typing import Literal
 
 from jdp.training import config_checks
+from jdp.training.sections import (
+    CHECKPOINTS,
+    DATA,
+    DILOCO,
+    EVALUATION,
+    HEALTH,
+    INPUT,
+    LAYOUT,
+    LENGTH,
+    MODEL,
+    OBSERVABILITY,
+    OPTIMIZER,
+    PROCESS,
+    STEP,
+    Section,
+    _flag,
+)
 
 # The choices of the fields that name things. Each registry it names agrees
 # (tests/test_api.py): the step's backends, the built-in models and sizes, the
@@ -29,34 +46,6 @@ DataOnDevice = Literal["auto", "on", "off"]
 OuterOptimizerName = Literal["nesterov", "sgd"]
 # DiLoCo's synchronisation interval when a mesh has a group axis and --sync-every is 0.
 DEFAULT_SYNC_EVERY = 50
-
-
-@dataclasses.dataclass(frozen=True)
-class Section:
-    """A group of `TrainConfig` fields, and what holds for each of them."""
-
-    name: str
-    resumable: bool  # a resumed run may change it: where and how it runs, not what it computes
-    per_process: bool  # the processes of one run may differ in it
-
-
-MODEL = Section("model", resumable=False, per_process=False)
-DATA = Section("data", resumable=False, per_process=False)
-INPUT = Section("input", resumable=True, per_process=True)  # where and how batches load
-LAYOUT = Section("layout", resumable=True, per_process=False)  # mesh, backend, step packing
-OPTIMIZER = Section("optimizer", resumable=False, per_process=False)  # the built-in one
-STEP = Section("step", resumable=False, per_process=False)
-DILOCO = Section("diloco", resumable=False, per_process=False)  # only on a group axis
-LENGTH = Section("length", resumable=True, per_process=False)  # steps: see loop's resume
-EVALUATION = Section("evaluation", resumable=True, per_process=False)  # and stopping early
-CHECKPOINTS = Section("checkpoints", resumable=True, per_process=False)
-PROCESS = Section("process", resumable=True, per_process=True)  # who each process is
-HEALTH = Section("health", resumable=True, per_process=False)  # lost processes, replicas
-OBSERVABILITY = Section("observability", resumable=True, per_process=False)
-
-
-def _flag(section: Section, default, help_text: str):
-    return dataclasses.field(default=default, metadata={"help": help_text, "section": section})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +181,7 @@ class TrainConfig:
         LAYOUT,
         1,
         "optimizer steps per compiled call, scanned on the device (for small, fast steps)",
+        shown=STEP.name,
     )
     precision: PrecisionName = _flag(
         STEP, "fp32", "compute dtype: fp32, bf16 or fp16 (fp16 scales the loss)"
@@ -284,7 +274,7 @@ class TrainConfig:
         "evaluate the latest checkpoint in --ckpt-dir (made with the flags it recorded) on the "
         "test split, and train nothing",
     )
-    seed: int = _flag(MODEL, 0, "seed for initialisation and the data order")
+    seed: int = _flag(MODEL, 0, "seed for initialisation and the data order", shown="seed")
     log_dir: str | None = _flag(
         OBSERVABILITY,
         None,

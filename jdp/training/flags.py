@@ -60,9 +60,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "the other flags override it",
     )
     hints = typing.get_type_hints(TrainConfig)
-    sections = {}  # --help lists the flags by section
+    sections = {}  # --help lists the flags by what they do
     for field in dataclasses.fields(TrainConfig):
-        name = field.metadata["section"].name
+        name = field.metadata["shown"]
         if name not in sections:
             sections[name] = parser.add_argument_group(f"{name} flags")
         group = sections[name]
