@@ -134,7 +134,8 @@ def test_the_config_imports_nothing_above_it():
         "jdp.training", "jdp.errors", "jdp.mesh_spec"
     }  # fmt: skip
     assert {name.rsplit(".", 1)[0] for name in imported if name.startswith("jdp.training")} == {
-        "jdp.training", "jdp.training.sections"
+        "jdp.training",
+        "jdp.training.sections",
     }
 
 

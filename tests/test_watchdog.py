@@ -79,12 +79,14 @@ def test_one_process_stalled_writes_its_stacks_says_one_line_and_ends(tmp_path):
             time.sleep(0.01)
     assert ended == [watchdog.EXIT_STALLED]
     stacks = tmp_path / "stalls" / "process-0.txt"
-    assert len(lines) == 1 and re.fullmatch(
+    assert len(lines) == 2 and re.fullmatch(
         r"jdp: the run stalled reading data after step 7: no progress for \d+ s "
-        rf"\(--stall-timeout 0.2\); its Python stacks are in {re.escape(str(stacks))}; ending "
-        r"the run with exit code 75 \(a restart resumes from the last complete checkpoint\)",
+        rf"\(--stall-timeout 0.2\); Python stacks go to {re.escape(str(stacks.parent))}; "
+        r"ending the run with exit code 75, nothing saved now \(without --ckpt-dir a restart "
+        r"begins at step 0\)",
         lines[0],
     ), lines
+    assert lines[1] == f"jdp: Python stacks written: {stacks}"  # only files that exist
     text = stacks.read_text()
     assert text.startswith("process 0: reading data, step 7, no progress for")
     assert "in test_one_process_stalled_writes_its_stacks_says_one_line_and_ends" in text
@@ -93,6 +95,22 @@ def test_one_process_stalled_writes_its_stacks_says_one_line_and_ends(tmp_path):
     # (all this attempt's reading time: the watch was set back, not the clock)
     assert attempt["ended"] == "stalled" and attempt["parts"]["stalled"] > 0
     assert attempt["parts"]["input"] == 0
+
+
+def test_the_stall_line_says_where_a_restart_begins(tmp_path):
+    """Not "resumes from the last complete checkpoint" where none was written."""
+    assert watchdog.resume_point(None) == "without --ckpt-dir a restart begins at step 0"
+    assert watchdog.resume_point(str(tmp_path)) == (
+        f"no checkpoint in {tmp_path} yet: a restart begins at step 0"
+    )
+    for name in ("20", "40", "damaged-60-123", "80.orbax-checkpoint-tmp-1"):
+        (tmp_path / name).mkdir()
+    assert watchdog.resume_point(str(tmp_path)) == (
+        "a restart resumes from step 40, the last complete checkpoint"
+    )
+    assert watchdog.stacks_written(str(tmp_path), 2) == (
+        "jdp: Python stacks written: none; process 0, 1 wrote none (stopped or killed)"
+    )
 
 
 class _SlowToTrace(nn.Module):

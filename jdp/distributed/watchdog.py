@@ -118,11 +118,11 @@ class Watchdog:
     def __init__(self, watch: Watch, timeout: float, directory: str, *, process: int = 0,
                  processes: int = 1, client=None, on_stall: Callable[[Mark], None] | None = None,
                  say: Callable[[str], None] | None = None,
-                 end: Callable[[int], None] | None = None
+                 end: Callable[[int], None] | None = None, ckpt_dir: str | None = None
                  ):  # fmt: skip
         self.watch, self.timeout, self.directory = watch, timeout, directory
         self.process, self.processes, self.client = process, processes, client
-        self.on_stall, self.say = on_stall, say or _stderr
+        self.on_stall, self.say, self.ckpt_dir = on_stall, say or _stderr, ckpt_dir
         self.end = end or _end_process
         self.poll = min(max(timeout / 10, 0.1), 5.0)
         self._stop = threading.Event()
@@ -190,14 +190,19 @@ class Watchdog:
         ledger's last word) within `_RECORD_SECONDS`, and ends once every process has
         (at most 10 s more: none ends while another may still need the collectives)."""
         if self.process == 0:
-            self.say(describe(mark, self.processes, self.timeout,
-                              stacks_file(self.directory, mark.process)))  # fmt: skip
+            resume = _quick(lambda: resume_point(self.ckpt_dir), RESUME_UNKNOWN)
+            self.say(describe(mark, self.processes, self.timeout, self.directory, resume))
         recording = threading.Thread(target=self._record, args=(mark,), daemon=True)
         recording.start()
         recording.join(timeout=_RECORD_SECONDS)
         if self.processes > 1:
             _quietly(lambda: self.client.key_value_set(f"{_KEY}/ended/{self.process}", "1"))
-            self._wait_for_the_others()
+            self._wait_for_the_others(mark.process)
+        if self.process == 0 and (
+            line := _quick(lambda: stacks_written(self.directory, self.processes), "")
+        ):
+            self.say(line)
+        if self.processes > 1:
             # The stalled process ends first (a launcher names the first to fail), process
             # 0, which hosts the coordinator, last.
             time.sleep(0 if self.process == mark.process else 0.5 if self.process == 0 else 0.2)
@@ -212,15 +217,21 @@ class Watchdog:
         if self.process == 0 and self.on_stall is not None:
             _quietly(lambda: self.on_stall(mark))
 
-    def _wait_for_the_others(self, seconds: float = 10.0) -> None:
-        """Until every process has written its stacks (said so in the store), or ``seconds``."""
-        deadline = time.monotonic() + seconds
+    def _wait_for_the_others(self, stuck: int, seconds: float = 10.0) -> None:
+        """Until every process has written its stacks (said so in the store), or ``seconds``;
+        the stuck process, once the others have, 2 s more at most: stopped (SIGSTOP, a
+        suspended job) it never will, and a live one writes its stacks at once."""
+        deadline, shortened = time.monotonic() + seconds, False
         while time.monotonic() < deadline:
             try:
-                if len(self.client.key_value_dir_get(f"{_KEY}/ended/")) >= self.processes:
-                    return
+                keys = self.client.key_value_dir_get(f"{_KEY}/ended/")
             except Exception:  # the coordinator is gone: end now
                 return
+            ended = {key.rsplit("/", 1)[-1] for key, _ in keys}
+            if len(ended) >= self.processes:
+                return
+            if not shortened and len(ended - {str(stuck)}) >= self.processes - 1:
+                deadline, shortened = min(deadline, time.monotonic() + 2.0), True
             time.sleep(0.05)
 
 
@@ -229,16 +240,41 @@ class Watchdog:
 _RECORD_SECONDS = 10.0
 
 
-def describe(mark: Mark, processes: int, timeout: float, stacks: str) -> str:
-    """Process 0's line about a stall."""
+def describe(mark: Mark, processes: int, timeout: float, directory: str, resume: str) -> str:
+    """Process 0's line about a stall: which process, where, and where a restart begins."""
     who = f"process {mark.process} of {processes}" if processes > 1 else "the run"
     where = f" ({mark.where})" if mark.where else ""
     return (
         f"jdp: {who} stalled {mark.phase}{where} after step {mark.step}: no progress for "
-        f"{mark.idle:.0f} s (--stall-timeout {timeout:g}); its Python stacks are in {stacks}; "
-        f"ending the run with exit code {EXIT_STALLED} (a restart resumes from the last "
-        "complete checkpoint)"
+        f"{mark.idle:.0f} s (--stall-timeout {timeout:g}); Python stacks go to "
+        f"{os.path.join(directory, 'stalls')}; ending the run with exit code {EXIT_STALLED}, "
+        f"nothing saved now ({resume})"
     )
+
+
+RESUME_UNKNOWN = "a restart resumes from the last complete checkpoint, if there is one"
+
+
+def resume_point(ckpt_dir: str | None) -> str:
+    """Where a restart of this run begins: the last complete checkpoint (a directory named
+    by its step: Orbax renames a save's into place once it is whole), or step 0."""
+    if not ckpt_dir:
+        return "without --ckpt-dir a restart begins at step 0"
+    steps = [int(name) for name in os.listdir(ckpt_dir) if name.isdigit()]
+    if not steps:
+        return f"no checkpoint in {ckpt_dir} yet: a restart begins at step 0"
+    return f"a restart resumes from step {max(steps)}, the last complete checkpoint"
+
+
+def stacks_written(directory: str, processes: int) -> str:
+    """Process 0's line naming the stacks files that were written, and who wrote none."""
+    paths = {p: stacks_file(directory, p) for p in range(processes)}
+    written = [path for path in paths.values() if os.path.exists(path)]
+    missing = [str(p) for p, path in paths.items() if not os.path.exists(path)]
+    line = f"jdp: Python stacks written: {', '.join(written) or 'none'}"
+    if missing:
+        line += f"; process {', '.join(missing)} wrote none (stopped or killed)"
+    return line
 
 
 def write_stacks(path: str, mark: Mark) -> None:
@@ -259,6 +295,22 @@ def _end_process(code: int) -> None:
     _quietly(sys.stdout.flush)
     _quietly(sys.stderr.flush)
     os._exit(code)
+
+
+def _quick(call: Callable[[], str], otherwise: str, seconds: float = 1.0) -> str:
+    """``call()``'s answer, or ``otherwise`` when it fails or takes over ``seconds`` (a
+    hung filesystem must not keep a stall's lines unsaid)."""
+    answer = otherwise
+
+    def ask():
+        nonlocal answer
+        with contextlib.suppress(Exception):
+            answer = call()
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(seconds)
+    return answer
 
 
 def _stderr(text: str) -> None:

@@ -235,7 +235,7 @@ def stall_watch(config: TrainConfig, start: int, goodput: Goodput):
     client = jax_distributed.global_state.client if processes > 1 else None
     watchdog = Watchdog(watch, config.stall_timeout, os.path.abspath(directory),
                         process=jax.process_index(), processes=processes, client=client,
-                        on_stall=goodput.stalled)  # fmt: skip
+                        on_stall=goodput.stalled, ckpt_dir=config.ckpt_dir)  # fmt: skip
     with watchdog:
         yield watch
 
