@@ -11,8 +11,9 @@ stalls, `jdp.distributed.watchdog`'s exit code 75, fails as a death does), and
 ``--min-nproc M`` leaves out a process that fails twice in a row while more than
 M remain: the run finishes on fewer, its global batch and data order unchanged.
 SIGTERM, SIGINT or SIGHUP sends SIGTERM to every process (a jdp run saves and
-stops; through a wrapper script, the trainer it runs gets it);
-a second signal kills them. On Linux the processes get SIGTERM when the
+stops, exit code 143; through a wrapper script, the trainer it runs gets it), and
+the launcher then exits as a shell does, 128 + its signal (130 for SIGINT), unless
+every process finished; a second signal kills them. On Linux the processes get SIGTERM when the
 launcher dies, however it dies: none is left training without it.
 """
 
@@ -151,7 +152,10 @@ def launch(
             failed = _group(command, nproc, devices_per_process, port, grace, lock,
                             children, signals, stopped)  # fmt: skip
             if failed is None:
-                return 0
+                # Stopped as asked, each saved where it could: the launcher says so as a
+                # shell does (130 for SIGINT, 143 for SIGTERM), unless every one finished.
+                interrupted = signals and any(child.returncode for child in children)
+                return 128 + signals[0] if interrupted else 0
             rank, code = failed
             line = f"process {rank} of {nproc} failed first ({describe_exit(code)})"
             if signals or code == 2 or restarts == max_restarts:
@@ -188,7 +192,7 @@ def _group(command, nproc, devices_per_process, port, grace, lock, children, sig
             children.append(child)
             relays.extend(child_relays)
             _say(lock, f"started process {rank} of {nproc} (pid {child.pid})")
-        failed = _supervise(children, grace, lock)
+        failed = _supervise(children, grace, lock, signals)
         while any(map(alive, stopped)):  # a wrapper's trainer, still saving
             time.sleep(0.1)
         return failed
@@ -241,9 +245,11 @@ def _start(command: Sequence[str], env: dict[str, str], rank: int, lock: threadi
 
 
 def _supervise(
-    children: list[subprocess.Popen], grace: float, lock: threading.Lock
+    children: list[subprocess.Popen], grace: float, lock: threading.Lock, signals: list[int]
 ) -> tuple[int, int] | None:
-    """Waits for every process; after the first failure, kills those still running after grace."""
+    """Waits for every process; after the first failure, kills those still running after
+    grace. Once a signal asked the processes to stop, one that ends as a signal's stop
+    (130, 143: it saved) has not failed, and the others keep the time their save takes."""
     failed: tuple[int, int] | None = None
     kill_at = None
     while True:
@@ -252,7 +258,7 @@ def _supervise(
             code = child.poll()
             if code is None:
                 running = True
-            elif code != 0 and failed is None:
+            elif code != 0 and failed is None and not (signals and code in STOPPED_CODES):
                 failed = (rank, code)
                 kill_at = time.monotonic() + grace
                 _say(
@@ -272,6 +278,10 @@ def _supervise(
                     _signal_group(child, signal.SIGKILL)
             kill_at = None
         time.sleep(0.05)
+
+
+# The exit codes of a process that stopped as a signal asked (`jdp.train`: saved first).
+STOPPED_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 def _signal_group(child: subprocess.Popen, number: int) -> None:

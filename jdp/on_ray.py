@@ -8,7 +8,8 @@ Ray actor per process, spread over the nodes, each running ``COMMAND`` with
 terminal through Ray's log forwarding, prefixed ``[rank]``. It exits with the
 first non-zero exit code; once a process fails, the others get ``--grace``
 seconds and are then stopped. SIGTERM or SIGINT asks every process to save and
-stop (SIGTERM), a second one kills them. A process's command dies with its actor.
+stop (SIGTERM), and it then exits 128 + that signal unless every process finished; a
+second one kills them. A process's command dies with its actor.
 
 Ray Train's ``JaxTrainer`` sets up JAX's distributed runtime only for TPU and GPU
 workers; this does it for any, CPU included, with jdp's own start-up checks.
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 
 from jdp.distributed import cluster
 from jdp.launch import (
+    STOPPED_CODES,
     add_process_flags,
     checked_command,
     command_ending_with_parent,
@@ -114,7 +116,7 @@ def run_on_ray(command: Sequence[str], nproc: int, *, address: str | None = None
 
     previous = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _supervise(runs, actors, grace)
+        return _supervise(runs, actors, grace, signals)
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
@@ -122,16 +124,20 @@ def run_on_ray(command: Sequence[str], nproc: int, *, address: str | None = None
         ray.shutdown()
 
 
-def _supervise(runs: dict, actors: list, grace: float) -> int:
+def _supervise(runs: dict, actors: list, grace: float, signals: list[int]) -> int:
+    """As `jdp.launch`'s: a process stopped as a signal asked (it saved) has not failed,
+    and the run then exits 128 + the signal unless every process finished."""
     import ray
 
-    failed, pending = None, list(runs)
+    failed, pending, interrupted = None, list(runs), False
     kill_at = None
     while pending:
         done, pending = ray.wait(pending, timeout=0.5)
         for ref in done:
             code = ray.get(ref)
-            if code and failed is None:
+            stopped = bool(signals) and code in STOPPED_CODES
+            interrupted |= stopped
+            if code and failed is None and not stopped:
                 failed = (runs[ref], code)
                 kill_at = time.monotonic() + grace
                 say(f"process {runs[ref]} {describe_exit(code)}; the others have {grace:g} s")
@@ -140,7 +146,7 @@ def _supervise(runs: dict, actors: list, grace: float) -> int:
                 a.stop.remote(signal.SIGKILL)
             kill_at = None
     if failed is None:
-        return 0
+        return 128 + signals[0] if interrupted else 0
     rank, code = failed
     say(f"process {rank} of {len(actors)} failed first ({describe_exit(code)})")
     return shell_code(code)

@@ -64,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (sample := training_sample(config, result)) is not None:
         console.line(sample)
     console.line(result.summary_line())
-    return 0
+    # Stopped by a signal (saved where it could be): not a finished run, as a shell's
+    # `train && next` must see; 130 for SIGINT, 143 for SIGTERM.
+    return 0 if result.signal is None else 128 + result.signal
 
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)

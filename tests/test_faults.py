@@ -447,7 +447,7 @@ def test_sigterm_while_waiting_on_a_stopped_loader_worker_saves_and_ends(tmp_pat
         took = time.monotonic() - started
     finally:
         trainer.kill()
-    assert trainer.returncode == 0 and took < 15, (took, err[-2000:])
+    assert trainer.returncode == 143 and took < 15, (took, err[-2000:])
     saved = re.search(r"jdp.train: SIGTERM while waiting for data at step (\d+); checkpoint "
                       "saved in", out)  # fmt: skip
     assert saved, out[-2000:] + err[-2000:]
@@ -473,7 +473,8 @@ def test_sigint_to_one_process_saves_in_every_process_at_one_step(tmp_path):
             process.kill()
     assert time.monotonic() - started < 60  # no wait for a collective's or barrier's timeout
     for process, (_, stderr) in zip(processes, outputs, strict=True):
-        assert process.returncode == 0, stderr[-2000:]
+        # The SIGINT reaches every process as the runtime's preemption notice (SIGTERM)
+        assert process.returncode == 143, stderr[-2000:]
         assert "KeyboardInterrupt" not in stderr
     line = [text for text in outputs[0][0].splitlines() if "checkpoint saved in" in text]
     assert line, outputs[0][0][-2000:]
@@ -500,7 +501,7 @@ def test_a_signal_at_start_up_or_without_a_ckpt_dir_is_one_line(tmp_path, signal
     early.send_signal(signal_number)
     rest, stderr = early.communicate(timeout=120)  # the output after the first line
     name = signal.Signals(signal_number).name
-    if early.returncode == 0:  # it had reached its steps: then it stops as below
+    if "at step" in rest:  # it had reached its steps: then it stops as below
         assert "stopped without saving (no --ckpt-dir)" in rest + stderr, rest + stderr
     else:
         assert early.returncode == 128 + signal_number, stderr
@@ -518,7 +519,7 @@ def test_a_signal_at_start_up_or_without_a_ckpt_dir_is_one_line(tmp_path, signal
         time.sleep(0.1)
     late.send_signal(signal_number)
     stdout, stderr = late.communicate(timeout=120)
-    assert late.returncode == 0, stderr
+    assert late.returncode == 128 + signal_number, stderr  # stopped, not finished
     assert "Traceback" not in stderr
     assert f"jdp.train: {name} at step " in stdout
     assert stdout.strip().splitlines()[-1].endswith("stopped without saving (no --ckpt-dir)")

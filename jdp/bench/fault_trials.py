@@ -263,7 +263,8 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 def wrapped_stops(trials: int, seed: int, emit: Callable[[str], None]) -> Counter:
     """``jdp.launch`` of 2 processes whose command is a wrapper script (a shell that runs
     the trainer as its child), sent SIGTERM at a random moment: "saved" (the launcher
-    ended with 0 and the trainers saved a checkpoint after the signal), "orphaned" (a
+    ended with 143, as a stop a signal asked, and the trainers saved a checkpoint after
+    the signal), "orphaned" (a
     trainer still running once the launcher ended), "lost" (no save) or "hang"."""
     rng, outcomes = random.Random(seed), Counter()
     with tempfile.TemporaryDirectory(prefix="jdp-wrapped-stops-") as root:
@@ -286,7 +287,7 @@ def wrapped_stops(trials: int, seed: int, emit: Callable[[str], None]) -> Counte
             for pid in left:
                 os.kill(pid, signal.SIGKILL)
             verdict = ("hang" if code is None else "orphaned" if left else
-                       "saved" if code == 0 and _checkpoints(directory)[-1:] > before[-1:]
+                       "saved" if code == 143 and _checkpoints(directory)[-1:] > before[-1:]
                        else "lost")  # fmt: skip
             outcomes[verdict] += 1
             emit(f"  wrapped stop {trial + 1}: {verdict}")

@@ -4,6 +4,8 @@ cannot go on; the state of the last step saved first."""
 from __future__ import annotations
 
 import os
+import re
+import signal
 
 import jax
 
@@ -77,6 +79,14 @@ class StopOnPreemption:
                           "command resumes", finish=False)  # fmt: skip
         else:
             progress.stop(f"{where}; stopped without saving (no --ckpt-dir)", finish=False)
+
+
+def signal_of(reason: str) -> int:
+    """The signal that stopped a preempted run, read from its stop line (made above from
+    `Preemption.signal_name`: ``SIGTERM``, ``SIGINT``, or a notice of another process's
+    ``SIGTERM``)."""
+    found = re.match(r"jdp\.train: (?:preemption notice \()?(SIG[A-Z]+)", reason)
+    return signal.Signals[found.group(1)] if found else signal.SIGTERM
 
 
 class Interrupted(Exception):
