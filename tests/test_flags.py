@@ -108,3 +108,13 @@ def test_every_config_field_declares_its_section():
         "coordinator", "num_processes", "process_id", "startup_timeout", "data_dir",
         "loader_workers", "prefetch", "data_on_device", "compile_cache",
     }  # fmt: skip
+
+
+def test_a_gpt_reshaped_by_its_flags_is_named_so():
+    """The run's first lines name the model: a size's name alone would be wrong."""
+    from jdp.models.registry import GPT_SHAPE
+
+    assert config.GPT_SHAPE == GPT_SHAPE  # the config may not import the registry
+    assert jdp.TrainConfig(model="gpt").model_label == "gpt small"
+    reshaped = jdp.TrainConfig(model="gpt", model_size="124m", layers=2, width=64)
+    assert reshaped.model_label == "gpt 124m with --layers 2 --width 64"

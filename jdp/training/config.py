@@ -44,6 +44,9 @@ NanPolicy = Literal["stop", "skip", "ignore"]
 DataLedger = Literal["indices", "bytes", "off"]
 DataOnDevice = Literal["auto", "on", "off"]
 OuterOptimizerName = Literal["nesterov", "sgd"]
+# The gpt's shape flags: each replaces its --model-size's value when set (as
+# jdp.models.registry.GPT_SHAPE, which the config may not import).
+GPT_SHAPE = ("layers", "heads", "width", "hidden")
 # DiLoCo's synchronisation interval when a mesh has a group axis and --sync-every is 0.
 DEFAULT_SYNC_EVERY = 50
 
@@ -332,6 +335,13 @@ class TrainConfig:
     early_stop_metric: EarlyStopMetric = _flag(EVALUATION, "loss", "test metric for "
         "--early-stop-patience: loss (lower wins) or accuracy (higher)")  # fmt: skip
 
+    @property
+    def model_label(self) -> str:
+        """The built-in model as the run's lines name it: its size, and the gpt's shape
+        flags that replace the size's."""
+        shape = [f"--{name} {getattr(self, name)}" for name in GPT_SHAPE if getattr(self, name)]
+        return f"{self.model} {self.model_size}" + (f" with {' '.join(shape)}" if shape else "")
+
     def __post_init__(self):
         config_checks.check(self)
 
@@ -355,8 +365,7 @@ class TrainConfig:
 
     def gpt_shape(self) -> dict[str, int | float]:
         """The gpt's fields the shape flags set (``--layers``, ...), the size's otherwise."""
-        names = ("layers", "heads", "width", "hidden")  # jdp.models.registry.GPT_SHAPE
-        shape = {name: getattr(self, name) for name in names if getattr(self, name)}
+        shape = {name: getattr(self, name) for name in GPT_SHAPE if getattr(self, name)}
         return shape | ({"dropout": self.dropout} if self.dropout is not None else {})
 
     def resume_conflicts(self, saved: dict, recorded: dict | None = None) -> list[str]:

@@ -263,7 +263,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None, *,
         for flag, directory in (("--log-dir", config.log_dir), ("--ckpt-dir", config.ckpt_dir)):
             if directory:
                 check_writable(directory, flag)
-    name = f"{config.model} {config.model_size}" if model is None else "your model"
+    name = config.model_label if model is None else "your model"
     name = name if architecture is None else f"{config.model} of {config.init_from or 'weights'}"
     if model is None:
         model = _builtin_model(config, train, architecture)
