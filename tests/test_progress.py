@@ -52,7 +52,23 @@ def test_a_resumed_run_counts_the_runs_steps_not_this_starts(capsys, monkeypatch
     console = jdp.Console(enabled=True, interactive=False)
     console.start_progress(2600, 2000)
     console.advance(60, loss="0.5")
-    assert capsys.readouterr().out.startswith("step 2060/2600 loss=0.5 eta=")
+    assert capsys.readouterr().out.startswith("step 2060/2600 loss=0.5")
+
+
+def test_the_eta_is_the_pace_after_the_first_call_which_compiled(capsys, monkeypatch):
+    """A 20 s compile in the first call, then 0.1 s a step: 5,000 steps left are about 500 s,
+    not the 28 hours the first call's pace says (the line after it says none)."""
+    now = [0.0]
+    monkeypatch.setattr(console_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(console_module, "_LOG_SECONDS", 0.0)
+    console = jdp.Console(enabled=True, interactive=False)
+    console.start_progress(5001)
+    now[0] = 20.0
+    console.advance(1, loss="2.0")
+    assert capsys.readouterr().out == "step 1/5001 loss=2.0\n"  # no pace yet: no eta
+    now[0] = 21.0
+    console.advance(10, loss="1.9")
+    assert capsys.readouterr().out == "step 11/5001 loss=1.9 eta=499s\n"
 
 
 def test_a_terminal_without_a_size_gets_lines_not_a_bar():

@@ -76,7 +76,8 @@ class Console:
         """Progress through step ``total``, from step ``start`` (a resumed run's): the
         lines and the bar count the run's steps, the eta this start's pace."""
         self._total, self._done, self._start = total, start, start
-        self._started = self._said = time.perf_counter()
+        self._said = time.perf_counter()
+        self._paced: tuple[float, int] | None = None  # (when, steps done) after the first call
         self._postfixed = -_BAR_SECONDS  # the bar's first advance shows its postfix
         self._next_log = start + max(1, round((total - start) * _LOG_FRACTION))
         if self.enabled and self._interactive:
@@ -108,9 +109,19 @@ class Console:
                 self._next_log += max(1, round((self._total - self._start) * _LOG_FRACTION))
             extra = " ".join(f"{key}={value}" for key, value in postfix.items())
             self._said = time.perf_counter()
-            elapsed = self._said - self._started
-            eta = elapsed / (self._done - self._start) * (self._total - self._done)
-            self.line(f"step {self._done}/{self._total} {extra} eta={eta:.0f}s".replace("  ", " "))
+            self.line(f"step {self._done}/{self._total} {extra}{self._eta()}".replace("  ", " "))
+        if self._paced is None:
+            self._paced = (time.perf_counter(), self._done)
+
+    def _eta(self) -> str:
+        """`` eta=Ns`` at the pace of the steps since the first call (which compiled: a
+        20 s compile read as one step's pace said hours for a run of minutes), or nothing
+        before there is one."""
+        if self._paced is None or self._done == self._paced[1]:
+            return ""
+        since, done = self._paced
+        pace = (self._said - since) / (self._done - done)
+        return f" eta={pace * (self._total - self._done):.0f}s"
 
     def close_progress(self) -> None:
         if self._bar is not None:
