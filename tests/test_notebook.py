@@ -3,6 +3,8 @@
 import json
 import pathlib
 import re
+import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -81,3 +83,23 @@ def test_the_install_cell_finds_jdp_without_a_published_url(tmp_path, monkeypatc
     assert find() == "jdp-0.1.0-py3-none-any.whl"
     monkeypatch.setenv("JDP_SOURCE", "jdp @ git+https://example.org/me/jdp")
     assert find() == "jdp @ git+https://example.org/me/jdp"
+
+
+def test_a_tpu_runtime_whose_jax_runs_on_the_cpu_is_said_loudly(tmp_path):
+    """The setup and device cells on a runtime that says it has a TPU (as a TPU VM's
+    variables do) where JAX finds none: a warning with the fix, not a quiet CPU run."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    script = tmp_path / "cells.py"
+    script.write_text(notebook.cells[1].source + "\n" + notebook.cells[3].source)
+    env = {**subprocess_env(), "TPU_ACCELERATOR_TYPE": "v2-8"}
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "WARNING: this runtime has a TPU, but JAX runs on the CPU" in result.stdout
+    assert "pip install -U 'jax[tpu]'" in result.stdout
