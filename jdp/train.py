@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # JAX and the rest after the flags: --help and a bad flag answer at once.
         from jdp.report.console import Console
         from jdp.sample import training_sample
+        from jdp.training.limits import what_limited
         from jdp.training.loop import fit
 
         console = Console()
@@ -63,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(number, handler)
     if (sample := training_sample(config, result)) is not None:
         console.line(sample)
+    if (limits := what_limited(config, result)) is not None:
+        console.line(limits)
     console.line(result.summary_line())
     # Stopped by a signal (saved where it could be): not a finished run, as a shell's
     # `train && next` must see; 130 for SIGINT, 143 for SIGTERM.

@@ -1,6 +1,7 @@
 """What a run says while it runs (compiling, progress off a terminal) and the history
 it returns, curve by curve."""
 
+import dataclasses
 import fcntl
 import os
 import struct
@@ -112,3 +113,48 @@ def test_the_display_reads_the_loss_only_for_a_line_it_prints(capsys):
     # the run); only that one is read, and printed.
     assert Loss.reads == 1
     assert capsys.readouterr().out.startswith("step 100/1000 loss=0.0100 eta=")
+
+
+def _finished(parts: dict, examples_per_sec: float = 1e4):
+    from jdp.training.results import FitResult
+
+    goodput = {"wall": sum(parts.values()), "goodput": 0.0, "parts": parts}
+    return FitResult(
+        state=None,
+        steps=100,
+        train_loss=0.1,
+        test_loss=0.1,
+        test_accuracy=0.9,
+        examples_per_sec=examples_per_sec,
+        input_wait=0.0,
+        wall_seconds=9.0,
+        goodput=goodput,
+    )
+
+
+@pytest.mark.parametrize(
+    ("parts", "rate", "flags", "said"),
+    [
+        ({"startup": 6.0, "compile": 2.0, "step": 0.5}, 1e4, {},
+         "start-up 6.0 s, compiling 2.0 s, training steps 0.5 s (what examples/s measures); "
+         "most of it went to start-up: more --steps amortise it"),
+        ({"startup": 1.0, "input": 5.0, "step": 3.0}, 1e4, {}, "most of it went to waiting "
+         "for batches: --loader-workers 2 (or more), or --data-on-device on"),
+        ({"startup": 1.0, "step": 9.0}, 1e5, {}, "training steps of 1.28 ms each, short "
+         "enough that the host's dispatch of each call is a share of them: --steps-per-call 4"),
+        ({"startup": 1.0, "step": 9.0}, 1e5, {"steps_per_call": 4}, "most of it went to "
+         "training steps, the model's own compute"),
+        ({"startup": 1.0, "step": 9.0}, 1e4, {}, "training steps, the model's own compute"),
+    ],
+)  # fmt: skip
+def test_the_last_lines_say_what_limited_the_run_and_the_flag_that_helps(parts, rate, flags, said):
+    """From the run's own ledger: examples/s counts the steady steps alone, which in a short
+    run are a few percent of it; the line says where the rest went."""
+    from jdp.training.limits import what_limited
+
+    line = what_limited(jdp.TrainConfig(**flags), _finished(parts, rate))
+    wall = sum(parts.values())
+    assert line.startswith(f"jdp: where the {wall:.1f} s from the process's start went: ")
+    assert said in line, line
+    preempted = dataclasses.replace(_finished(parts, rate), preempted="jdp.train: SIGTERM ...")
+    assert what_limited(jdp.TrainConfig(), preempted) is None
