@@ -157,6 +157,7 @@ def _builtin(config: Mapping, data: Mapping) -> Model | None:
 def _shape(config: Mapping) -> dict:
     """gpt's fields a recorded config set in place of its size's (``--layers`` ...)."""
     shape = {name: config[name] for name in GPT_SHAPE if config.get(name)}
+    shape |= {"bias": False} if config.get("bias") is False else {}
     return shape | ({"dropout": config["dropout"]} if config.get("dropout") is not None else {})
 
 

@@ -379,3 +379,31 @@ def test_token_accuracy_is_the_argmaxs_ties_and_all():
     last = np.arange(300, dtype=np.float32)[None, None]
     tokens = np.array([[0, -1]], np.int32)
     assert metrics(last, {"tokens": tokens})["token_accuracy"].tolist() == [0.0]
+
+
+def test_no_bias_leaves_every_bias_out_as_nanogpt_does():
+    """``bias=False`` (``--no-bias``, nanoGPT's ``bias=False``): no bias in any dense layer
+    or LayerNorm; the rest of the parameters as they were. The flag reaches the model,
+    its name and a loaded run's rebuild."""
+    from jdp.inference import _shape
+
+    tokens = jnp.zeros((2, 16), jnp.int32)
+
+    def shapes(bias):
+        module = GPT(vocab_size=64, width=32, heads=2, layers=2, hidden=64, max_len=16, bias=bias)
+        params = jax.eval_shape(module.init, jax.random.key(0), tokens)["params"]
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        return {jax.tree_util.keystr(path): leaf.shape for path, leaf in leaves}
+
+    with_bias, without = shapes(True), shapes(False)
+    assert not [name for name in without if "bias" in name]
+    assert without == {name: shape for name, shape in with_bias.items() if "bias" not in name}
+    config = jdp.TrainConfig(model="gpt", bias=False)
+    assert config.gpt_shape() == {"bias": False} and config.model_label.endswith("--no-bias")
+    assert _shape({"bias": False, "layers": 2}) == {"layers": 2, "bias": False}
+    from jdp.models.registry import _checked_shape
+
+    with pytest.raises(UsageError, match="--no-bias shape the gpt; --model is mlp"):
+        _checked_shape("mlp", {"bias": False}, {}, loaded=False)
+    with pytest.raises(UsageError, match="--no-bias: the loaded weights set the gpt's shape"):
+        _checked_shape("gpt", {"bias": False}, {}, loaded=True)

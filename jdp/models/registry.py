@@ -148,7 +148,7 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
     multiple of 128. ``architecture``: gpt's `GPT` fields in place of the size's (a
     model loaded from weights, `jdp.models.from_hf`), its vocabulary unpadded.
     ``label_smoothing``: an image classifier's (`jdp.models.classification`).
-    ``shape``: gpt's ``layers``, ``heads``, ``width``, ``hidden`` or ``dropout`` in place
+    ``shape``: gpt's ``layers``, ``heads``, ``width``, ``hidden``, ``bias`` or ``dropout`` in place
     of the size's (``--layers`` ...).
 
     Examples:
@@ -212,10 +212,10 @@ def _checked_shape(name: str, shape: Mapping[str, Any], options: dict, *, loaded
     """gpt's fields the flags set (``--width`` alone: 4 times as many hidden units, GPT-2's
     ratio), checked against the model, the loaded weights and the size's ``options``."""
     if name != "gpt":
-        raise UsageError(f"{', '.join(shape)} shape the gpt; --model is {name}")
-    fixed = sorted(set(shape) & set(GPT_SHAPE))
+        raise UsageError(f"{', '.join(map(_flag, shape))} shape the gpt; --model is {name}")
+    fixed = sorted(set(shape) & {*GPT_SHAPE, "bias"})
     if loaded and fixed:
-        raise UsageError(f"--{', --'.join(fixed)}: the loaded weights set the gpt's shape; "
+        raise UsageError(f"{', '.join(map(_flag, fixed))}: the loaded weights set the gpt's shape; "
                          "drop them (--dropout may change)")  # fmt: skip
     if "width" in shape and "hidden" not in shape:
         shape = {**shape, "hidden": 4 * shape["width"]}
@@ -224,6 +224,11 @@ def _checked_shape(name: str, shape: Mapping[str, Any], options: dict, *, loaded
         raise UsageError(f"a width of {width} does not split into {heads} heads; give a "
                          "--width that --heads divides")  # fmt: skip
     return dict(shape)
+
+
+def _flag(field: str) -> str:
+    """A shape field as the flag that sets it."""
+    return "--no-bias" if field == "bias" else f"--{field}"
 
 
 def _loaded_gpt(split, architecture: Mapping[str, Any], options: dict) -> Model:

@@ -43,20 +43,21 @@ def sinusoids(length: int, width: int) -> np.ndarray:
 EPSILON = 1e-6
 
 
-def layer_norm(epsilon: float = EPSILON) -> nn.LayerNorm:
-    """``nn.LayerNorm`` over the model width (``embed``)."""
-    return nn.LayerNorm(epsilon=epsilon, **norm_inits("embed"))
+def layer_norm(epsilon: float = EPSILON, *, bias: bool = True) -> nn.LayerNorm:
+    """``nn.LayerNorm`` over the model width (``embed``); ``bias``: with its shift."""
+    return nn.LayerNorm(epsilon=epsilon, use_bias=bias, **norm_inits("embed"))
 
 
 class FeedForward(nn.Module):
     hidden: int
     dropout: float
+    bias: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool, rows=None) -> jax.Array:
         width = x.shape[-1]
-        x = nn.gelu(dense(self.hidden, ("embed", "mlp"))(x))
-        x = dense(width, ("mlp", "embed"))(x)
+        x = nn.gelu(dense(self.hidden, ("embed", "mlp"), use_bias=self.bias)(x))
+        x = dense(width, ("mlp", "embed"), use_bias=self.bias)(x)
         return RowDropout(self.dropout, name="Dropout_0")(x, rows, deterministic=not train)
 
 
@@ -77,6 +78,7 @@ class Attention(nn.Module):
     heads: int
     dropout: float = 0.0  # on the attention weights, while training
     implementation: AttentionImplementation = "auto"
+    bias: bool = True  # the projections' biases
 
     @nn.compact
     def __call__(
@@ -101,6 +103,7 @@ class Attention(nn.Module):
                 name=name,
                 kernel_init=inits["kernel_init"],
                 bias_init=inits["bias_init"],
+                use_bias=self.bias,
             )
 
         q, k, v = project("query")(queries), project("key")(keys), project("value")(keys)
@@ -122,6 +125,7 @@ class Attention(nn.Module):
             name="out",
             kernel_init=inits["out_kernel_init"],
             bias_init=inits["out_bias_init"],
+            use_bias=self.bias,
         )(attended)
 
 
@@ -162,6 +166,7 @@ class Block(nn.Module):
     attention_dropout: float | None = None  # on the attention weights; None: ``dropout``
     attention: AttentionImplementation = "auto"
     epsilon: float = EPSILON  # the LayerNorms'
+    bias: bool = True  # in the dense layers and LayerNorms (nanoGPT's bias=False: none)
 
     @nn.compact
     def __call__(
@@ -184,22 +189,26 @@ class Block(nn.Module):
         def attend(index, queries, keys, **masks):
             # The names Flax's MultiHeadDotProductAttention had: older checkpoints restore.
             module = Attention(
-                self.heads, rate, self.attention, name=f"MultiHeadDotProductAttention_{index}"
+                self.heads,
+                rate,
+                self.attention,
+                self.bias,
+                name=f"MultiHeadDotProductAttention_{index}",
             )
             attended = module(queries, keys, train=train, rows=rows, **masks)
             return RowDropout(self.dropout, name=f"Dropout_{index}")(
                 attended, rows, deterministic=not train
             )
 
-        normed = layer_norm(self.epsilon)(x)
+        normed = layer_norm(self.epsilon, bias=self.bias)(x)
         x = x + attend(0, normed, normed, causal=causal, key_mask=mask, query_mask=mask)
         if memory is not None:
             x = x + attend(
-                1, layer_norm(self.epsilon)(x), memory, key_mask=memory_mask,
+                1, layer_norm(self.epsilon, bias=self.bias)(x), memory, key_mask=memory_mask,
                 query_mask=target_mask,
             )  # fmt: skip
-        feed = FeedForward(self.hidden, self.dropout)
-        return x + feed(layer_norm(self.epsilon)(x), train=train, rows=rows)
+        feed = FeedForward(self.hidden, self.dropout, self.bias)
+        return x + feed(layer_norm(self.epsilon, bias=self.bias)(x), train=train, rows=rows)
 
 
 class CausalLayer(Block):
@@ -286,6 +295,8 @@ class GPT(nn.Module):
     embeddings and residual branches, not the attention weights, so attention
     is fused (``attention``: ``auto``, ``xla`` or ``cudnn``). ``epsilon`` is the
     LayerNorms' (GPT-2's weights were trained with 1e-5: `jdp.models.from_hf`).
+    ``bias=False`` leaves the biases out of every dense layer and LayerNorm
+    (nanoGPT's ``bias=False``).
     """
 
     vocab_size: int
@@ -299,6 +310,7 @@ class GPT(nn.Module):
     remat: Remat = "none"
     attention: AttentionImplementation = "auto"
     epsilon: float = EPSILON
+    bias: bool = True
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False, rows=None) -> jax.Array:
@@ -325,6 +337,7 @@ class GPT(nn.Module):
             "attention_dropout": 0.0,
             "attention": self.attention,
             "epsilon": self.epsilon,
+            "bias": self.bias,
             "train": train,
         }
         if self.unroll:
@@ -339,7 +352,7 @@ class GPT(nn.Module):
                 metadata_params={nn.PARTITION_NAME: STACKED},
             )
             (x, _), _ = stack(**options, name=SCANNED_LAYERS)((x, rows), None)
-        return tokens_embed.attend(layer_norm(self.epsilon)(x))
+        return tokens_embed.attend(layer_norm(self.epsilon, bias=self.bias)(x))
 
 
 def stack_layers(params: dict, layers: int) -> dict:

@@ -98,6 +98,7 @@ class TrainConfig:
     heads: int = _flag(MODEL, 0, "gpt: attention heads, dividing the width (0: the size's)")
     width: int = _flag(MODEL, 0, "gpt: the model width, nanoGPT's n_embd (0: the size's)")
     hidden: int = _flag(MODEL, 0, "gpt: the feed-forward's hidden units (0: the size's)")
+    bias: bool = _flag(MODEL, True, "gpt: biases in dense layers, LayerNorms (nanoGPT: --no-bias)")
     dropout: float | None = _flag(MODEL, None, "gpt: the dropout rate (empty: the size's, "
                                   "0.1; nanoGPT pretrains with 0)")  # fmt: skip
     dataset: str = _flag(
@@ -340,6 +341,7 @@ class TrainConfig:
         """The built-in model as the run's lines name it: its size, and the gpt's shape
         flags that replace the size's."""
         shape = [f"--{name} {getattr(self, name)}" for name in GPT_SHAPE if getattr(self, name)]
+        shape += [] if self.bias else ["--no-bias"]
         return f"{self.model} {self.model_size}" + (f" with {' '.join(shape)}" if shape else "")
 
     def __post_init__(self):
@@ -366,6 +368,7 @@ class TrainConfig:
     def gpt_shape(self) -> dict[str, int | float]:
         """The gpt's fields the shape flags set (``--layers``, ...), the size's otherwise."""
         shape = {name: getattr(self, name) for name in GPT_SHAPE if getattr(self, name)}
+        shape |= {} if self.bias else {"bias": False}
         return shape | ({"dropout": self.dropout} if self.dropout is not None else {})
 
     def resume_conflicts(self, saved: dict, recorded: dict | None = None) -> list[str]:
