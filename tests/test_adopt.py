@@ -220,3 +220,44 @@ def test_two_processes_run_the_adopted_step_on_both_backends(after, tmp_path):
         saved = np.load(tmp_path / f"{backend}.npz")
         params = [saved[str(i)] for i in range(len(saved.files))]
         assert_trees_close(params, jax.tree.leaves(expected_state.params))
+
+
+def test_an_nnx_module_and_its_optimizer_are_the_state_as_they_are(mesh8, mesh1):
+    """An NNX script's step takes its module and optimizer themselves (NNX objects are
+    pytrees): BatchNorm over ``axis_name="batch"``, 8 replicas against one device's
+    float32 rounding, on both backends."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(4, 1, rngs=rngs)
+            self.norm = nnx.BatchNorm(1, axis_name="batch", rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(self.dense(x))
+
+    def train_step(state, batch):
+        model, optimizer = state
+        loss_fn = lambda model: jnp.mean((model(batch["x"]) - batch["y"]) ** 2)  # noqa: E731
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, jax.lax.pmean(grads, axis_name="batch"))
+        return (model, optimizer), jax.lax.pmean(loss, axis_name="batch")
+
+    def run(mesh, backend):
+        model = Net(nnx.Rngs(0))
+        state = (model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+        step = jdp.data_parallel_step(train_step, mesh, axis_name="batch", backend=backend)
+        rng, losses = np.random.default_rng(0), []
+        for _ in range(3):
+            x, y = rng.normal(size=(64, 4)), rng.normal(size=(64, 1))
+            batch = {"x": x.astype(np.float32), "y": y.astype(np.float32)}
+            state, loss = step(state, jdp.shard_batch(batch, mesh))
+            losses.append(float(loss))
+        return state[0], losses
+
+    model, losses = run(mesh1, "jit")
+    for backend in ("jit", "pmap"):
+        got, got_losses = run(mesh8, backend)
+        assert isinstance(got, Net)
+        assert_sequences_close(got_losses, losses)
+        assert_trees_close(nnx.state(got), nnx.state(model))
