@@ -5,6 +5,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import nbformat
 import pytest
@@ -83,6 +84,15 @@ def test_the_install_cell_finds_jdp_without_a_published_url(tmp_path, monkeypatc
     assert find() == "jdp-0.1.0-py3-none-any.whl"
     monkeypatch.setenv("JDP_SOURCE", "jdp @ git+https://example.org/me/jdp")
     assert find() == "jdp @ git+https://example.org/me/jdp"
+    # With it, the JAX the runtime's accelerator needs: none here, a TPU's, a GPU's.
+    for name in ("TPU_ACCELERATOR_TYPE", "TPU_NAME", "COLAB_TPU_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    assert namespace["accelerator_jax"]() == []
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v2-8")
+    assert namespace["accelerator_jax"]() == ["jax[tpu]>=0.10"]
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE")
+    namespace["shutil"] = types.SimpleNamespace(which=lambda tool: f"/usr/bin/{tool}")
+    assert namespace["accelerator_jax"]() == ["jax[cuda12]>=0.10"]  # no CUDA plugin here
 
 
 def test_a_tpu_runtime_whose_jax_runs_on_the_cpu_is_said_loudly(tmp_path):
