@@ -24,8 +24,9 @@ def metrics_with_state(metrics_fn: LossFn, *, has_model_state: bool) -> LossFn:
     return lambda params, model_state, batch: metrics_fn(params, batch)
 
 
-def eval_step(metrics_fn: LossFn, axes: tuple[str, ...] = (DATA_AXIS,)
-              ) -> Callable[[TrainState, Any], Metrics]:  # fmt: skip
+def eval_step(
+    metrics_fn: LossFn, axes: tuple[str, ...] = (DATA_AXIS,)
+) -> Callable[[TrainState, Any], Metrics]:
     """Masked sums of per-example metrics over one replica's slice, summed over replicas
     (over ``axes``, the axes the batch is split over); a metric given as a batch mean
     with its weight, ``(mean, weight)``, as the pair ``(mean * weight, weight)``.

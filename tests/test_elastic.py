@@ -241,11 +241,14 @@ def test_a_stalled_process_ends_the_group_and_the_restart_ends_bitwise(whole, tm
     _, err = launcher.communicate(timeout=500)
     assert launcher.returncode == 0, err[-3000:]
     stacks = f"{_log_dir(tmp_path / 'ckpt')}/stalls/process-1.txt"
-    line = re.search(r"\[0\] jdp: process 1 of 2 stalled in a callback \(hang_once\) after "
-                     rf"step 130: no progress for (\d+) s \(--stall-timeout {STALL}\); "
-                     rf"Python stacks go to {re.escape(os.path.dirname(stacks))}; ending the run "
-                     r"with exit code 75, nothing saved now \(a restart resumes from step (\d+), "
-                     r"the last complete checkpoint\)", err)  # fmt: skip
+    line = re.search(
+        r"\[0\] jdp: process 1 of 2 stalled in a callback \(hang_once\) after "
+        rf"step 130: no progress for (\d+) s \(--stall-timeout {STALL}\); "
+        rf"Python stacks go to {re.escape(os.path.dirname(stacks))}; ending the run "
+        r"with exit code 75, nothing saved now \(a restart resumes from step (\d+), "
+        r"the last complete checkpoint\)",
+        err,
+    )
     assert line and STALL <= int(line[1]) <= STALL + 10, err[-3000:]
     both = f"{stacks.replace('process-1', 'process-0')}, {stacks}"
     assert f"[0] jdp: Python stacks written: {both}\n" in err, err[-3000:]

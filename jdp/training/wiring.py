@@ -233,9 +233,16 @@ def stall_watch(config: TrainConfig, start: int, goodput: Goodput):
     directory = config.log_dir or config.ckpt_dir or os.path.join(tempfile.gettempdir(), "jdp")
     processes = jax.process_count()
     client = jax_distributed.global_state.client if processes > 1 else None
-    watchdog = Watchdog(watch, config.stall_timeout, os.path.abspath(directory),
-                        process=jax.process_index(), processes=processes, client=client,
-                        on_stall=goodput.stalled, ckpt_dir=config.ckpt_dir)  # fmt: skip
+    watchdog = Watchdog(
+        watch,
+        config.stall_timeout,
+        os.path.abspath(directory),
+        process=jax.process_index(),
+        processes=processes,
+        client=client,
+        on_stall=goodput.stalled,
+        ckpt_dir=config.ckpt_dir,
+    )
     with watchdog:
         yield watch
 
