@@ -94,27 +94,28 @@ def test_the_config_choices_are_the_registries():
     from jdp.diloco.outer import OUTER_OPTIMIZERS
     from jdp.models.registry import MODELS, SIZES
     from jdp.models.transformer import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
-    from jdp.training import config, config_checks
+    from jdp.training import choices as config_choices
+    from jdp.training import config_checks
 
     def choices(alias):
         return set(typing.get_args(alias))
 
-    assert choices(config.Backend) == set(step.BACKENDS)
-    assert choices(config.ModelName) == set(MODELS)
-    assert choices(config.ModelSize) == set(SIZES)
-    assert choices(config.Remat) == {"none", *REMAT_POLICIES}
-    assert choices(config.Attention) == set(ATTENTION_IMPLEMENTATIONS)
+    assert choices(config_choices.Backend) == set(step.BACKENDS)
+    assert choices(config_choices.ModelName) == set(MODELS)
+    assert choices(config_choices.ModelSize) == set(SIZES)
+    assert choices(config_choices.Remat) == {"none", *REMAT_POLICIES}
+    assert choices(config_choices.Attention) == set(ATTENTION_IMPLEMENTATIONS)
     assert choices(config_checks.DatasetName) == (
         set(sources.DATASETS) | set(sources.GENERATED) | set(corpora.CORPORA)
     )
     # The config checks what the data reads.
     assert (*custom.PREFIXES, tokens.TOKENS_PREFIX) == config_checks.DATASET_PREFIXES
-    assert choices(config.OptimizerName) == set(optim.OPTIMIZERS)
-    assert choices(config.ScheduleName) == set(optim.SCHEDULES)
-    assert choices(config.LrScaling) == set(optim.LR_SCALING)
-    assert choices(config.PrecisionName) == set(precision.PRECISIONS)
-    assert choices(config.ReduceDtype) <= set(precision.PRECISIONS)
-    assert choices(config.OuterOptimizerName) == set(OUTER_OPTIMIZERS)
+    assert choices(config_choices.OptimizerName) == set(optim.OPTIMIZERS)
+    assert choices(config_choices.ScheduleName) == set(optim.SCHEDULES)
+    assert choices(config_choices.LrScaling) == set(optim.LR_SCALING)
+    assert choices(config_choices.PrecisionName) == set(precision.PRECISIONS)
+    assert choices(config_choices.ReduceDtype) <= set(precision.PRECISIONS)
+    assert choices(config_choices.OuterOptimizerName) == set(OUTER_OPTIMIZERS)
 
 
 def test_the_config_imports_nothing_above_it():

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
-from jdp.training import config_checks
+from jdp.training import choices, config_checks
 from jdp.training.sections import (
     CHECKPOINTS,
     DATA,
@@ -24,26 +23,6 @@ from jdp.training.sections import (
     _flag,
 )
 
-# The choices of the fields that name things. Each registry it names agrees
-# (tests/test_api.py): the step's backends, the built-in models and sizes, the
-# datasets, optimizers, schedules, LR scaling rules and precisions.
-Backend = Literal["jit", "pmap"]
-ModelName = Literal["cnn", "gpt", "mlp", "resnet18", "resnet20", "resnet50", "seq2seq"]
-ModelSize = Literal["small", "standard", "124m", "350m", "774m", "1.3b"]
-Remat = Literal["none", "dots", "full"]
-Attention = Literal["auto", "xla", "cudnn"]
-OptimizerName = Literal["sgd", "momentum", "nesterov", "adam", "adamw", "lamb", "lars"]
-ScheduleName = Literal["constant", "cosine", "linear", "noam", "piecewise"]
-LrScaling = Literal["none", "linear", "sqrt"]
-PrecisionName = Literal["fp32", "bf16", "fp16"]
-ReduceDtype = Literal["fp32", "bf16"]
-EarlyStopMetric = Literal["loss", "accuracy"]
-TokenDtype = Literal["", "uint16", "uint32", "int32"]
-BestMode = Literal["auto", "max", "min"]
-NanPolicy = Literal["stop", "skip", "ignore"]
-DataLedger = Literal["indices", "bytes", "off"]
-DataOnDevice = Literal["auto", "on", "off"]
-OuterOptimizerName = Literal["nesterov", "sgd"]
 # The gpt's shape flags: each replaces its --model-size's value when set (as
 # jdp.models.registry.GPT_SHAPE, which the config may not import).
 GPT_SHAPE = ("layers", "heads", "width", "hidden")
@@ -64,23 +43,25 @@ class TrainConfig:
         "data=4,model=2, or group=2,data=4 (DiLoCo: 2 groups of 4 replicas that synchronise "
         "every --sync-every steps)",
     )
-    backend: Backend = _flag(LAYOUT, "jit", "step backend: jit (jit over shard_map) or pmap")
-    remat: Remat = _flag(LAYOUT, "none", "gpt: recompute each layer's activations in the "
+    backend: choices.Backend = _flag(
+        LAYOUT, "jit", "step backend: jit (jit over shard_map) or pmap"
+    )
+    remat: choices.Remat = _flag(LAYOUT, "none", "gpt: recompute each layer's activations in the "
                          "backward pass to save memory: none, dots (keep the products with the "
                          "weights) or full (keep only each layer's input)")  # fmt: skip
-    attention: Attention = _flag(
+    attention: choices.Attention = _flag(
         LAYOUT,
         "auto",
         "gpt and seq2seq: attention's implementation, auto (cuDNN's fused kernel on a GPU in "
         "bf16/fp16, else XLA's), xla or cudnn",
     )
-    model: ModelName = _flag(
+    model: choices.ModelName = _flag(
         MODEL,
         "mlp",
         "built-in model: mlp, cnn, resnet20, resnet18, resnet50 (images), seq2seq or gpt "
         "(sequences)",
     )
-    model_size: ModelSize = _flag(
+    model_size: choices.ModelSize = _flag(
         MODEL,
         "small",
         "small (trains in minutes on a CPU) or standard (published); gpt also 124m, 350m, "
@@ -122,7 +103,7 @@ class TrainConfig:
     )
     vocab_size: int = _flag(DATA, 0, "a token corpus's vocabulary size (0: from the "
                             "tokens.json beside it)")  # fmt: skip
-    token_dtype: TokenDtype = _flag(DATA, "", "the ids of raw .bin token files (no llm.c "
+    token_dtype: choices.TokenDtype = _flag(DATA, "", "the ids of raw .bin token files (no llm.c "
                                     "header): uint16, uint32 or int32 (default: from "
                                     "tokens.json; never guessed)")  # fmt: skip
     validation_fraction: float = _flag(
@@ -139,7 +120,7 @@ class TrainConfig:
                                 "batches (0: a thread of this process)")  # fmt: skip
     prefetch: int = _flag(INPUT, 2, "batches (with --steps-per-call, calls' stacked batches) "
                           "placed on the devices ahead")  # fmt: skip
-    data_on_device: DataOnDevice = _flag(
+    data_on_device: choices.DataOnDevice = _flag(
         INPUT, "auto", "place the splits on every device once and gather each step's rows "
         "there, the same batches without a host read (auto: when they fit in a quarter of "
         "a device's memory left by the model, and no --loader-workers)")  # fmt: skip
@@ -147,17 +128,17 @@ class TrainConfig:
     epochs: int = _flag(
         LENGTH, 0, "train for this many passes over the training split instead of --steps (0: off)"
     )
-    optimizer: OptimizerName = _flag(
+    optimizer: choices.OptimizerName = _flag(
         OPTIMIZER, "adam", "sgd, momentum, nesterov, adam, adamw, lamb or lars"
     )
     lr: float = _flag(
         OPTIMIZER, 3e-3, "base learning rate: the schedule's peak, before --lr-scaling"
     )
-    schedule: ScheduleName = _flag(
+    schedule: choices.ScheduleName = _flag(
         OPTIMIZER, "cosine", "after warmup: constant, cosine, linear, noam or piecewise"
     )
     warmup_steps: int = _flag(OPTIMIZER, 40, "steps of linear learning-rate warmup from 0")
-    lr_scaling: LrScaling = _flag(
+    lr_scaling: choices.LrScaling = _flag(
         OPTIMIZER, "none", "scale --lr with the global batch: none, linear (Goyal et al.) or sqrt"
     )
     lr_reference_batch: int = _flag(
@@ -187,10 +168,12 @@ class TrainConfig:
         "optimizer steps per compiled call, scanned on the device (for small, fast steps)",
         shown=STEP.name,
     )
-    precision: PrecisionName = _flag(
+    precision: choices.PrecisionName = _flag(
         STEP, "fp32", "compute dtype: fp32, bf16 or fp16 (fp16 scales the loss)"
     )
-    reduce_dtype: ReduceDtype = _flag(STEP, "fp32", "gradient all-reduce dtype: fp32 or bf16")
+    reduce_dtype: choices.ReduceDtype = _flag(
+        STEP, "fp32", "gradient all-reduce dtype: fp32 or bf16"
+    )
     shard_optimizer: bool = _flag(
         LAYOUT,
         False,
@@ -209,7 +192,7 @@ class TrainConfig:
         f"DiLoCo (a mesh with a group axis): steps between the groups' synchronisations "
         f"(0: {DEFAULT_SYNC_EVERY})",
     )
-    outer_optimizer: OuterOptimizerName = _flag(
+    outer_optimizer: choices.OuterOptimizerName = _flag(
         DILOCO,
         "nesterov",
         "DiLoCo's outer optimizer: nesterov (Nesterov momentum) or sgd (heavy-ball momentum; "
@@ -217,7 +200,7 @@ class TrainConfig:
     )
     outer_lr: float = _flag(DILOCO, 0.7, "DiLoCo's outer learning rate")
     outer_momentum: float = _flag(DILOCO, 0.9, "DiLoCo's outer momentum (0: none)")
-    nan_policy: NanPolicy = _flag(
+    nan_policy: choices.NanPolicy = _flag(
         STEP,
         "stop",
         "a non-finite loss or gradient: stop (the run, exit 1), skip (that update, as fp16 "
@@ -255,7 +238,7 @@ class TrainConfig:
         "model's own: accuracy, or loss for a language model); each evaluation better than "
         "every earlier one is saved",
     )
-    best_mode: BestMode = _flag(
+    best_mode: choices.BestMode = _flag(
         CHECKPOINTS,
         "auto",
         "is a higher or a lower --best-metric better: max, min, or auto (min for loss, "
@@ -263,6 +246,12 @@ class TrainConfig:
     )
     no_resume: bool = _flag(
         CHECKPOINTS, False, "start fresh; refused when --ckpt-dir holds checkpoints"
+    )
+    restart_from_scratch: bool = _flag(
+        CHECKPOINTS,
+        False,
+        "where every checkpoint in --ckpt-dir is damaged (set aside as "
+        "damaged-STEP-TIME), train from step 0 in it; refused otherwise",
     )
     allow_new_data: bool = _flag(CHECKPOINTS, False, "resume on training data other than "
                                  "the checkpoints recorded (refused otherwise)")  # fmt: skip
@@ -327,13 +316,13 @@ class TrainConfig:
     check_replicas_every: int = _flag(
         HEALTH, 0, "compare a checksum of the parameters on every device every N steps (0: off)"
     )
-    data_ledger: DataLedger = _flag(HEALTH, "indices", "digests of the global batches, in "
+    data_ledger: choices.DataLedger = _flag(HEALTH, "indices", "digests of the global batches, in "
                                     "metrics.jsonl and the checkpoints and checked as they are "
                                     "read: indices, bytes (of the rows too) or off")  # fmt: skip
     early_stop_patience: int = _flag(
         EVALUATION, 0, "stop when --early-stop-metric has not improved for N evaluations (0: off)"
     )
-    early_stop_metric: EarlyStopMetric = _flag(EVALUATION, "loss", "test metric for "
+    early_stop_metric: choices.EarlyStopMetric = _flag(EVALUATION, "loss", "test metric for "
         "--early-stop-patience: loss (lower wins) or accuracy (higher)")  # fmt: skip
 
     @property
