@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec
 
-from jdp.checkpoint import read_params, read_record, step_directory
+from jdp.checkpoint import read_checkpoint
 from jdp.data.custom import from_arrays
 from jdp.data.facts import data_facts as data_facts  # importable here, as before
 from jdp.data.facts import split_shape
@@ -121,9 +121,7 @@ def load_model(
         >>> loaded.step, loaded.metrics["accuracy"] == result.test_accuracy
         (20, True)
     """
-    step_dir = step_directory(os.path.abspath(os.fspath(path)), step)
-    record = read_record(step_dir)
-    params, model_state = read_params(step_dir, mesh=mesh)
+    _, record, params, model_state = read_checkpoint(path, step, mesh=mesh)
     config = record.config
     if model is None and config.get("model", "yours") != "yours":
         model = _builtin(config, config.get("data", {}))

@@ -100,6 +100,83 @@ def test_missing_array_metadata_is_damage_not_another_model(tmp_path, mesh8, cap
     assert "checkpoint step 1 is damaged (its array metadata is missing)" in capfd.readouterr().err
 
 
+def test_a_link_or_file_named_like_a_step_is_set_aside_never_resumed_or_deleted_for(
+    tmp_path, mesh8, capfd
+):
+    first, _ = _two_checkpoints(tmp_path / "run", mesh8)
+    _two_checkpoints(tmp_path / "other", mesh8)  # another run's checkpoints, step 1 the latest
+    os.symlink(tmp_path / "other" / "1", tmp_path / "run" / "5")
+    os.symlink(tmp_path / "gone", tmp_path / "run" / "6")  # a broken link
+    (tmp_path / "run" / "9").write_text("not a checkpoint")
+    with Checkpointer(tmp_path / "run", keep=2) as checkpoints:
+        assert checkpoints.steps() == [0, 1]  # before: 9 counted as the latest
+        _, meta = checkpoints.restore(first)
+        assert meta["step"] == 1
+        # --keep 2 deletes step 0, the oldest real one, not a link's target.
+        checkpoints.save(first.replace(step=first.step + 2), loader_step=2)
+    err = capfd.readouterr().err
+    for name, what in (("5", "a link (its target untouched)"), ("9", "not a directory")):
+        line = f"{tmp_path / 'run' / name} is named like a checkpoint but is {what}; moved to"
+        assert line in err, err
+    kept = sorted(os.listdir(tmp_path / "run"))
+    assert [name for name in kept if name.isdigit()] == ["1", "2"], kept
+    assert sum(name.startswith("stray-") for name in kept) == 3, kept
+    assert sorted(n for n in os.listdir(tmp_path / "other") if n.isdigit()) == ["0", "1"]
+    assert os.path.isdir(tmp_path / "other" / "1" / "state")
+
+
+@pytest.mark.slow
+def test_with_every_checkpoint_damaged_the_run_starts_over_only_when_told(tmp_path):
+    flags = ("--mesh", "data=8", "--steps", "4", "--warmup-steps", "1", "--ckpt-every", "2",
+             "--ckpt-dir", tmp_path)  # fmt: skip
+    assert run_cli(*flags).returncode == 0
+    for step in ("2", "4"):
+        (tmp_path / step / "meta" / "metadata").write_text("not json")
+    refused = run_cli(*flags, "--steps", "6")
+    err = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2, refused.stderr
+    assert "checkpoint step 4 is damaged (its record is unreadable" in err[0], err
+    assert err[0].endswith("trying an older one") and err[1].endswith("no older one is left")
+    assert err[2] == (
+        f"jdp.train: error: {tmp_path} holds no whole checkpoint (damaged ones set aside: "
+        "steps 2, 4); pass --restart-from-scratch to train from step 0 there, or choose "
+        "another --ckpt-dir"
+    )
+    # Run again as it was, the damaged ones already aside: refused again, never step 0.
+    again = run_cli(*flags, "--steps", "6")
+    assert again.returncode == 2 and "holds no whole checkpoint" in again.stderr
+    told = run_cli(*flags, "--steps", "6", "--restart-from-scratch")
+    assert told.returncode == 0, told.stderr
+    assert "jdp: --restart-from-scratch: " in told.stdout + told.stderr
+    assert "steps=6" in told.stdout.splitlines()[-1]
+    empty = run_cli(*flags[:-1], tmp_path / "empty", "--restart-from-scratch")
+    assert empty.returncode == 2
+    assert "no damaged checkpoint is set aside" in empty.stderr
+
+
+def test_a_reader_passes_over_a_damaged_latest_checkpoint_and_leaves_it(tmp_path, mesh8, capfd):
+    _two_checkpoints(tmp_path, mesh8)
+    for name in os.listdir(tmp_path / "1" / "state" / "d"):
+        os.truncate(tmp_path / "1" / "state" / "d" / name, 100)
+    params = jdp.load_params(tmp_path)
+    assert params["w"][0, 0] == 0  # step 0's, not step 1's
+    err = capfd.readouterr().err
+    assert f"checkpoint {tmp_path / '1'} is damaged (" in err and "reading step 0 instead" in err
+    assert os.path.isdir(tmp_path / "1")  # a reader never moves a run's files
+    with pytest.raises(jdp.UsageError, match=r"1 is damaged \(.*\); load another one$"):
+        jdp.checkpoint.read_params(tmp_path, step=1)
+    (tmp_path / "0" / "meta" / "metadata").write_text("[]")
+    with pytest.raises(jdp.UsageError, match=r"no older checkpoint there is whole$"):
+        jdp.load_params(tmp_path)
+
+
+def test_a_lock_file_of_random_bytes_is_taken_over(tmp_path, capfd):
+    (tmp_path / LOCK_NAME).write_bytes(bytes(range(256)) * 4)
+    Checkpointer(tmp_path).close()
+    err = capfd.readouterr().err
+    assert "from a run that is gone (pid ? on ?, started ? (unreadable lock file))" in err, err
+
+
 def test_one_owner_per_directory(tmp_path, mesh8, capfd):
     owner = Checkpointer(tmp_path)
     with pytest.raises(jdp.UsageError, match=f"in use by another run \\(pid {os.getpid()} on "):
@@ -620,7 +697,9 @@ def test_load_params_skips_incomplete_entries_and_checks_digests(tmp_path, mesh8
     with ocp.StandardCheckpointer() as writer:
         writer.save(tmp_path / "1" / "state", _on_disk(other))
     with pytest.raises(jdp.UsageError, match=r"is damaged \(params/w does not match its digest\)"):
-        jdp.load_params(tmp_path)
+        jdp.load_params(tmp_path / "1")
+    # The latest of the directory is passed over to the one before (with a warning).
+    np.testing.assert_array_equal(jdp.load_params(tmp_path)["w"], second.params["w"] - 1)
 
 
 @pytest.mark.slow

@@ -19,7 +19,14 @@ __getattr__, __dir__, __all__ = lazy.attach(
     __name__,
     {
         "jdp.checkpoint.checkpointer": ("Checkpointer",),
-        "jdp.checkpoint.params": ("load_params", "read_params", "read_record", "step_directory"),
+        "jdp.checkpoint.params": (
+            "latest_record",
+            "load_params",
+            "read_checkpoint",
+            "read_params",
+            "read_record",
+            "step_directory",
+        ),
         "jdp.checkpoint.record": ("Record",),
         "jdp.checkpoint.storage": ("warn",),
     },

@@ -96,6 +96,7 @@ class Checkpointer:
         _quiet_orbax_failures()
         self._take_lock()
         try:
+            self._strays_aside()
             self._manager = _manager(self.directory, keep, (best_metric, best_mode), async_save)
         except BaseException:
             self._lock.release()
@@ -122,6 +123,33 @@ class Checkpointer:
                 f"--ckpt-dir {self.directory} is not the same directory in every process; "
                 "give every process one shared directory"
             )
+
+    def _strays_aside(self) -> None:
+        """Moves aside, by name, what is named like a step but is no checkpoint of this
+        directory: a link (to another run's checkpoint, or to nothing) or a file. Orbax
+        would count it as the latest, resume from it and delete a real one in its place."""
+        if jax.process_index() == 0:
+            for name in sorted(os.listdir(self.directory)):
+                path = os.path.join(self.directory, name)
+                if not name.isdigit() or (os.path.isdir(path) and not os.path.islink(path)):
+                    continue
+                link = os.path.islink(path)
+                aside = os.path.join(self.directory, f"stray-{name}-{int(time.time())}")
+                os.rename(path, aside)
+                what = "a link (its target untouched)" if link else "not a directory"
+                warn(f"{path} is named like a checkpoint but is {what}; moved to {aside}")
+        _barrier("jdp-strays-aside")
+
+    def damaged_steps(self) -> list[int]:
+        """Steps of the damaged checkpoints set aside in the directory (``damaged-STEP-TIME``),
+        by this run or an earlier one (process 0's list in every process)."""
+        steps = []
+        if jax.process_index() == 0:
+            for name in os.listdir(self.directory):
+                parts = name.split("-")
+                if len(parts) == 3 and parts[0] == "damaged" and parts[1].isdigit():
+                    steps.append(int(parts[1]))
+        return _from_process_0(sorted(set(steps)))
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first (process 0's list in every process)."""
@@ -239,7 +267,9 @@ class Checkpointer:
         """
         target = _on_disk(_abstract(like))
         expected = _leaf_names(target)
-        for step in reversed([s for s in self.steps() if at_most is None or s <= at_most]):
+        candidates = [s for s in self.steps() if at_most is None or s <= at_most]
+        for step in reversed(candidates):
+            older = step != candidates[0]
             try:
                 meta, saved = self._read_record(step)
             except _Damaged as damage:
@@ -247,7 +277,7 @@ class Checkpointer:
             else:
                 problem = None
             if not _all_ok(problem is None):
-                self._set_aside(step, problem or "another process could not read it")
+                self._set_aside(step, problem or "another process could not read it", older)
                 continue
             if check is not None:
                 check(dict(meta))
@@ -269,7 +299,7 @@ class Checkpointer:
             elif problem is None:
                 problem = "another process could not read it"
             if problem is not None:
-                self._set_aside(step, problem or "another process could not read it")
+                self._set_aside(step, problem or "another process could not read it", older)
                 continue
             return (like.replace(**restored) if dataclasses.is_dataclass(like) else restored), meta
         return None
@@ -304,12 +334,14 @@ class Checkpointer:
             )
         return meta, saved
 
-    def _set_aside(self, step: int, reason: str) -> None:
-        """Moves a damaged checkpoint out of the way (kept for inspection, never deleted)."""
+    def _set_aside(self, step: int, reason: str, older: bool) -> None:
+        """Moves a damaged checkpoint out of the way (kept for inspection, never deleted);
+        ``older``: whether an older checkpoint is left to try."""
         aside = os.path.join(self.directory, f"damaged-{step}-{int(time.time())}")
         if jax.process_index() == 0:
             os.rename(os.path.join(self.directory, str(step)), aside)
-        warn(f"checkpoint step {step} is damaged ({reason}); moved to {aside}, using an older one")
+        then = "trying an older one" if older else "no older one is left"
+        warn(f"checkpoint step {step} is damaged ({reason}); moved to {aside}, {then}")
         _barrier(f"jdp-set-aside-{step}")
         self._manager.reload()
 

@@ -51,7 +51,7 @@ def _read(handle) -> dict:
 
 
 def _read_path(path: str) -> dict:
-    with contextlib.suppress(OSError), open(path, encoding="utf-8") as handle:
+    with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as handle:
         return _read(handle)
     return {}
 
@@ -80,7 +80,7 @@ def _live_owner(path: str) -> dict | None:
     """Who holds the lock file ``path``, while a live run other than this process does;
     None for no file, a lock nobody holds, or this process's own."""
     try:
-        handle = open(path, encoding="utf-8")  # noqa: SIM115 (closed below)
+        handle = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 (closed below)
     except OSError:
         return None
     with handle:
@@ -148,7 +148,7 @@ class DirectoryLock:
         refuse_a_live_runs(self.directory, self.flag, itself=False)
         try:
             os.makedirs(self.directory, exist_ok=True)
-            handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
+            handle = open(self.path, "a+", encoding="utf-8", errors="replace")  # noqa: SIM115 (held for the run)
         except IsADirectoryError:
             raise UsageError(
                 f"{self.path} is a directory, where jdp keeps the file that locks "
@@ -226,7 +226,7 @@ class DirectoryLock:
             )
 
     def _rewrite(self) -> None:
-        handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
+        handle = open(self.path, "a+", encoding="utf-8", errors="replace")  # noqa: SIM115 (held for the run)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -244,7 +244,10 @@ class DirectoryLock:
 
     def token(self) -> str | None:
         """The token the lock file holds now (what another process of the run checks)."""
-        with contextlib.suppress(OSError), open(self.path, encoding="utf-8") as handle:
+        with (
+            contextlib.suppress(OSError),
+            open(self.path, encoding="utf-8", errors="replace") as handle,
+        ):
             return _read(handle).get("token")
         return None
 

@@ -51,8 +51,10 @@ def check(config) -> None:
         raise UsageError("--eval-every must be 0 (only at the end) or a positive step count")
     if config.ckpt_every < 0 or config.keep < 1:
         raise UsageError("--ckpt-every must be >= 0 and --keep at least 1")
-    if config.ckpt_dir is None and (config.ckpt_every or config.no_resume):
-        raise UsageError("--ckpt-every and --no-resume need --ckpt-dir DIR")
+    if config.ckpt_dir is None and (
+        config.ckpt_every or config.no_resume or config.restart_from_scratch
+    ):
+        raise UsageError("--ckpt-every, --no-resume and --restart-from-scratch need --ckpt-dir DIR")
     if config.loader_workers < 0 or config.prefetch < 1:
         raise UsageError("--loader-workers must be >= 0 and --prefetch at least 1")
     if config.log_every < 1:

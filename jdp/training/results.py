@@ -4,13 +4,12 @@ the end, stopped early (preempted), or a checkpoint evaluated without training."
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import jax
 
 from jdp.actions import Progress
-from jdp.checkpoint import read_params, read_record, step_directory
+from jdp.checkpoint import latest_record, read_checkpoint
 from jdp.mesh import GROUP_AXIS, parse_mesh_spec
 from jdp.report.console import Console
 from jdp.state import TrainState
@@ -213,7 +212,7 @@ def stopped(progress: Progress, started: float) -> FitResult:
 def evaluate_only(config: TrainConfig, console: Console, yours: Yours, started: float
                    ) -> FitResult:  # fmt: skip
     """``--eval-only``: the latest checkpoint of ``--ckpt-dir``, evaluated as its run would."""
-    saved = _read_latest(config.ckpt_dir, read_record).config
+    saved = latest_record(config.ckpt_dir).config
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
     if GROUP_AXIS not in dict(parse_mesh_spec(config.mesh)):
         fields -= set(DILOCO_FIELDS)  # a DiLoCo run's parameters evaluate on any mesh
@@ -226,24 +225,9 @@ def evaluate_only(config: TrainConfig, console: Console, yours: Yours, started: 
     config = dataclasses.replace(config, **made_with, ckpt_dir=config.ckpt_dir)
     run = build(config, console, yours, architecture=saved.get(ARCHITECTURE))
     like = (run.state.params, run.state.model_state)
-    record, (params, model_state) = _read_latest(
-        config.ckpt_dir, lambda step_dir: (read_record(step_dir), read_params(step_dir, like=like))
-    )
+    _, record, params, model_state = read_checkpoint(config.ckpt_dir, like=like)
     state = run.state.replace(params=params, model_state=model_state)
     return evaluated(run, state, record.step, console, started)
-
-
-def _read_latest(ckpt_dir: str, read):
-    """``read(step directory)`` of the latest checkpoint; read again at the new latest when
-    the step is removed meanwhile (a live run's rotation), up to 5 times."""
-    for attempt in range(5):
-        step_dir = step_directory(os.path.abspath(ckpt_dir))
-        try:
-            return read(step_dir)
-        except Exception:  # Orbax's, tensorstore's or the OS's word for files going away
-            if os.path.isdir(step_dir) or attempt == 4:
-                raise
-    raise AssertionError("unreachable")
 
 
 def evaluated(run: Run, state: TrainState, step: int, console: Console, started: float

@@ -42,6 +42,7 @@ def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, co
 
     restored = checkpoints.restore(state, check=same_run) if existing else None
     if restored is None:
+        _none_whole(config, checkpoints, console)
         return state, 0, {}
     state, record = restored[0], Record.read(restored[1])
     start = record.loader_step
@@ -53,6 +54,29 @@ def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, co
         )
     console.line(f"jdp: resuming from step {record.step} in {checkpoints.directory}")
     return state, start, record.ledger
+
+
+def _none_whole(config: TrainConfig, checkpoints: Checkpointer, console: Console) -> None:
+    """Where no checkpoint is whole but damaged ones were set aside, step 0 would start the
+    run over in silence: refused, unless asked for (``--restart-from-scratch``)."""
+    damaged = checkpoints.damaged_steps()
+    if not damaged or config.no_resume:
+        if config.restart_from_scratch:
+            raise UsageError(
+                f"--restart-from-scratch: no damaged checkpoint is set aside in "
+                f"{checkpoints.directory}, so there is nothing to start over from; drop the flag"
+            )
+        return
+    steps = ", ".join(map(str, damaged))
+    where = (
+        f"{checkpoints.directory} holds no whole checkpoint (damaged ones set aside: steps {steps})"
+    )
+    if not config.restart_from_scratch:
+        raise UsageError(
+            f"{where}; pass --restart-from-scratch to train from step 0 there, "
+            "or choose another --ckpt-dir"
+        )
+    console.line(f"jdp: --restart-from-scratch: {where}; training from step 0")
 
 
 def _same_data(saved: dict, recorded: dict, directory: str) -> None:
