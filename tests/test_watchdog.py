@@ -7,11 +7,14 @@ import multiprocessing
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import flax.linen as nn
 import pytest
+from helpers import subprocess_env
 
 import jdp
 from jdp.checkpoint import Checkpointer
@@ -61,6 +64,79 @@ def test_compiling_is_never_a_stall_and_saving_or_evaluating_has_four_times_long
         assert stalled([Mark(0, 40, phase, 39.0)], S) is None
         assert stalled([Mark(0, 40, phase, 41.0)], S).phase == phase
     assert stalled([Mark(0, 40, READING, 10.5)], S).phase == READING
+
+
+def test_the_process_named_is_the_one_whose_mark_stopped_moving():
+    # Trainer 1 stopped (SIGSTOP) during a save: both marks say saving, and 0 entered it
+    # first; 1's mark no longer moves, so 1 is the one holding the others up.
+    marks = [Mark(0, 40, SAVING, 50.0), Mark(1, 40, SAVING, 45.0, silent=True)]
+    assert stalled(marks, S).process == 1
+    # Stopped while compiling: its compile would have let its watchdog run.
+    assert stalled([Mark(0, 40, STEPPING, 50.0), Mark(1, 40, STEPPING, 45.0, "", True, True)], S)
+
+
+def test_an_xla_compile_in_progress_is_compiling_in_any_phase(tmp_path):
+    from jax import monitoring
+
+    watch, ended = Watch(3), []
+    watch.at(EVALUATING)
+    with Watchdog(watch, 0.2, str(tmp_path), say=lambda line: None, end=ended.append):
+        # JAX's event as an evaluation's compile begins (as `jax.jit` sends it).
+        monitoring.record_scalar(watchdog.COMPILE_EVENT, time.time())
+        assert watch.mark(0).compiling
+        time.sleep(1.5)  # far past 4 x 0.2 s: not a stall while the compile runs
+        assert ended == []
+        monitoring.record_event_duration_secs(watchdog.COMPILE_EVENT, 1.5)
+        assert not watch.mark(0).compiling and watch.mark(0).idle < 1.0  # its end is progress
+        deadline = time.monotonic() + 30
+        while not ended:  # and then evaluating without progress is
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert ended == [watchdog.EXIT_STALLED]
+
+
+def test_time_a_process_was_stopped_is_excused():
+    watch = Watch(0)
+    now = time.monotonic()
+    watch.since = now - 10  # progress 10 s ago; stopped from 8 s ago until now
+    watch.excuse(now - 8, now)
+    assert 1.9 < watch.mark(0).idle < 2.5
+    watch.since = now - 1  # progress after the stop began (only the rest is excused)
+    watch.excuse(now - 8, now)
+    assert watch.mark(0).idle < 0.5
+
+
+@pytest.mark.slow
+def test_a_stopped_run_is_not_stalled_and_a_sigterm_sent_while_stopped_saves(tmp_path):
+    logs = tmp_path / "logs"
+    flags = ["--mesh", "data=1", "--steps", "1000000", "--warmup-steps", "1", "--ckpt-dir",
+             tmp_path / "ckpt", "--log-dir", logs, "--log-every", "20", "--eval-every", "0",
+             "--stall-timeout", STOPPED_TIMEOUT]  # fmt: skip
+    process = subprocess.Popen([sys.executable, "-m", "jdp.train", *map(str, flags)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=subprocess_env())  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (logs / "metrics.jsonl").exists() or not (logs / "metrics.jsonl").read_text():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGSTOP)  # Ctrl-Z, a scheduler's suspend
+    time.sleep(3 * STOPPED_TIMEOUT)
+    process.send_signal(signal.SIGCONT)
+    time.sleep(STOPPED_TIMEOUT)  # the watchdog, polling every 0.2 s, had a second to fire
+    assert process.poll() is None, process.communicate()
+    process.send_signal(signal.SIGSTOP)
+    time.sleep(3 * STOPPED_TIMEOUT)
+    process.send_signal(signal.SIGTERM)  # a preemption notice while stopped
+    process.send_signal(signal.SIGCONT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr
+    assert "stalled" not in stderr, stderr
+    assert re.search(r"^jdp\.train: SIGTERM at step \d+; checkpoint saved in ", stdout, re.M)
+
+
+# Longer than any pause of a small MLP's steady loop on a loaded 2-core machine (a step
+# takes milliseconds), and short enough that a stop three times as long is a few seconds.
+STOPPED_TIMEOUT = 2.0
 
 
 def test_one_process_stalled_writes_its_stacks_says_one_line_and_ends(tmp_path):

@@ -14,6 +14,14 @@ process that stalled, its phase and its stacks file in one line, and each proces
 ends with `EXIT_STALLED`, without waiting on the stuck collective: ``jdp.launch
 --max-restarts`` then restarts the group from its last complete checkpoint, as after a
 death, and a scheduler's retry resumes a single process the same way.
+
+Only time the process ran counts: a process stopped (SIGSTOP, Ctrl-Z, a suspended
+job) or a machine asleep is not stalled, and after a stop of the whole group each
+process waits for the others' fresh marks before judging. An XLA compile in progress,
+wherever it happens (the first step, an evaluation's first batch, a save's digests),
+counts as compiling (`Compiles`, from JAX's monitoring events). Between processes, one
+whose mark stopped moving (its watchdog thread did not run: stopped, or the
+interpreter itself stuck) is the one holding the others up.
 """
 
 from __future__ import annotations
@@ -47,6 +55,9 @@ _ALLOWANCE = {STARTING: None, COMPILING: None, EVALUATING: 4, SAVING: 4}
 # (reading data, in a callback, evaluating, saving) is holding them up.
 _WAITING = (STEPPING, COMPILING, ACTIONS, STARTING)
 _KEY = "jdp/watchdog"
+# JAX's monitoring event around each XLA compile (or read from the compilation cache): a
+# scalar as it begins, a duration as it ends.
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 @dataclasses.dataclass
@@ -59,9 +70,12 @@ class Mark:
     phase: str
     idle: float
     where: str = ""
+    compiling: bool = False  # an XLA compile is in progress, whatever the phase
+    silent: bool = False  # its mark stopped moving: its process did not run (set by a reader)
 
     def limit(self, timeout: float) -> float | None:
-        factor = _ALLOWANCE.get(self.phase, 1)
+        # A silent process's compile would have let its watchdog run: it is stopped.
+        factor = None if self.compiling and not self.silent else _ALLOWANCE.get(self.phase, 1)
         return None if factor is None else factor * timeout
 
 
@@ -72,6 +86,7 @@ class Watch:
     def __init__(self, step: int = 0):
         self.step, self.phase, self.where = step, STARTING, ""
         self.since = time.monotonic()
+        self.compiles = 0  # in progress (`Compiles`)
 
     def at(self, phase: str, where: str = "") -> None:
         self.phase, self.where, self.since = phase, where, time.monotonic()
@@ -83,8 +98,47 @@ class Watch:
     def tick(self) -> None:
         self.since = time.monotonic()
 
+    def excuse(self, start: float, end: float) -> None:
+        """``start`` to ``end`` (monotonic) the process did not run (stopped, or the
+        machine asleep): no time without progress."""
+        if self.since < end:
+            self.since += end - max(self.since, start)
+
     def mark(self, process: int) -> Mark:
-        return Mark(process, self.step, self.phase, time.monotonic() - self.since, self.where)
+        idle = time.monotonic() - self.since
+        return Mark(process, self.step, self.phase, idle, self.where, self.compiles > 0)
+
+
+class Compiles:
+    """Counts the XLA compiles in progress in this process into ``watch.compiles``, from
+    JAX's monitoring events (registered while the context is open); a compile's end is
+    progress. Lowering and tracing, which come first, count as the phase they are in."""
+
+    def __init__(self, watch: Watch):
+        self.watch = watch
+
+    def begun(self, event: str, value: float, **_) -> None:
+        if event == COMPILE_EVENT:
+            self.watch.compiles += 1
+
+    def ended(self, event: str, duration: float, **_) -> None:
+        if event == COMPILE_EVENT:
+            self.watch.compiles = max(0, self.watch.compiles - 1)
+            self.watch.tick()
+
+    def __enter__(self) -> Compiles:
+        from jax import monitoring
+
+        monitoring.register_scalar_listener(self.begun)
+        monitoring.register_event_duration_secs_listener(self.ended)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        from jax import monitoring
+
+        with contextlib.suppress(Exception):  # a JAX without one: nothing to undo
+            monitoring.unregister_scalar_listener(self.begun)
+            monitoring.unregister_event_duration_listener(self.ended)
 
 
 def stalled(marks: list[Mark], timeout: float) -> Mark | None:
@@ -97,9 +151,11 @@ def stalled(marks: list[Mark], timeout: float) -> Mark | None:
         return None
     behind = min(mark.step for mark in marks)
     marks = [mark for mark in marks if mark.step == behind]
-    if any(mark.limit(timeout) is None for mark in marks):
+    silent = [mark for mark in marks if mark.silent]
+    if any(mark.limit(timeout) is None for mark in silent or marks):
         return None
-    mark = min(marks, key=lambda mark: (mark.phase in _WAITING, -mark.idle))
+    # One whose mark stopped moving holds up the others, whatever its phase says.
+    mark = min(silent or marks, key=lambda mark: (mark.phase in _WAITING, -mark.idle))
     return mark if mark.idle > mark.limit(timeout) else None
 
 
@@ -125,16 +181,22 @@ class Watchdog:
         self.on_stall, self.say, self.ckpt_dir = on_stall, say or _stderr, ckpt_dir
         self.end = end or _end_process
         self.poll = min(max(timeout / 10, 0.1), 5.0)
+        # A mark not published for this long: its process did not run (see `_run`).
+        self.silence = 3 * self.poll + 2.0
+        self._resumed = 0.0  # when (wall) this process last ran again after a stop
+        self._compiles = Compiles(watch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jdp-watchdog", daemon=True)
 
     def __enter__(self) -> Watchdog:
+        self._compiles.__enter__()
         self._thread.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self._compiles.__exit__(*exc_info)
         if self.processes > 1:  # the others stop watching: this one will not move again
             self.watch.at(FINISHED)
             mark = dataclasses.asdict(self.watch.mark(self.process))
@@ -143,7 +205,13 @@ class Watchdog:
                 allow_overwrite=True))  # fmt: skip
 
     def _run(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(self.poll):
+            now = time.monotonic()
+            late, last = now - last - self.poll, now
+            if late > self.poll + 1.0:  # this thread did not run: the process was stopped
+                self.watch.excuse(now - late, now)
+                self._resumed = time.time()
             mark = self.watch.mark(self.process)
             single = self.processes == 1
             found = stalled([mark], self.timeout) if single else self._shared(mark)
@@ -164,16 +232,22 @@ class Watchdog:
             declared = None
         if declared is not None:
             return Mark(**json.loads(declared))
-        marks = []
+        marks, stale = [], False
         try:
             for _, text in client.key_value_dir_get(f"{_KEY}/mark/"):
                 record = json.loads(text)
                 at = record.pop("at")
                 record["idle"] += max(0.0, now - at)  # a frozen process's mark ages too
+                record["silent"] = now - at > self.silence
+                # Just after this process ran again, a mark from before its stop may be
+                # one the whole group's stop held back: wait for it to move.
+                stale |= at < self._resumed and now - self._resumed < self.silence
                 marks.append(Mark(**record))
         except Exception:
             return None
-        if len(marks) < self.processes or (found := stalled(marks, self.timeout)) is None:
+        if stale or len(marks) < self.processes:
+            return None
+        if (found := stalled(marks, self.timeout)) is None:
             return None
         try:
             client.key_value_set(f"{_KEY}/stalled", json.dumps(dataclasses.asdict(found)))
