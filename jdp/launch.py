@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from jdp.distributed import cluster
-from jdp.distributed.process_groups import alive, terminate
+from jdp.distributed.process_groups import alive, in_groups, left_behind, terminate
 from jdp.distributed.watchdog import EXIT_STALLED
 from jdp.mesh_spec import child_environment
 from jdp.tool import command
@@ -193,12 +193,15 @@ def _group(command, nproc, devices_per_process, port, grace, lock, children, sig
             relays.extend(child_relays)
             _say(lock, f"started process {rank} of {nproc} (pid {child.pid})")
         failed = _supervise(children, grace, lock, signals)
+        if signals:  # a wrapper the signal ended may have left its trainer: it saves too
+            for child in children:
+                stopped.extend(left_behind(child, stopped))
         while any(map(alive, stopped)):  # a wrapper's trainer, still saving
             time.sleep(0.1)
         return failed
     finally:
         for child in children:  # nothing outlives the launcher
-            if child.poll() is None or any(map(alive, stopped)):
+            if child.poll() is None or any(map(alive, stopped)) or in_groups([child.pid]):
                 _signal_group(child, signal.SIGKILL)
                 child.wait()
         for relay in relays:
@@ -258,7 +261,7 @@ def _supervise(
             code = child.poll()
             if code is None:
                 running = True
-            elif code != 0 and failed is None and not (signals and code in STOPPED_CODES):
+            elif code != 0 and failed is None and not (signals and _stopped(code)):
                 failed = (rank, code)
                 kill_at = time.monotonic() + grace
                 _say(
@@ -282,6 +285,12 @@ def _supervise(
 
 # The exit codes of a process that stopped as a signal asked (`jdp.train`: saved first).
 STOPPED_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
+def _stopped(code: int) -> bool:
+    """Whether a process ended as the launcher's signal asked: saved and exited 130 or
+    143, or a wrapper that the signal itself ended (its trainer saves, `left_behind`)."""
+    return code in STOPPED_CODES or -code in (signal.SIGINT, signal.SIGTERM)
 
 
 def _signal_group(child: subprocess.Popen, number: int) -> None:

@@ -34,6 +34,18 @@ def terminate(child: subprocess.Popen) -> list[int]:
     return pids
 
 
+def left_behind(child: subprocess.Popen, signalled: Collection[int]) -> list[int]:
+    """SIGTERM to what still runs in ``child``'s process group and was not ``signalled``:
+    what a wrapper of a name `terminate` does not know (a script running the trainer
+    without ``exec``) left behind when the signal ended it; never loader workers.
+    Returns the pids signalled."""
+    pids = [pid for pid in _members(child) if pid not in signalled and not _loader_worker(pid)]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    return pids
+
+
 def _members(child: subprocess.Popen) -> dict[int, tuple[int, bytes]]:
     """The live processes (not zombies) of ``child``'s process group: each one's parent and
     command name; none where there is no ``/proc``."""
