@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from jdp.errors import UsageError
 from jdp.report.goodput import describe
+from jdp.report.writers import output_file
 from jdp.tool import command
 
 # (record kinds, key, panel title, y label, log scale): each panel draws the first
@@ -170,7 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories of --log-dir")
     parser.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")
     args = parser.parse_args(argv)
-    path = plot_runs(args.run_dirs, args.out)
+    # Without a suffix the plotting library adds ".png": the path it writes is that one.
+    out = args.out if os.path.splitext(args.out)[1] else f"{args.out}.png"
+    path = plot_runs(args.run_dirs, output_file(out, "--out"))
     for run_dir in args.run_dirs:
         if accounting := read_goodput(run_dir):
             print(f"jdp.plot: {run_dir}: {describe(accounting)}")

@@ -13,11 +13,12 @@ import pytest
 from helpers import cli, subprocess_env
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import jdp
 from jdp.plot import main as plot_main
 from jdp.plot import read_run
 from jdp.report.logger import MetricLogger
 from jdp.report.throughput import Throughput, peak_flops
-from jdp.report.writers import JsonlWriter, TensorBoardWriter
+from jdp.report.writers import JsonlWriter, TensorBoardWriter, output_file
 
 _RUN = ["--mesh", "data=8", "--steps", "60", "--warmup-steps", "10", "--eval-every", "30"]
 
@@ -112,6 +113,27 @@ def test_plot_writes_a_png_of_runs(run_dir, tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     assert plot_main([str(tmp_path), "--out", str(out)]) == 2
     assert "has no metrics.jsonl; train with --log-dir" in capsys.readouterr().err
+    # Without a suffix the PNG is curves.png: the line names the file written.
+    assert plot_main([str(log_dir), "--out", str(tmp_path / "curves")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"jdp.plot: wrote {out}"
+
+
+def test_an_output_is_only_ever_a_regular_file_in_a_directory(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink("/dev/null", tmp_path / "device")
+    os.symlink(tmp_path / "target.json", tmp_path / "link.json")
+    refused = {
+        "fifo": "is not a regular file (a FIFO, a socket or a device)",
+        "device": f"(a link to {os.path.realpath('/dev/null')}) is not a regular file",
+        ".": "is a directory",
+        "no/such.json": f"its directory {tmp_path / 'no'} does not exist",
+    }
+    for name, words in refused.items():
+        with pytest.raises(jdp.UsageError, match=re.escape(words)):
+            output_file(str(tmp_path / name), "--out")
+    # A link is written through to its target, never replaced by a file of its own.
+    assert output_file(str(tmp_path / "link.json"), "--out") == str(tmp_path / "target.json")
+    assert output_file(str(tmp_path / "new.json"), "--out") == str(tmp_path / "new.json")
 
 
 @pytest.mark.slow

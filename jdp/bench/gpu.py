@@ -57,6 +57,7 @@ from jdp.bench.gpu_host import (
 from jdp.bench.gpu_models import GPT2_CELLS, RESNET_ROWS, part_gpt2, part_machine, part_resnet50
 from jdp.bench.gpu_table import table
 from jdp.errors import UsageError
+from jdp.report.writers import output_file
 
 # The parts, in the order they run, and each one's share of the budget that it may
 # start within (the GPT-2 cells stop starting new cells past theirs).
@@ -112,7 +113,8 @@ class Report:
     """The JSON file the parts land in, rewritten whole after each part."""
 
     def __init__(self, path: str, budget: float, smoke: bool):
-        self.path, self.started, self.budget = path, time.monotonic(), budget
+        self.started, self.budget = time.monotonic(), budget
+        self.path = output_file(path, "--out")  # a link's target, never a FIFO or device
         self.data: dict[str, Any] = {
             "command": " ".join(["python -m jdp.bench gpu", *sys.argv[2:]]),
             "date": datetime.date.today().isoformat(),

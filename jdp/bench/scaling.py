@@ -13,12 +13,14 @@ from jdp.bench.step import (
     first_batch,
 )
 from jdp.report.console import Console
+from jdp.report.writers import output_file
 from jdp.training.config import TrainConfig
 from jdp.training.run import build, setup_devices
 
 
 def bench_scaling(config: TrainConfig, *, steps: int, out: str) -> list[str]:
     """Examples/s of one train step and global batch on 1, 2, 4 and 8 devices; writes a PNG."""
+    out = output_file(out, "--out")  # before the measuring: a FIFO or a device is refused
     setup_devices("data=8")  # the largest mesh first: devices are set up once per process
     sizes = [size for size in (1, 2, 4, 8) if size <= len(jax.devices())]
     rates = []

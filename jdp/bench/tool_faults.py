@@ -161,7 +161,14 @@ def bad_paths(made: Path, where: Path, kind: str, sound: str | None) -> dict[str
     elif kind == "out_dir":
         bad |= {"a file": a_file, "unwritable": Path("/proc/jdp-out"), "under a file": a_file / "x"}
     else:
-        bad |= {"unwritable": Path("/proc/jdp-out/x.png"), "under a file": a_file / "x.png"}
+        os.mkfifo(where / "fifo.png")  # written into, it would block; renamed over, replaced
+        (where / "device.png").symlink_to("/dev/null")
+        bad |= {
+            "unwritable": Path("/proc/jdp-out/x.png"),
+            "under a file": a_file / "x.png",
+            "a FIFO": where / "fifo.png",
+            "a link to a device": where / "device.png",
+        }
     return bad
 
 

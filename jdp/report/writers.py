@@ -107,6 +107,32 @@ class TensorBoardWriter:
         self._file.close()
 
 
+def output_file(path: str, flag: str) -> str:
+    """The regular file ``path`` names, to write whole: ``path`` itself, or a link's
+    target (written through, never replaced by a file of its own). Refused, in one line:
+    a directory, a FIFO, a socket or a device (renaming a file over one would replace it;
+    writing into one blocks or goes nowhere), or a path whose directory does not exist.
+
+    Raises:
+        UsageError: one line naming the flag and the fix.
+    """
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
+        kind = (
+            "a directory"
+            if os.path.isdir(target)
+            else "not a regular file (a FIFO, a socket or a device)"
+        )
+        via = f" (a link to {target})" if target != os.path.abspath(path) else ""
+        raise UsageError(f"{flag} {path}{via} is {kind}; give the path of a file to write")
+    folder = os.path.dirname(target)
+    if not os.path.isdir(folder):
+        raise UsageError(
+            f"{flag} {path}: its directory {folder} does not exist; create it, or give another path"
+        )
+    return target
+
+
 def check_writable(directory: str, flag: str) -> None:
     """Creates ``directory`` and writes and removes a probe file in it, or says why not.
 
