@@ -240,6 +240,55 @@ def test_non_finite_and_out_of_range_numbers_are_refused(field, value, needle):
     assert needle in str(error.value)
 
 
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        (
+            {"momentum": 0.8},
+            "--momentum 0.8 is read by --optimizer momentum, nesterov, lars; "
+            "drop it for --optimizer adam",
+        ),
+        ({"optimizer": "sgd", "beta2": 0.95}, "--beta2 0.95 is read by --optimizer adam"),
+        (
+            {"schedule": "constant", "end_lr": 1e-4},
+            "--end-lr 0.0001 is read by --schedule cosine, linear; drop it for --schedule constant",
+        ),
+        ({"schedule": "noam", "decay_steps": 5}, "--decay-steps 5 is read by --schedule cosine"),
+        ({"lr_boundaries": "3"}, "--lr-boundaries 3 is read by --schedule piecewise"),
+        (
+            {"seq_len": 64},
+            "--seq-len 64 is a language model's window (--model gpt, a token "
+            "corpus); drop it for --model mlp on digits",
+        ),
+    ],
+)
+def test_a_flag_nothing_in_the_run_reads_is_refused(fields, needle):
+    with pytest.raises(jdp.UsageError) as error:
+        jdp.TrainConfig(**fields)
+    assert needle in str(error.value)
+    jdp.TrainConfig(model="gpt", seq_len=64, optimizer="nesterov", momentum=0.8)  # read: fine
+
+
+def test_an_end_lr_above_the_peak_is_refused_before_training():
+    from jdp.training.optimizer import config_optimizer
+
+    config = jdp.TrainConfig(lr=0.003, end_lr=0.01)
+    with pytest.raises(jdp.UsageError, match=r"--end-lr 0.01 is above the peak learning rate "):
+        config_optimizer(config)
+    # Scaled for the batch, the peak is higher: an end above --lr, below the peak, is fine.
+    scaled = jdp.TrainConfig(lr=0.003, end_lr=0.005, lr_scaling="linear", batch_size=512)
+    config_optimizer(scaled)
+
+
+def test_a_recipe_setting_both_steps_and_epochs_is_refused(tmp_path):
+    from jdp.training.recipes import load_recipe
+
+    path = tmp_path / "both.toml"
+    path.write_text("[recipe]\n[flags]\nsteps = 100\nepochs = 3\n")
+    with pytest.raises(jdp.UsageError, match=r"\[flags\] sets both steps and epochs"):
+        load_recipe(str(path))
+
+
 def test_skip_nonfinite_keeps_the_state_and_counts(mesh8):
     def loss_fn(params, batch, rng):
         return jnp.mean((batch["x"] @ params["w"]) ** 2) * batch["scale"][0]

@@ -65,6 +65,10 @@ def test_llmc_nanogpt_and_npy_read_the_same_windows(tmp_path):
     for split in splits:
         assert len(split) == (len(tokens) - 1) // SEQ
         np.testing.assert_array_equal(split.read(indices)["tokens"], expected)
+    # A dtype given for a file whose header gives its own would be dropped: refused.
+    for headed in ("a.bin", "c.npy"):
+        with pytest.raises(jdp.UsageError, match=r"--token-dtype uint32 is for raw \.bin files"):
+            from_tokens(tmp_path / headed, seq_len=SEQ, vocab_size=50257, dtype="uint32")
 
 
 def test_a_directory_of_only_validation_files_has_no_training_split(tmp_path):

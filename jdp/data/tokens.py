@@ -154,13 +154,24 @@ def from_tokens(
     return found[split]
 
 
+def _no_dtype_given_to_a_header(given: str | None, shards: tuple[Shard, ...]) -> None:
+    """A dtype given for a shard whose own header gives one (llm.c's, a ``.npy``'s) would
+    be dropped in silence: refused."""
+    for shard in shards:
+        if given and shard.offset:  # a header before the tokens
+            raise UsageError(
+                f"--token-dtype {given} is for raw .bin files; {shard.path} has a header that "
+                f"gives its tokens' dtype ({np.dtype(shard.dtype).name}); drop --token-dtype"
+            )
+
+
 def corpus(path: str | os.PathLike, *, seq_len: int, vocab_size: int | None = None,
            dtype: str | None = None) -> dict[str, TokenSplit | None]:  # fmt: skip
     """Every split of the corpus at ``path`` (None for a split it has no files of)."""
     files, directory = _files(os.fspath(path))
     meta = read_meta(directory)
     llmc = meta.get("format") == "llm.c"  # written by `jdp.data tokenize`: headers required
-    dtype = dtype or (None if llmc else meta.get("dtype"))
+    given, dtype = dtype, dtype or (None if llmc else meta.get("dtype"))
     if dtype is not None and dtype not in TOKEN_DTYPES:
         raise UsageError(f"token dtype {dtype!r}: choose one of {', '.join(TOKEN_DTYPES)}")
     vocab_size = vocab_size or meta.get("vocab_size")
@@ -187,6 +198,7 @@ def corpus(path: str | os.PathLike, *, seq_len: int, vocab_size: int | None = No
     splits = {}
     for name, paths in named.items():
         shards = tuple(open_shard(file, dtype, llmc=llmc) for file in paths)
+        _no_dtype_given_to_a_header(given, shards)
         splits[name] = None
         if shards:
             split = TokenSplit(

@@ -40,6 +40,7 @@ def check(config) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     _check_numbers(config)
     _check_model_options(config)
+    _check_flags_apply(config)
     if image_hw(config) and not config.dataset.startswith(("folder:", "images:", "tfds:")):
         raise UsageError(
             f"--image-size resizes a folder:PATH or images:PATH dataset's images; --dataset "
@@ -231,6 +232,37 @@ def _choices(cls) -> dict[str, tuple[str, ...]]:
         for name, hint in hints.items()
         if typing.get_origin(hint) is Literal
     }
+
+
+# The flags that only some optimizers and schedules read: given (away from its default)
+# with another, a flag would be dropped in silence.
+_READ_BY = {
+    "momentum": ("optimizer", ("momentum", "nesterov", "lars")),
+    "beta1": ("optimizer", ("adam", "adamw", "lamb")),
+    "beta2": ("optimizer", ("adam", "adamw", "lamb")),
+    "end_lr": ("schedule", ("cosine", "linear")),
+    "decay_steps": ("schedule", ("cosine", "linear")),
+    "lr_boundaries": ("schedule", ("piecewise",)),
+    "lr_decay_factor": ("schedule", ("piecewise",)),
+}
+
+
+def _check_flags_apply(config) -> None:
+    """A flag that nothing in the run reads is one line naming who reads it."""
+    defaults = {field.name: field.default for field in dataclasses.fields(config)}
+    for name, (chooser, readers) in _READ_BY.items():
+        value, chosen = getattr(config, name), getattr(config, chooser)
+        if value != defaults[name] and chosen not in readers:
+            raise UsageError(
+                f"--{name.replace('_', '-')} {value} is read by --{chooser} "
+                f"{', '.join(readers)}; drop it for --{chooser} {chosen}"
+            )
+    language = config.model == "gpt" or config.dataset == "python_stdlib"
+    if config.seq_len and not (language or config.dataset.startswith("tokens:")):
+        raise UsageError(
+            f"--seq-len {config.seq_len} is a language model's window (--model gpt, a token "
+            f"corpus); drop it for --model {config.model} on {config.dataset}"
+        )
 
 
 def _check_model_options(config) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import optax
 
+from jdp.errors import UsageError
 from jdp.optim import DECOUPLED_DECAY, make_optimizer, make_schedule, scale_lr
 from jdp.training.config import TrainConfig
 
@@ -20,7 +21,17 @@ def peak_lr(config: TrainConfig) -> float:
 
 
 def config_optimizer(config: TrainConfig) -> tuple[optax.Schedule, optax.GradientTransformation]:
-    """The learning-rate schedule and the optimizer that follows it."""
+    """The learning-rate schedule and the optimizer that follows it.
+
+    Raises:
+        UsageError: ``--end-lr`` above the peak: the decay would climb to it.
+    """
+    if config.end_lr > peak_lr(config):
+        raise UsageError(
+            f"--end-lr {config.end_lr:g} is above the peak learning rate {peak_lr(config):g} "
+            f"(--lr{' scaled for the batch' if config.lr_scaling != 'none' else ''}): the "
+            f"{config.schedule} schedule decays to it; give an --end-lr below it"
+        )
     schedule = make_schedule(
         config.schedule,
         peak_lr(config),

@@ -150,6 +150,13 @@ def _check_tables(tables: dict[str, Any], path: str) -> None:
             f"recipe {path}: {where}; a recipe holds the tables [recipe], [flags] (the "
             "flags it sets) and [smoke]"
         )
+    for table in ("flags", "smoke"):
+        held = tables.get(table, {})
+        if "steps" in held and held.get("epochs"):
+            raise UsageError(
+                f"recipe {path}: [{table}] sets both steps and epochs, and epochs would decide "
+                "the run's length; keep one"
+            )
     for key in tables.get("recipe", {}):
         if key in fields:
             raise UsageError(
