@@ -52,3 +52,23 @@ def os_failure(error: BaseException) -> str | None:
     """The operating system's reason inside a library's long error, if it holds one."""
     text = str(error).lower()
     return next((reason for reason in _OS_FAILURES if reason.lower() in text), None)
+
+
+def check_input_file(path: str, what: str) -> None:
+    """UsageError, naming ``what``, when ``path`` exists but is not a regular file (after
+    links): a FIFO's read blocks until something writes, a device's (``/dev/zero``) never
+    ends, a directory's fails. A missing path is left to the read, which names it."""
+    import os
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "not a regular file (a FIFO, a socket or a device)"
+        )
+        raise UsageError(f"{what} {path} is {kind}; give a file")

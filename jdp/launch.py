@@ -34,7 +34,14 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from jdp.distributed import cluster
-from jdp.distributed.process_groups import alive, in_groups, left_behind, terminate
+from jdp.distributed.process_groups import (
+    PROCESS_MIB,
+    alive,
+    in_groups,
+    left_behind,
+    most_processes,
+    terminate,
+)
 from jdp.distributed.watchdog import EXIT_STALLED
 from jdp.mesh_spec import child_environment
 from jdp.tool import command
@@ -367,6 +374,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--max-restarts must be at least 0, and --min-nproc in 1..--nproc")
     if shutil.which(command[0]) is None:
         parser.error(f"command not found: {command[0]}")
+    if args.nproc > (most := most_processes()):
+        parser.error(
+            f"--nproc {args.nproc} is more processes than this machine's memory holds ({most} "
+            f"at most, {PROCESS_MIB} MiB each); use several machines (jdp.on_ray, a scheduler)"
+        )
     return launch(
         command,
         args.nproc,

@@ -144,6 +144,8 @@ class Sampler:
         ids = np.asarray(prompt, np.int64)
         if not ids.size:
             raise UsageError("the prompt is empty; give some text to continue")
+        if not 0 <= seed < 2**32:  # a key's seed, as --seed of a run
+            raise UsageError(f"--seed must be in [0, 2**32), got {seed}")
         if ids.max() >= self.vocab_size:
             raise UsageError(
                 f"the prompt has token {int(ids.max())}, beyond the model's vocabulary of "

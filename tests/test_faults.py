@@ -232,6 +232,8 @@ def test_a_second_run_on_a_live_directory_is_refused(tmp_path):
         ("max_skipped_fraction", 0.0, "--max-skipped-fraction must be in (0, 1]"),
         ("seed", -1, "--seed must be in [0, 2**32), got -1"),
         ("seed", 10**23, "--seed must be in [0, 2**32)"),
+        ("steps", 10**30, f"--steps {10**30} is past 2**31 - 1, the most the run's int32"),
+        ("vocab_size", 10**10, "--vocab-size 10000000000 is past 2**31 - 1"),
     ],
 )
 def test_non_finite_and_out_of_range_numbers_are_refused(field, value, needle):
@@ -287,6 +289,18 @@ def test_a_recipe_setting_both_steps_and_epochs_is_refused(tmp_path):
     path.write_text("[recipe]\n[flags]\nsteps = 100\nepochs = 3\n")
     with pytest.raises(jdp.UsageError, match=r"\[flags\] sets both steps and epochs"):
         load_recipe(str(path))
+
+
+def test_an_input_that_is_not_a_regular_file_is_refused_never_read(tmp_path):
+    from jdp.data.custom import from_npz
+    from jdp.training.recipes import load_recipe
+
+    os.mkfifo(tmp_path / "fifo.toml")  # a read would block until something writes
+    for path in (str(tmp_path / "fifo.toml"), "/dev/zero"):  # ... or never end
+        with pytest.raises(jdp.UsageError, match=r"is not a regular file \(a FIFO, a socket"):
+            load_recipe(path)
+        with pytest.raises(jdp.UsageError, match=r"^the \.npz file .* is not a regular file"):
+            from_npz(path)
 
 
 def test_skip_nonfinite_keeps_the_state_and_counts(mesh8):

@@ -200,7 +200,8 @@ def test_bf16_parameters_generate_in_bf16(model, prompt):
     [
         ({"prompt": np.zeros(5, np.int32)}, "int32 (5,); give token ids (rows, length)"),
         ({"prompt": np.zeros((1, 2), np.float32)}, "float32 (1, 2); give token ids"),
-        ({"max_new_tokens": 0}, "max_new_tokens 0; give at least 1"),
+        ({"max_new_tokens": 0}, "max_new_tokens 0; give 1 to 1,048,576 (2**20)"),
+        ({"max_new_tokens": 10**12}, "max_new_tokens 1000000000000; give 1 to 1,048,576"),
         ({"temperature": -1.0}, "temperature -1.0; give 0 (greedy) or more"),
         ({"top_k": 0}, "top_k 0; give at least 1"),
         ({"vocab_size": 65}, "vocab_size 65 is not in [1, 64]"),
@@ -212,6 +213,14 @@ def test_bad_requests_are_one_line(model, prompt, options, message):
     arguments = {"prompt": prompt, "max_new_tokens": 4, "rng": jax.random.key(0)} | options
     with pytest.raises(jdp.UsageError, match=re.escape(message)):
         jdp.models.generate(module, params, arguments.pop("prompt"), **arguments)
+
+
+def test_a_seed_past_a_keys_range_is_one_line():
+    from jdp.sampling import BYTES, Codec, Sampler
+
+    sampler = Sampler(None, None, Codec(BYTES), vocab_size=256)  # refused before the model
+    with pytest.raises(jdp.UsageError, match=re.escape("--seed must be in [0, 2**32), got")):
+        sampler.sample("Hi", seed=2**70)
 
 
 def _bpe(path):

@@ -29,7 +29,7 @@ from jdp.data.image_sources import class_tree, from_images, from_tfds_images, st
 from jdp.data.images import PACKED_META
 from jdp.data.sources import DATASETS, ArraySplit, check_dataset, load_split
 from jdp.data.transforms import Transform
-from jdp.errors import UsageError
+from jdp.errors import UsageError, check_input_file
 
 # The prefixes of --dataset that name your own data.
 TFDS_PREFIX, FOLDER_PREFIX, NPZ_PREFIX, IMAGES_PREFIX = "tfds:", "folder:", "npz:", "images:"
@@ -290,6 +290,7 @@ def from_npz(path: str | os.PathLike, split: str = "train") -> ArraySplit | None
     Returns None when the file has no array of ``split``.
     """
     file = os.fspath(path)
+    check_input_file(file, "the .npz file")
     try:
         with open(file, "rb") as handle:
             zipped = handle.read(4) == b"PK\x03\x04"  # what numpy.savez writes: a zip

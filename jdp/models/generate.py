@@ -215,14 +215,22 @@ def _stacked(module: GPT, params: Any) -> dict:
     return params
 
 
+# The most tokens one call adds: a key per token is drawn up front (8 bytes each), and
+# past the context each token is one more forward pass over the whole window, so a
+# million tokens of GPT-2 small is hours of one GPU already.
+MAX_NEW_TOKENS = 2**20
+
+
 def _check(module: GPT, prompt, new_tokens: int, temperature: float, top_k, vocab_size):
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer) or not prompt.shape[1]:
         raise UsageError(
             f"generate: the prompt is {prompt.dtype} {prompt.shape}; give token ids "
             "(rows, length), at least one per row"
         )
-    if new_tokens < 1:
-        raise UsageError(f"generate: max_new_tokens {new_tokens}; give at least 1")
+    if not 1 <= new_tokens <= MAX_NEW_TOKENS:
+        raise UsageError(
+            f"generate: max_new_tokens {new_tokens}; give 1 to {MAX_NEW_TOKENS:,} (2**20)"
+        )
     if not temperature >= 0 or not np.isfinite(temperature):
         raise UsageError(f"generate: temperature {temperature}; give 0 (greedy) or more")
     if top_k is not None and top_k < 1:

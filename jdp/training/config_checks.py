@@ -136,6 +136,13 @@ def _check_numbers(config) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be in {span}, got {value}")
     if not 0 <= config.seed < 2**32:
         raise UsageError(f"--seed must be in [0, 2**32), got {config.seed}")
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if type(value) is int and field.name != "seed" and value >= 2**31:
+            raise UsageError(
+                f"--{field.name.replace('_', '-')} {value} is past 2**31 - 1, the most the "
+                "run's int32 counts hold (the step, a token id)"
+            )
 
 
 def _check_steps_per_call(config) -> None:

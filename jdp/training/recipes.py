@@ -25,7 +25,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from jdp.errors import UsageError
+from jdp.errors import UsageError, check_input_file
 from jdp.training.config import TrainConfig
 
 # What a recipe's [recipe] table states (checked_by only when measured).
@@ -228,6 +228,7 @@ def _toml(value: Any) -> str:
 
 
 def _read(path: str) -> str:
+    check_input_file(path, "recipe")
     try:
         with open(path) as file:
             return file.read()
