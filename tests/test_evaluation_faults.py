@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import jdp
-from jdp.training import results, run_actions
+from jdp.checkpoint import params
+from jdp.training import run_actions
 
 QUIET = jdp.Console(enabled=False)
 
@@ -88,15 +89,15 @@ def test_eval_only_reads_the_latest_again_when_a_live_run_rotates_it(tmp_path, m
     config = jdp.TrainConfig(mesh="data=2", steps=4, batch_size=16, warmup_steps=0,
                              ckpt_dir=str(tmp_path), ckpt_every=2)  # fmt: skip
     jdp.fit(config, train=_data(), test=_data(), console=QUIET)
-    real, removed = results.read_params, []
+    real, removed = params._read_arrays, []
 
-    def rotated(step_dir, **kwargs):  # the live run's rotation, at the worst moment
+    def rotated(step_dir, *args):  # the live run's rotation, at the worst moment
         if not removed:
             removed.append(step_dir)
             shutil.rmtree(step_dir)
-        return real(step_dir, **kwargs)
+        return real(step_dir, *args)
 
-    monkeypatch.setattr(results, "read_params", rotated)
+    monkeypatch.setattr(params, "_read_arrays", rotated)
     evaluated = jdp.fit(dataclasses.replace(config, eval_only=True), train=_data(),
                         test=_data(), console=QUIET)  # fmt: skip
     assert removed == [str(tmp_path / "4")] and evaluated.steps == 2

@@ -10,15 +10,14 @@ Three ways in, each returning an `ArraySplit` (named arrays in host memory):
 
 On the command line, ``--dataset tfds:NAME`` and ``--dataset folder:PATH`` name
 the last two, and ``--dataset npz:FILE`` a NumPy file of arrays named like
-Keras's ``mnist.npz`` (`from_npz`; `load_named`). `holdout` sets a seeded fraction of a split apart,
-as a validation split.
+Keras's ``mnist.npz`` (`from_npz`; `load_named`). `holdout` sets a
+seeded fraction of a split apart, as a validation split.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import zipfile
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -27,9 +26,10 @@ from jdp.data.builders import open_builder, read_builder_split
 from jdp.data.checks import MANY_CLASSES
 from jdp.data.image_sources import class_tree, from_images, from_tfds_images, streamed_image_key
 from jdp.data.images import PACKED_META
+from jdp.data.npz import read_npz
 from jdp.data.sources import DATASETS, ArraySplit, check_dataset, load_split
 from jdp.data.transforms import Transform
-from jdp.errors import UsageError, check_input_file
+from jdp.errors import UsageError
 
 # The prefixes of --dataset that name your own data.
 TFDS_PREFIX, FOLDER_PREFIX, NPZ_PREFIX, IMAGES_PREFIX = "tfds:", "folder:", "npz:", "images:"
@@ -276,10 +276,6 @@ def holdout(split, fraction: float, seed: int):
     return split.take(np.sort(order[held:])), split.take(np.sort(order[:held]))
 
 
-# The names an .npz's arrays may give a split: x_val is as common as x_validation.
-_SPLIT_NAMES = {"validation": ("validation", "val", "valid")}
-
-
 def from_npz(path: str | os.PathLike, split: str = "train") -> ArraySplit | None:
     """A split of a NumPy ``.npz`` file whose arrays are named ``FEATURE_SPLIT``.
 
@@ -287,53 +283,10 @@ def from_npz(path: str | os.PathLike, split: str = "train") -> ArraySplit | None
     is one: feature ``x`` is the input and ``y`` the label; otherwise ``image``
     and ``label`` are, as in `from_arrays`. uint8 inputs are divided by 255. The
     ``validation`` split's arrays may end in ``_validation``, ``_val`` or ``_valid``.
-    Returns None when the file has no array of ``split``.
+    Returns None when the file has no array of ``split`` (`jdp.data.npz` reads it).
     """
-    file = os.fspath(path)
-    check_input_file(file, "the .npz file")
-    try:
-        with open(file, "rb") as handle:
-            zipped = handle.read(4) == b"PK\x03\x04"  # what numpy.savez writes: a zip
-    except OSError as error:
-        raise UsageError(f"cannot read {file} as a NumPy .npz file ({error})") from None
-    if not zipped:
-        raise UsageError(
-            f"{file} is not a NumPy .npz file (not the zip archive numpy.savez writes); "
-            "save the arrays with numpy.savez(file, x_train=..., y_train=..., ...)"
-        )
-    try:
-        with np.load(file, allow_pickle=False) as arrays:
-            named = [name for name in _SPLIT_NAMES.get(split, (split,))
-                     if any(array.endswith(f"_{name}") for array in arrays.files)]  # fmt: skip
-            suffix = f"_{named[0] if named else split}"
-            features = {
-                name[: -len(suffix)]: arrays[name] for name in arrays.files if name.endswith(suffix)
-            }
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:  # a cut-short file
-        reason = f"{error or type(error).__name__}; is it whole?"
-        if "pickle" in str(error):
-            reason = "it holds Python objects, which jdp never unpickles; save numeric arrays"
-        raise UsageError(f"cannot read {file} as a NumPy .npz file ({reason})") from None
-    if len(named) > 1:
-        raise UsageError(
-            f"{file} has arrays of the {split} split named both _{named[0]} and _{named[1]}; "
-            "keep one of them"
-        )
-    split = named[0] if named else split
-    if not features:
-        return None
-    if ("x" in features) != ("y" in features):  # Keras's layout, half of it
-        have, lack = ("x", "y") if "x" in features else ("y", "x")
-        raise UsageError(
-            f"{file} has {have}_{split} and no {lack}_{split}; save both (inputs and labels) "
-            "for each split it has"
-        )
-    keras = "x" in features and "y" in features
-    input_key, label_key = ("x", "y") if keras else (None, "label")
-    transform = Transform() if features[input_key or "image"].dtype == np.uint8 else None
-    if keras and features["y"].ndim == 1 and features["y"].dtype.kind in "iu":
-        features["y"] = features["y"].astype(np.int32)
-    return from_arrays(features, input_key=input_key, label_key=label_key, transform=transform)
+    found = read_npz(path, split)
+    return None if found is None else from_arrays(**found)
 
 
 def load_named(dataset: str, split: str, data_dir: str | None = None, *,
