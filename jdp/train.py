@@ -37,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config, first_lines = parse_command(argv)
         # JAX and the rest after the flags: --help and a bad flag answer at once.
+        from jdp.distributed.watchdog import EXIT_STALLED
         from jdp.report.console import Console
         from jdp.sample import training_sample
         from jdp.training.limits import what_limited
@@ -68,7 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.line(limits)
     console.line(result.summary_line())
     # Stopped by a signal (saved where it could be): not a finished run, as a shell's
-    # `train && next` must see; 130 for SIGINT, 143 for SIGTERM.
+    # `train && next` must see; 130 for SIGINT, 143 for SIGTERM; a stall's exit code
+    # after the watchdog had the state saved (`jdp.distributed.watchdog`).
+    if result.stalled:
+        return EXIT_STALLED
     return 0 if result.signal is None else 128 + result.signal
 
 

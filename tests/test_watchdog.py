@@ -260,3 +260,42 @@ def test_a_killed_loader_worker_is_one_line_after_saving_the_last_step(tmp_path)
     assert step >= 6 and f"that step's state is saved in {tmp_path}" in line
     with Checkpointer(str(tmp_path)) as checkpoints:
         assert checkpoints.steps()[-1] == step
+
+
+@pytest.mark.slow
+def test_one_process_stalled_between_steps_saves_the_last_step_first(tmp_path):
+    """A loader worker stopped (alive, answering nothing): the loop waits for data between
+    steps, so the stall saves the last step's state as a signal would, and ends stalled."""
+
+    def stop_the_worker(progress):
+        if progress.step == 6:
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGSTOP)
+
+    config = jdp.TrainConfig(
+        mesh="data=8",
+        steps=100000,
+        warmup_steps=2,
+        batch_size=64,
+        loader_workers=1,
+        ckpt_dir=str(tmp_path),
+        stall_timeout=STOPPED_TIMEOUT,
+    )
+    try:
+        result = jdp.fit(config, console=jdp.Console(enabled=False), callbacks=[stop_the_worker])
+    finally:
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGKILL)
+    assert result.stalled and result.signal is None
+    match = re.fullmatch(
+        r"jdp\.train: stalled reading data \(no progress for \d+ s, --stall-timeout "
+        rf"{STOPPED_TIMEOUT:g}\) at step (\d+); checkpoint saved in {re.escape(str(tmp_path))}; "
+        r"run the same command to resume",
+        result.stopped,
+    )
+    assert match, result.stopped
+    step = int(match.group(1))
+    assert step >= 6 and step == result.steps
+    with Checkpointer(str(tmp_path)) as checkpoints:
+        assert checkpoints.steps()[-1] == step
+    assert (tmp_path / "stalls" / "process-0.txt").exists()

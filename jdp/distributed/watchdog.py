@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import faulthandler
 import json
 import multiprocessing
 import os
@@ -37,9 +36,15 @@ import threading
 import time
 from collections.abc import Callable
 
-# The process's exit code after a stall: sysexits.h's EX_TEMPFAIL ("a temporary failure;
-# the user is invited to retry"), which no other jdp ending uses.
-EXIT_STALLED = 75
+from jdp.distributed.stall_lines import (
+    EXIT_STALLED,
+    RESUME_UNKNOWN,
+    describe,
+    resume_point,
+    stacks_file,
+    stacks_written,
+    write_stacks,
+)
 
 STARTING, COMPILING = "starting (reading its first batch)", "compiling"
 READING, STEPPING = "reading data", "in the step"
@@ -87,6 +92,9 @@ class Watch:
         self.step, self.phase, self.where = step, STARTING, ""
         self.since = time.monotonic()
         self.compiles = 0  # in progress (`Compiles`)
+        # One process's loop, waiting for data: asks it to save the last step's state and
+        # end stalled, as a signal would (`jdp.training.stops.StopOnPreemption.stall`).
+        self.save_first: Callable[[str], None] | None = None
 
     def at(self, phase: str, where: str = "") -> None:
         self.phase, self.where, self.since = phase, where, time.monotonic()
@@ -157,10 +165,6 @@ def stalled(marks: list[Mark], timeout: float) -> Mark | None:
     # One whose mark stopped moving holds up the others, whatever its phase says.
     mark = min(silent or marks, key=lambda mark: (mark.phase in _WAITING, -mark.idle))
     return mark if mark.idle > mark.limit(timeout) else None
-
-
-def stacks_file(directory: str, process: int) -> str:
-    return os.path.join(directory, "stalls", f"process-{process}.txt")
 
 
 class Watchdog:
@@ -263,12 +267,17 @@ class Watchdog:
         the line unsaid), writes this process's stacks (and process 0 the goodput
         ledger's last word) within `_RECORD_SECONDS`, and ends once every process has
         (at most 10 s more: none ends while another may still need the collectives)."""
+        save_first = self.watch.save_first if mark.phase == READING else None
         if self.process == 0:
             resume = _quick(lambda: resume_point(self.ckpt_dir), RESUME_UNKNOWN)
+            if save_first is not None:
+                resume = f"the loop waits for data: saving step {mark.step} first"
             self.say(describe(mark, self.processes, self.timeout, self.directory, resume))
         recording = threading.Thread(target=self._record, args=(mark,), daemon=True)
         recording.start()
         recording.join(timeout=_RECORD_SECONDS)
+        if save_first is not None and self._saved_first(save_first, mark):
+            return  # the loop saved and ends the run stalled itself
         if self.processes > 1:
             _quietly(lambda: self.client.key_value_set(f"{_KEY}/ended/{self.process}", "1"))
             self._wait_for_the_others(mark.process)
@@ -281,6 +290,23 @@ class Watchdog:
             # 0, which hosts the coordinator, last.
             time.sleep(0 if self.process == mark.process else 0.5 if self.process == 0 else 0.2)
         self.end(EXIT_STALLED)
+
+    def _saved_first(self, save_first: Callable[[str], None], mark: Mark) -> bool:
+        """Asks the loop (one process, waiting for data between steps) to save the last
+        step's state and end stalled, as a signal would; whether it did. A loop that does
+        not answer within `_ANSWER_SECONDS` (its main thread stuck outside the loader's
+        wait), or whose save outlasts a save's allowance, is ended here all the same."""
+        save_first(
+            f"stalled {mark.phase} (no progress for {mark.idle:.0f} s, --stall-timeout "
+            f"{self.timeout:g})"
+        )
+        answer_by = time.monotonic() + _ANSWER_SECONDS
+        while self.watch.phase == READING:
+            if self._stop.wait(0.05):
+                return True
+            if time.monotonic() > answer_by:
+                return False
+        return self._stop.wait(_ALLOWANCE[SAVING] * self.timeout)
 
     def _record(self, mark: Mark) -> None:
         path = stacks_file(self.directory, self.process)
@@ -312,53 +338,9 @@ class Watchdog:
 # Seconds a stalled process gives its stacks file and the goodput ledger (a hung
 # filesystem must not keep it from ending).
 _RECORD_SECONDS = 10.0
-
-
-def describe(mark: Mark, processes: int, timeout: float, directory: str, resume: str) -> str:
-    """Process 0's line about a stall: which process, where, and where a restart begins."""
-    who = f"process {mark.process} of {processes}" if processes > 1 else "the run"
-    where = f" ({mark.where})" if mark.where else ""
-    return (
-        f"jdp: {who} stalled {mark.phase}{where} after step {mark.step}: no progress for "
-        f"{mark.idle:.0f} s (--stall-timeout {timeout:g}); Python stacks go to "
-        f"{os.path.join(directory, 'stalls')}; ending the run with exit code {EXIT_STALLED}, "
-        f"nothing saved now ({resume})"
-    )
-
-
-RESUME_UNKNOWN = "a restart resumes from the last complete checkpoint, if there is one"
-
-
-def resume_point(ckpt_dir: str | None) -> str:
-    """Where a restart of this run begins: the last complete checkpoint (a directory named
-    by its step: Orbax renames a save's into place once it is whole), or step 0."""
-    if not ckpt_dir:
-        return "without --ckpt-dir a restart begins at step 0"
-    steps = [int(name) for name in os.listdir(ckpt_dir) if name.isdigit()]
-    if not steps:
-        return f"no checkpoint in {ckpt_dir} yet: a restart begins at step 0"
-    return f"a restart resumes from step {max(steps)}, the last complete checkpoint"
-
-
-def stacks_written(directory: str, processes: int) -> str:
-    """Process 0's line naming the stacks files that were written, and who wrote none."""
-    paths = {p: stacks_file(directory, p) for p in range(processes)}
-    written = [path for path in paths.values() if os.path.exists(path)]
-    missing = [str(p) for p, path in paths.items() if not os.path.exists(path)]
-    line = f"jdp: Python stacks written: {', '.join(written) or 'none'}"
-    if missing:
-        line += f"; process {', '.join(missing)} wrote none (stopped or killed)"
-    return line
-
-
-def write_stacks(path: str, mark: Mark) -> None:
-    """Every thread's Python stack (`faulthandler`), under a line with this process's mark."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as file:
-        file.write(f"process {mark.process}: {mark.phase}{f' ({mark.where})' if mark.where else ''}"
-                   f", step {mark.step}, no progress for {mark.idle:.1f} s\n\n")  # fmt: skip
-        file.flush()
-        faulthandler.dump_traceback(file, all_threads=True)
+# Seconds a loop waiting for data has to answer the ask to save: it asks every 0.25 s
+# (`jdp.data.pipeline`), so twenty times that is an answer that is not coming.
+_ANSWER_SECONDS = 5.0
 
 
 def _end_process(code: int) -> None:

@@ -160,6 +160,7 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
     phases = action_phases(actions, callbacks)
     preemption = next(action for action in actions if isinstance(action, StopOnPreemption))
     batches.interrupt = preemption.interrupted if jax.process_count() == 1 else None
+    watch.save_first = preemption.stall if jax.process_count() == 1 else None
     always = [action for action in actions if not hasattr(action, "quiet_through")]
     # A profile may start before the first call, and the finiteness guard compiles its
     # read of the state: compiling, as the first call does, which is never a stall.

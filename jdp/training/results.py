@@ -16,7 +16,7 @@ from jdp.state import TrainState
 from jdp.training.compile_cache import reads
 from jdp.training.config import DILOCO_FIELDS, TOPOLOGY_FIELDS, TrainConfig
 from jdp.training.run import ARCHITECTURE, Run, Yours, build
-from jdp.training.stops import signal_of
+from jdp.training.stops import signal_of, stalled
 from jdp.training.wiring import evaluations, metric_logger, tokens_per_example
 
 # A curve's split as `History` names it -> the kind of record it is logged as.
@@ -87,6 +87,7 @@ class FitResult:
     wall_seconds: float
     preempted: str | None = None  # the line saying where a preempted run saved
     signal: int | None = None  # the signal that stopped it (SIGTERM's or SIGINT's number)
+    stalled: bool = False  # the stall watchdog stopped it, its last step's state saved first
     stopped: str | None = None  # why the run stopped before config.steps, when it did
     validation: dict[str, float] | None = None  # the last validation metrics, with a split
     # Every record logged (process 0): {"kind": "train" | "val" | "eval", "step", ...},
@@ -205,7 +206,8 @@ def stopped(progress: Progress, started: float) -> FitResult:
         wall_seconds=time.perf_counter() - started,
         preempted=progress.stop_reason,
         stopped=progress.stop_reason,
-        signal=signal_of(progress.stop_reason),
+        stalled=stalled(progress.stop_reason),
+        signal=None if stalled(progress.stop_reason) else signal_of(progress.stop_reason),
     )
 
 

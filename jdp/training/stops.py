@@ -29,6 +29,12 @@ class StopOnPreemption:
                  checkpoint: Checkpoint | None, ckpt_dir: str | None):  # fmt: skip
         self.preemption, self.steps_per_call = preemption, steps_per_call
         self.checkpoint, self.ckpt_dir = checkpoint, ckpt_dir
+        self._stall: str | None = None
+
+    def stall(self, what: str) -> None:
+        """The stall watchdog's ask, from its thread (one process, its loop waiting for
+        data): stop as for a signal, saving the last step's state, and end stalled."""
+        self._stall = what
 
     def __call__(self, progress: Progress) -> bool:
         if progress.final or not progress.ran:
@@ -41,6 +47,8 @@ class StopOnPreemption:
     def interrupted(self) -> Interrupted | None:
         """For a loop waiting on its loader: the stop a signal asked for, if one came (one
         process: several agree on a step, and a stuck one is the stall watchdog's)."""
+        if self._stall is not None:
+            return Stalled(f"jdp.train: {self._stall}")
         if self.preemption.signalled:
             return Interrupted(f"jdp.train: {self.preemption.signal_name} while waiting for data")
         return None
@@ -91,3 +99,16 @@ def signal_of(reason: str) -> int:
 
 class Interrupted(Exception):
     """A signal's stop, raised where the loop waits for data (`Loader.interrupt`)."""
+
+
+class Stalled(Interrupted):
+    """The stall watchdog's stop, raised where the loop waits for data: saved as for a
+    signal, and the run ends stalled (`jdp.distributed.watchdog.EXIT_STALLED`)."""
+
+
+STALLED = "jdp.train: stalled"  # how a stop line made from `Stalled` begins
+
+
+def stalled(reason: str | None) -> bool:
+    """Whether a run's stop line is the stall watchdog's (`Stalled`)."""
+    return bool(reason) and reason.startswith(STALLED)
