@@ -157,6 +157,27 @@ def test_a_lost_process_stops_the_others_within_the_heartbeat_timeout():
     assert stopped_after < 60, stopped_after
 
 
+@pytest.mark.slow
+def test_process_0_stopped_is_named_by_another_in_one_line_never_an_abort():
+    """Process 0 holds the run's store: stopped (SIGSTOP), process 1's watchdog cannot
+    reach it, and JAX's heartbeats would abort process 1 with a C++ stack (exit 134)."""
+    launcher = _train(
+        "--steps", "100000", "--stall-timeout", "3", "--heartbeat-timeout", "30", nproc=2,
+        grace=2, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    code, _, text, _ = _interrupt_mid_run(
+        launcher, lambda err: os.kill(launched_pids(err)[0], signal.SIGSTOP), timeout=90
+    )
+    assert code == 75, text[-3000:]
+    assert re.search(
+        r"^\[1\] jdp: process 0 of 2 does not answer: the store it holds for the run has been "
+        r"silent for \d+ s \(it is stopped, or its process is stuck\);",
+        text,
+        re.M,
+    ), text[-3000:]
+    assert "SIGABRT" not in text and "Check failure" not in text
+
+
 def test_launcher_grace_kills_what_does_not_stop(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(

@@ -19,19 +19,21 @@ from helpers import subprocess_env
 import jdp
 from jdp.checkpoint import Checkpointer
 from jdp.distributed import watchdog
-from jdp.distributed.watchdog import (
+from jdp.distributed.marks import (
     ACTIONS,
     CALLBACK,
+    COMPILE_EVENT,
     COMPILING,
     EVALUATING,
+    FINISHED,
     READING,
     SAVING,
     STEPPING,
     Mark,
     Watch,
-    Watchdog,
     stalled,
 )
+from jdp.distributed.watchdog import Watchdog
 from jdp.errors import LoaderError
 from jdp.report.goodput import Clock, Goodput
 from jdp.training import finite
@@ -53,7 +55,7 @@ def test_the_process_named_is_the_one_the_others_wait_for():
     # Not yet: the one behind is still within its time.
     assert stalled([Mark(0, 41, STEPPING, 30.0), Mark(1, 40, READING, 9.0)], S) is None
     # A process whose loop ended moves no more: the run is ending, not stalled.
-    assert stalled([Mark(0, 90, watchdog.FINISHED, 1e6), Mark(1, 90, SAVING, 1e6)], S) is None
+    assert stalled([Mark(0, 90, FINISHED, 1e6), Mark(1, 90, SAVING, 1e6)], S) is None
 
 
 def test_compiling_is_never_a_stall_and_saving_or_evaluating_has_four_times_longer():
@@ -82,11 +84,11 @@ def test_an_xla_compile_in_progress_is_compiling_in_any_phase(tmp_path):
     watch.at(EVALUATING)
     with Watchdog(watch, 0.2, str(tmp_path), say=lambda line: None, end=ended.append):
         # JAX's event as an evaluation's compile begins (as `jax.jit` sends it).
-        monitoring.record_scalar(watchdog.COMPILE_EVENT, time.time())
+        monitoring.record_scalar(COMPILE_EVENT, time.time())
         assert watch.mark(0).compiling
         time.sleep(1.5)  # far past 4 x 0.2 s: not a stall while the compile runs
         assert ended == []
-        monitoring.record_event_duration_secs(watchdog.COMPILE_EVENT, 1.5)
+        monitoring.record_event_duration_secs(COMPILE_EVENT, 1.5)
         assert not watch.mark(0).compiling and watch.mark(0).idle < 1.0  # its end is progress
         deadline = time.monotonic() + 30
         while not ended:  # and then evaluating without progress is

@@ -8,8 +8,10 @@ import faulthandler
 import os
 from typing import TYPE_CHECKING
 
+from jdp.distributed.marks import NOT_ANSWERING
+
 if TYPE_CHECKING:
-    from jdp.distributed.watchdog import Mark
+    from jdp.distributed.marks import Mark
 
 # The process's exit code after a stall: sysexits.h's EX_TEMPFAIL ("a temporary failure;
 # the user is invited to retry"), which no other jdp ending uses.
@@ -22,6 +24,13 @@ def stacks_file(directory: str, process: int) -> str:
 
 def describe(mark: Mark, processes: int, timeout: float, directory: str, resume: str) -> str:
     """Process 0's line about a stall: which process, where, and where a restart begins."""
+    if mark.phase == NOT_ANSWERING:  # said by another process: process 0 cannot
+        return (
+            f"jdp: process 0 of {processes} does not answer: the store it holds for the run "
+            f"has been silent for {mark.idle:.0f} s (it is stopped, or its process is stuck); "
+            f"this process's Python stacks go to {os.path.join(directory, 'stalls')}; ending "
+            f"the run with exit code {EXIT_STALLED}, nothing saved now ({resume})"
+        )
     who = f"process {mark.process} of {processes}" if processes > 1 else "the run"
     where = f" ({mark.where})" if mark.where else ""
     return (

@@ -36,6 +36,17 @@ import threading
 import time
 from collections.abc import Callable
 
+from jdp.distributed.marks import (
+    ALLOWANCE,
+    FINISHED,
+    NOT_ANSWERING,
+    READING,
+    SAVING,
+    Compiles,
+    Mark,
+    Watch,
+    stalled,
+)
 from jdp.distributed.stall_lines import (
     EXIT_STALLED,
     RESUME_UNKNOWN,
@@ -46,125 +57,7 @@ from jdp.distributed.stall_lines import (
     write_stacks,
 )
 
-STARTING, COMPILING = "starting (reading its first batch)", "compiling"
-READING, STEPPING = "reading data", "in the step"
-ACTIONS, CALLBACK = "in the loop's actions", "in a callback"
-EVALUATING, SAVING = "evaluating", "saving"
-FINISHED = "finished"  # its loop ended: the run is ending, nothing left to stall
-# Times ``timeout`` a phase may go without progress; none: never a stall (a first
-# compile's time has no bound a run could know, a large model's takes many minutes;
-# nor has the first batch's: workers starting, a resumed stream skipping ahead).
-_ALLOWANCE = {STARTING: None, COMPILING: None, EVALUATING: 4, SAVING: 4}
-# Phases in which a process may only be waiting for the others (a step's all-reduce, or
-# an action reading its result): between processes at the same step, the one elsewhere
-# (reading data, in a callback, evaluating, saving) is holding them up.
-_WAITING = (STEPPING, COMPILING, ACTIONS, STARTING)
 _KEY = "jdp/watchdog"
-# JAX's monitoring event around each XLA compile (or read from the compilation cache): a
-# scalar as it begins, a duration as it ends.
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-@dataclasses.dataclass
-class Mark:
-    """Where one process's main thread is: ``phase`` since ``idle`` seconds, the last
-    call of the step it started ending at ``step``; ``where`` names a callback."""
-
-    process: int
-    step: int
-    phase: str
-    idle: float
-    where: str = ""
-    compiling: bool = False  # an XLA compile is in progress, whatever the phase
-    silent: bool = False  # its mark stopped moving: its process did not run (set by a reader)
-
-    def limit(self, timeout: float) -> float | None:
-        # A silent process's compile would have let its watchdog run: it is stopped.
-        factor = None if self.compiling and not self.silent else _ALLOWANCE.get(self.phase, 1)
-        return None if factor is None else factor * timeout
-
-
-class Watch:
-    """The main thread's progress, set from the training loop at a few points a step:
-    each change of phase or step (and each `tick`) is progress."""
-
-    def __init__(self, step: int = 0):
-        self.step, self.phase, self.where = step, STARTING, ""
-        self.since = time.monotonic()
-        self.compiles = 0  # in progress (`Compiles`)
-        # One process's loop, waiting for data: asks it to save the last step's state and
-        # end stalled, as a signal would (`jdp.training.stops.StopOnPreemption.stall`).
-        self.save_first: Callable[[str], None] | None = None
-
-    def at(self, phase: str, where: str = "") -> None:
-        self.phase, self.where, self.since = phase, where, time.monotonic()
-
-    def started(self, step: int, phase: str) -> None:
-        """A call of the step that ends at ``step`` begins (compiling, the first)."""
-        self.step, self.phase, self.where, self.since = step, phase, "", time.monotonic()
-
-    def tick(self) -> None:
-        self.since = time.monotonic()
-
-    def excuse(self, start: float, end: float) -> None:
-        """``start`` to ``end`` (monotonic) the process did not run (stopped, or the
-        machine asleep): no time without progress."""
-        if self.since < end:
-            self.since += end - max(self.since, start)
-
-    def mark(self, process: int) -> Mark:
-        idle = time.monotonic() - self.since
-        return Mark(process, self.step, self.phase, idle, self.where, self.compiles > 0)
-
-
-class Compiles:
-    """Counts the XLA compiles in progress in this process into ``watch.compiles``, from
-    JAX's monitoring events (registered while the context is open); a compile's end is
-    progress. Lowering and tracing, which come first, count as the phase they are in."""
-
-    def __init__(self, watch: Watch):
-        self.watch = watch
-
-    def begun(self, event: str, value: float, **_) -> None:
-        if event == COMPILE_EVENT:
-            self.watch.compiles += 1
-
-    def ended(self, event: str, duration: float, **_) -> None:
-        if event == COMPILE_EVENT:
-            self.watch.compiles = max(0, self.watch.compiles - 1)
-            self.watch.tick()
-
-    def __enter__(self) -> Compiles:
-        from jax import monitoring
-
-        monitoring.register_scalar_listener(self.begun)
-        monitoring.register_event_duration_secs_listener(self.ended)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        from jax import monitoring
-
-        with contextlib.suppress(Exception):  # a JAX without one: nothing to undo
-            monitoring.unregister_scalar_listener(self.begun)
-            monitoring.unregister_event_duration_listener(self.ended)
-
-
-def stalled(marks: list[Mark], timeout: float) -> Mark | None:
-    """The process that stalled the run, if one has. The one holding the others up is
-    furthest behind, and between processes at that step one outside the step (the
-    others wait for it in the all-reduce), else the one idle longest; a run whose
-    processes furthest behind include one compiling is not stalled (the others wait for
-    its compiler)."""
-    if any(mark.phase == FINISHED for mark in marks):
-        return None
-    behind = min(mark.step for mark in marks)
-    marks = [mark for mark in marks if mark.step == behind]
-    silent = [mark for mark in marks if mark.silent]
-    if any(mark.limit(timeout) is None for mark in silent or marks):
-        return None
-    # One whose mark stopped moving holds up the others, whatever its phase says.
-    mark = min(silent or marks, key=lambda mark: (mark.phase in _WAITING, -mark.idle))
-    return mark if mark.idle > mark.limit(timeout) else None
 
 
 class Watchdog:
@@ -175,11 +68,21 @@ class Watchdog:
     ends (the goodput ledger's last write); ``say`` prints process 0's line.
     """
 
-    def __init__(self, watch: Watch, timeout: float, directory: str, *, process: int = 0,
-                 processes: int = 1, client=None, on_stall: Callable[[Mark], None] | None = None,
-                 say: Callable[[str], None] | None = None,
-                 end: Callable[[int], None] | None = None, ckpt_dir: str | None = None
-                 ):  # fmt: skip
+    def __init__(
+        self,
+        watch: Watch,
+        timeout: float,
+        directory: str,
+        *,
+        process: int = 0,
+        processes: int = 1,
+        client=None,
+        on_stall: Callable[[Mark], None] | None = None,
+        say: Callable[[str], None] | None = None,
+        end: Callable[[int], None] | None = None,
+        ckpt_dir: str | None = None,
+        heartbeat_timeout: float = 60.0,
+    ):
         self.watch, self.timeout, self.directory = watch, timeout, directory
         self.process, self.processes, self.client = process, processes, client
         self.on_stall, self.say, self.ckpt_dir = on_stall, say or _stderr, ckpt_dir
@@ -188,6 +91,11 @@ class Watchdog:
         # A mark not published for this long: its process did not run (see `_run`).
         self.silence = 3 * self.poll + 2.0
         self._resumed = 0.0  # when (wall) this process last ran again after a stop
+        # Process 0 holds the store: silent this long, it is stopped (JAX's heartbeats would
+        # abort this process with a C++ stack at the heartbeat timeout).
+        self.store_silence = min(timeout, heartbeat_timeout / 2)
+        self._asking: threading.Thread | None = None
+        self._answered, self._found = time.monotonic(), None
         self._compiles = Compiles(watch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jdp-watchdog", daemon=True)
@@ -215,13 +123,49 @@ class Watchdog:
             late, last = now - last - self.poll, now
             if late > self.poll + 1.0:  # this thread did not run: the process was stopped
                 self.watch.excuse(now - late, now)
-                self._resumed = time.time()
+                self._resumed, self._answered = time.time(), now
             mark = self.watch.mark(self.process)
             single = self.processes == 1
-            found = stalled([mark], self.timeout) if single else self._shared(mark)
+            found = stalled([mark], self.timeout) if single else self._exchange(mark)
             if found is not None and not self._stop.is_set():
-                self._stalled(found)
+                if found.phase == NOT_ANSWERING:
+                    self._coordinator_gone(found)
+                else:
+                    self._stalled(found)
                 return
+
+    def _exchange(self, mark: Mark) -> Mark | None:
+        """`_shared` in a thread of its own, so a store that does not answer (process 0
+        stopped) cannot stop this watchdog: its answer, or, once the store has been silent
+        for `store_silence`, a mark naming process 0 as not answering."""
+        if self._asking is None or not self._asking.is_alive():
+            found, self._found = self._found, None
+            if found is not None:
+                return found
+            self._asking = threading.Thread(target=self._ask, args=(mark,), daemon=True)
+            self._asking.start()
+            self._asking.join(self.poll)
+            found, self._found = self._found, None
+            return found
+        silent = time.monotonic() - self._answered
+        if self.process != 0 and silent > self.store_silence and mark.phase != FINISHED:
+            return Mark(0, mark.step, NOT_ANSWERING, silent, silent=True)
+        return None
+
+    def _ask(self, mark: Mark) -> None:
+        found = self._shared(mark)
+        self._answered, self._found = time.monotonic(), found
+
+    def _coordinator_gone(self, mark: Mark) -> None:
+        """Process 0, which holds the store, stopped answering: this process says so (no
+        store, no process 0 to say it), writes its stacks and ends, before JAX's heartbeats
+        abort it with a C++ stack."""
+        resume = _quick(lambda: resume_point(self.ckpt_dir), RESUME_UNKNOWN)
+        self.say(describe(mark, self.processes, self.timeout, self.directory, resume))
+        recording = threading.Thread(target=self._record, args=(mark,), daemon=True)
+        recording.start()
+        recording.join(timeout=_RECORD_SECONDS)
+        self.end(EXIT_STALLED)
 
     def _shared(self, mark: Mark) -> Mark | None:
         """Publishes this process's mark; the stalled process, once one is declared or
@@ -306,7 +250,7 @@ class Watchdog:
                 return True
             if time.monotonic() > answer_by:
                 return False
-        return self._stop.wait(_ALLOWANCE[SAVING] * self.timeout)
+        return self._stop.wait(ALLOWANCE[SAVING] * self.timeout)
 
     def _record(self, mark: Mark) -> None:
         path = stacks_file(self.directory, self.process)

@@ -14,7 +14,7 @@ from jdp.actions import NEVER, Action, Progress
 from jdp.checkpoint import Checkpointer
 from jdp.data.pipeline import places_ahead, train_batches
 from jdp.data.sources import Split
-from jdp.distributed.watchdog import (
+from jdp.distributed.marks import (
     ACTIONS,
     COMPILING,
     READING,

@@ -18,8 +18,8 @@ from jdp.data.ledger import Ledger
 from jdp.data.pipeline import eval_batches
 from jdp.data.sources import Split
 from jdp.diloco import has_groups
+from jdp.distributed.marks import EVALUATING, SAVING
 from jdp.distributed.replica_check import check_replicas
-from jdp.distributed.watchdog import EVALUATING, SAVING
 from jdp.errors import NonFiniteError, UsageError
 from jdp.report.console import Console
 from jdp.report.logger import MetricLogger

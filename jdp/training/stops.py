@@ -10,8 +10,8 @@ import signal
 import jax
 
 from jdp.actions import Progress
+from jdp.distributed.marks import SAVING
 from jdp.distributed.preemption import Preemption
-from jdp.distributed.watchdog import SAVING
 from jdp.errors import LoaderError, UsageError
 from jdp.training.run_actions import Checkpoint
 

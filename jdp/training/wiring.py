@@ -17,8 +17,9 @@ from jdp.checkpoint.params import best_recorded
 from jdp.data.ledger import Ledger
 from jdp.data.pipeline import EvalReader, Loader, TrainReader
 from jdp.data.streams import BatchStream
+from jdp.distributed.marks import ACTIONS, CALLBACK, Watch
 from jdp.distributed.preemption import Preemption
-from jdp.distributed.watchdog import ACTIONS, CALLBACK, Watch, Watchdog
+from jdp.distributed.watchdog import Watchdog
 from jdp.errors import UsageError
 from jdp.mesh import process_rows
 from jdp.report.console import Console
@@ -242,6 +243,7 @@ def stall_watch(config: TrainConfig, start: int, goodput: Goodput):
         client=client,
         on_stall=goodput.stalled,
         ckpt_dir=config.ckpt_dir,
+        heartbeat_timeout=config.heartbeat_timeout,
     )
     with watchdog:
         yield watch
