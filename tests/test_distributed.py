@@ -178,6 +178,30 @@ def test_process_0_stopped_is_named_by_another_in_one_line_never_an_abort():
     assert "SIGABRT" not in text and "Check failure" not in text
 
 
+@pytest.mark.slow
+def test_a_whole_group_stopped_and_continued_is_not_a_stall():
+    """Every process stopped for 4 x --stall-timeout (a scheduler suspending the job), then
+    continued: each excuses its own stop and waits for the others' marks to move."""
+    launcher = _train(
+        "--steps", "100000", "--stall-timeout", "2", nproc=2,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+    def suspend_then_stop(err):
+        pids = list(launched_pids(err).values())
+        for number in (signal.SIGSTOP, signal.SIGCONT):
+            for pid in pids:
+                os.kill(pid, number)
+            time.sleep(8 if number == signal.SIGSTOP else 4)  # then 2 x the timeout running
+        assert launcher.poll() is None, "".join(err)[-3000:]
+        launcher.send_signal(signal.SIGTERM)
+
+    code, text, errors, _ = _interrupt_mid_run(launcher, suspend_then_stop)
+    assert code == 143, errors[-3000:]
+    assert "stalled" not in errors and "does not answer" not in errors, errors[-3000:]
+    assert re.search(r"^\[0\] jdp\.train: preemption notice \(SIGTERM\) at step", text, re.M)
+
+
 def test_launcher_grace_kills_what_does_not_stop(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(
