@@ -134,6 +134,17 @@ def test_the_docs_hold_the_committed_runs_figures():
     """The GPU section, the README's line and the recipes' throughput are the JSON's."""
     assert GPU_RUNS, "docs/gpu/ holds no jdp.bench gpu run"
     assert gpu_docs.main([*GPU_RUNS, "--check"]) == 0
+    # The same files named by another path are the same figures: not stale.
+    assert gpu_docs.main([*(str(ROOT / path) for path in GPU_RUNS), "--check"]) == 0
+
+
+@pytest.mark.parametrize("text", ["[]", "null", '"a string"', '{"parts": 3}'])
+def test_json_that_is_not_a_run_is_one_line(tmp_path, text):
+    path = tmp_path / "run.json"
+    path.write_text(text)
+    result = run_tool("jdp.bench.gpu_docs", path, "--check")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"jdp.bench.gpu_docs: error: {path} is not a file jdp.bench")
 
 
 def test_runs_are_merged_by_kind_of_device_the_newest_first(tmp_path):
@@ -208,6 +219,15 @@ def test_pip_freeze_and_pip_list_read_alike():
         (("--parts", "gpt2,nope", "--smoke"), "unknown part 'nope'"),
         (("--gpt2-cells", "4,9", "--smoke"), "'9' is not a cell number"),
         (("--gpt2-cells", "4,4", "--smoke"), "'4' is not a cell number from 1 to 6 named once"),
+        (("--gpt2-cells", ",", "--smoke"), "--gpt2-cells ',' names no cell"),
+        (("--parts", "", "--smoke"), "--parts '' names no part"),
+        (("--budget", "0", "--smoke"), "--budget 0.0: give more than 0"),
+        (("--budget", "-1", "--smoke"), "--budget -1.0: give more than 0"),
+        (("--resolve-only", "--offline", "--have", "README.md", "--platform", "win_amd64"),
+         "cannot speak for --platform win_amd64"),
+        (("--resolve-only", "--offline", "--have", "README.md", "--python", "3.99"),
+         "--python '3.99': give a Python jdp runs on"),
+        (("--resolve-only", "--have", "docs"), "--have docs is a directory"),
         pytest.param((), "no accelerator here",
                      marks=pytest.mark.skipif(jax.default_backend() != "cpu",
                                               reason="an accelerator is here: it would run")),

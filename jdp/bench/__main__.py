@@ -133,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # Counts a benchmark cannot run without one of (a median of no rounds, no steps).
 _AT_LEAST_ONE = {"rounds", "steps", "repeats"}  # (a batch size of 0: some choose it)
+# Amounts a benchmark cannot run within at 0: the seconds it is given.
+_POSITIVE = {"budget"}
 
 
 def _out_of_range(args: argparse.Namespace) -> str | None:
@@ -141,6 +143,8 @@ def _out_of_range(args: argparse.Namespace) -> str | None:
     for name, value in sorted(vars(args).items()):
         if isinstance(value, bool) or not isinstance(value, int | float):
             continue
+        if name in _POSITIVE and not value > 0:  # NaN too
+            return f"--{name.replace('_', '-')} {value}: give more than 0"
         low = 1 if name in _AT_LEAST_ONE else 0
         if not value >= low:  # NaN too
             least = "1 or more" if low else "0 or more"

@@ -29,9 +29,10 @@ import pathlib
 import re
 import subprocess
 import sys
+import sysconfig
 import tempfile
 
-from jdp.errors import UsageError
+from jdp.errors import UsageError, check_input_file
 
 LIMIT_MB = 60  # what a bundle carried to a GPU machine may weigh
 
@@ -239,13 +240,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# The Pythons jdp runs on (pyproject.toml's requires-python, to the newest released).
+PYTHONS = ("3.11", "3.12", "3.13", "3.14")
+
+
+def _check_target(python: str, platform: str, offline: bool) -> None:
+    """A target pip can resolve for: a Python jdp runs on and a wheel platform tag; with
+    ``--offline`` (this environment's packages) only this machine's kind of platform,
+    whose wheels those are."""
+    if ".".join(python.split(".")[:2]) not in PYTHONS or not re.fullmatch(
+        r"3\.\d+(\.\d+)?", python
+    ):
+        raise UsageError(f"--python {python!r}: give a Python jdp runs on: {', '.join(PYTHONS)}")
+    if not re.fullmatch(r"[a-z0-9_]+", platform):
+        raise UsageError(
+            f"--platform {platform!r}: give a wheel platform tag, e.g. manylinux_2_28_x86_64"
+        )
+    here = sysconfig.get_platform().replace("-", "_").replace(".", "_")  # linux_x86_64
+    system, _, machine = here.partition("_")
+    kinds = ("manylinux", "linux") if system == "linux" else (system,)
+    if offline and not (platform.startswith(kinds) and platform.endswith(machine)):
+        raise UsageError(
+            f"--offline reads this machine's installed packages ({here}), which cannot speak "
+            f"for --platform {platform}; resolve without --offline (pip's resolver, over the "
+            "network)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.have:
         raise UsageError("--have FREEZE: the target's `pip freeze` or `pip list` output, saved "
                          "to a file there (an empty file for a bare Python)")  # fmt: skip
-    if not os.path.isfile(args.have):
+    if not os.path.exists(args.have):
         raise UsageError(f"--have {args.have}: no such file")
-    have = read_have(pathlib.Path(args.have).read_text())
+    check_input_file(args.have, "--have")
+    try:
+        have = read_have(pathlib.Path(args.have).read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(
+            f"--have {args.have} is not text: give the target's `pip freeze` or `pip list` "
+            "output, saved to a file"
+        ) from None
+    _check_target(args.python, args.platform, args.offline)
     requirements = jdp_requirements()
     if args.offline:
         closure = local_closure(requirements, args.python)

@@ -195,11 +195,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(correctness_losses(args.cpu_reference, (False, True))))
         return 0
     parts = names(args.parts)
+    if not parts:
+        raise UsageError(f"--parts {args.parts!r} names no part; choose from: {', '.join(PARTS)}")
     for part in parts:
         if part not in PARTS:
             raise UsageError(f"--parts: unknown part {part!r}; choose from: {', '.join(PARTS)}")
-    if args.budget <= 0:
-        raise UsageError("--budget must be positive (seconds)")
+    if not args.budget > 0:
+        raise UsageError(f"--budget {args.budget}: give more than 0")
     racing, left_out = peers.choose(args.peers, args.nanogpt)
     # Before JAX starts: the process may take 92% of an accelerator's memory, not 75%;
     # with peers racing, only what it uses, so that their processes have the rest.
@@ -240,6 +242,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _picks(said: str) -> tuple[int, ...]:
+    if said.strip() and not said.replace(",", "").strip():
+        raise UsageError(
+            f"--gpt2-cells {said!r} names no cell; give numbers from 1 to "
+            f"{len(GPT2_CELLS)}, or leave it out for all"
+        )
     picks: list[int] = []
     for word in filter(None, (w.strip() for w in said.split(","))):
         if word not in {str(n) for n in range(1, len(GPT2_CELLS) + 1)} or int(word) in picks:

@@ -13,6 +13,7 @@ nothing and exits 1 when a file differs from what the JSON says.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import re
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 from jdp.bench.gpu_host import SWEEP_CASES
 from jdp.bench.gpu_models import GPT2_CELLS
 from jdp.bench.gpu_table import gpt_numbers, setting_text, table
+from jdp.errors import UsageError
 from jdp.tool import command, key_of, read_json
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -88,8 +90,11 @@ def by_device(paths: list[str]) -> list[dict[str, Any]]:
     kinds: dict[str, list[str]] = {}
     kind = "?"
     for path in paths:
-        data = read_json(path, *_WHAT)
-        kind = data.get("parts", {}).get("machine", {}).get("kind", kind)
+        parts = key_of(read_json(path, *_WHAT), path, ["parts"], *_WHAT)
+        if not isinstance(parts, dict):
+            raise UsageError(f"{path} is not {_WHAT[0]}: its 'parts' is not an object; {_WHAT[1]}")
+        machine = parts.get("machine")
+        kind = machine.get("kind", kind) if isinstance(machine, dict) else kind
         kinds.setdefault(kind, []).append(path)
         kinds[kind] = kinds.pop(kind)  # the newest kind last
     return [merge(group, kind) for kind, group in reversed(kinds.items())]
@@ -166,9 +171,10 @@ def targets(merged: dict[str, Any]) -> list[str]:
     return lines
 
 
-def section(groups: list[dict[str, Any]]) -> str:
-    """The markdown between the markers: a table for each kind of device."""
-    files = [run["file"] for merged in reversed(groups) for run in merged["runs"]]
+def section(groups: list[dict[str, Any]], root: pathlib.Path) -> str:
+    """The markdown between the markers: a table for each kind of device. The files are
+    named from ``root`` (the checkout), however the command named them."""
+    files = [_from(run["file"], root) for merged in reversed(groups) for run in merged["runs"]]
     body = [
         f"<!-- made by `python -m jdp.bench.gpu_docs {' '.join(files)}`: edit the JSON's "
         "run, not this -->",
@@ -178,6 +184,13 @@ def section(groups: list[dict[str, Any]]) -> str:
     for merged in groups:
         body += ["", f"### {merged['runs'][-1]['kind']}", "", *_device_section(merged)]
     return "\n".join(body)
+
+
+def _from(file: str, root: pathlib.Path) -> str:
+    """``file`` relative to ``root`` when it lies in it, else absolute."""
+    path = os.path.abspath(file)
+    relative = os.path.relpath(path, os.path.abspath(root))
+    return path if relative.startswith(os.pardir) else relative
 
 
 def _device_section(merged: dict[str, Any]) -> list[str]:
@@ -264,7 +277,7 @@ def rewrite(groups: list[dict[str, Any]], root: pathlib.Path) -> dict[pathlib.Pa
     """``{path: new text}`` of every file the figures land in."""
     doc, readme, merged = root / DOC, root / README, groups[0]
     new = {
-        doc: _between(doc.read_text(), BEGIN, END, section(groups), DOC),
+        doc: _between(doc.read_text(), BEGIN, END, section(groups, root), DOC),
         readme: _between(readme.read_text(), README_BEGIN, README_END, readme_line(merged),
                          README),
     }  # fmt: skip
