@@ -228,6 +228,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--suggest", action="store_true", help="compare the layouts of the mesh's device count"
     )
     args = parser.parse_args(argv)
+    for name in ("batch_size", "vocab_size", "seq_len"):
+        if not 1 <= getattr(args, name) < 2**31:  # ids and positions are int32
+            parser.error(
+                f"--{name.replace('_', '-')} must be in [1, 2**31), got {getattr(args, name)}"
+            )
+    if len(args.image_shape) != 3 or min(args.image_shape) < 1:
+        parser.error(f"--image-shape must be HxWxC, each at least 1, got {args.image_shape}")
     try:
         sizes = mesh_sizes(args.mesh)
         devices = math.prod(sizes.values())

@@ -58,14 +58,18 @@ def read_run(run_dir: str) -> dict[str, dict[int, dict]]:
         )
     records: dict[str, dict[int, dict]] = {}
     damaged = 0
-    with open(path) as file:
+    # Bytes that are not UTF-8 (a line written over, a disk's damage) make that line
+    # unreadable, as a line cut short is: skipped and counted.
+    with open(path, encoding="utf-8", errors="replace") as file:
         for line in file:
             if not line.strip():
                 continue
             try:
+                if "\ufffd" in line:
+                    raise ValueError("not UTF-8")
                 record = json.loads(line)
                 step = record["step"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError):  # JSONDecodeError is a ValueError
                 damaged += 1  # a line cut short when a run was killed
                 continue
             values = {key: value for key, value in record.items() if value is not None}

@@ -8,13 +8,14 @@ names the file and the key on any malformation.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import functools
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from jdp.errors import UsageError
@@ -61,7 +62,7 @@ def command(prog: str) -> Callable:
             if (bad := next((arg for arg in ours if not _is_utf8(arg)), None)) is not None:
                 return _say(prog, f"{shown(bad)} is not UTF-8 text (a file name in another "
                             "encoding?); rename the file or give a UTF-8 name", 2)  # fmt: skip
-            with _outliving_its_reader():
+            with _outliving_its_reader(), _one_line_usage_errors():
                 try:
                     return main(argv)
                 except UsageError as error:
@@ -72,6 +73,23 @@ def command(prog: str) -> Callable:
         return run
 
     return wrap
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    """While a tool runs, argparse's errors (a flag unknown, a value of the wrong type, a
+    subcommand missing) are one line, as jdp.train's are, not a usage block and a line."""
+
+    def error(parser: argparse.ArgumentParser, message: str):
+        sys.stderr.write(f"{parser.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+    before = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = before
 
 
 class _Survivor:

@@ -92,8 +92,9 @@ def test_the_config_choices_are_the_registries():
     from jdp import optim, precision, step
     from jdp.data import corpora, custom, sources, tokens
     from jdp.diloco.outer import OUTER_OPTIMIZERS
+    from jdp.models.attention import ATTENTION_IMPLEMENTATIONS
     from jdp.models.registry import MODELS, SIZES
-    from jdp.models.transformer import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+    from jdp.models.transformer import REMAT_POLICIES
     from jdp.training import choices as config_choices
     from jdp.training import config_checks
 

@@ -289,6 +289,10 @@ def test_a_recipe_setting_both_steps_and_epochs_is_refused(tmp_path):
     path.write_text("[recipe]\n[flags]\nsteps = 100\nepochs = 3\n")
     with pytest.raises(jdp.UsageError, match=r"\[flags\] sets both steps and epochs"):
         load_recipe(str(path))
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes('[recipe]\nmetric = "café"\n'.encode("latin-1"))
+    with pytest.raises(jdp.UsageError, match=r"not UTF-8 text \(byte 22\); save it as UTF-8$"):
+        load_recipe(str(latin))
 
 
 def test_an_input_that_is_not_a_regular_file_is_refused_never_read(tmp_path):

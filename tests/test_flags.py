@@ -4,6 +4,7 @@ import dataclasses
 import re
 
 import pytest
+from helpers import run_tool
 
 import jdp
 from jdp.training import config
@@ -84,6 +85,30 @@ def test_help_reads_as_plain_text(command):
     assert result.returncode == 0, result.stderr
     assert "``" not in result.stdout and "(default: None)" not in result.stdout
     assert "multihost-worker" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "flags", "said"),
+    [
+        (
+            "jdp.data.__main__",
+            ["pack"],
+            "jdp.data pack: error: the following arguments are required: ",
+        ),
+        ("jdp.bench.__main__", ["nope"], "jdp.bench: error: argument "),
+        ("jdp.plan", ["--bogus"], "jdp.plan: error: unrecognized arguments: --bogus"),
+        ("jdp.plan", ["--seq-len", "-5"], "jdp.plan: error: --seq-len must be in [1, 2**31), "),
+        ("jdp.plan", ["--vocab-size", str(10**10)], "--vocab-size must be in [1, 2**31)"),
+        ("jdp.replay", [], "jdp.replay: error: the following arguments are required: "),
+        ("jdp.launch", ["--nproc", "x", "--", "ls"], "jdp.launch: error: argument --nproc: "),
+        ("jdp.launch", ["--nproc", str(10**6), "--", "ls"], "more processes than this machine's"),
+    ],
+)
+def test_every_tools_usage_error_is_one_line(command, flags, said):
+    result = run_tool(command, *flags)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0] and lines[0].endswith("(see --help)"), lines
 
 
 def _unsectioned(cls) -> list[str]:

@@ -16,13 +16,12 @@ import jdp
 from jdp.data import numbers2words
 from jdp.data.readers import TrainReader
 from jdp.errors import UsageError
+from jdp.models.attention import Attention, implementation
 from jdp.models.registry import get_model
 from jdp.models.transformer import (
     GPT,
-    Attention,
     Seq2SeqTransformer,
     flops_per_token,
-    implementation,
     stack_layers,
 )
 from jdp.report.throughput import forward_flops, model_flops
@@ -407,3 +406,13 @@ def test_no_bias_leaves_every_bias_out_as_nanogpt_does():
         _checked_shape("mlp", {"bias": False}, {}, loaded=False)
     with pytest.raises(UsageError, match="--no-bias: the loaded weights set the gpt's shape"):
         _checked_shape("gpt", {"bias": False}, {}, loaded=True)
+
+
+def test_fp16_attention_runs_on_the_cpu():
+    """XLA's CPU dot has no fp16 x fp16 -> fp32, which fp16 attention asks for: the
+    products are taken in fp32 there, of the same fp16 values."""
+    attention = Attention(heads=2)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 8)), jnp.float16)
+    params = jax.tree.map(lambda p: p.astype(jnp.float16), attention.init(jax.random.key(0), x, x))
+    out = jax.jit(lambda p: attention.apply(p, x, x, causal=True))(params)
+    assert out.dtype == jnp.float16 and bool(jnp.isfinite(out).all())

@@ -113,6 +113,14 @@ def test_plot_writes_a_png_of_runs(run_dir, tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     assert plot_main([str(tmp_path), "--out", str(out)]) == 2
     assert "has no metrics.jsonl; train with --log-dir" in capsys.readouterr().err
+    # Bytes that are not UTF-8 make their line unreadable, as a line cut short is.
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "metrics.jsonl").write_bytes(
+        (log_dir / "metrics.jsonl").read_bytes() + b'{"kind": "train", "step": 9\xff}\n'
+    )
+    assert plot_main([str(damaged), "--out", str(out)]) == 0
+    assert "jdp.plot: skipped 1 unreadable line(s)" in capsys.readouterr().err
     # Without a suffix the PNG is curves.png: the line names the file written.
     assert plot_main([str(log_dir), "--out", str(tmp_path / "curves")]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"jdp.plot: wrote {out}"

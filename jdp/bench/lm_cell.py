@@ -13,8 +13,9 @@ import jax
 from jdp.bench.common import names
 from jdp.errors import UsageError
 from jdp.mesh import parse_mesh_spec
+from jdp.models.attention import ATTENTION_IMPLEMENTATIONS
 from jdp.models.registry import MODELS
-from jdp.models.transformer import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+from jdp.models.transformer import REMAT_POLICIES
 
 # Synthetic tokens' vocabulary: GPT-2's tokenizer's (the published sizes pad it to
 # 50,304), but bytes for ``small``, as the bundled python_stdlib corpus: at a width of

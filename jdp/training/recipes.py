@@ -230,10 +230,14 @@ def _toml(value: Any) -> str:
 def _read(path: str) -> str:
     check_input_file(path, "recipe")
     try:
-        with open(path) as file:
+        with open(path, encoding="utf-8") as file:
             return file.read()
     except OSError as error:
         raise UsageError(f"recipe {path}: not readable ({error.strerror})") from None
+    except UnicodeDecodeError as error:  # TOML is UTF-8 (a Latin-1 editor's é is not)
+        raise UsageError(
+            f"recipe {path}: not UTF-8 text (byte {error.start}); save it as UTF-8"
+        ) from None
 
 
 def _check(recipe: Recipe, path: str) -> None:
