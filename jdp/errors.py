@@ -72,3 +72,27 @@ def check_input_file(path: str, what: str) -> None:
             else "not a regular file (a FIFO, a socket or a device)"
         )
         raise UsageError(f"{what} {path} is {kind}; give a file")
+
+
+def not_there(path: str, wanted: str = "a regular file") -> str:
+    """Why ``path`` is not the ``wanted`` a tool looked for, in words: it "does not
+    exist", or it is something else (a directory, a FIFO, a device, a broken link)."""
+    import os
+    import stat
+
+    if not os.path.lexists(path):
+        return "does not exist"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "is a link to nothing"
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISREG, "a file"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+    )
+    kind = next((name for test, name in kinds if test(mode)), "not a file")
+    return f"is {kind}, not {wanted}"

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jdp.data.tokens import TOKENS_PREFIX, TokenSplit
-from jdp.errors import UsageError
+from jdp.errors import UsageError, not_there
 from jdp.inference import load_model
 from jdp.models.generate import generate, gpt_for
 from jdp.models.transformer import EPSILON, GPT
@@ -105,7 +105,7 @@ def _load_tokenizer(path: str) -> Codec:
     except ImportError:
         raise UsageError(f"{path} needs tokenizers: pip install tokenizers") from None
     if not os.path.isfile(path):
-        raise UsageError(f"tokenizer file {path} does not exist; give a tokenizer.json or bytes")
+        raise UsageError(f"tokenizer file {path} {not_there(path)}; give a tokenizer.json or bytes")
     try:
         return Codec(os.path.abspath(path), Tokenizer.from_file(path))
     except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse

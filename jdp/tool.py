@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from jdp.errors import UsageError
+from jdp.errors import UsageError, not_there
 
 # What a path that cannot be used is, and what to do about it (exit 2).
 _BAD_PATHS = {
@@ -152,6 +152,8 @@ def os_line(error: OSError) -> tuple[str, int]:
     if error.errno in _BAD_PATHS:
         return f"{where}{reason}; {_BAD_PATHS[error.errno]}", 2
     fix = _FAULTS.get(error.errno, "a fault while working (a network's, say); run it again")
+    if not names:  # a write to a file already open: "there" would name nothing
+        fix = fix.replace(" there", " where the tool writes (its --out, --ckpt-dir, --log-dir)")
     return f"{where}{reason}; {fix}", 1
 
 
@@ -170,7 +172,7 @@ def read_json(path: str, what: str, fix: str) -> Any:
         with open(path, encoding="utf-8") as file:
             return json.load(file)
     except FileNotFoundError:
-        raise UsageError(f"{shown(path)} does not exist; {fix}") from None
+        raise UsageError(f"{shown(path)} {not_there(path)}; {fix}") from None
     except OSError as error:
         raise UsageError(f"{shown(path)}: not readable ({error.strerror}); {fix}") from None
     except UnicodeDecodeError:

@@ -307,6 +307,27 @@ def test_an_input_that_is_not_a_regular_file_is_refused_never_read(tmp_path):
             from_npz(path)
 
 
+def test_a_path_that_is_something_else_is_named_for_what_it_is(tmp_path):
+    import errno
+
+    from jdp.errors import not_there
+    from jdp.tool import os_line
+
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink(tmp_path / "gone", tmp_path / "broken")
+    assert not_there(str(tmp_path / "missing")) == "does not exist"
+    assert not_there(str(tmp_path / "fifo")) == "is a FIFO, not a regular file"
+    assert not_there(str(tmp_path), "a token file") == "is a directory, not a token file"
+    assert not_there(str(tmp_path / "broken")) == "is a link to nothing"
+    assert not_there("/dev/null") == "is a device, not a regular file"
+    # A full disk met by a write to a file already open names where to free space.
+    line, code = os_line(OSError(errno.ENOSPC, "No space left on device"))
+    assert code == 1 and line == (
+        "No space left on device; free space where the tool writes (its --out, --ckpt-dir, "
+        "--log-dir) and run it again"
+    )
+
+
 def test_skip_nonfinite_keeps_the_state_and_counts(mesh8):
     def loss_fn(params, batch, rng):
         return jnp.mean((batch["x"] @ params["w"]) ** 2) * batch["scale"][0]

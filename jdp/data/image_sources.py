@@ -31,7 +31,7 @@ from jdp.data.images import (
     why_unreadable,
 )
 from jdp.data.images import image_size as header_size
-from jdp.errors import UsageError
+from jdp.errors import UsageError, not_there
 from jdp.tool import shown
 
 FORMAT = "jdp-packed-images"
@@ -170,7 +170,9 @@ def class_tree(root: str, classes, *, what: str = "a folder of class folders"
     here); UsageError for a missing folder, no class folders, or no images. ``what`` is
     what the missing folder's line asks for."""
     if not os.path.isdir(root):
-        raise UsageError(f"image folder {shown(root)} does not exist; give {what}")
+        raise UsageError(
+            f"image folder {shown(root)} {not_there(root, 'a directory')}; give {what}"
+        )
     found = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
     if any(name.endswith(".array_record") for name in os.listdir(root)):  # no images.json
         raise UsageError(f"{shown(root)} is a pack that is not complete (its {PACKED_META} is "

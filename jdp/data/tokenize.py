@@ -29,7 +29,7 @@ import numpy as np
 
 from jdp.data.shards import META_FILE, write_llmc, write_meta
 from jdp.data.tokens import split_of
-from jdp.errors import UsageError
+from jdp.errors import UsageError, not_there
 
 DOCUMENTS_FILE = "documents.tsv"
 COLUMNS = ("split", "shard", "offset", "tokens", "path")
@@ -171,7 +171,7 @@ def _load(path: str):
     except ImportError:
         raise UsageError("--tokenizer PATH needs tokenizers: pip install tokenizers") from None
     if not os.path.isfile(path):
-        raise UsageError(f"tokenizer file {path} does not exist; give a tokenizer.json or bytes")
+        raise UsageError(f"tokenizer file {path} {not_there(path)}; give a tokenizer.json or bytes")
     try:
         return Tokenizer.from_file(path)
     except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse

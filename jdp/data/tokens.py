@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from jdp.data.shards import META_FILE, TOKEN_DTYPES, Shard, open_shard, read_meta, release
-from jdp.errors import UsageError
+from jdp.errors import UsageError, not_there
 
 TOKENS_PREFIX = "tokens:"
 SPLITS = ("train", "validation", "test")
@@ -250,7 +250,7 @@ def _files(spec: str) -> tuple[list[str], str]:
         where = f"no token files match {spec}"
         directory = os.path.dirname(files[0]) if files else "."
         if not glob.has_magic(spec):
-            where = f"{spec} does not exist"
+            where = f"{spec} {not_there(spec, 'a token file or a directory of them')}"
     if not files:
         raise UsageError(f"{where}; give a token file, a directory of them, or a glob")
     return files, directory
