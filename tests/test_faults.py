@@ -258,6 +258,15 @@ def test_non_finite_and_out_of_range_numbers_are_refused(field, value, needle):
         ({"schedule": "noam", "decay_steps": 5}, "--decay-steps 5 is read by --schedule cosine"),
         ({"lr_boundaries": "3"}, "--lr-boundaries 3 is read by --schedule piecewise"),
         (
+            {
+                "model": "gpt",
+                "early_stop_patience": 2,
+                "eval_every": 5,
+                "early_stop_metric": "accuracy",
+            },
+            "--early-stop-metric accuracy: a language model's evaluation gives loss",
+        ),
+        (
             {"seq_len": 64},
             "--seq-len 64 is a language model's window (--model gpt, a token "
             "corpus); drop it for --model mlp on digits",

@@ -265,6 +265,11 @@ def _check_flags_apply(config) -> None:
                 f"{', '.join(readers)}; drop it for --{chooser} {chosen}"
             )
     language = config.model == "gpt" or config.dataset == "python_stdlib"
+    if config.early_stop_patience and config.early_stop_metric == "accuracy" and language:
+        raise UsageError(
+            "--early-stop-metric accuracy: a language model's evaluation gives loss, "
+            "token_accuracy and bits per byte, no accuracy; use --early-stop-metric loss"
+        )
     if config.seq_len and not (language or config.dataset.startswith("tokens:")):
         raise UsageError(
             f"--seq-len {config.seq_len} is a language model's window (--model gpt, a token "
