@@ -68,6 +68,36 @@ def gpt2_files(tmp_path_factory):
     return directory
 
 
+def test_a_full_disk_while_writing_gpt2_weights_is_the_os_error_naming_the_file(
+    tmp_path, monkeypatch
+):
+    """safetensors reports the OS's failure in its own error type: jdp turns it back into
+    the OSError (the tools' one line: path, reason, fix) and leaves no file cut short."""
+    import jax
+    import jax.numpy as jnp
+    import safetensors.numpy
+    from flax.core import meta
+
+    from jdp.models.hf import WEIGHTS_FILE, write_hf
+    from jdp.models.transformer import GPT
+    from jdp.tool import os_line
+
+    def full(tensors, path, metadata=None):
+        open(path, "wb").close()  # what was written before the disk filled
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    gpt = GPT(vocab_size=40, width=16, heads=2, layers=2, hidden=32, max_len=8)
+    params = meta.unbox(jax.jit(gpt.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+    with pytest.raises(OSError) as raised:
+        write_hf(tmp_path, gpt, jax.tree.map(np.asarray, params["params"]))
+    line, code = os_line(raised.value)
+    assert code == 1 and line == (
+        f"{tmp_path / WEIGHTS_FILE}: No space left on device; free space there and run it again"
+    )
+    assert not (tmp_path / WEIGHTS_FILE).exists()
+
+
 def _changed_config(config):
     return [
         ({**config, "n_head": 3}, "n_head 3 does not divide n_embd 16"),

@@ -14,8 +14,10 @@ differs (1e-5), and the model keeps it (`GPT.epsilon`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -322,7 +324,17 @@ def write_hf(directory: str | os.PathLike, module: GPT, params: Mapping,
         tensors[prefix + "attn.c_proj.bias"] = attention["out"]["bias"][layer]
     os.makedirs(directory, exist_ok=True)
     contiguous = {name: np.ascontiguousarray(value, np.float32) for name, value in tensors.items()}
-    save_file(contiguous, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
+    weights = os.path.join(directory, WEIGHTS_FILE)
+    try:
+        save_file(contiguous, weights, metadata={"format": "pt"})
+    except Exception as error:  # safetensors' own type, for the OS's failures too
+        found = re.search(r"\(os error (\d+)\)", str(error))
+        if found is None:
+            raise
+        with contextlib.suppress(OSError):
+            os.remove(weights)  # a file cut short is no export
+        number = int(found.group(1))
+        raise OSError(number, os.strerror(number), weights) from None
     with open(os.path.join(directory, CONFIG_FILE), "w") as file:
         json.dump(_config(module) | dict(special or {}), file, indent=2)
 
