@@ -92,6 +92,7 @@ def test_the_config_choices_are_the_registries():
     from jdp import optim, precision, step
     from jdp.data import corpora, custom, sources, tokens
     from jdp.diloco.outer import OUTER_OPTIMIZERS
+    from jdp.models import hf
     from jdp.models.attention import ATTENTION_IMPLEMENTATIONS
     from jdp.models.registry import MODELS, SIZES
     from jdp.models.transformer import REMAT_POLICIES
@@ -111,6 +112,7 @@ def test_the_config_choices_are_the_registries():
     )
     # The config checks what the data reads.
     assert (*custom.PREFIXES, tokens.TOKENS_PREFIX) == config_checks.DATASET_PREFIXES
+    assert hf.PREFIX == config_checks.HF_PREFIX
     assert choices(config_choices.OptimizerName) == set(optim.OPTIMIZERS)
     assert choices(config_choices.ScheduleName) == set(optim.SCHEDULES)
     assert choices(config_choices.LrScaling) == set(optim.LR_SCALING)

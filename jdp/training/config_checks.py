@@ -18,6 +18,7 @@ DatasetName = Literal[
     "cifar10", "digits", "fashion_mnist", "mnist", "numbers2words", "python_stdlib"
 ]
 DATASET_PREFIXES = ("tfds:", "folder:", "npz:", "images:", "tokens:")
+HF_PREFIX = "hf:"  # --init-from hf:DIR, a Hugging Face GPT-2 (jdp.models.hf.PREFIX)
 
 
 def check(config) -> None:
@@ -264,6 +265,8 @@ def _check_flags_apply(config) -> None:
                 f"--{name.replace('_', '-')} {value} is read by --{chooser} "
                 f"{', '.join(readers)}; drop it for --{chooser} {chosen}"
             )
+    if (config.init_from or "").startswith(HF_PREFIX) and config.model != "gpt":
+        raise UsageError(f"--init-from {config.init_from} loads GPT-2's weights; use --model gpt")
     language = config.model == "gpt" or config.dataset == "python_stdlib"
     if config.early_stop_patience and config.early_stop_metric == "accuracy" and language:
         raise UsageError(
