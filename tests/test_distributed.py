@@ -162,9 +162,17 @@ def test_process_0_stopped_is_named_by_another_in_one_line_never_an_abort():
     """Process 0 holds the run's store: stopped (SIGSTOP), process 1's watchdog cannot
     reach it, and JAX's heartbeats would abort process 1 with a C++ stack (exit 134)."""
     launcher = _train(
-        "--steps", "100000", "--stall-timeout", "3", "--heartbeat-timeout", "30", nproc=2,
-        grace=2, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        "--steps",
+        "100000",
+        "--stall-timeout",
+        "3",
+        "--heartbeat-timeout",
+        "30",
+        nproc=2,
+        grace=2,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     code, _, text, _ = _interrupt_mid_run(
         launcher, lambda err: os.kill(launched_pids(err)[0], signal.SIGSTOP), timeout=90
     )
@@ -183,9 +191,14 @@ def test_a_whole_group_stopped_and_continued_is_not_a_stall():
     """Every process stopped for 4 x --stall-timeout (a scheduler suspending the job), then
     continued: each excuses its own stop and waits for the others' marks to move."""
     launcher = _train(
-        "--steps", "100000", "--stall-timeout", "2", nproc=2,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        "--steps",
+        "100000",
+        "--stall-timeout",
+        "2",
+        nproc=2,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
     def suspend_then_stop(err):
         pids = list(launched_pids(err).values())

@@ -127,8 +127,18 @@ def test_a_link_or_file_named_like_a_step_is_set_aside_never_resumed_or_deleted_
 
 @pytest.mark.slow
 def test_with_every_checkpoint_damaged_the_run_starts_over_only_when_told(tmp_path):
-    flags = ("--mesh", "data=8", "--steps", "4", "--warmup-steps", "1", "--ckpt-every", "2",
-             "--ckpt-dir", tmp_path)  # fmt: skip
+    flags = (
+        "--mesh",
+        "data=8",
+        "--steps",
+        "4",
+        "--warmup-steps",
+        "1",
+        "--ckpt-every",
+        "2",
+        "--ckpt-dir",
+        tmp_path,
+    )
     assert run_cli(*flags).returncode == 0
     for step in ("2", "4"):
         (tmp_path / step / "meta" / "metadata").write_text("not json")

@@ -111,12 +111,31 @@ def test_time_a_process_was_stopped_is_excused():
 @pytest.mark.slow
 def test_a_stopped_run_is_not_stalled_and_a_sigterm_sent_while_stopped_saves(tmp_path):
     logs = tmp_path / "logs"
-    flags = ["--mesh", "data=1", "--steps", "1000000", "--warmup-steps", "1", "--ckpt-dir",
-             tmp_path / "ckpt", "--log-dir", logs, "--log-every", "20", "--eval-every", "0",
-             "--stall-timeout", STOPPED_TIMEOUT]  # fmt: skip
-    process = subprocess.Popen([sys.executable, "-m", "jdp.train", *map(str, flags)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=subprocess_env())  # fmt: skip
+    flags = [
+        "--mesh",
+        "data=1",
+        "--steps",
+        "1000000",
+        "--warmup-steps",
+        "1",
+        "--ckpt-dir",
+        tmp_path / "ckpt",
+        "--log-dir",
+        logs,
+        "--log-every",
+        "20",
+        "--eval-every",
+        "0",
+        "--stall-timeout",
+        STOPPED_TIMEOUT,
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jdp.train", *map(str, flags)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     deadline = time.monotonic() + 120
     while not (logs / "metrics.jsonl").exists() or not (logs / "metrics.jsonl").read_text():
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()

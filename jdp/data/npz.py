@@ -35,8 +35,11 @@ def read_npz(path: str | os.PathLike, split: str) -> dict[str, Any] | None:
         )
     try:
         with np.load(file, allow_pickle=False) as arrays:
-            named = [name for name in _SPLIT_NAMES.get(split, (split,))
-                     if any(array.endswith(f"_{name}") for array in arrays.files)]  # fmt: skip
+            named = [
+                name
+                for name in _SPLIT_NAMES.get(split, (split,))
+                if any(array.endswith(f"_{name}") for array in arrays.files)
+            ]
             suffix = f"_{named[0] if named else split}"
             features = {
                 name[: -len(suffix)]: arrays[name] for name in arrays.files if name.endswith(suffix)

@@ -70,7 +70,9 @@ def write_stacks(path: str, mark: Mark) -> None:
     """Every thread's Python stack (`faulthandler`), under a line with this process's mark."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as file:
-        file.write(f"process {mark.process}: {mark.phase}{f' ({mark.where})' if mark.where else ''}"
-                   f", step {mark.step}, no progress for {mark.idle:.1f} s\n\n")  # fmt: skip
+        file.write(
+            f"process {mark.process}: {mark.phase}{f' ({mark.where})' if mark.where else ''}"
+            f", step {mark.step}, no progress for {mark.idle:.1f} s\n\n"
+        )
         file.flush()
         faulthandler.dump_traceback(file, all_threads=True)
