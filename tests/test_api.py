@@ -105,7 +105,7 @@ def test_the_config_choices_are_the_registries():
     assert choices(config_choices.Backend) == set(step.BACKENDS)
     assert choices(config_choices.ModelName) == set(MODELS)
     assert choices(config_choices.ModelSize) == set(SIZES)
-    assert choices(config_choices.Remat) == {"none", *REMAT_POLICIES}
+    assert choices(config_choices.Remat) == {"none", "attention", *REMAT_POLICIES}
     assert choices(config_choices.Attention) == set(ATTENTION_IMPLEMENTATIONS)
     assert choices(config_checks.DatasetName) == (
         set(sources.DATASETS) | set(sources.GENERATED) | set(corpora.CORPORA)

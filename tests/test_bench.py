@@ -271,7 +271,8 @@ def test_lm_benchmark_refuses_a_remat_it_does_not_have():
     result = _here("lm", "--remat some")
     assert result.returncode == 2
     assert (
-        result.stderr.strip() == "jdp.bench: error: --remat 'some'; choose from: none, dots, full"
+        result.stderr.strip()
+        == "jdp.bench: error: --remat 'some'; choose from: none, dots, full, attention"
     )
 
 

@@ -65,7 +65,7 @@ def test_scanned_layers_equal_the_unrolled_loop():
     assert_trees_close(grads_s, stack_layers(grads_u, SMALL["layers"]))
 
 
-@pytest.mark.parametrize("policy", ["dots", "full"])
+@pytest.mark.parametrize("policy", ["dots", "full", "attention"])
 @pytest.mark.parametrize("unroll", [False, True])
 @pytest.mark.slow
 def test_every_remat_policy_gives_the_gradients_of_none(policy, unroll):
@@ -76,6 +76,25 @@ def test_every_remat_policy_gives_the_gradients_of_none(policy, unroll):
     # Recomputation runs the forward pass's operations again on the same inputs: only
     # a different fusion can change a rounding (as above: rtol 1e-5, atol 1e-6).
     assert_trees_close(got, expected)
+
+
+def test_remat_attention_keeps_no_scores_for_the_backward_pass():
+    """``--remat attention``: the compiled step keeps none of XLA's attention scores, as
+    cuDNN's kernel keeps none. Without it each layer keeps at least its softmax,
+    ``rows x heads x T x T`` fp32 values, for the backward pass; with it the program
+    needs at least that much less (the compiler's own memory analysis, on this CPU)."""
+    config = SMALL | {"max_len": 128}
+    rows, length = 4, config["max_len"]
+    tokens = _tokens(rows, length + 1)
+    params = stack_layers(_unrolled_params(), SMALL["layers"])
+    params["Embed_1"]["embedding"] = jnp.zeros((length, SMALL["width"]))  # positions
+
+    def temporaries(remat):
+        step = jax.jit(jax.grad(_loss(GPT(**config, remat=remat))))
+        return step.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+
+    scores = config["layers"] * rows * config["heads"] * length * length * 4
+    assert temporaries("none") - temporaries("attention") >= scores
 
 
 def _reference_attention(params, queries, keys, *, causal, key_mask=None):

@@ -159,3 +159,18 @@ def test_the_planner_builds_image_and_sequence_models(name):
     params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
     assert jax.tree.leaves(params)
     assert ("image" in batch) == (name == "mlp")
+
+
+def test_a_gpus_attention_is_planned_as_cudnns_kernel_keeps_it():
+    """On a GPU in bf16 or fp16 a run's attention is cuDNN's fused kernel, which keeps no
+    scores: the plan compiles XLA's attention with its scores recomputed there, and
+    only there; a remat asked for is kept."""
+    import argparse
+
+    def remat(device, precision, asked="none"):
+        args = argparse.Namespace(device=device, precision=precision, remat=asked)
+        return plan.planned_remat(args)
+
+    assert remat("h100", "bf16") == remat("a100", "fp16") == "attention"
+    assert remat("h200", "fp32") == remat("v5e", "bf16") == remat(None, "bf16") == "none"
+    assert remat("h100", "bf16", "dots") == "dots"

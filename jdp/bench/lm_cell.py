@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from typing import Any
+from typing import Any, get_args
 
 import jax
 
@@ -15,7 +15,7 @@ from jdp.errors import UsageError
 from jdp.mesh import parse_mesh_spec
 from jdp.models.attention import ATTENTION_IMPLEMENTATIONS
 from jdp.models.registry import MODELS
-from jdp.models.transformer import REMAT_POLICIES
+from jdp.models.transformer import Remat
 
 # Synthetic tokens' vocabulary: GPT-2's tokenizer's (the published sizes pad it to
 # 50,304), but bytes for ``small``, as the bundled python_stdlib corpus: at a width of
@@ -107,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("", "fp32", "bf16"),
         help=f"compute dtype ({default} fp32 on CPU, else bf16)",
     )
-    remats, attentions = ("none", *REMAT_POLICIES), ATTENTION_IMPLEMENTATIONS
+    remats, attentions = get_args(Remat), ATTENTION_IMPLEMENTATIONS
     parser.add_argument("--remat", default="none", help=f"comma-separated from {remats}")
     parser.add_argument("--attention", default="auto", help=f"comma-separated from {attentions}")
     parser.add_argument("--rounds", type=int, default=21)
@@ -138,7 +138,7 @@ def cells(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     for mesh in meshes:
         parse_mesh_spec(mesh)
     choices = (
-        ("--remat", remats, ("none", *REMAT_POLICIES)),
+        ("--remat", remats, get_args(Remat)),
         ("--attention", attentions, ATTENTION_IMPLEMENTATIONS),
     )
     for flag, chosen, allowed in choices:

@@ -1,9 +1,11 @@
 """Multi-head attention for the transformers (`jdp.models.transformer`): Flax's parameter
 names, `jax.nn.dot_product_attention` (XLA's or cuDNN's fused kernel, chosen by
-`implementation`), and Flax's unfused weights where dropout needs them."""
+`implementation`; XLA's may recompute its scores in the backward pass, ``remat``), and
+Flax's unfused weights where dropout needs them."""
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import flax.linen as nn
@@ -35,6 +37,9 @@ class Attention(nn.Module):
     dropout: float = 0.0  # on the attention weights, while training
     implementation: AttentionImplementation = "auto"
     bias: bool = True  # the projections' biases
+    # XLA's fused path: recompute the scores in the backward pass instead of keeping them
+    # (``--remat attention``), as cuDNN's kernel does; its memory is then cuDNN's.
+    remat: bool = False
 
     @nn.compact
     def __call__(
@@ -75,12 +80,13 @@ class Attention(nn.Module):
             # XLA's CPU dot has no fp16 x fp16 -> fp32 (F16_F16_F32), what fp16 attention
             # asks for: the same products, of the same fp16 values, in fp32 there.
             upcast = q.dtype == jnp.float16 and jax.default_backend() == "cpu"
-            attended = jax.nn.dot_product_attention(
-                *((x.astype(jnp.float32) if upcast else x) for x in (q, k, v)),
-                mask=mask,
-                is_causal=causal,
-                implementation=how,
-            ).astype(q.dtype)
+            attend = functools.partial(
+                jax.nn.dot_product_attention, mask=mask, is_causal=causal, implementation=how
+            )
+            if self.remat and how == "xla":  # cuDNN's kernel keeps no scores already
+                attend = jax.checkpoint(attend, policy=jax.checkpoint_policies.nothing_saveable)
+            attended = attend(*((x.astype(jnp.float32) if upcast else x) for x in (q, k, v)))
+            attended = attended.astype(q.dtype)
         return nn.DenseGeneral(
             width,
             axis=(-2, -1),

@@ -23,8 +23,9 @@ from jdp.models.attention import (
 from jdp.models.dropout import RowDropout
 from jdp.models.names import dense, embed, norm_inits
 
-Remat = Literal["none", "dots", "full"]
-# What each --remat keeps for the backward pass (the rest is recomputed).
+Remat = Literal["none", "dots", "full", "attention"]
+# What each layer-wide --remat keeps for the backward pass (the rest is recomputed);
+# ``attention`` recomputes only the attention's scores (`jdp.models.attention.Attention`).
 REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the weights' products
     "full": jax.checkpoint_policies.nothing_saveable,  # only each layer's input
@@ -73,6 +74,7 @@ class Block(nn.Module):
     attention: AttentionImplementation = "auto"
     epsilon: float = EPSILON  # the LayerNorms'
     bias: bool = True  # in the dense layers and LayerNorms (nanoGPT's bias=False: none)
+    remat_attention: bool = False  # the attention's scores recomputed in the backward pass
 
     @nn.compact
     def __call__(
@@ -99,6 +101,7 @@ class Block(nn.Module):
                 rate,
                 self.attention,
                 self.bias,
+                self.remat_attention,
                 name=f"MultiHeadDotProductAttention_{index}",
             )
             attended = module(queries, keys, train=train, rows=rows, **masks)
@@ -197,8 +200,9 @@ class GPT(nn.Module):
     ``unroll`` makes them a Python loop of ``Block_0``, ``Block_1``, ... as
     checkpoints written before scanned layers hold them. ``remat`` recomputes
     each layer's activations in the backward pass: ``dots`` keeps the products
-    with the weights, ``full`` keeps only each layer's input. Dropout is on the
-    embeddings and residual branches, not the attention weights, so attention
+    with the weights, ``full`` keeps only each layer's input, ``attention`` keeps
+    all but XLA's attention scores (cuDNN's kernel keeps none: its memory, on XLA).
+    Dropout is on the embeddings and residual branches, not the attention weights, so attention
     is fused (``attention``: ``auto``, ``xla`` or ``cudnn``). ``epsilon`` is the
     LayerNorms' (GPT-2's weights were trained with 1e-5: `jdp.models.from_hf`).
     ``bias=False`` leaves the biases out of every dense layer and LayerNorm
@@ -233,7 +237,7 @@ class GPT(nn.Module):
         if not self.unroll:  # FSDP gathers a layer's parameters inside the scan's body
             layer = nn.map_variables(layer, "params", trans_in_fn=gather_layer, init=True,
                                      mutable=True)  # fmt: skip
-        if self.remat != "none":
+        if self.remat in REMAT_POLICIES:
             # Inside a scan XLA cannot merge the recomputation back into the forward pass.
             layer = nn.remat(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=self.unroll)
         options = {
@@ -244,6 +248,7 @@ class GPT(nn.Module):
             "attention": self.attention,
             "epsilon": self.epsilon,
             "bias": self.bias,
+            "remat_attention": self.remat == "attention",
             "train": train,
         }
         if self.unroll:

@@ -8,7 +8,7 @@ from typing import Literal
 Backend = Literal["jit", "pmap"]
 ModelName = Literal["cnn", "gpt", "mlp", "resnet18", "resnet20", "resnet50", "seq2seq"]
 ModelSize = Literal["small", "standard", "124m", "350m", "774m", "1.3b"]
-Remat = Literal["none", "dots", "full"]
+Remat = Literal["none", "dots", "full", "attention"]
 Attention = Literal["auto", "xla", "cudnn"]
 OptimizerName = Literal["sgd", "momentum", "nesterov", "adam", "adamw", "lamb", "lars"]
 ScheduleName = Literal["constant", "cosine", "linear", "noam", "piecewise"]

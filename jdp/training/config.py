@@ -46,9 +46,13 @@ class TrainConfig:
     backend: choices.Backend = _flag(
         LAYOUT, "jit", "step backend: jit (jit over shard_map) or pmap"
     )
-    remat: choices.Remat = _flag(LAYOUT, "none", "gpt: recompute each layer's activations in the "
-                         "backward pass to save memory: none, dots (keep the products with the "
-                         "weights) or full (keep only each layer's input)")  # fmt: skip
+    remat: choices.Remat = _flag(
+        LAYOUT,
+        "none",
+        "gpt: recompute activations in the backward pass to save memory: none, dots (keep "
+        "the products with the weights), full (keep only each layer's input) or attention "
+        "(recompute only XLA's attention scores, which cuDNN's kernel never keeps)",
+    )
     attention: choices.Attention = _flag(
         LAYOUT,
         "auto",
