@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import subprocess
@@ -162,6 +163,18 @@ def report(plan: Plan, device: Device | None, *, batch_size: int) -> list[str]:
     return lines
 
 
+def figures(plan: Plan, device: Device | None, *, remat: str) -> dict:
+    """The plan as ``--json`` prints it: bytes per device, FLOPs per step, and for a
+    ``device`` whether it fits and the roofline's seconds."""
+    out = dataclasses.asdict(plan) | {"need": plan.need, "remat_compiled": remat}
+    if device is not None:
+        out["device"], out["fits"] = device.name, plan.need <= device.memory
+        bound = roofline(plan, device)
+        if bound is not None:
+            out["roofline_s"] = dataclasses.asdict(bound) | {"step": bound.step}
+    return out
+
+
 def _candidates(devices: int) -> list[str]:
     """The layouts of ``devices`` devices ``--suggest`` compares."""
     out = []
@@ -256,7 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--suggest", action="store_true", help="compare the layouts of the mesh's device count"
     )
+    parser.add_argument("--json", action="store_true", help="the figures as one JSON object")
     args = parser.parse_args(argv)
+    if args.json and args.suggest:
+        parser.error("--json gives one mesh's figures; leave out --suggest")
     for name in ("batch_size", "vocab_size", "seq_len"):
         if not 1 <= getattr(args, name) < 2**31:  # ids and positions are int32
             parser.error(
@@ -281,6 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise
                 print(f"mesh {spec}: {error}")
                 continue
+            if args.json:
+                print(json.dumps(figures(plan, device, remat=planned_remat(args))))
+                return 0
             print("\n".join(report(plan, device, batch_size=args.batch_size)))
             if compile_step and planned_remat(args) != args.remat and args.model == "gpt":
                 print("  (compiled with --remat attention: cuDNN's attention keeps no scores)")

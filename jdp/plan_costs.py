@@ -65,7 +65,7 @@ def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequen
         batch = {"image": np.zeros((1, *image), np.float32), "label": np.zeros(1, np.int32)}
         return model, batch
     if name == "gpt":
-        options.update(remat=remat, unroll=unroll, max_len=max(seq_len, options["max_len"]))
+        options.update(remat=remat, unroll=unroll, max_len=seq_len)  # as a run sets them
     module = builtin.module(vocab_size=vocab, **options)
     if name == "gpt":
         model = from_linen(module, sequence(), inputs=registry._lm_inputs)

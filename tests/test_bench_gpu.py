@@ -51,6 +51,12 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
         "jdp": 6,
     }
     assert "    kernels: none in the trace (a CPU's XLA names none" in result.stdout
+    # What the planner predicted for the cell, compiled in a CPU process of its own: the
+    # cell's parameters and optimizer state exactly, and bytes beyond them.
+    plan = gpt["plan"]
+    assert plan["parameters"] == gpt["params"], plan
+    assert plan["need"] > plan["params"] + plan["optimizer"] > 0, plan
+    assert "    plan: needs " in result.stdout
     assert not jax.config.read("jax_disable_most_optimizations")  # the smoke's, restored
     assert jax.config.jax_optimization_level == "UNKNOWN"
     loader = data["parts"]["loader"]  # timed once each worker has started

@@ -52,7 +52,7 @@ def test_bytes_per_device_match_hand_arithmetic(size, mesh):
     params = FLOAT * sum(n // fsdp if split else n for n, split in leaves)
     result = run_python(
         "-m", "jdp.plan", "--mesh", mesh, "--model", "gpt", "--model-size", size,
-        "--no-compile", timeout=120,
+        "--seq-len", str(CONFIGS[size]["max_len"]), "--no-compile", timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     total = sum(n for n, _ in leaves)

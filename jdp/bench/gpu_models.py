@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdp.bench import kernels, peers
+from jdp.bench import gpu_plan, kernels, peers
 from jdp.bench.arms import interleaved_rates, ratios_to
 from jdp.bench.gpu_table import gpt_line, peer_lines, setting_text
 from jdp.mesh_spec import DATA_AXIS
@@ -154,6 +154,8 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
                        vocab_size=sizes.gpt_vocab or lm_cell.GPT2_VOCAB, data="",
                        rounds=sizes.gpt_rounds, steps=sizes.gpt_steps, **options)  # fmt: skip
         started = time.monotonic()
+        module = lm.gpt_module(cell, cell.vocab_size)
+        planning = gpu_plan.start(cell, module.vocab_size, jax.devices()[0].device_kind)
         # The PyTorch peers race the first cell, the tuned default.
         racing = [arm for arm in sizes.peers if arm in peers.ARMS["gpt2"]] if not index else []
         spec = gpt2_peer_spec(cell, sizes) if racing else {}
@@ -168,10 +170,10 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
                 if racing:
                     result["peers"] = peers.results(built, failed, result["rates"])
         except Exception as error:
+            gpu_plan.read(planning)
             cells.append({"setting": setting, "error": f"{type(error).__name__}: {error}"[:500]})
             on_line(f"  gpt2 {setting_text(setting)}: {cells[-1]['error'][:200]}")
             continue
-        module = lm.gpt_module(cell, cell.vocab_size)
         result["flops_per_token_causal"] = causal_flops_per_token(
             result["flops_per_token"], module.layers, module.width, cell.seq_len
         )
@@ -179,8 +181,12 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
         stats = jax.devices()[0].memory_stats() or {}
         result["peak_bytes"] = stats.get("peak_bytes_in_use")
         result["bytes_limit"] = stats.get("bytes_limit")
+        result["own_peak"] = not cells  # later cells read the process's peak so far
+        result["plan"] = gpu_plan.read(planning)
         cells.append(result)
         on_line(gpt_line(result))
+        if gpu_plan.line(result):
+            on_line(gpu_plan.line(result))
         for line in peer_lines(result.get("peers", {}), "tokens", result):
             on_line(line)
         for line in kernels.compare(result["kernels"]) if result["kernels"] else []:

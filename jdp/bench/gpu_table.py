@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from jdp.bench import gpu_plan
 from jdp.bench.arms import ratios_to
 
 
@@ -92,6 +93,7 @@ def _gpt2(gpt: dict[str, Any]) -> list[str]:
         lines.append(f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}{rows:>5}"
                      f"{n['jdp']:>13,.0f}{n['hand']:>14,.0f}{n['ratio']:>7.3f}x{mfu}"
                      f"{memory}  {compiler_text(s) or 'default'}")  # fmt: skip
+        lines += [text for text in (gpu_plan.line(cell),) if text]
     for cell in gpt["cells"][:1]:  # the PyTorch peers race the first cell
         lines += peer_lines(cell.get("peers", {}), "tokens", cell)
     lines += [f"  {setting_text(s)}: not run (budget)" for s in gpt["skipped_for_budget"]]
