@@ -206,6 +206,7 @@ def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan
         image=args.image_shape,
         remat=planned_remat(args),
         unroll=args.unroll_layers,
+        loss_chunks=args.loss_chunks,
     )
     sizes = mesh_sizes(spec)
     from jdp.mesh import parse_axis_rules as parse_rules
@@ -256,6 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--remat", default="none", choices=get_args(Remat), help="gpt")
     parser.add_argument("--unroll-layers", action="store_true", help="gpt: a loop, not a scan")
+    parser.add_argument("--loss-chunks", type=int, default=1, help="gpt: the logits in chunks")
     parser.add_argument("--batch-size", type=int, default=512, help="global batch")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--shard-optimizer", action="store_true", help="ZeRO-1")
@@ -273,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.json and args.suggest:
         parser.error("--json gives one mesh's figures; leave out --suggest")
-    for name in ("batch_size", "vocab_size", "seq_len"):
+    for name in ("batch_size", "vocab_size", "seq_len", "loss_chunks"):
         if not 1 <= getattr(args, name) < 2**31:  # ids and positions are int32
             parser.error(
                 f"--{name.replace('_', '-')} must be in [1, 2**31), got {getattr(args, name)}"

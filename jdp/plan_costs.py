@@ -50,13 +50,14 @@ class Plan:
 
 
 def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequence[int],
-                remat: str = "none", unroll: bool = False):  # fmt: skip
-    """The built-in model and one example's batch (numpy) to shape it (``remat`` and
-    ``unroll``: the language model's layers, `jdp.models.GPT`)."""
+                remat: str = "none", unroll: bool = False, loss_chunks: int = 1):  # fmt: skip
+    """The built-in model and one example's batch (numpy) to shape it: gpt as a run on
+    a token corpus makes it (``remat``, ``unroll`` and ``loss_chunks``: `jdp.models.GPT`)."""
     import numpy as np
 
     from jdp.models import registry
     from jdp.models.adapters import classification, from_linen, sequence
+    from jdp.models.objectives import language_model
 
     options = dict(registry.check_model(name, size).sizes[size])
     builtin = registry.MODELS[name]
@@ -64,13 +65,13 @@ def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequen
         model = from_linen(builtin.module(num_classes=10, **options), classification())
         batch = {"image": np.zeros((1, *image), np.float32), "label": np.zeros(1, np.int32)}
         return model, batch
-    if name == "gpt":
-        options.update(remat=remat, unroll=unroll, max_len=seq_len)  # as a run sets them
+    if name == "gpt":  # as a run sets them
+        options.update(remat=remat, unroll=unroll, max_len=seq_len, loss_chunks=loss_chunks)
     module = builtin.module(vocab_size=vocab, **options)
-    if name == "gpt":
-        model = from_linen(module, sequence(), inputs=registry._lm_inputs)
-        half = seq_len // 2  # source and target: the model reads seq_len tokens
-        shape = {"source": (1, half), "target": (1, seq_len - half + 1)}
+    if name == "gpt":  # windows of seq_len + 1 tokens, each predicting the next
+        objective = language_model(chunked=loss_chunks > 1)
+        model = from_linen(module, objective, inputs=registry._window_inputs)
+        shape = {"tokens": (1, seq_len + 1)}
     else:
         model = from_linen(module, sequence(), inputs=lambda b: (b["source"], b["target"][:, :-1]))
         shape = {"source": (1, seq_len), "target": (1, seq_len + 1)}

@@ -45,6 +45,7 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
     # The smoke cell turns every compiler setting the GPU cells turn one at a time.
     assert gpt["cell"]["xla"] == {"xla_gpu_enable_latency_hiding_scheduler": True}
     assert gpt["cell"]["optimization"] == "O1"
+    assert gpt["cell"]["loss_chunks"] == 8  # and jdp's arm takes its loss in chunks
     # --gpt2-profile traced both arms (a CPU's trace names no kernels, and says so).
     assert {arm: traced["steps"] for arm, traced in gpt["kernels"].items()} == {
         "hand-written": 6,
@@ -224,7 +225,7 @@ def test_pip_freeze_and_pip_list_read_alike():
         (("--resolve-only", "--have", "/no/such/file"), "no such file"),
         (("--parts", "gpt2,nope", "--smoke"), "unknown part 'nope'"),
         (("--gpt2-cells", "4,9", "--smoke"), "'9' is not a cell number"),
-        (("--gpt2-cells", "4,4", "--smoke"), "'4' is not a cell number from 1 to 6 named once"),
+        (("--gpt2-cells", "4,4", "--smoke"), "'4' is not a cell number from 1 to 8 named once"),
         (("--gpt2-cells", ",", "--smoke"), "--gpt2-cells ',' names no cell"),
         (("--parts", "", "--smoke"), "--parts '' names no part"),
         (("--budget", "0", "--smoke"), "--budget 0.0: give more than 0"),

@@ -220,11 +220,66 @@ def test_model_flops_of_a_model_without_a_formula_are_its_products_times_three()
         ({"remat": "full"}, "--remat is for --model gpt"),
         ({"model_size": "124m"}, "--model-size 124m is for --model gpt"),
         ({"unroll_layers": True}, "--unroll-layers is for --model gpt"),
+        ({"loss_chunks": 2}, "--loss-chunks 2 is for --model gpt"),
     ],
 )
 def test_the_language_model_flags_are_refused_for_other_models(flags, message):
     with pytest.raises(UsageError, match=message):
         jdp.TrainConfig(model="cnn", **flags)
+
+
+@pytest.mark.slow
+def test_loss_chunks_give_the_loss_metrics_and_gradients_of_the_whole_logits():
+    """``--loss-chunks``: the loss, token accuracy and bits per byte, and the gradients,
+    of the logits taken whole, for a chunk count that does not divide the 64 tokens (5:
+    4 are taken) and one token a chunk; 0 chunks is refused, and so is a gpt on pairs."""
+    params, tokens = _unrolled_params(), _tokens()
+    batch = {"tokens": tokens}
+
+    def loss(chunks):
+        module = GPT(**SMALL, unroll=True, loss_chunks=chunks)
+        objective = jdp.models.language_model(bits_per_byte=True, chunked=chunks > 1)
+        model = jdp.models.from_linen(module, objective, inputs=lambda b: (b["tokens"][:, :-1],))
+        return jax.jit(lambda p: model.loss_fn(p, {}, batch, jax.random.key(3))[:2])
+
+    (whole, whole_metrics), whole_grads = jax.value_and_grad(loss(1), has_aux=True)(params)
+    for chunks in (5, 64):
+        (got, metrics), grads = jax.value_and_grad(loss(chunks), has_aux=True)(params)
+        # The same products over the same tokens, in pieces: fp32 rounding apart (rtol
+        # 1e-5 and atol 1e-6 near zero, as for remat above).
+        np.testing.assert_allclose(got, whole, rtol=1e-5)
+        bits, whole_bits = metrics["bits_per_byte"], whole_metrics["bits_per_byte"]
+        np.testing.assert_allclose(bits, whole_bits, rtol=1e-5)
+        assert metrics["token_accuracy"] == whole_metrics["token_accuracy"]
+        assert_trees_close(grads, whole_grads)
+    with pytest.raises(UsageError, match="--loss-chunks must be at least 1"):
+        jdp.TrainConfig(model="gpt", loss_chunks=0)
+    with pytest.raises(UsageError, match="--loss-chunks 2 is for a language model on a token"):
+        get_model("gpt", jdp.load_split("numbers2words", "train"), loss_chunks=2)
+
+
+@pytest.mark.slow
+def test_loss_chunks_keep_one_chunks_logits_at_a_time():
+    """With the logits taken in 8 chunks the compiled step keeps at least one whole fp32
+    copy of them (``rows x length x vocab`` values) less: the compiler's own memory
+    analysis, on this CPU."""
+    config = SMALL | {"vocab_size": 4096, "max_len": 128}
+    tokens = _tokens(8, 129, vocab=4096)
+    params = meta.unbox(
+        jax.eval_shape(GPT(**config).init, jax.random.key(0), tokens[:, :-1])["params"]
+    )
+
+    def temporaries(chunks):
+        module = GPT(**config, loss_chunks=chunks)
+        objective = jdp.models.language_model(chunked=chunks > 1)
+        model = jdp.models.from_linen(module, objective, inputs=lambda b: (b["tokens"][:, :-1],))
+        step = jax.jit(
+            jax.grad(lambda p: model.loss_fn(p, {}, {"tokens": tokens}, jax.random.key(3))[0])
+        )
+        return step.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    logits = 8 * 128 * 4096 * 4
+    assert temporaries(1) - temporaries(8) >= logits
 
 
 def test_a_gpt_checkpoint_from_before_scanned_layers_names_the_flag_to_resume_it():

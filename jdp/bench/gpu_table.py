@@ -22,7 +22,9 @@ def compiler_text(setting: dict[str, Any]) -> str:
 def setting_text(setting: dict[str, Any]) -> str:
     layers = "unrolled" if setting["unroll"] else "scanned"
     compiler = compiler_text(setting)
+    chunks = setting.get("loss_chunks", 1)
     return (f"attention {setting['attention']}, remat {setting['remat']}, {layers}"
+            + (f", loss in {chunks} chunks" if chunks > 1 else "")
             + (f", {compiler}" if compiler else ""))  # fmt: skip
 
 

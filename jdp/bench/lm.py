@@ -74,7 +74,7 @@ def jdp_run(cell: Cell, dataset: str) -> Run:
         seq_len=cell.seq_len, vocab_size=cell.vocab_size, batch_size=cell.batch_size,
         remat=cell.remat, attention=cell.attention, precision=cell.precision,
         optimizer="adamw", lr=LR, schedule="constant", warmup_steps=0,
-        weight_decay=WEIGHT_DECAY, unroll_layers=cell.unroll,
+        weight_decay=WEIGHT_DECAY, unroll_layers=cell.unroll, loss_chunks=cell.loss_chunks,
     )  # fmt: skip
     return build(config, Console(enabled=False))
 

@@ -48,6 +48,7 @@ class Cell:
     # effort level for every program of the cell ("": the platform's default).
     xla: dict[str, Any] = dataclasses.field(default_factory=dict)
     optimization: str = ""
+    loss_chunks: int = 1  # jdp's arm: the logits for the loss in chunks (--loss-chunks)
     profile: str = ""  # a folder: both arms' kernels traced into it (`jdp.bench.kernels`)
 
 

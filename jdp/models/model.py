@@ -98,6 +98,9 @@ class Model:
     def loss_fn(self, params, model_state, batch, rng):
         """Mean loss, mean metrics and the new model state, for `jdp.make_train_step`."""
         outputs, model_state = self.apply(params, model_state, batch, train=True, rng=rng)
+        if self.objective.both is not None:  # one pass
+            losses, metrics = self.objective.both(outputs, batch)
+            return losses.mean(), {name: v.mean() for name, v in metrics.items()}, model_state
         loss = self.objective.loss(outputs, batch).mean()
         metrics = {name: v.mean() for name, v in self.objective.metrics(outputs, batch).items()}
         return loss, metrics, model_state
@@ -105,6 +108,9 @@ class Model:
     def metrics_fn(self, params, model_state, batch):
         """Per-example ``loss`` and metrics, for `jdp.make_eval_step`."""
         outputs, _ = self.apply(params, model_state, batch, train=False)
+        if self.objective.both is not None:  # one pass
+            losses, metrics = self.objective.both(outputs, batch)
+            return {"loss": losses} | metrics
         return {"loss": self.objective.loss(outputs, batch)} | self.objective.metrics(
             outputs, batch
         )

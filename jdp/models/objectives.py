@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jdp.models.head import per_token as head_per_token
+
 Batch = dict[str, jax.Array]
 
 
@@ -41,6 +43,9 @@ class Objective:
     # per-example values (perplexity is the exponential of the mean loss), added
     # to an evaluation's results; None for none.
     derived: Callable[[dict[str, float]], dict[str, float]] | None = None
+    # ``(outputs, batch) -> (losses, metrics)``: both in one pass, where computing them
+    # apart would repeat work (a language model's logits taken in chunks); None: apart.
+    both: Callable[[Any, Batch], tuple[jax.Array, dict[str, jax.Array]]] | None = None
 
 
 def _perplexity(means: dict[str, float]) -> dict[str, float]:
@@ -110,7 +115,9 @@ def sequence(target: str = "target", pad: int = 0) -> Objective:
     return Objective(loss, metrics)
 
 
-def language_model(key: str = "tokens", *, bits_per_byte: bool = False) -> Objective:
+def language_model(
+    key: str = "tokens", *, bits_per_byte: bool = False, chunked: bool = False
+) -> Objective:
     """Next-token cross-entropy on windows ``batch[key]`` of ``length + 1`` tokens.
 
     The model reads ``tokens[:, :-1]`` and its logits ``(rows, length, vocab)``
@@ -119,7 +126,9 @@ def language_model(key: str = "tokens", *, bits_per_byte: bool = False) -> Objec
     (the most likely next token is right), and ``bits_per_byte`` (the loss in
     bits, when each token is one byte: ``bits_per_byte=True``) or else
     ``perplexity`` (the exponential of the split's mean loss, added after
-    averaging). The best checkpoint is the one of lowest loss.
+    averaging). The best checkpoint is the one of lowest loss. ``chunked``: the model
+    returns `jdp.models.head.HeadInputs` (``--loss-chunks``), and the loss and metrics
+    take the logits a chunk of tokens at a time, in one pass.
 
     Examples:
         >>> objective = jdp.models.language_model(bits_per_byte=True)
@@ -135,26 +144,55 @@ def language_model(key: str = "tokens", *, bits_per_byte: bool = False) -> Objec
         return losses.mean(-1)
 
     def metrics(logits, batch):
-        # argmax's answer (the first of the largest logits is the label's) without its
-        # index-carrying reduce, which XLA:CPU runs slowly, and without a second pass
-        # that waits on the maximum: the label's logit is the row's maximum and every
-        # logit before it is smaller. The two maxima read only the logits and the
-        # labels, so XLA can compute them in one pass, beside the loss's own maximum.
-        # gpt small's train step at a vocabulary of 50,257 on the 2-core machine
-        # (fp32): 1,162 ms with the first index of the maximum, 1,043 with this, 1,027
-        # without the metric on one device; on eight, 2,464, 2,283 and 2,147.
-        wide, labels = logits.astype(jnp.float32), batch[key][:, 1:]
-        top = wide.max(-1)
-        index = lax.broadcasted_iota(jnp.int32, wide.shape, wide.ndim - 1)
-        before = jnp.where(index < labels[..., None], wide, -jnp.inf).max(-1)
-        at = jnp.take_along_axis(wide, labels[..., None], -1)[..., 0]
-        # (A negative label, which take_along_axis would count from the end, is wrong.)
-        right = (at == top) & ((labels == 0) | (before < top)) & (labels >= 0)
-        figures = {"token_accuracy": right.astype(jnp.float32).mean(-1)}
+        figures = {"token_accuracy": _token_accuracy(logits, batch[key][:, 1:]).mean(-1)}
         if bits_per_byte:
             figures["bits_per_byte"] = loss(logits, batch) / math.log(2.0)
         return figures
 
+    def both(head, batch):
+        def per_token(logits, labels):
+            return {
+                "loss": optax.softmax_cross_entropy_with_integer_labels(
+                    logits.astype(jnp.float32), labels
+                ),
+                "token_accuracy": _token_accuracy(logits, labels),
+            }
+
+        tokens = head_per_token(head, batch[key][:, 1:], per_token)
+        losses = tokens["loss"].mean(-1)
+        figures = {"token_accuracy": tokens["token_accuracy"].mean(-1)}
+        if bits_per_byte:
+            figures["bits_per_byte"] = losses / math.log(2.0)
+        return losses, figures
+
+    if chunked:
+        loss = lambda outputs, batch: both(outputs, batch)[0]  # noqa: E731
+        metrics = lambda outputs, batch: both(outputs, batch)[1]  # noqa: E731
     return Objective(
-        loss, metrics, best=("loss", "min"), derived=None if bits_per_byte else _perplexity
+        loss,
+        metrics,
+        best=("loss", "min"),
+        derived=None if bits_per_byte else _perplexity,
+        both=both if chunked else None,
     )
+
+
+def _token_accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """1.0 where the most likely next token is ``labels``' (the first of the largest
+    logits, as argmax answers), else 0.0: ``(..., length)``."""
+    # argmax's answer (the first of the largest logits is the label's) without its
+    # index-carrying reduce, which XLA:CPU runs slowly, and without a second pass
+    # that waits on the maximum: the label's logit is the row's maximum and every
+    # logit before it is smaller. The two maxima read only the logits and the
+    # labels, so XLA can compute them in one pass, beside the loss's own maximum.
+    # gpt small's train step at a vocabulary of 50,257 on the 2-core machine
+    # (fp32): 1,162 ms with the first index of the maximum, 1,043 with this, 1,027
+    # without the metric on one device; on eight, 2,464, 2,283 and 2,147.
+    wide = logits.astype(jnp.float32)
+    top = wide.max(-1)
+    index = lax.broadcasted_iota(jnp.int32, wide.shape, wide.ndim - 1)
+    before = jnp.where(index < labels[..., None], wide, -jnp.inf).max(-1)
+    at = jnp.take_along_axis(wide, labels[..., None], -1)[..., 0]
+    # (A negative label, which take_along_axis would count from the end, is wrong.)
+    right = (at == top) & ((labels == 0) | (before < top)) & (labels >= 0)
+    return right.astype(jnp.float32)

@@ -137,7 +137,7 @@ def _window_inputs(batch):
 def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat: str = "none",
               attention: str = "auto", unroll: bool = False,
               architecture: Mapping[str, Any] | None = None,
-              label_smoothing: float = 0.0,
+              label_smoothing: float = 0.0, loss_chunks: int = 1,
               shape: Mapping[str, Any] | None = None) -> Model:  # fmt: skip
     """The built-in model ``name`` at ``size``, shaped for ``split`` (classes or vocabulary).
 
@@ -148,6 +148,8 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
     multiple of 128. ``architecture``: gpt's `GPT` fields in place of the size's (a
     model loaded from weights, `jdp.models.from_hf`), its vocabulary unpadded.
     ``label_smoothing``: an image classifier's (`jdp.models.classification`).
+    ``loss_chunks``: gpt on a token corpus takes its logits for the loss that many
+    chunks of tokens at a time (`jdp.models.head`).
     ``shape``: gpt's ``layers``, ``heads``, ``width``, ``hidden``, ``bias`` or ``dropout`` in place
     of the size's (``--layers`` ...).
 
@@ -184,17 +186,34 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
                           rows_arg="rows")  # fmt: skip
     options["max_len"] = seq_len or getattr(split, "seq_len", 0) or options["max_len"]
     options.update(remat=remat, unroll=unroll)
+    if loss_chunks > 1:
+        if split.kind != "text":
+            raise UsageError(
+                f"--loss-chunks {loss_chunks} is for a language model on a token corpus; "
+                "drop it for this data"
+            )
+        options["loss_chunks"] = loss_chunks
     pad = VOCAB_MULTIPLE if size in LM_SIZES else 1
     if architecture is not None:  # its shape; a dropout the flags give over the weights'
         return _loaded_gpt(split, {**architecture, **(shape or {})}, options)
+    return _gpt(split, options, pad)
+
+
+def _gpt(split, options: dict, pad: int) -> Model:
+    """gpt at ``options`` for ``split``: a language model on a token corpus's windows, or
+    a model of a pair's source and target read as one sequence; its vocabulary padded to
+    a multiple of ``pad``."""
     if split.kind == "text":
         if split.seq_len > options["max_len"]:
             raise UsageError(
                 f"the data's windows are {split.seq_len} tokens and --seq-len is "
                 f"{options['max_len']}; make them agree (seq_len= of jdp.data.from_tokens)"
             )
-        module = builtin.module(vocab_size=_padded(split.vocab_size, pad), **options)
-        objective = language_model(split.input_key, bits_per_byte=split.tokenizer == "bytes")
+        module = GPT(vocab_size=_padded(split.vocab_size, pad), **options)
+        bits = split.tokenizer == "bytes"
+        objective = language_model(
+            split.input_key, bits_per_byte=bits, chunked=module.loss_chunks > 1
+        )
         model = from_linen(module, objective, inputs=_window_inputs, rows_arg="rows")
         return dataclasses.replace(model, flops=_lm_flops(module))
     needed = split.source.shape[1] + split.target.shape[1] - 1 if hasattr(split, "source") else 0
@@ -203,7 +222,7 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
             f"--seq-len {options['max_len']} is shorter than the data's sequences "
             f"({needed} tokens); use --seq-len {needed} or more"
         )
-    module = builtin.module(vocab_size=_padded(len(split.vocab), pad), **options)
+    module = GPT(vocab_size=_padded(len(split.vocab), pad), **options)
     model = from_linen(module, sequence(), inputs=_lm_inputs, rows_arg="rows")
     return dataclasses.replace(model, flops=_lm_flops(module))
 
@@ -249,7 +268,10 @@ def _loaded_gpt(split, architecture: Mapping[str, Any], options: dict) -> Model:
     options = {key: value for key, value in options.items() if key != "max_len"}
     module = GPT(**{**options, **architecture})
     if split.kind == "text":
-        objective = language_model(split.input_key, bits_per_byte=split.tokenizer == "bytes")
+        bits = split.tokenizer == "bytes"
+        objective = language_model(
+            split.input_key, bits_per_byte=bits, chunked=module.loss_chunks > 1
+        )
         model = from_linen(module, objective, inputs=_window_inputs, rows_arg="rows")
     else:
         model = from_linen(module, sequence(), inputs=_lm_inputs, rows_arg="rows")

@@ -21,6 +21,7 @@ from jdp.models.attention import (
     AttentionImplementation,
 )
 from jdp.models.dropout import RowDropout
+from jdp.models.head import HeadInputs
 from jdp.models.names import dense, embed, norm_inits
 
 Remat = Literal["none", "dots", "full", "attention"]
@@ -206,7 +207,9 @@ class GPT(nn.Module):
     is fused (``attention``: ``auto``, ``xla`` or ``cudnn``). ``epsilon`` is the
     LayerNorms' (GPT-2's weights were trained with 1e-5: `jdp.models.from_hf`).
     ``bias=False`` leaves the biases out of every dense layer and LayerNorm
-    (nanoGPT's ``bias=False``).
+    (nanoGPT's ``bias=False``). ``loss_chunks`` above 1 returns `HeadInputs` in place
+    of the logits, for a loss that takes them that many chunks of tokens at a time
+    (`jdp.models.head`; `HeadInputs.logits` gives them all).
     """
 
     vocab_size: int
@@ -221,6 +224,7 @@ class GPT(nn.Module):
     attention: AttentionImplementation = "auto"
     epsilon: float = EPSILON
     bias: bool = True
+    loss_chunks: int = 1
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False, rows=None) -> jax.Array:
@@ -263,7 +267,10 @@ class GPT(nn.Module):
                 metadata_params={nn.PARTITION_NAME: STACKED},
             )
             (x, _), _ = stack(**options, name=SCANNED_LAYERS)((x, rows), None)
-        return tokens_embed.attend(layer_norm(self.epsilon, bias=self.bias)(x))
+        normed = layer_norm(self.epsilon, bias=self.bias)(x)
+        if self.loss_chunks > 1:  # the objective takes the logits a chunk at a time
+            return HeadInputs(normed, tokens_embed.embedding, self.loss_chunks)
+        return tokens_embed.attend(normed)
 
 
 def stack_layers(params: dict, layers: int) -> dict:

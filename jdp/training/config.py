@@ -59,6 +59,12 @@ class TrainConfig:
         "gpt and seq2seq: attention's implementation, auto (cuDNN's fused kernel on a GPU in "
         "bf16/fp16, else XLA's), xla or cudnn",
     )
+    loss_chunks: int = _flag(
+        LAYOUT,
+        1,
+        "gpt on a token corpus: take the logits for the loss this many chunks of "
+        "tokens at a time, each recomputed in the backward pass (1: all at once)",
+    )
     model: choices.ModelName = _flag(
         MODEL,
         "mlp",

@@ -285,6 +285,7 @@ def _check_model_options(config) -> None:
     own = {
         "--remat": config.remat != "none",
         "--unroll-layers": config.unroll_layers,
+        f"--loss-chunks {config.loss_chunks}": config.loss_chunks != 1,
         f"--model-size {config.model_size}": config.model_size not in ("small", "standard"),
     }
     for name in ("layers", "heads", "width", "hidden"):
@@ -300,6 +301,8 @@ def _check_model_options(config) -> None:
                          "add --precision bf16, or use --attention auto or xla")  # fmt: skip
     if config.dropout is not None and not 0 <= config.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {config.dropout}")
+    if config.loss_chunks < 1:
+        raise UsageError(f"--loss-chunks must be at least 1, got {config.loss_chunks}")
     if config.eval_batches < 0:
         raise UsageError("--eval-batches must be >= 0 (0: the whole split)")
     if config.decay_steps < 0:

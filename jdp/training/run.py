@@ -374,7 +374,7 @@ def _builtin_model(config: TrainConfig, train: Split, architecture: dict | None)
     return get_model(config.model, train, config.model_size, seq_len=config.seq_len,
                      remat=config.remat, attention=config.attention,
                      unroll=config.unroll_layers, architecture=architecture,
-                     label_smoothing=config.label_smoothing,
+                     label_smoothing=config.label_smoothing, loss_chunks=config.loss_chunks,
                      shape=config.gpt_shape())  # fmt: skip
 
 
