@@ -28,6 +28,36 @@ def _here(command, flags):
 
 
 @pytest.mark.slow
+def test_memory_benchmark_reads_each_layouts_compiled_step():
+    """``jdp.bench memory``: each layout's bytes from shapes and its compiled step's
+    temporaries; fsdp=2 holds half the parameters (the LayerNorms' small leaves and the
+    step count aside), and on data=2 the loss over 8 chunks of the logits needs fewer
+    temporaries than the logits whole (4 rows a device x 64 tokens x 50,257 fp32 values,
+    51 MB a copy). (On fsdp=2 it needs more: the gathered embedding's gradient is kept
+    across the chunks; docs/models.md.)"""
+
+    row = re.compile(r"^\| (data=2|fsdp=2) \| ([\d.,]+) \|.*?\| ([\d.,]+) \|[^|]*\|[^|]*\|$", re.M)
+
+    def rows(flags):
+        result = _here(
+            "memory",
+            f"--model-size small --seq-len 64 --meshes data=2,fsdp=2 {flags}",
+        )
+        assert result.returncode == 0, result.stderr
+        found = row.findall(result.stdout)
+        number = lambda text: float(text.replace(",", ""))  # noqa: E731
+        return result.stdout, {mesh: (number(p), number(t)) for mesh, p, t in found}
+
+    whole_text, whole = rows("")
+    chunked_text, chunked = rows("--loss-chunks 8")
+    assert "global batch 8 x 64 tokens" in whole_text and "loss in 8 chunks" in chunked_text
+    assert set(whole) == set(chunked) == {"data=2", "fsdp=2"}, whole_text
+    assert whole["fsdp=2"][0] == pytest.approx(whole["data=2"][0] / 2, rel=0.01)
+    assert all(chunked[mesh][0] == whole[mesh][0] for mesh in whole)
+    assert chunked["data=2"][1] < whole["data=2"][1], (chunked, whole)
+
+
+@pytest.mark.slow
 def test_input_benchmark_reports_loaders_step_and_waiting():
     result = _bench("input", "--mesh data=4 --workers 1 --batches 30 --step-repeats 10 --steps 30")
     assert result.returncode == 0, result.stderr

@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from typing import get_args
 
 from jdp.bench.common import names
 from jdp.plan import mesh_sizes
 from jdp.plan_costs import build_model, compiled_figures, state_bytes
+from jdp.training.choices import Remat
 from jdp.training.run import setup_devices
 
 MESHES = "data=8,fsdp=8,data=8+zero1,data=2;fsdp=4,data=4;model=2,data=2;fsdp=2;model=2"
@@ -27,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="global batch")
     parser.add_argument("--seq-len", type=int, default=256, help="sequence models' tokens")
     parser.add_argument("--vocab-size", type=int, default=50257, help="sequence models")
-    parser.add_argument("--remat", default="none", choices=("none", "dots", "full"), help="gpt")
+    parser.add_argument("--remat", default="none", choices=get_args(Remat), help="gpt")
     parser.add_argument("--unroll-layers", action="store_true", help="gpt: a loop, not a scan")
+    parser.add_argument("--loss-chunks", type=int, default=1, help="gpt: the logits in chunks")
     parser.add_argument(
         "--meshes", default=MESHES,
         help="comma-separated; ';' for ',' inside a mesh, +zero1 for --shard-optimizer",
@@ -44,12 +47,14 @@ def run(args: argparse.Namespace) -> None:
     setup_devices(f"data={max(math.prod(mesh_sizes(spec).values()) for spec, _, _ in meshes)}")
     model, batch = build_model(args.model, args.model_size, vocab=args.vocab_size,
                                seq_len=args.seq_len, image=(32, 32, 3), remat=args.remat,
-                               unroll=args.unroll_layers)  # fmt: skip
+                               unroll=args.unroll_layers,
+                               loss_chunks=args.loss_chunks)  # fmt: skip
     layers = "unrolled" if args.unroll_layers else "scanned"
+    chunks = f", loss in {args.loss_chunks} chunks" if args.loss_chunks > 1 else ""
     print(
-        f"{args.model} {args.model_size} ({layers} layers, remat {args.remat}), "
+        f"{args.model} {args.model_size} ({layers} layers, remat {args.remat}{chunks}), "
         f"global batch {args.batch_size}"
-        + (f" x {args.seq_len} tokens" if "source" in batch else "")
+        + (f" x {args.seq_len} tokens" if {"source", "tokens"} & set(batch) else "")
         + ", fp32, AdamW; MiB per device"
     )
     print("| mesh | params | optimizer | params + optimizer | vs first | compiled arguments "
