@@ -6,8 +6,10 @@ gradient, more than every layer's activations together. A model that returns
 `HeadInputs` (its last hidden states and the output kernel) instead lets the
 objective compute the logits, the loss and the metrics one chunk of tokens at a time,
 each chunk's logits recomputed in the backward pass: no more than one chunk's logits
-exist at once. The loss is the same sum over the same products (MaxText's vocabulary
-tiling and Liger Kernel's fused linear cross-entropy do the same).
+exist at once. The loss is the same sum over the same products. MaxText's vocabulary
+tiling takes the same path; Liger Kernel's fused linear cross-entropy goes further,
+computing the gradients during the forward pass, which spares the backward pass's
+second product with the kernel.
 """
 
 from __future__ import annotations
