@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import shutil
 import signal
 import socket
@@ -31,9 +30,9 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import TextIO
 
 from jdp.distributed import cluster
+from jdp.distributed.output import relay
 from jdp.distributed.process_groups import (
     PROCESS_MIB,
     alive,
@@ -95,23 +94,6 @@ def describe_exit(code: int) -> str:
 def shell_code(code: int) -> int:
     """A process's exit code as a shell gives it: 128 + N for a death by signal N."""
     return 128 - code if code < 0 else code
-
-
-# The collectives library's word that each process reached its peers: one line per
-# process, every run, saying nothing a user acts on (a failure to connect still shows).
-# Written by several threads at once it can come interleaved ("[Gloo] Rank [Gloo] Rank 0
-# is connected ..." and "0 is connected ..."): each piece ends as the message does.
-CONNECTED = re.compile(r"Expected number of connected peer ranks is : \d+$")
-
-
-def _relay(stream, rank: int, out: TextIO, lock: threading.Lock) -> None:
-    for line in iter(stream.readline, ""):
-        if CONNECTED.search(line.rstrip()):
-            continue
-        with lock:
-            out.write(f"[{rank}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")
-            out.flush()
-    stream.close()
 
 
 def launch(
@@ -248,9 +230,9 @@ def _start(command: Sequence[str], env: dict[str, str], rank: int, lock: threadi
     )
     relays = []
     for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
-        relay = threading.Thread(target=_relay, args=(stream, rank, out, lock), daemon=True)
-        relay.start()
-        relays.append(relay)
+        thread = threading.Thread(target=relay, args=(stream, rank, out, lock), daemon=True)
+        thread.start()
+        relays.append(thread)
     return child, relays
 
 
