@@ -32,8 +32,8 @@ def start(cell, vocab_size: int, kind: str) -> subprocess.Popen | None:
     argv += ["--device", device] if device else []
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     try:
-        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)  # fmt: skip
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        return subprocess.Popen(argv, env=env, text=True, **pipes)
     except OSError:
         return None
 
