@@ -12,11 +12,11 @@ from jax._src import distributed as jax_distributed  # the runtime's client: no 
 
 from jdp.actions import Action, EarlyStopping
 from jdp.checkpoint import Checkpointer
-from jdp.checkpoint.lock import held
 from jdp.checkpoint.params import best_recorded
 from jdp.data.ledger import Ledger
 from jdp.data.pipeline import EvalReader, Loader, TrainReader
 from jdp.data.streams import BatchStream
+from jdp.distributed.lock import held
 from jdp.distributed.marks import ACTIONS, CALLBACK, Watch
 from jdp.distributed.preemption import Preemption
 from jdp.distributed.watchdog import Watchdog
@@ -226,12 +226,13 @@ def evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int,
 def stall_watch(config: TrainConfig, start: int, goodput: Goodput):
     """The loop's `Watch`, and with ``--stall-timeout`` the watchdog that ends a stalled
     run (`jdp.distributed.watchdog`): its stacks files go to the log directory, else the
-    checkpoint directory, else the system's temporary one."""
+    checkpoint directory, else ``jdp-run`` in the system's temporary one (not ``jdp``: a
+    folder of that name where Python starts would stand in for the package)."""
     watch = Watch(start)
     if not config.stall_timeout:
         yield watch
         return
-    directory = config.log_dir or config.ckpt_dir or os.path.join(tempfile.gettempdir(), "jdp")
+    directory = config.log_dir or config.ckpt_dir or os.path.join(tempfile.gettempdir(), "jdp-run")
     processes = jax.process_count()
     client = jax_distributed.global_state.client if processes > 1 else None
     watchdog = Watchdog(
