@@ -28,7 +28,7 @@ import pytest
 SLOWEST = 40  # tests listed one by one
 
 _started = [0]  # processes this worker has started
-_lane = [0.0, 0.0]  # when this run started; the CPU seconds its workers reported
+_lane = [0.0, 0.0, 0.0]  # when this run started; its workers' CPU seconds; the machine's pace
 _before: dict[str, tuple[int, float]] = {}
 
 
@@ -49,8 +49,23 @@ def pytest_addoption(parser):
     )
 
 
+def machine_pace(rounds: int = 3) -> float:
+    """The CPU seconds of a fixed loop of Python arithmetic, the fastest of ``rounds``: the
+    machine's single-core pace that day. The same code's lane took 35:14 on one day and
+    15:47 on another on machines of the same name (docs/testing.md): a lane's time is read
+    beside the pace it ran at."""
+    fastest = float("inf")
+    for _ in range(rounds):
+        start, total = time.process_time(), 0
+        for i in range(2_000_000):
+            total += i * i % 7
+        fastest = min(fastest, time.process_time() - start)
+    return fastest
+
+
 def pytest_configure(config):
-    _lane[:] = [time.monotonic(), 0.0]
+    controller = not hasattr(config, "workerinput")
+    _lane[:] = [time.monotonic(), 0.0, machine_pace() if controller else 0.0]
     if config.getoption("suite_report") is None:
         return
     config.pluginmanager.register(_Report(config.getoption("suite_report")), "suite-report")
@@ -88,7 +103,8 @@ def pytest_terminal_summary(terminalreporter, config):
         cpu = _cpu()
     terminalreporter.write_line(
         f"suite: {wall:.0f} s of wall, {cpu:.0f} s of CPU (user + system: the test "
-        f"processes and the fresh processes they started), markers {config.option.markexpr!r}"
+        f"processes and the fresh processes they started), markers {config.option.markexpr!r}; "
+        f"the machine's pace {_lane[2]:.3f} s (`machine_pace`)"
     )
 
 
