@@ -11,8 +11,10 @@ A module belongs to one layer and imports only from its own layer or lower ones:
 - tools: the command-line tools and the public face, ``jdp/__init__.py``.
 
 Every import counts, inside functions and under ``TYPE_CHECKING`` too. Beyond the
-layers: no import cycles, no ``import jdp`` (the public face) inside the package,
-and no private name (``_x``) taken from a module of another package.
+layers: no import cycles, between modules or between packages (``jdp.diloco`` may build
+on nothing that builds on it: a top-level module is a package of its own here), no
+``import jdp`` (the public face) inside the package, and no private name (``_x``) taken
+from a module of another package.
 """
 
 import ast
@@ -124,6 +126,19 @@ def violations(sources: dict[str, str]) -> list[str]:
             if private and (own_package is None or own_package != target_package):
                 found.append(f"{where} takes jdp.{target}.{imported}, a private name")
     found.extend(f"import cycle: {' -> '.join(cycle)}" for cycle in _cycles(edges))
+    for cycle in _cycles(_package_edges(edges)):
+        found.append(f"packages import each other: {' -> '.join(cycle)}")
+    return found
+
+
+def _package_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between packages below jdp (``data.sources`` is ``data``); the
+    public face, which imports everything, is left out."""
+    found = {name.split(".")[0]: set() for name in edges if name}
+    for name, targets in edges.items():
+        if name:
+            own = name.split(".")[0]
+            found[own] |= {target.split(".")[0] for target in targets if target} - {own}
     return found
 
 
@@ -176,6 +191,7 @@ def test_the_package_keeps_its_layers():
         ("checkpoint", "import jdp", "jdp.checkpoint:1 imports jdp, the public face"),
         ("bench.memory", "from jdp.plan import _x", "takes jdp.plan._x, a private name"),
         ("mesh", "from jdp.state import TrainState", "import cycle: "),
+        ("diloco.outer", "from jdp.step.contract import bounded", "packages import each other: "),
         ("wheel", "", "jdp.wheel has no layer"),
         (
             "mesh",

@@ -14,8 +14,9 @@ import pytest
 from helpers import run_cli, subprocess_env
 
 import jdp
-from jdp.checkpoint import Checkpointer, lock
-from jdp.checkpoint.lock import LOCK_NAME, DirectoryLock
+from jdp.checkpoint import Checkpointer
+from jdp.distributed import lock
+from jdp.distributed.lock import LOCK_NAME, DirectoryLock
 
 
 @pytest.mark.slow
@@ -93,7 +94,7 @@ def test_a_removed_directory_stops_the_owner_before_it_writes(tmp_path):
 
 # Another run, as far as a lock can tell: a process that holds DIR's lock until killed.
 _HOLD = """import sys, time
-from jdp.checkpoint.lock import DirectoryLock
+from jdp.distributed.lock import DirectoryLock
 held = DirectoryLock(sys.argv[1])
 held.acquire()
 print("held", flush=True)

@@ -138,7 +138,7 @@ def test_workers_die_with_a_launcher_killed_with_sigkill(tmp_path):
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"workers {alive} outlived their launcher by {LAUNCHER_GONE_SECONDS} s"
     # The directory's lock went with them: a new run may take it.
-    from jdp.checkpoint.lock import DirectoryLock
+    from jdp.distributed.lock import DirectoryLock
 
     lock = DirectoryLock(str(directory))
     lock.acquire()

@@ -10,7 +10,7 @@ checkpoint or was damaged afterwards: cut short, deleted in part, or with bytes
 changed in place. Restore checks all of it; damaged checkpoints are set aside
 with a warning naming what failed. The record is one typed value (`Record`,
 `record.py`), read by a resume, ``--eval-only`` and `jdp.load_model`. One run at
-a time owns the directory (`lock.py`). Nothing is ever unpickled.
+a time owns the directory (`jdp.distributed.lock`). Nothing is ever unpickled.
 """
 
 from jdp import lazy

@@ -15,17 +15,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jdp.checkpoint.lock import DirectoryLock
 from jdp.checkpoint.record import Record
 from jdp.checkpoint.storage import (
     _abstract,
-    _all_ok,
-    _barrier,
     _Damaged,
     _describe_mismatch,
     _digest_mismatch,
     _first_line,
-    _from_process_0,
     _leaf_names,
     _manager,
     _meta_digest,
@@ -38,6 +34,8 @@ from jdp.checkpoint.storage import (
     _restore_args,
     warn,
 )
+from jdp.distributed.agree import all_ok, barrier, from_process_0
+from jdp.distributed.lock import DirectoryLock
 from jdp.errors import UsageError
 from jdp.report.console import quiet_absl
 from jdp.state import TrainState
@@ -110,14 +108,14 @@ class Checkpointer:
                 token = self._lock.acquire()
             except UsageError as error:
                 problem = error
-        if not _all_ok(problem is None):
+        if not all_ok(problem is None):
             raise problem or UsageError(
                 f"process 0 could not take {self.directory}; its error says why"
             )
         if jax.process_count() == 1:
             return
         expected = _process_0_token(token)
-        if not _all_ok(jax.process_index() == 0 or self._lock.token() == expected):
+        if not all_ok(jax.process_index() == 0 or self._lock.token() == expected):
             self._lock.release()
             raise UsageError(
                 f"--ckpt-dir {self.directory} is not the same directory in every process; "
@@ -138,7 +136,7 @@ class Checkpointer:
                 os.rename(path, aside)
                 what = "a link (its target untouched)" if link else "not a directory"
                 warn(f"{path} is named like a checkpoint but is {what}; moved to {aside}")
-        _barrier("jdp-strays-aside")
+        barrier("jdp-strays-aside")
 
     def damaged_steps(self) -> list[int]:
         """Steps of the damaged checkpoints set aside in the directory (``damaged-STEP-TIME``),
@@ -149,11 +147,11 @@ class Checkpointer:
                 parts = name.split("-")
                 if len(parts) == 3 and parts[0] == "damaged" and parts[1].isdigit():
                     steps.append(int(parts[1]))
-        return _from_process_0(sorted(set(steps)))
+        return from_process_0(sorted(set(steps)))
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first (process 0's list in every process)."""
-        return _from_process_0(sorted(self._manager.all_steps()))
+        return from_process_0(sorted(self._manager.all_steps()))
 
     def save(
         self,
@@ -211,7 +209,7 @@ class Checkpointer:
                 self._lock.check()
             except UsageError as error:
                 problem = error
-        if not _all_ok(problem is None):
+        if not all_ok(problem is None):
             self._failed = True
             raise problem or UsageError(
                 f"process 0 no longer holds {self.directory}; its error says why"
@@ -276,7 +274,7 @@ class Checkpointer:
                 problem = str(damage)
             else:
                 problem = None
-            if not _all_ok(problem is None):
+            if not all_ok(problem is None):
                 self._set_aside(step, problem or "another process could not read it", older)
                 continue
             if check is not None:
@@ -294,7 +292,7 @@ class Checkpointer:
                 problem = None
             except Exception as error:  # truncated or missing array files
                 problem = _first_line(error)
-            if _all_ok(problem is None):  # every process restored: compare digests (together)
+            if all_ok(problem is None):  # every process restored: compare digests (together)
                 problem = _digest_mismatch(restored, meta.get("arrays"))
             elif problem is None:
                 problem = "another process could not read it"
@@ -342,7 +340,7 @@ class Checkpointer:
             os.rename(os.path.join(self.directory, str(step)), aside)
         then = "trying an older one" if older else "no older one is left"
         warn(f"checkpoint step {step} is damaged ({reason}); moved to {aside}, {then}")
-        _barrier(f"jdp-set-aside-{step}")
+        barrier(f"jdp-set-aside-{step}")
         self._manager.reload()
 
     def wait(self) -> None:

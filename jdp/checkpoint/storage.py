@@ -219,33 +219,6 @@ def warn(text: str) -> None:
         print(f"jdp: warning: {text}", file=sys.stderr, flush=True)
 
 
-def _all_ok(ok: bool) -> bool:
-    """Whether ``ok`` holds in every process (each process asks together)."""
-    if jax.process_count() == 1:
-        return ok
-    from jax.experimental import multihost_utils
-
-    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
-
-
-def _from_process_0(values: list[int]) -> list[int]:
-    """Process 0's list, in every process: process 0 decides, the others follow."""
-    if jax.process_count() == 1:
-        return values
-    from jax.experimental import multihost_utils
-
-    count = int(multihost_utils.broadcast_one_to_all(np.asarray(len(values), np.int64)))
-    mine = np.asarray(values if jax.process_index() == 0 else [0] * count, np.int64)
-    return [int(v) for v in multihost_utils.broadcast_one_to_all(mine.reshape(count))]
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
 def _manager(directory: str, keep: int, best: tuple[str | None, str], async_save: bool
              ) -> ocp.CheckpointManager:  # fmt: skip
     """Orbax's manager of the directory: retention (the latest ``keep`` and the best by

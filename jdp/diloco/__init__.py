@@ -19,12 +19,11 @@ them. ``groups`` holds what each group trains between synchronisations
 over ``group``. Group ``g`` trains on the ``g``-th block of rows of every global
 batch, so the data order stays a function of ``(seed, step)``.
 
-The package, in one place: `outer` (the outer loop, `diloco`), `state` (the
-groups' state and `has_groups`), `inner` (each device's maths) and `steps` (the
-inner step and the synchronisation compiled over the mesh; `make_sync_step`).
-The steps are imported from `jdp.diloco.steps` (or `jdp.make_sync_step`): this
-face holds what `jdp.state` builds on, and `jdp.diloco.steps` builds on
-`jdp.state`.
+The package holds what `jdp.state` builds on: `outer` (the outer loop, `diloco`)
+and `state` (the groups' state and `has_groups`). The steps are compiled where every
+step is, in `jdp.step`: `jdp.step.group_maths` (each device's maths) and
+`jdp.step.groups` (the inner step and the synchronisation over the mesh;
+`jdp.make_sync_step`).
 """
 
 from jdp import lazy

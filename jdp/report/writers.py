@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from jdp.checkpoint.lock import refuse_a_live_runs
+from jdp.distributed.lock import refuse_a_live_runs
 from jdp.errors import UsageError
 from jdp.report.events import event, masked_crc32c
 

@@ -12,9 +12,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from jdp import replica, replica_eval
-from jdp.diloco import inner
 from jdp.diloco.state import check_group_mesh
-from jdp.diloco.steps import compile_groups, synchronised_eval
 from jdp.errors import UsageError
 from jdp.mesh import (
     DATA_AXIS,
@@ -29,9 +27,11 @@ from jdp.reduce import pack_leaf_bytes
 from jdp.replica import LossFn, Metrics
 from jdp.rngs import wants_row_keys
 from jdp.state import TrainState
+from jdp.step import group_maths
 from jdp.step.axes import bound_axes
 from jdp.step.contract import Backend, CompiledStep, _check_backend
 from jdp.step.data_parallel import _compile
+from jdp.step.groups import compile_groups, synchronised_eval
 from jdp.step.sharded import _compile_sharded, _sharded_eval, _sharded_train
 
 
@@ -109,7 +109,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
         pack_leaf_bytes=pack_leaf_bytes(mesh), axes=batch_axes(mesh), **options,
     )  # fmt: skip
     if way == "groups":
-        return compile_groups(inner.inner_step(one_step, steps=steps), mesh, steps=steps)
+        return compile_groups(group_maths.inner_step(one_step, steps=steps), mesh, steps=steps)
     scanned = lambda state, batches: lax.scan(one_step, state, batches)  # noqa: E731
     return _compile(
         scanned if steps > 1 else one_step, mesh, backend, outputs=2, donate_state=True,
@@ -203,7 +203,7 @@ def make_eval_step(
 def _way(mesh: Mesh) -> str:
     """How a step on ``mesh`` is compiled, decided here alone, from the mesh:
 
-    - ``"groups"``: a ``group`` axis, DiLoCo (`jdp.diloco.steps`);
+    - ``"groups"``: a ``group`` axis, DiLoCo (`jdp.step.groups`);
     - ``"sharded"``: ``fsdp`` or ``model`` axes, one program per layout of the
       state (`jdp.step.sharded`);
     - ``"data_parallel"``: the backend's program for a replicated state; with
