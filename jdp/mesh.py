@@ -23,6 +23,7 @@ from jdp.mesh_spec import GROUP_AXIS as GROUP_AXIS
 from jdp.mesh_spec import KNOWN_AXES as KNOWN_AXES
 from jdp.mesh_spec import MODEL_AXIS as MODEL_AXIS
 from jdp.mesh_spec import SHARDING_AXES as SHARDING_AXES
+from jdp.mesh_spec import MeshSpec as MeshSpec
 from jdp.mesh_spec import check_axis_rule as check_axis_rule
 from jdp.mesh_spec import parse_axis_rules as parse_axis_rules
 from jdp.mesh_spec import parse_mesh_spec as parse_mesh_spec
@@ -32,10 +33,10 @@ from jdp.mesh_spec import requested_device_count as requested_device_count
 MASK_KEY = "mask"
 
 
-def check_spec_fits_batch(spec: str, global_batch: int) -> None:
+def check_spec_fits_batch(spec: MeshSpec, global_batch: int) -> None:
     """`check_batch_size` from the spec alone, before any device exists (when ``data`` is
     not -1): a mesh too large for the batch is refused before it is made."""
-    axes = dict(parse_mesh_spec(spec))
+    axes = spec.sizes
     split = math.prod(axes.get(name, 1) for name in (GROUP_AXIS, DATA_AXIS, FSDP_AXIS))
     if split > 0:
         _check_batch_split(global_batch, split, axes.get(GROUP_AXIS, 1))
@@ -95,7 +96,7 @@ def simulate_cpu_devices(count: int) -> bool:
     return True
 
 
-def make_mesh(spec: str, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(spec: str | MeshSpec, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Builds a mesh from a spec such as ``"data=8"``, ``"fsdp=8"`` or ``"data=4,model=2"``.
 
     All axes are ``AxisType.Auto``: inside the train step the ``data`` (and
@@ -104,7 +105,8 @@ def make_mesh(spec: str, *, devices: Sequence[jax.Device] | None = None) -> Mesh
     ``fsdp`` or ``model`` but no ``data`` gets ``data=1`` (one replica).
 
     Args:
-        spec: comma-separated ``NAME=SIZE``; ``-1`` takes the remaining devices.
+        spec: comma-separated ``NAME=SIZE``; ``-1`` takes the remaining devices (or
+            a `MeshSpec`, read already).
         devices: the devices to use; defaults to ``jax.devices()``.
 
     Returns:
@@ -118,7 +120,8 @@ def make_mesh(spec: str, *, devices: Sequence[jax.Device] | None = None) -> Mesh
         >>> dict(mesh.shape)
         {'data': 8}
     """
-    axes = parse_mesh_spec(spec)
+    spec = spec if isinstance(spec, MeshSpec) else MeshSpec.parse(spec)
+    axes = spec.axes
     names = [name for name, _ in axes]
     if DATA_AXIS not in names and any(name in SHARDING_AXES for name in names):
         # One replica: the step's all-reduce over ``data`` is then over one device.
@@ -129,11 +132,11 @@ def make_mesh(spec: str, *, devices: Sequence[jax.Device] | None = None) -> Mesh
     if any(size == -1 for _, size in axes):
         if len(devices) % fixed:
             raise UsageError(
-                f"mesh {spec!r}: {len(devices)} devices do not divide by the fixed axes' "
+                f"mesh {spec.text!r}: {len(devices)} devices do not divide by the fixed axes' "
                 f"product {fixed}; choose sizes whose product divides {len(devices)}"
                 + (
                     f" (without an accelerator, give every axis a size, e.g. "
-                    f"{spec.replace('-1', '2')}, and jdp simulates the CPU devices)"
+                    f"{spec.text.replace('-1', '2')}, and jdp simulates the CPU devices)"
                     if devices[0].platform == "cpu"
                     else ""
                 )
@@ -142,7 +145,7 @@ def make_mesh(spec: str, *, devices: Sequence[jax.Device] | None = None) -> Mesh
     needed = math.prod(size for _, size in axes)
     if needed > len(devices):
         raise UsageError(
-            f"mesh {spec!r} needs {needed} devices but {len(devices)} "
+            f"mesh {spec.text!r} needs {needed} devices but {len(devices)} "
             f"{'is' if len(devices) == 1 else 'are'} present; use at most {len(devices)} "
             f"(e.g. --mesh data={len(devices)} or data=-1){_cpu_hint(devices, needed)}"
         )

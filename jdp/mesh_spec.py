@@ -10,6 +10,7 @@ the same objects.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -92,6 +93,43 @@ def parse_mesh_spec(spec: str) -> tuple[tuple[str, int], ...]:
     return tuple(axes)
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """A ``--mesh`` spec read once (`parse`): what a run asks of the mesh before any
+    device exists. A run's config holds one (`jdp.TrainConfig.mesh_spec`), and the
+    rest of the run reads it, never the text again.
+
+    Attributes:
+        text: the spec as written (``"group=2,data=4"``).
+        axes: ``((name, size), ...)`` in the spec's order; a size of -1 takes the
+            devices the other axes leave.
+    """
+
+    text: str
+    axes: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> MeshSpec:
+        """``text`` read and checked (`parse_mesh_spec`: each mistake one line)."""
+        return cls(text, parse_mesh_spec(text))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """``{name: size}`` of the axes the spec names."""
+        return dict(self.axes)
+
+    def has(self, axis: str) -> bool:
+        """Whether the spec names ``axis`` (``group``: DiLoCo's groups)."""
+        return any(name == axis for name, _ in self.axes)
+
+    @property
+    def devices(self) -> int | None:
+        """The devices the spec needs, or None when an axis is -1 (then: all of them)."""
+        if any(size == -1 for _, size in self.axes):
+            return None
+        return math.prod(size for _, size in self.axes)
+
+
 def check_axis_rule(name: str, axis: str | None) -> None:
     """UsageError unless ``axis`` is None or an axis that splits parameters (``fsdp``,
     ``model``): ``data`` and ``group`` hold replicas, whole copies."""
@@ -125,10 +163,7 @@ def parse_axis_rules(text: str) -> dict[str, str | None]:
 
 def requested_device_count(spec: str) -> int | None:
     """Number of devices a spec needs, or None when an axis is -1 (then: all of them)."""
-    axes = parse_mesh_spec(spec)
-    if any(size == -1 for _, size in axes):
-        return None
-    return math.prod(size for _, size in axes)
+    return MeshSpec.parse(spec).devices
 
 
 def child_environment(devices: int | None = None) -> dict[str, str]:

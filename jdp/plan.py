@@ -74,9 +74,9 @@ DEFAULT_VOCAB = 50257  # GPT-2's
 def mesh_sizes(spec: str) -> dict[str, int]:
     """The axis sizes a mesh spec asks for, with no devices (``data`` added as 1 where
     only sharding axes are named), in the mesh's axis order."""
-    from jdp.mesh import DATA_AXIS, KNOWN_AXES, SHARDING_AXES, parse_mesh_spec
+    from jdp.mesh import DATA_AXIS, KNOWN_AXES, SHARDING_AXES, MeshSpec
 
-    axes = dict(parse_mesh_spec(spec))
+    axes = MeshSpec.parse(spec).sizes
     if any(size == -1 for size in axes.values()):
         raise UsageError(f"--mesh {spec}: give every axis a size (the plan has no devices)")
     if DATA_AXIS not in axes and any(axis in axes for axis in SHARDING_AXES):

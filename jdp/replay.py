@@ -38,7 +38,7 @@ from jdp.data.ledger import BATCH, TOTAL, Ledger
 from jdp.data.pipeline import global_batch_indices, places_ahead, train_batches
 from jdp.data.readers import TrainReader
 from jdp.errors import UsageError
-from jdp.mesh import DATA_AXIS, GROUP_AXIS, parse_mesh_spec
+from jdp.mesh import DATA_AXIS, GROUP_AXIS
 from jdp.report.console import Console
 from jdp.report.writers import check_writable
 from jdp.rngs import RowKey, step_key
@@ -162,7 +162,7 @@ def _config(saved: dict, run_dir: str, ckpt_dir: str | None, step: int) -> Train
     made_with = {name: value for name, value in saved.items() if name in fields}
     config = TrainConfig(**made_with | {"log_dir": None, "eval_only": False, "no_resume": False,
                                         "tracker": "none", "ckpt_dir": ckpt_dir})  # fmt: skip
-    if GROUP_AXIS in dict(parse_mesh_spec(config.mesh)):
+    if config.mesh_spec.has(GROUP_AXIS):
         raise UsageError(f"the run trained DiLoCo groups (--mesh {config.mesh}), whose "
                          "synchronisations replay does not repeat")  # fmt: skip
     if config.steps_per_call > 1:

@@ -46,7 +46,10 @@ LAYERS = {
 # is listed here with its length, which it may not exceed.
 MODULE_LINES, FUNCTION_LINES = 400, 80
 FIT_LINES = 60  # the loop a reader reads first
-OVER_TODAY: dict[str, int] = {}
+OVER_TODAY: dict[str, int] = {
+    # TrainConfig is one concept: a field per flag, in its sections; its checks are apart.
+    "jdp/training/config.py": 405,
+}
 
 
 def module_name(path: pathlib.Path, root: pathlib.Path) -> str:

@@ -4,7 +4,7 @@ from jax.sharding import AxisType, PartitionSpec
 
 import jdp
 from jdp.mesh import check_batch_size, parse_mesh_spec, process_rows
-from jdp.mesh_spec import child_environment
+from jdp.mesh_spec import MeshSpec, child_environment
 
 
 @pytest.mark.parametrize(
@@ -22,6 +22,19 @@ def test_make_mesh_shapes(devices, spec, shape):
     mesh = jdp.make_mesh(spec)
     assert dict(mesh.shape) == shape
     assert mesh.axis_types == (AxisType.Auto,) * len(shape)
+
+
+def test_a_configs_mesh_is_read_once_into_the_spec_the_run_reads(devices):
+    config = jdp.TrainConfig(mesh="group=2,data=-1")
+    spec = config.mesh_spec
+    assert spec == MeshSpec("group=2,data=-1", (("group", 2), ("data", -1)))
+    assert config.mesh_spec is spec  # kept with the config, not read again
+    assert spec.has("group") and not spec.has("fsdp")
+    assert (spec.sizes, spec.devices) == ({"group": 2, "data": -1}, None)
+    assert MeshSpec.parse("data=2,model=2").devices == 4
+    assert dict(jdp.make_mesh(spec).shape) == dict(jdp.make_mesh(spec.text).shape)
+    with pytest.raises(jdp.UsageError, match="unknown mesh axis 'dat'"):
+        jdp.TrainConfig(mesh="dat=8")
 
 
 def test_mesh_uses_the_first_devices(devices):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+from jdp.mesh_spec import MeshSpec
 from jdp.training import choices, config_checks
 from jdp.training.sections import (
     CHECKPOINTS,
@@ -345,6 +347,11 @@ class TrainConfig:
 
     def __post_init__(self):
         config_checks.check(self)
+
+    @functools.cached_property
+    def mesh_spec(self) -> MeshSpec:
+        """``--mesh`` read once (by the checks, first); the run reads this, not the text."""
+        return MeshSpec.parse(self.mesh)
 
     @property
     def resolved_sync_every(self) -> int:

@@ -10,7 +10,7 @@ import typing
 from typing import Literal
 
 from jdp.errors import UsageError
-from jdp.mesh_spec import GROUP_AXIS, SHARDING_AXES, parse_axis_rules, parse_mesh_spec
+from jdp.mesh_spec import GROUP_AXIS, SHARDING_AXES, parse_axis_rules
 
 # The datasets known by name; --dataset also takes your own data by these prefixes
 # (jdp.data.custom reads them).
@@ -23,7 +23,7 @@ HF_PREFIX = "hf:"  # --init-from hf:DIR, a Hugging Face GPT-2 (jdp.models.hf.PRE
 
 def check(config) -> None:
     """Raises `UsageError` naming the flag and the fix for the first invalid value."""
-    parse_mesh_spec(config.mesh)
+    _ = config.mesh_spec  # --mesh read and checked first, and kept (`TrainConfig.mesh_spec`)
     if not isinstance(config.optimizer, str):
         raise UsageError(
             "TrainConfig(optimizer=...) names a built-in optimizer; pass an Optax one as "
@@ -176,7 +176,7 @@ def _check_steps_per_call(config) -> None:
 def _check_layout(config) -> None:
     """Sharded layouts run under jit, without DiLoCo groups."""
     parse_axis_rules(config.axis_rules)
-    axes = dict(parse_mesh_spec(config.mesh))
+    axes = config.mesh_spec.sizes
     sharded = [f"{a}={axes[a]}" for a in SHARDING_AXES if axes.get(a, 1) != 1]
     if config.shard_optimizer:
         sharded.append("--shard-optimizer")
@@ -198,7 +198,7 @@ def _check_groups(config) -> None:
     """DiLoCo's flags need a group axis; its interval whole calls of the step."""
     if config.sync_every < 0:
         raise UsageError(f"--sync-every must be >= 0, got {config.sync_every}")
-    if GROUP_AXIS not in dict(parse_mesh_spec(config.mesh)):
+    if not config.mesh_spec.has(GROUP_AXIS):
         defaults = {f.name: f.default for f in dataclasses.fields(config)}
         given = [
             f"--{name.replace('_', '-')}"

@@ -10,7 +10,7 @@ import jax
 
 from jdp.actions import Progress
 from jdp.checkpoint import latest_record, read_checkpoint
-from jdp.mesh import GROUP_AXIS, parse_mesh_spec
+from jdp.mesh import GROUP_AXIS
 from jdp.report.console import Console
 from jdp.state import TrainState
 from jdp.training.compile_cache import reads
@@ -216,7 +216,7 @@ def evaluate_only(config: TrainConfig, console: Console, yours: Yours, started: 
     """``--eval-only``: the latest checkpoint of ``--ckpt-dir``, evaluated as its run would."""
     saved = latest_record(config.ckpt_dir).config
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
-    if GROUP_AXIS not in dict(parse_mesh_spec(config.mesh)):
+    if not config.mesh_spec.has(GROUP_AXIS):
         fields -= set(DILOCO_FIELDS)  # a DiLoCo run's parameters evaluate on any mesh
     made_with = {
         name: value

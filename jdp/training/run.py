@@ -33,12 +33,11 @@ from jdp.diloco import Outer, outer_from_flags
 from jdp.errors import UsageError
 from jdp.mesh import (
     GROUP_AXIS,
+    MeshSpec,
     batch_split,
     check_batch_size,
     check_spec_fits_batch,
     make_mesh,
-    parse_mesh_spec,
-    requested_device_count,
     simulate_cpu_devices,
 )
 from jdp.mesh import parse_axis_rules as parse_rules
@@ -70,13 +69,14 @@ from jdp.training.parts import Data, Run, Yours
 MAX_SIMULATED_DEVICES = 1024
 
 
-def setup_devices(mesh_spec: str, *, processes: int = 1) -> None:
+def setup_devices(spec: MeshSpec | str, *, processes: int = 1) -> None:
     """Before JAX starts: on a CPU-only machine, simulate the devices the mesh asks of a process."""
-    wanted = requested_device_count(mesh_spec)
+    spec = spec if isinstance(spec, MeshSpec) else MeshSpec.parse(spec)
+    wanted = spec.devices
     if wanted and wanted > processes and wanted % processes == 0:
         if wanted // processes > MAX_SIMULATED_DEVICES:
             raise UsageError(
-                f"--mesh {mesh_spec} asks for {wanted // processes} devices per process; jdp "
+                f"--mesh {spec.text} asks for {wanted // processes} devices per process; jdp "
                 f"simulates at most {MAX_SIMULATED_DEVICES} CPU devices (each costs memory "
                 "and start-up time); use a smaller mesh"
             )
@@ -153,7 +153,7 @@ def resolve(config: TrainConfig, train_examples: int, console: Console, *,
             f"{config.batch_size} = {steps} steps"
         )
         config = dataclasses.replace(config, steps=steps)
-    if GROUP_AXIS in dict(parse_mesh_spec(config.mesh)) and not config.sync_every:
+    if config.mesh_spec.has(GROUP_AXIS) and not config.sync_every:
         # Recorded as it runs: a resume that names the default agrees with it.
         config = dataclasses.replace(config, sync_every=config.resolved_sync_every)
     default = TrainConfig.__dataclass_fields__["warmup_steps"].default
@@ -359,9 +359,9 @@ def _mesh(config: TrainConfig, console: Console, error: str | None = None) -> Me
         settings=config.shared_settings(),
         error=error,
     )
-    check_spec_fits_batch(config.mesh, config.batch_size)  # before devices are made for it
-    setup_devices(config.mesh, processes=cluster.num_processes)
-    mesh = make_mesh(config.mesh)
+    check_spec_fits_batch(config.mesh_spec, config.batch_size)  # before devices are made for it
+    setup_devices(config.mesh_spec, processes=cluster.num_processes)
+    mesh = make_mesh(config.mesh_spec)
     check_batch_size(config.batch_size, mesh)
     replicas = batch_split(mesh)
     check_accumulate(config.batch_size // replicas, config.accumulate, replicas)
