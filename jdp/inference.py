@@ -28,8 +28,8 @@ from jdp.data.pipeline import eval_batches
 from jdp.data.raw import read_inputs
 from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY, batch_sharded, batch_split, make_mesh, replicated
-from jdp.models import Model, get_model
-from jdp.models.registry import GPT_SHAPE
+from jdp.models import Model
+from jdp.models.registry import model_of_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +124,7 @@ def load_model(
     _, record, params, model_state = read_checkpoint(path, step, mesh=mesh)
     config = record.config
     if model is None and config.get("model", "yours") != "yours":
-        model = _builtin(config, config.get("data", {}))
+        model = _builtin(config)
     return LoadedModel(
         model=model,
         params=params,
@@ -135,28 +135,12 @@ def load_model(
     )
 
 
-def _builtin(config: Mapping, data: Mapping) -> Model | None:
-    """The built-in model a recorded config names, shaped by the recorded data facts."""
-    if not data:
+def _builtin(config: Mapping) -> Model | None:
+    """The built-in model a recorded config names, shaped by the recorded data facts, giving
+    its logits (`jdp.models.registry.model_of_run`)."""
+    if not config.get("data"):
         return None  # a checkpoint from before data facts were recorded
-    return get_model(
-        config["model"],
-        split_shape(data),
-        config.get("model_size", "small"),
-        seq_len=config.get("seq_len") or 0,
-        remat=config.get("remat", "none"),
-        attention=config.get("attention", "auto"),
-        unroll=config.get("unroll_layers", True),  # unrecorded: written before scanned layers
-        architecture=config.get("architecture"),  # gpt's shape where weights set it
-        shape=_shape(config),
-    )
-
-
-def _shape(config: Mapping) -> dict:
-    """gpt's fields a recorded config set in place of its size's (``--layers`` ...)."""
-    shape = {name: config[name] for name in GPT_SHAPE if config.get(name)}
-    shape |= {"bias": False} if config.get("bias") is False else {}
-    return shape | ({"dropout": config["dropout"]} if config.get("dropout") is not None else {})
+    return model_of_run(config, split_shape(config["data"]), logits=True)
 
 
 def predict(

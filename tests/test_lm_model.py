@@ -3,6 +3,7 @@ attention == the reference, GPT-2 124M's parameter count and model FLOPs."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -458,7 +459,7 @@ def test_no_bias_leaves_every_bias_out_as_nanogpt_does():
     """``bias=False`` (``--no-bias``, nanoGPT's ``bias=False``): no bias in any dense layer
     or LayerNorm; the rest of the parameters as they were. The flag reaches the model,
     its name and a loaded run's rebuild."""
-    from jdp.inference import _shape
+    from jdp.models.registry import gpt_shape
 
     tokens = jnp.zeros((2, 16), jnp.int32)
 
@@ -473,7 +474,9 @@ def test_no_bias_leaves_every_bias_out_as_nanogpt_does():
     assert without == {name: shape for name, shape in with_bias.items() if "bias" not in name}
     config = jdp.TrainConfig(model="gpt", bias=False)
     assert config.gpt_shape() == {"bias": False} and config.model_label.endswith("--no-bias")
-    assert _shape({"bias": False, "layers": 2}) == {"layers": 2, "bias": False}
+    assert gpt_shape({"bias": False, "layers": 2}) == {"layers": 2, "bias": False}
+    # The config's reading, for its lines (it imports no model), is the run's.
+    assert gpt_shape(dataclasses.asdict(config)) == config.gpt_shape()
     from jdp.models.registry import _checked_shape
 
     with pytest.raises(UsageError, match="--no-bias shape the gpt; --model is mlp"):

@@ -134,6 +134,36 @@ def _window_inputs(batch):
     return (batch["tokens"][:, :-1],)
 
 
+def model_of_run(settings: Mapping[str, Any], split, *, logits: bool = False) -> Model:
+    """The built-in model a run's settings name, shaped for ``split``: a `jdp.TrainConfig`'s
+    fields (``dataclasses.asdict``) as a run builds it, or the config a checkpoint recorded
+    as `jdp.load_model` rebuilds it. A setting an older jdp did not record takes the value
+    that jdp ran with (``unroll_layers``: the layers unrolled, written before scanned ones).
+    ``logits``: the model returns logits, not the loss's chunked head (``--loss-chunks``:
+    predicting wants every logit). ``architecture``: gpt's shape, loaded weights'."""
+    return get_model(
+        settings["model"],
+        split,
+        settings.get("model_size", "small"),
+        seq_len=settings.get("seq_len") or 0,
+        remat=settings.get("remat", "none"),
+        attention=settings.get("attention", "auto"),
+        unroll=settings.get("unroll_layers", True),
+        architecture=settings.get("architecture"),
+        label_smoothing=settings.get("label_smoothing", 0.0),
+        loss_chunks=1 if logits else settings.get("loss_chunks", 1),
+        shape=gpt_shape(settings),
+    )
+
+
+def gpt_shape(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """gpt's fields a run's settings give in place of its size's (``--layers`` ...,
+    ``--no-bias``, ``--dropout``)."""
+    shape = {name: settings[name] for name in GPT_SHAPE if settings.get(name)}
+    shape |= {"bias": False} if settings.get("bias") is False else {}
+    return shape | ({"dropout": settings["dropout"]} if settings.get("dropout") is not None else {})
+
+
 def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat: str = "none",
               attention: str = "auto", unroll: bool = False,
               architecture: Mapping[str, Any] | None = None,

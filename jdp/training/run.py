@@ -41,8 +41,8 @@ from jdp.mesh import (
     simulate_cpu_devices,
 )
 from jdp.mesh import parse_axis_rules as parse_rules
-from jdp.models import Model, get_model, hf
-from jdp.models.registry import check_model, context
+from jdp.models import hf
+from jdp.models.registry import check_model, context, model_of_run
 from jdp.models.summary import summary
 from jdp.models.transformer import stack_layers
 from jdp.precision import make_precision
@@ -266,7 +266,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None, *,
     name = config.model_label if model is None else "your model"
     name = name if architecture is None else f"{config.model} of {config.init_from or 'weights'}"
     if model is None:
-        model = _builtin_model(config, train, architecture)
+        model = model_of_run(dataclasses.asdict(config) | {ARCHITECTURE: architecture}, train)
 
     init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
     sample = EvalReader(train, batch_size=1, rows=slice(None))(0)
@@ -367,15 +367,6 @@ def _mesh(config: TrainConfig, console: Console, error: str | None = None) -> Me
     check_accumulate(config.batch_size // replicas, config.accumulate, replicas)
     say_where_it_runs(config, console, cluster, mesh)
     return mesh
-
-
-def _builtin_model(config: TrainConfig, train: Split, architecture: dict | None) -> Model:
-    """The built-in model the config names, shaped for ``train`` (and ``architecture``)."""
-    return get_model(config.model, train, config.model_size, seq_len=config.seq_len,
-                     remat=config.remat, attention=config.attention,
-                     unroll=config.unroll_layers, architecture=architecture,
-                     label_smoothing=config.label_smoothing, loss_chunks=config.loss_chunks,
-                     shape=config.gpt_shape())  # fmt: skip
 
 
 def _initial(path: str, params, model_state, architecture: dict | None):
