@@ -11,6 +11,7 @@ the same objects.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -110,8 +111,9 @@ class MeshSpec:
 
     @classmethod
     def parse(cls, text: str) -> MeshSpec:
-        """``text`` read and checked (`parse_mesh_spec`: each mistake one line)."""
-        return cls(text, parse_mesh_spec(text))
+        """``text`` read and checked (`parse_mesh_spec`: each mistake one line), once: the
+        same text gives the same `MeshSpec` again."""
+        return _parsed(text)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -128,6 +130,11 @@ class MeshSpec:
         if any(size == -1 for _, size in self.axes):
             return None
         return math.prod(size for _, size in self.axes)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(text: str) -> MeshSpec:
+    return MeshSpec(text, parse_mesh_spec(text))
 
 
 def check_axis_rule(name: str, axis: str | None) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from jdp.mesh_spec import MeshSpec
 from jdp.training import choices, config_checks
@@ -348,7 +347,7 @@ class TrainConfig:
     def __post_init__(self):
         config_checks.check(self)
 
-    @functools.cached_property
+    @property
     def mesh_spec(self) -> MeshSpec:
         """``--mesh`` read once (by the checks, first); the run reads this, not the text."""
         return MeshSpec.parse(self.mesh)

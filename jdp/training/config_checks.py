@@ -23,7 +23,7 @@ HF_PREFIX = "hf:"  # --init-from hf:DIR, a Hugging Face GPT-2 (jdp.models.hf.PRE
 
 def check(config) -> None:
     """Raises `UsageError` naming the flag and the fix for the first invalid value."""
-    _ = config.mesh_spec  # --mesh read and checked first, and kept (`TrainConfig.mesh_spec`)
+    _ = config.mesh_spec  # --mesh read and checked first (`TrainConfig.mesh_spec`)
     if not isinstance(config.optimizer, str):
         raise UsageError(
             "TrainConfig(optimizer=...) names a built-in optimizer; pass an Optax one as "
