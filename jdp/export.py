@@ -19,13 +19,14 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jdp.checkpoint.record import RunSettings
 from jdp.errors import UsageError
 from jdp.inference import load_model
 from jdp.models.generate import gpt_for
 from jdp.models.hf import write_hf
-from jdp.models.transformer import EPSILON, stack_layers
+from jdp.models.transformer import stack_layers
 from jdp.report.writers import check_writable
-from jdp.sampling import check_language_model, corpus_directory
+from jdp.sampling import check_language_model, corpus_directory, epsilon_of
 from jdp.tool import command
 
 FORMATS = ("hf",)
@@ -44,17 +45,17 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, step: str | int =
         raise UsageError(f"{out} exists and is not an empty directory; choose a new OUT")
     loaded = load_model(path, step)
     check_writable(out, "OUT")
-    config = loaded.config
-    if config.get("model") != "gpt":
-        check_language_model(config)  # one line for what it is instead
-        raise UsageError(f"the checkpoint holds --model {config.get('model')}; export a gpt")
-    epsilon = (config.get("architecture") or {}).get("epsilon", EPSILON)
+    settings = RunSettings(loaded.config)
+    if settings.model != "gpt":
+        check_language_model(loaded.config)  # one line for what it is instead
+        raise UsageError(f"the checkpoint holds --model {settings.model}; export a gpt")
+    epsilon = epsilon_of(settings)
     params = jax.tree.map(np.asarray, loaded.params)
     module = gpt_for(params, epsilon=epsilon)
     if module.unroll:  # written before scanned layers
         params = stack_layers(params, module.layers)
-    write_hf(out, module, jax.tree.map(np.asarray, params), _special(config))
-    tokenizer = _tokenizer(config)
+    write_hf(out, module, jax.tree.map(np.asarray, params), _special(settings))
+    tokenizer = _tokenizer(settings)
     if tokenizer:
         shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.json"))
     return (
@@ -64,21 +65,20 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, step: str | int =
     )
 
 
-def _special(config: dict) -> dict[str, int | None]:
+def _special(settings: RunSettings) -> dict[str, int | None]:
     """GPT-2's ``bos_token_id`` and ``eos_token_id`` for the export: the Hugging Face
     weights' the run started from (recorded then), else the corpus's end-of-document id
     (GPT-2's ``<|endoftext|>`` is both), else none."""
-    recorded = config.get("special_tokens")
-    if recorded:
-        return recorded
-    eos = (config.get("data") or {}).get("eos_id")
+    if settings.special_tokens:
+        return settings.special_tokens
+    eos = settings.data.get("eos_id")
     return {"bos_token_id": eos, "eos_token_id": eos}
 
 
-def _tokenizer(config: dict) -> str | None:
+def _tokenizer(settings: RunSettings) -> str | None:
     """The run's corpus's ``tokenizer.json``, if it has one and it is there."""
-    name = (config.get("data") or {}).get("tokenizer")
-    directory = corpus_directory(config.get("dataset", ""))
+    name = settings.data.get("tokenizer")
+    directory = corpus_directory(settings.dataset)
     if not name or name == "bytes" or directory is None:
         return None
     path = os.path.join(directory, name)

@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec
 
 from jdp.checkpoint import read_checkpoint
+from jdp.checkpoint.record import YOURS, RunSettings
 from jdp.data.custom import from_arrays
 from jdp.data.facts import data_facts as data_facts  # importable here, as before
 from jdp.data.facts import split_shape
@@ -66,7 +67,7 @@ class LoadedModel:
             UsageError: a model of yours not given to `load_model`, a checkpoint of a
                 model that does not classify, or inputs it cannot read.
         """
-        facts = self.config.get("data") or {}
+        facts = RunSettings(self.config).data
         if self.model is None:
             raise UsageError("this checkpoint holds your own model: pass model= to load_model")
         if not facts.get("num_classes"):
@@ -123,8 +124,8 @@ def load_model(
     """
     _, record, params, model_state = read_checkpoint(path, step, mesh=mesh)
     config = record.config
-    if model is None and config.get("model", "yours") != "yours":
-        model = _builtin(config)
+    if model is None and record.run.model != YOURS:
+        model = _builtin(record.run)
     return LoadedModel(
         model=model,
         params=params,
@@ -135,12 +136,12 @@ def load_model(
     )
 
 
-def _builtin(config: Mapping) -> Model | None:
+def _builtin(settings: RunSettings) -> Model | None:
     """The built-in model a recorded config names, shaped by the recorded data facts, giving
     its logits (`jdp.models.registry.model_of_run`)."""
-    if not config.get("data"):
+    if not settings.data:
         return None  # a checkpoint from before data facts were recorded
-    return model_of_run(config, split_shape(config["data"]), logits=True)
+    return model_of_run(settings.values, split_shape(settings.data), logits=True)
 
 
 def predict(

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jdp.checkpoint import Checkpointer, Record, read_record
+from jdp.checkpoint.record import RunSettings
 from jdp.data.ledger import BATCH, TOTAL, Ledger
 from jdp.data.pipeline import global_batch_indices, places_ahead, train_batches
 from jdp.data.readers import TrainReader
@@ -44,7 +45,7 @@ from jdp.report.writers import check_writable
 from jdp.rngs import RowKey, step_key
 from jdp.tool import command
 from jdp.training.config import TrainConfig
-from jdp.training.run import ARCHITECTURE, DATA_FINGERPRINT, Run, build
+from jdp.training.run import Run, build
 from jdp.training.wiring import data_ledger
 
 
@@ -77,7 +78,7 @@ def replay(run_dir: str, step: int, *, ckpt_dir: str | None = None, out: str | N
     saved, logged = _run_files(run_dir)
     config = _config(saved, run_dir, ckpt_dir, step)
     console = console or Console(enabled=False)
-    run = build(config, console, architecture=saved.get(ARCHITECTURE))
+    run = build(config, console, architecture=RunSettings(saved).architecture or None)
     out = out or os.path.join(run_dir, f"replay-{step}")
     if jax.process_index() == 0:  # before the steps are computed again, not after
         check_writable(out, "--out")
@@ -150,12 +151,12 @@ def _config(saved: dict, run_dir: str, ckpt_dir: str | None, step: int) -> Train
     after it recorded it (a resumed run's start may have changed ``--steps``, and with
     it the schedule), else the latest, else ``config.json``; no files of its own
     written."""
-    ckpt_dir = ckpt_dir or saved.get("ckpt_dir")
+    ckpt_dir = ckpt_dir or RunSettings(saved).ckpt_dir
     if ckpt_dir and not os.path.isdir(ckpt_dir):
         raise UsageError(f"the run's checkpoints were in {ckpt_dir}, which is not here; give "
                          "their directory with --ckpt-dir")  # fmt: skip
     saved = _recorded(ckpt_dir, step) or saved
-    if any(str(saved.get(name, "")).startswith("yours") for name in ("model", "dataset")):
+    if RunSettings(saved).yours:
         raise UsageError(f"{run_dir} trained your own model or data; replay rebuilds runs "
                          "of the built-in ones")  # fmt: skip
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
@@ -188,8 +189,8 @@ def _recorded(ckpt_dir: str | None, step: int) -> dict:
 
 
 def _same_data(saved: dict, run: Run, run_dir: str) -> None:
-    before = (saved.get(DATA_FINGERPRINT) or {}).get("train")
-    now = (run.recorded.get(DATA_FINGERPRINT) or {}).get("train")
+    before = RunSettings(saved).fingerprint.get("train")
+    now = RunSettings(run.recorded).fingerprint.get("train")
     if before and now and before != now:
         raise UsageError(f"the training data here is not the data {run_dir}'s run trained "
                          "on (its fingerprint differs); replay on that data")  # fmt: skip

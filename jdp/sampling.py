@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jdp.checkpoint.record import RunSettings
 from jdp.data.tokens import TOKENS_PREFIX, TokenSplit
 from jdp.errors import UsageError, not_there
 from jdp.inference import load_model
@@ -195,18 +196,18 @@ def load_sampler(path: str | os.PathLike, step: str | int = "latest", *,
         jdp.errors.UsageError: no checkpoint in ...; pass a --ckpt-dir or one of its step ...
     """
     loaded = load_model(path, step)
-    config = loaded.config
-    data = config.get("data") or {}
-    check_language_model(config)
-    places = [corpus_directory(config.get("dataset", "")), os.fspath(path)]
+    settings = RunSettings(loaded.config)
+    data = settings.data
+    check_language_model(loaded.config)
+    places = [corpus_directory(settings.dataset), os.fspath(path)]
     codec = find_codec(data.get("tokenizer"), [p for p in places if p], tokenizer)
-    module = gpt_for(loaded.params, epsilon=_epsilon(config))
+    module = gpt_for(loaded.params, epsilon=epsilon_of(settings))
     return Sampler(module, loaded.params, codec, int(data.get("vocab_size") or module.vocab_size))
 
 
-def _epsilon(config: dict) -> float:
+def epsilon_of(settings: RunSettings) -> float:
     """The LayerNorms' epsilon of a recorded run's gpt: its weights' (GPT-2's: 1e-5)."""
-    return (config.get("architecture") or {}).get("epsilon", EPSILON)
+    return settings.architecture.get("epsilon", EPSILON)
 
 
 def check_language_model(config: dict) -> None:
@@ -219,7 +220,8 @@ def check_language_model(config: dict) -> None:
         ...
         jdp.errors.UsageError: the checkpoint holds --model mlp, not a language model; ...
     """
-    model, kind = config.get("model", "yours"), (config.get("data") or {}).get("kind")
+    settings = RunSettings(config)
+    model, kind = settings.model, settings.data.get("kind")
     if kind == "text" and (model == "gpt" or model.startswith("yours")):
         return
     where = "a gpt trained on a token corpus (--dataset tokens:DIR or python_stdlib)"

@@ -303,3 +303,23 @@ def test_a_checkpoint_from_before_diloco_groups_resumes(tmp_path, mesh8, monkeyp
     )
     assert restored[0].groups is None
     np.testing.assert_array_equal(np.asarray(restored[0].params["w"]), np.arange(3.0))
+
+
+def test_a_record_is_read_by_name_and_an_older_ones_gaps_as_that_jdp_ran():
+    """Every reader of a recorded config reads it through `RunSettings`: the keys and
+    what an older jdp did not record are named there alone."""
+    from jdp.checkpoint.record import Record, RunSettings
+
+    older = Record.read({"step": 5, "config": {"model": "gpt", "steps": 10}}).run
+    assert (older.model, older.data, older.architecture) == ("gpt", {}, {})
+    assert older.best == {"metric": "accuracy", "mode": "max"}  # kept by accuracy then
+    assert older.as_ran["unroll_layers"] is True  # before scanned layers were recorded
+    assert (older.chosen_warmup, older.special_tokens, older.mesh) == (None, None, "?")
+    config = jdp.TrainConfig(warmup_steps=3, steps=30)
+    recorded = RunSettings(
+        {**vars(config), "warmup_steps_chosen_by_jdp": True, "data": {"kind": "image"}}
+    )
+    assert (recorded.chosen_warmup, recorded.data) == (3, {"kind": "image"})
+    assert recorded.mesh == config.mesh
+    assert not recorded.yours and RunSettings({"dataset": "yours"}).yours
+    assert "unroll_layers" not in RunSettings({"model": "mlp"}).as_ran

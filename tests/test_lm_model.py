@@ -284,7 +284,10 @@ def test_loss_chunks_keep_one_chunks_logits_at_a_time():
 
 
 def test_a_gpt_checkpoint_from_before_scanned_layers_names_the_flag_to_resume_it():
-    saved = {"model": "gpt", "steps": 10}  # recorded before --unroll-layers existed
+    from jdp.checkpoint.record import RunSettings
+
+    # Recorded before --unroll-layers existed, read as a resume reads it: as that jdp ran.
+    saved = RunSettings({"model": "gpt", "steps": 10}).as_ran
     conflicts = jdp.TrainConfig(model="gpt", steps=10).resume_conflicts(saved)
     assert conflicts == ["--unroll-layers False (was True)"]
     assert jdp.TrainConfig(model="gpt", unroll_layers=True).resume_conflicts(saved) == []

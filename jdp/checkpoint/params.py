@@ -38,8 +38,7 @@ def _scores(path: str, steps, only: dict | None = None) -> dict[int, tuple[float
     scored = {}
     for number in steps:
         record = read_record(os.path.join(path, str(number)))
-        # Before the choice was recorded, checkpoints were kept by accuracy.
-        chosen = record.config.get("best_checkpoint") or {"metric": "accuracy", "mode": "max"}
+        chosen = record.run.best
         if only is not None and chosen != only:
             continue
         value = record.metrics.get(chosen["metric"])

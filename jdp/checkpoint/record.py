@@ -13,6 +13,16 @@ from typing import Any
 
 GROUPS_PREFIX = "groups/"  # the arrays of DiLoCo's groups, each (groups, ...)
 
+# A recorded config holds a `jdp.TrainConfig`'s fields and, beside them, these facts (a
+# run writes them, `jdp.training.run.recorded_config`; `RunSettings` reads them).
+DATA_FACTS = "data"  # the data's shape, for jdp.load_model to rebuild a built-in model
+ARCHITECTURE = "architecture"  # gpt's shape as weights set it (--init-from hf:DIR)
+SPECIAL_TOKENS = "special_tokens"  # those weights' bos and eos ids, for jdp.export
+DATA_FINGERPRINT = "data_fingerprint"  # what the run trained on (`jdp.data.fingerprint`)
+WARMUP_CHOSEN = "warmup_steps_chosen_by_jdp"  # the warmup was jdp's choice, not the user's
+BEST = "best_checkpoint"  # the metric and mode the run keeps its best checkpoint by
+YOURS = "yours"  # the model, dataset or optimizer the user brought
+
 
 @dataclasses.dataclass(frozen=True)
 class Record:
@@ -64,3 +74,84 @@ class Record:
              if name.startswith(GROUPS_PREFIX)),
             0,
         )  # fmt: skip
+
+    @property
+    def run(self) -> RunSettings:
+        """The recorded config read by name (`RunSettings`)."""
+        return RunSettings(self.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """A recorded config read by name: a checkpoint's (`Record.run`), or a run's
+    ``config.json``. What an older jdp's record lacks reads as that jdp ran.
+
+    Attributes:
+        values: the config as recorded (`jdp.LoadedModel.config`).
+    """
+
+    values: Mapping[str, Any]
+
+    @property
+    def model(self) -> str:
+        return self.values.get("model", YOURS)
+
+    @property
+    def dataset(self) -> str:
+        return self.values.get("dataset", "")
+
+    @property
+    def yours(self) -> bool:
+        """Whether the run trained a model or data the user brought (not rebuilt by name)."""
+        recorded = (str(self.values.get(name, "")) for name in ("model", "dataset"))
+        return any(value.startswith(YOURS) for value in recorded)
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The data facts (`jdp.data.facts`): kind, vocabulary, tokenizer ...; {} before
+        they were recorded."""
+        return dict(self.values.get(DATA_FACTS) or {})
+
+    @property
+    def architecture(self) -> dict[str, Any]:
+        """gpt's shape as weights set it, or {} (the size's)."""
+        return dict(self.values.get(ARCHITECTURE) or {})
+
+    @property
+    def special_tokens(self) -> dict[str, int | None] | None:
+        return self.values.get(SPECIAL_TOKENS) or None
+
+    @property
+    def fingerprint(self) -> dict[str, str]:
+        return dict(self.values.get(DATA_FINGERPRINT) or {})
+
+    @property
+    def mesh(self) -> str:
+        return self.values.get("mesh", "?")
+
+    @property
+    def steps(self) -> int | None:
+        return self.values.get("steps")
+
+    @property
+    def ckpt_dir(self) -> str | None:
+        return self.values.get("ckpt_dir")
+
+    @property
+    def best(self) -> dict[str, str]:
+        """What the run keeps its best checkpoint by; accuracy, before that was recorded."""
+        return self.values.get(BEST) or {"metric": "accuracy", "mode": "max"}
+
+    @property
+    def chosen_warmup(self) -> int | None:
+        """The warmup jdp chose for the run (a default cut to a shorter run); None when the
+        user chose it."""
+        warmup = self.values.get("warmup_steps")
+        return warmup if self.values.get(WARMUP_CHOSEN) and isinstance(warmup, int) else None
+
+    @property
+    def as_ran(self) -> dict[str, Any]:
+        """The values, with what an older jdp did not record as it ran (a gpt's layers were
+        unrolled before scanned layers were recorded)."""
+        older = {"unroll_layers": True} if self.model == "gpt" else {}
+        return {**older, **self.values}

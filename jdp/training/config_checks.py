@@ -365,8 +365,6 @@ def resume_conflicts(saved: dict, recorded: dict, compared: set[str]) -> list[st
     ``saved`` (the run that wrote a checkpoint), as ``--flag X (was Y)``. A resumed run
     may change where and how it runs (mesh, backend, loader, checkpointing), never what
     it computes."""
-    if saved.get("model") == "gpt":  # the layers' layout before it was recorded
-        saved = {"unroll_layers": True, **saved}
     return [
         f"--{name.replace('_', '-')} {value} (was {saved[name]})"
         for name, value in recorded.items()

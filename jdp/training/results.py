@@ -10,12 +10,13 @@ import jax
 
 from jdp.actions import Progress
 from jdp.checkpoint import latest_record, read_checkpoint
+from jdp.checkpoint.record import RunSettings
 from jdp.mesh import GROUP_AXIS
 from jdp.report.console import Console
 from jdp.state import TrainState
 from jdp.training.compile_cache import reads
 from jdp.training.config import DILOCO_FIELDS, TOPOLOGY_FIELDS, TrainConfig
-from jdp.training.run import ARCHITECTURE, Run, Yours, build
+from jdp.training.run import Run, Yours, build
 from jdp.training.stops import signal_of, stalled
 from jdp.training.wiring import evaluations, metric_logger, tokens_per_example
 
@@ -225,7 +226,7 @@ def evaluate_only(config: TrainConfig, console: Console, yours: Yours, started: 
         and not str(value).startswith("yours") and name != "init_from"
     }  # fmt: skip
     config = dataclasses.replace(config, **made_with, ckpt_dir=config.ckpt_dir)
-    run = build(config, console, yours, architecture=saved.get(ARCHITECTURE))
+    run = build(config, console, yours, architecture=RunSettings(saved).architecture or None)
     like = (run.state.params, run.state.model_state)
     _, record, params, model_state = read_checkpoint(config.ckpt_dir, like=like)
     state = run.state.replace(params=params, model_state=model_state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jdp.checkpoint import Checkpointer, Record
+from jdp.checkpoint.record import RunSettings
 from jdp.diloco import group_count
 from jdp.errors import UsageError
 from jdp.mesh import GROUP_AXIS
@@ -13,7 +14,6 @@ from jdp.report.console import Console
 from jdp.state import TrainState
 from jdp.training.config import TrainConfig
 from jdp.training.optimizer import config_optimizer
-from jdp.training.run import DATA_FINGERPRINT
 
 
 def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, console: Console,
@@ -31,7 +31,7 @@ def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, co
     def same_run(meta: dict) -> None:
         record = Record.read(meta)
         _same_groups(state, record, config.mesh, checkpoints.directory)
-        conflicts = config.resume_conflicts(record.config, recorded)
+        conflicts = config.resume_conflicts(record.run.as_ran, recorded)
         if not config.allow_new_data:
             _same_data(record.config, recorded or {}, checkpoints.directory)
         if conflicts:
@@ -83,7 +83,7 @@ def _same_data(saved: dict, recorded: dict, directory: str) -> None:
     """UsageError when a split the run trained on (or chose its best by) has changed
     since the checkpoint was written (`jdp.data.fingerprint`); a checkpoint written
     before fingerprints were recorded resumes as before."""
-    before, now = saved.get(DATA_FINGERPRINT) or {}, recorded.get(DATA_FINGERPRINT) or {}
+    before, now = RunSettings(saved).fingerprint, RunSettings(recorded).fingerprint
     for name in ("train", "validation"):
         if before.get(name) and now.get(name) and before[name] != now[name]:
             raise UsageError(
@@ -106,8 +106,7 @@ def _same_groups(state: TrainState, record: Record, mesh: str, directory: str) -
     (counted from the arrays, whatever the specs wrote, -1 included)."""
     saved, groups = record.groups, group_count(state)
     if groups != saved:
-        saved_mesh = record.config.get("mesh", "?")
-        held = f"{saved} DiLoCo groups (--mesh {saved_mesh})" if saved else "no DiLoCo groups"
+        held = f"{saved} DiLoCo groups (--mesh {record.run.mesh})" if saved else "no DiLoCo groups"
         wanted = f"{GROUP_AXIS}={saved}, any data size" if saved else f"no {GROUP_AXIS} axis"
         raise UsageError(
             f"{directory} holds a run of {held}, and --mesh {mesh} has "
@@ -118,7 +117,7 @@ def _same_groups(state: TrainState, record: Record, mesh: str, directory: str) -
 def _say_how_steps_changed(config: TrainConfig, saved: dict, start: int, directory: str,
                            console: Console) -> None:  # fmt: skip
     """A resumed run may train longer than the run that saved; the schedule's horizon moves."""
-    before = saved.get("steps", config.steps)
+    before = RunSettings(saved).steps or config.steps
     if before == config.steps:
         return
     if config.steps <= start:

@@ -20,6 +20,14 @@ from jax.sharding import Mesh
 from jdp import distributed
 from jdp.checkpoint import read_params, read_record, step_directory
 from jdp.checkpoint.params import saved_param_names
+from jdp.checkpoint.record import (
+    ARCHITECTURE,
+    DATA_FACTS,
+    DATA_FINGERPRINT,
+    SPECIAL_TOKENS,
+    WARMUP_CHOSEN,
+    YOURS,
+)
 from jdp.data.checks import check_splits
 from jdp.data.corpora import is_corpus, load_corpus
 from jdp.data.custom import holdout, load_named
@@ -177,16 +185,10 @@ def _warmup_kept(config: TrainConfig) -> int | None:
     if not config.ckpt_dir or config.no_resume:
         return None
     try:
-        saved = read_record(step_directory(os.path.abspath(config.ckpt_dir))).config
+        saved = read_record(step_directory(os.path.abspath(config.ckpt_dir))).run
     except (UsageError, OSError):
         return None  # nothing to resume, or a resume that says why itself
-    if saved.get(WARMUP_CHOSEN) and isinstance(saved.get("warmup_steps"), int):
-        return saved["warmup_steps"]
-    return None
-
-
-# Recorded with a run whose warmup jdp chose, not the user.
-WARMUP_CHOSEN = "warmup_steps_chosen_by_jdp"
+    return saved.chosen_warmup
 
 
 def recorded_config(config: TrainConfig, yours: Yours, train: Split, *,
@@ -201,25 +203,20 @@ def recorded_config(config: TrainConfig, yours: Yours, train: Split, *,
         recorded["optimizer"] = f"yours: {describe_optimizer(yours.optimizer)}"
         recorded["lr_schedule"] = "yours" if callable(yours.lr_schedule) else yours.lr_schedule
     if yours.model is not None:
-        recorded["model"] = "yours"
+        recorded["model"] = YOURS
         recorded.pop("model_size")
     if yours.data is not None:
-        recorded["dataset"] = "yours"
-    recorded["data"] = data_facts(train)  # for jdp.load_model to rebuild a built-in model
+        recorded["dataset"] = YOURS
+    recorded[DATA_FACTS] = data_facts(train)
     if chose_warmup:
         recorded[WARMUP_CHOSEN] = True
     if fingerprints:
         recorded[DATA_FINGERPRINT] = fingerprints
-    if architecture:  # gpt's shape as weights set it (--init-from hf:DIR)
+    if architecture:
         recorded[ARCHITECTURE] = architecture
     if weights := hf.directory_of(config.init_from):  # for jdp.export to write them back
-        recorded["special_tokens"] = hf.special_tokens(weights)
+        recorded[SPECIAL_TOKENS] = hf.special_tokens(weights)
     return recorded
-
-
-# What the run trained on (`jdp.data.fingerprint`), recorded with its checkpoints.
-DATA_FINGERPRINT = "data_fingerprint"
-ARCHITECTURE = "architecture"
 
 
 def fingerprints(config: TrainConfig, data: Data) -> dict[str, str]:

@@ -13,6 +13,7 @@ from jax._src import distributed as jax_distributed  # the runtime's client: no 
 from jdp.actions import Action, EarlyStopping
 from jdp.checkpoint import Checkpointer
 from jdp.checkpoint.params import best_recorded
+from jdp.checkpoint.record import BEST
 from jdp.data.ledger import Ledger
 from jdp.data.pipeline import EvalReader, Loader, TrainReader
 from jdp.data.streams import BatchStream
@@ -85,7 +86,7 @@ def checkpointer(config: TrainConfig, run: Run) -> Checkpointer:
     """The run's `Checkpointer`, keeping the best checkpoint by ``--best-metric``."""
     name, mode = best_metric(config, run)
     # Recorded with each save, for `jdp.load_model(dir, "best")` to choose as Orbax keeps.
-    run.recorded["best_checkpoint"] = {"metric": name, "mode": mode}
+    run.recorded[BEST] = {"metric": name, "mode": mode}
     return Checkpointer(config.ckpt_dir, keep=config.keep, best_metric=name, best_mode=mode)
 
 
