@@ -42,6 +42,26 @@ def check_spec_fits_batch(spec: MeshSpec, global_batch: int) -> None:
         _check_batch_split(global_batch, split, axes.get(GROUP_AXIS, 1))
 
 
+def device_bytes(mesh: Mesh) -> int | None:
+    """What one device of ``mesh`` holds: its memory, or on a CPU its share of this
+    machine's (simulated devices share it); None where neither can be read."""
+    device = mesh.devices.flat[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a backend that keeps no statistics
+        stats = {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    if device.platform != "cpu":
+        return None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())
+    return total // max(1, local)
+
+
 def simulate_cpu_devices(count: int) -> bool:
     """Asks JAX for ``count`` CPU devices, so a mesh can be tried on a laptop.
 

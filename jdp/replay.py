@@ -36,8 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jdp.checkpoint import Checkpointer, Record, read_record
 from jdp.checkpoint.record import RunSettings
 from jdp.data.ledger import BATCH, TOTAL, Ledger
-from jdp.data.pipeline import global_batch_indices, places_ahead, train_batches
-from jdp.data.readers import TrainReader
+from jdp.data.pipeline import places_ahead, train_batches
+from jdp.data.readers import TrainReader, global_batch_indices
 from jdp.errors import UsageError
 from jdp.mesh import DATA_AXIS, GROUP_AXIS
 from jdp.report.console import Console

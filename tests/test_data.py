@@ -13,10 +13,9 @@ from jdp.data.pipeline import (
     Loader,
     TrainReader,
     eval_batches,
-    global_batch_indices,
     train_batches,
 )
-from jdp.data.readers import _AUGMENT_STREAM
+from jdp.data.readers import _AUGMENT_STREAM, global_batch_indices
 from jdp.data.sources import Split, load_split
 from jdp.data.transforms import Augmentation, Transform
 from jdp.mesh import rows_by_process

@@ -97,7 +97,8 @@ def loader_rate(split, *, batch_size: int, workers: int, batches: int) -> float:
     """Training images/s the loader makes (read, decoded, cropped), once its workers
     have started (`jdp.bench.common.worker_window`)."""
     from jdp.bench.common import batches_per_sec, worker_window
-    from jdp.data.pipeline import TrainReader, host_batches
+    from jdp.data.readers import TrainReader
+    from jdp.data.workers import host_batches
 
     reader = TrainReader(split, batch_size=batch_size, seed=0, rows=slice(None))
     stream = host_batches(reader, start=0, stop=None, workers=workers)

@@ -18,7 +18,9 @@ from jdp.bench.common import (
     worker_window,
 )
 from jdp.data.on_device import on_host
-from jdp.data.pipeline import TrainReader, host_batches, train_batches
+from jdp.data.pipeline import train_batches
+from jdp.data.readers import TrainReader
+from jdp.data.workers import host_batches
 from jdp.mesh import process_rows
 from jdp.report.console import Console
 from jdp.training.config import TrainConfig

@@ -32,8 +32,7 @@ from jdp.data.readers import EvalReader, TrainReader, _stream
 from jdp.data.streams import BatchStream
 from jdp.data.transforms import Transform
 from jdp.errors import UsageError
-from jdp.mesh import MASK_KEY, batch_sharded, replicated
-from jdp.models.memory import device_bytes
+from jdp.mesh import MASK_KEY, batch_sharded, device_bytes, replicated
 
 MODES = ("auto", "on", "off")
 # `auto` gives the splits at most this share of the memory a device has left once the

@@ -28,16 +28,9 @@ from jax.sharding import Mesh
 from jdp.data.ledger import LEDGER_KEY, MARKS
 from jdp.data.on_device import EvalIndexReader, IndexReader, OnDevice
 from jdp.data.readers import ChunkedReader, EvalReader, StackedReader, TrainReader
-
-# Each `name as name` re-exports a name that lived here before readers.py.
-from jdp.data.readers import epoch_permutation as epoch_permutation
-from jdp.data.readers import global_batch_indices as global_batch_indices
-from jdp.data.readers import map_examples as map_examples
 from jdp.data.sources import Split
 from jdp.data.streams import BatchStream, stream_rows
-from jdp.data.workers import die_with_parent as die_with_parent
-from jdp.data.workers import host_batches as host_batches
-from jdp.data.workers import worker_died
+from jdp.data.workers import host_batches, worker_died
 from jdp.errors import UsageError
 from jdp.mesh import process_rows, shard_batch
 

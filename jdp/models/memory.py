@@ -4,7 +4,6 @@ make a model of tens of gigabytes, which is one line, not the allocator's traceb
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
@@ -12,26 +11,7 @@ from jax.sharding import Mesh
 
 from jdp.errors import UsageError
 from jdp.layout import bytes_per_device
-
-
-def device_bytes(mesh: Mesh) -> int | None:
-    """What one device of ``mesh`` holds: its memory, or on a CPU its share of this
-    machine's (simulated devices share it); None where neither can be read."""
-    device = mesh.devices.flat[0]
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # a backend that keeps no statistics
-        stats = {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"])
-    if device.platform != "cpu":
-        return None
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())
-    return total // max(1, local)
+from jdp.mesh import device_bytes
 
 
 def check_fits(abstract: Any, specs: Any, mesh: Mesh) -> None:
