@@ -168,7 +168,7 @@ def test_step_benchmark_sweeps_sizes_against_the_best_hand_written_step():
     assert result.returncode == 0, result.stderr
     rows = re.findall(
         r"^  (\S+) +(\S+)  (data=\d) +([\d,]+)  (per-leaf|raveled|one-device)"
-        r" +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x$",
+        r" +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +(\d+)/(\d+)$",
         result.stdout,
         re.M,
     )
@@ -176,9 +176,10 @@ def test_step_benchmark_sweeps_sizes_against_the_best_hand_written_step():
         ("mlp-38k", "38k", "data=2"),
         ("mlp-0.7m", "648k", "data=2"),
     ], result.stdout
-    for *_, rate, _, itself, jit, pmap, host, device, ahead in rows:  # digits on the devices
-        assert int(rate.replace(",", "")) > 0
+    for *_, rate, _, itself, jit, pmap, host, device, ahead, jdp_us, hand_us in rows:
+        assert int(rate.replace(",", "")) > 0  # the digits are on the devices: both fed arms
         assert min(float(x) for x in (itself, jit, pmap, host, device, ahead)) > 0
+        assert int(jdp_us) > 0 and int(hand_us) > 0  # the host's microseconds a call
 
 
 def test_step_benchmark_refuses_an_unknown_case():

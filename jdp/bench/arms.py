@@ -235,3 +235,30 @@ def optimization_level(level: str):
         yield
     finally:
         jax.config.update("jax_optimization_level", before)
+
+
+def kernels(compiled_text: str) -> int:
+    """The launches in a compiled program's entry computation: its fusions, custom
+    calls (cuBLAS, cuDNN), copies and collectives."""
+    entry = compiled_text.split("\nENTRY ", 1)[-1].split("\n}\n", 1)[0]
+    launches = ("fusion(", "custom-call(", "copy(", "all-reduce(", "all-reduce-start(",
+                "dynamic-update-slice(", "scatter(", "while(", "conditional(")  # fmt: skip
+    return sum(1 for line in entry.splitlines() if any(f" {op}" in line for op in launches))
+
+
+def step_overhead(step, first, batch, lower=None) -> dict[str, float]:
+    """A step's kernels and host microseconds per call (dispatch alone, not waiting
+    for it), on copies of its state: where a small model's step time goes."""
+    state = jax.tree.map(jnp.copy, first)
+    single = not isinstance(first, tuple)
+    lower = lower or step.lower
+    lowered = lower(state, batch) if single else lower(*state, batch)
+    count = kernels(lowered.compile().as_text())
+    times = []
+    for _ in range(60):
+        started = time.perf_counter()
+        out = step(state, batch) if single else step(*state, batch)
+        times.append(time.perf_counter() - started)
+        jax.block_until_ready(out)
+        state = out[0] if single else out[:-1]
+    return {"kernels": count, "dispatch_us": 1e6 * statistics.median(times[10:])}

@@ -13,7 +13,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdp.bench import peers
-from jdp.bench.arms import interleaved_rates, jdp_loop, ratios_to
+from jdp.bench.arms import interleaved_rates, jdp_loop, ratios_to, step_overhead
 
 # A part's ``sizes`` is a `jdp.bench.gpu.Sizes`, its ``report`` the run's `jdp.bench.gpu.Report`.
 Sizes = Report = Any
@@ -162,39 +161,12 @@ def part_sweep(sizes: Sizes, report: Report, end: float,
     return {"cases": results, "skipped_for_budget": skipped}
 
 
-def kernels(compiled_text: str) -> int:
-    """The launches in a compiled program's entry computation: its fusions, custom
-    calls (cuBLAS, cuDNN), copies and collectives."""
-    entry = compiled_text.split("\nENTRY ", 1)[-1].split("\n}\n", 1)[0]
-    launches = ("fusion(", "custom-call(", "copy(", "all-reduce(", "all-reduce-start(",
-                "dynamic-update-slice(", "scatter(", "while(", "conditional(")  # fmt: skip
-    return sum(1 for line in entry.splitlines() if any(f" {op}" in line for op in launches))
-
-
 def or_error(measure: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     """``measure(*args)``, or ``{"error": ...}`` if it raises."""
     try:
         return measure(*args)
     except Exception as error:  # whatever the device's runtime raises
         return {"error": f"{type(error).__name__}: {error}"[:300]}
-
-
-def step_overhead(step, first, batch, lower=None) -> dict[str, float]:
-    """A step's kernels and host microseconds per call (dispatch alone, not waiting
-    for it), on copies of its state: where a small model's step time goes."""
-    state = jax.tree.map(jnp.copy, first)
-    single = not isinstance(first, tuple)
-    lower = lower or step.lower
-    lowered = lower(state, batch) if single else lower(*state, batch)
-    count = kernels(lowered.compile().as_text())
-    times = []
-    for _ in range(60):
-        started = time.perf_counter()
-        out = step(state, batch) if single else step(*state, batch)
-        times.append(time.perf_counter() - started)
-        jax.block_until_ready(out)
-        state = out[0] if single else out[:-1]
-    return {"kernels": count, "dispatch_us": 1e6 * statistics.median(times[10:])}
 
 
 # --- 6. correctness: the accelerator against its CPU --------------------------------------

@@ -41,6 +41,7 @@ from jdp.bench.arms import interleaved_rates as interleaved_rates
 from jdp.bench.arms import jdp_loop as jdp_loop
 from jdp.bench.arms import ratios_to as ratios_to
 from jdp.bench.arms import ratios_to_best as ratios_to_best
+from jdp.bench.arms import step_overhead
 from jdp.bench.common import names, report_lines
 from jdp.data.on_device import on_host
 from jdp.data.pipeline import places_ahead, train_batches
@@ -160,7 +161,7 @@ def bench_step(
             emit(
                 f"  {'model':<10}{'params':>8}  {'mesh':<8}{'hand-written ex/s':>19}  "
                 f"{'best of':<11}{'itself':>10}{'jdp jit':>9}{'jdp pmap':>10}"
-                f"{'fed host':>10}{'on device':>10}{'ahead':>8}"
+                f"{'fed host':>10}{'on device':>10}{'ahead':>8}  host us jdp/hand"
             )
         emit(row)
     return lines
@@ -250,6 +251,7 @@ def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_se
             arms, rounds=rounds, round_seconds=round_seconds, rows=batch_size, multiple=1
         )
     ratios = ratios_to(rates, best)
+    hosts = host_us(run, best, batch)
     on = "device" if run.train is not host else "-"
     row = (
         f"  {name:<10}{_params(run):>8}  {mesh:<8}"
@@ -257,8 +259,20 @@ def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_se
         f"{ratios['jit']:>8.3f}x{ratios['pmap']:>9.3f}x{ratios['host']:>9.3f}x"
         + (f"{ratios['device']:>9.3f}x" if on == "device" else f"{on:>10}")
         + f"{ratios['ahead']:>7.3f}x"
+        + f"{hosts['jdp']:>8.0f}/{hosts['hand']:.0f}"
     )
     return jax.devices()[0].device_kind, row
+
+
+def host_us(run, kind: str, batch) -> dict[str, float]:
+    """The host's microseconds a call, dispatch alone (the median of calls that each wait
+    for the one before): jdp's step as a run calls it, and the hand-written ``kind``."""
+    step = hand_written_step(run.model, run.optimizer, run.mesh, kind=kind)
+    first = (run.state.params, run.state.opt_state)
+    return {
+        "jdp": step_overhead(run.train_step, run.state, batch, run.train_step.lower)["dispatch_us"],
+        "hand": step_overhead(step, first, batch)["dispatch_us"],
+    }
 
 
 def add_arguments(parser) -> None:
