@@ -246,14 +246,17 @@ def kernels(compiled_text: str) -> int:
     return sum(1 for line in entry.splitlines() if any(f" {op}" in line for op in launches))
 
 
-def step_overhead(step, first, batch, lower=None) -> dict[str, float]:
+def step_overhead(step, first, batch, lower=None, *, count_kernels=True) -> dict[str, float]:
     """A step's kernels and host microseconds per call (dispatch alone, not waiting
-    for it), on copies of its state: where a small model's step time goes."""
+    for it), on copies of its state: where a small model's step time goes. Without
+    ``count_kernels`` the step is not compiled a second time to count them."""
     state = jax.tree.map(jnp.copy, first)
     single = not isinstance(first, tuple)
-    lower = lower or step.lower
-    lowered = lower(state, batch) if single else lower(*state, batch)
-    count = kernels(lowered.compile().as_text())
+    count = None
+    if count_kernels:
+        lower = lower or step.lower
+        lowered = lower(state, batch) if single else lower(*state, batch)
+        count = kernels(lowered.compile().as_text())
     times = []
     for _ in range(60):
         started = time.perf_counter()
