@@ -125,10 +125,10 @@ def test_the_config_imports_nothing_above_it():
     import ast
     import pathlib
 
-    from jdp.training import config_checks, sections
+    from jdp.training import config, config_checks, sections
 
     imported = set()
-    for module in (jdp.training.config, config_checks, sections):
+    for module in (config, config_checks, sections):
         tree = ast.parse(pathlib.Path(module.__file__).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jdp"):
