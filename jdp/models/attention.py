@@ -1,6 +1,7 @@
 """Multi-head attention for the transformers (`jdp.models.transformer`): Flax's parameter
 names, `jax.nn.dot_product_attention` (XLA's or cuDNN's fused kernel, chosen by
-`implementation`; XLA's may recompute its scores in the backward pass, ``remat``), and
+`implementation`; XLA's may recompute its scores in the backward pass, ``remat``; or
+XLA's over blocks of queries, with the fused kernel's memory: `jdp.models.blocked`), and
 Flax's unfused weights where dropout needs them."""
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jdp.models.blocked import blocked_attention
 from jdp.models.dropout import drop, row_masks
 from jdp.models.names import attention_inits
 
-AttentionImplementation = Literal["auto", "xla", "cudnn"]
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+AttentionImplementation = Literal["auto", "xla", "cudnn", "blocked"]
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "blocked")
 
 
 class Attention(nn.Module):
@@ -83,6 +85,8 @@ class Attention(nn.Module):
             attend = functools.partial(
                 jax.nn.dot_product_attention, mask=mask, is_causal=causal, implementation=how
             )
+            if how == "blocked":  # XLA's, with a fused kernel's memory (`jdp.models.blocked`)
+                attend = functools.partial(blocked_attention, mask=mask, is_causal=causal)
             if self.remat and how == "xla":  # cuDNN's kernel keeps no scores already
                 attend = jax.checkpoint(attend, policy=jax.checkpoint_policies.nothing_saveable)
             attended = attend(*((x.astype(jnp.float32) if upcast else x) for x in (q, k, v)))

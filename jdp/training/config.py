@@ -58,7 +58,7 @@ class TrainConfig:
         LAYOUT,
         "auto",
         "gpt and seq2seq: attention's implementation, auto (cuDNN's fused kernel on a GPU in "
-        "bf16/fp16, else XLA's), xla or cudnn",
+        "bf16/fp16, else XLA's), xla, cudnn or blocked (a fused kernel's memory, anywhere)",
     )
     loss_chunks: int = _flag(
         LAYOUT,
