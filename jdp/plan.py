@@ -34,8 +34,10 @@ from jdp.plan_costs import build_model as build_model
 from jdp.plan_costs import compiled_figures as compiled_figures
 from jdp.plan_costs import state_bytes as state_bytes
 from jdp.plan_costs import step_model_flops
+from jdp.plan_stand_ins import GPUS as GPUS
+from jdp.plan_stand_ins import compile_flags, planned_attention, planned_remat, stand_ins
 from jdp.tool import command
-from jdp.training.choices import Remat
+from jdp.training.choices import Attention, Remat
 
 # Meshes up to this many devices are compiled on simulated CPU devices.
 MAX_COMPILED = 64
@@ -67,7 +69,6 @@ DEVICES = {
                   "cloud.google.com/tpu/docs/v5p (ICI 4800 Gbps, taken as both directions)"),
 }  # fmt: skip
 
-GPUS = ("a100", "h100", "h200")  # of DEVICES, where cuDNN's attention runs
 DEFAULT_VOCAB = 50257  # GPT-2's
 
 
@@ -163,10 +164,15 @@ def report(plan: Plan, device: Device | None, *, batch_size: int) -> list[str]:
     return lines
 
 
-def figures(plan: Plan, device: Device | None, *, remat: str) -> dict:
-    """The plan as ``--json`` prints it: bytes per device, FLOPs per step, and for a
-    ``device`` whether it fits and the roofline's seconds."""
-    out = dataclasses.asdict(plan) | {"need": plan.need, "remat_compiled": remat}
+def figures(plan: Plan, device: Device | None, *, remat: str, attention: str) -> dict:
+    """The plan as ``--json`` prints it: bytes per device, FLOPs per step, what was
+    compiled in the target's place, and for a ``device`` whether it fits and the
+    roofline's seconds."""
+    out = dataclasses.asdict(plan) | {
+        "need": plan.need,
+        "remat_compiled": remat,
+        "attention_compiled": attention,
+    }
     if device is not None:
         out["device"], out["fits"] = device.name, plan.need <= device.memory
         bound = roofline(plan, device)
@@ -188,15 +194,6 @@ def _candidates(devices: int) -> list[str]:
     return out
 
 
-def planned_remat(args: argparse.Namespace) -> str:
-    """The ``--remat`` the step is compiled with: ``attention`` in place of ``none`` for a
-    GPU in bf16 or fp16, where a run's attention is cuDNN's fused kernel, which keeps no
-    scores for the backward pass (`jdp.models.attention.implementation`); the CPU's
-    compile has only XLA's attention, which keeps them unless told to recompute."""
-    gpu = args.device in GPUS and args.precision in ("bf16", "fp16")
-    return "attention" if gpu and args.remat == "none" else args.remat
-
-
 def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan:
     model, batch = build_model(
         args.model,
@@ -207,6 +204,7 @@ def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan
         remat=planned_remat(args),
         unroll=args.unroll_layers,
         loss_chunks=args.loss_chunks,
+        attention=planned_attention(args),
     )
     sizes = mesh_sizes(spec)
     from jdp.mesh import parse_axis_rules as parse_rules
@@ -227,28 +225,21 @@ def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan
     return plan
 
 
-# XLA's CPU scheduler orders a program for the CPU's threads, keeping more alive at once;
-# an accelerator's orders it for memory. GPT-2 124M's unrolled step (32 rows of 1,024 bf16
-# tokens): 104 GiB of temporaries under the first, 57 under the second.
-MEMORY_SCHEDULE = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-
-
 def _compile_in_child(argv: Sequence[str], devices: int) -> int:
     """Runs this command again in a process with ``devices`` simulated CPU devices,
-    compiling with `MEMORY_SCHEDULE` where this JAX's XLA knows the flag."""
+    compiling with `compile_flags` where this JAX's XLA knows them."""
     env = child_environment(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["JDP_PLAN_CHILD"] = "1"
-    scheduled = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {MEMORY_SCHEDULE}".strip()}
+    scheduled = {**env, "XLA_FLAGS": compile_flags(env.get("XLA_FLAGS", ""))}
     probe = [sys.executable, "-c", "import jax; jax.devices()"]  # XLA ends on a flag it lacks
     if subprocess.run(probe, env=scheduled, capture_output=True).returncode == 0:
         env = scheduled
     return subprocess.call([sys.executable, "-m", "jdp.plan", *argv], env=env)
 
 
-@command("jdp.plan")
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _arguments(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line, read and checked (a bad value ends the command as argparse does)."""
     parser = argparse.ArgumentParser(prog="jdp.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--mesh", default="data=8", help="e.g. data=64,fsdp=8")
     parser.add_argument("--model", default="gpt")
@@ -256,6 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--model-size", default="standard", help="small, standard (gpt: 124m, 350m, 774m, 1.3b)"
     )
     parser.add_argument("--remat", default="none", choices=get_args(Remat), help="gpt")
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        choices=get_args(Attention),
+        help="gpt and seq2seq, as jdp.train's",
+    )
     parser.add_argument("--unroll-layers", action="store_true", help="gpt: a loop, not a scan")
     parser.add_argument("--loss-chunks", type=int, default=1, help="gpt: the logits in chunks")
     parser.add_argument("--batch-size", type=int, default=512, help="global batch")
@@ -282,6 +279,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     if len(args.image_shape) != 3 or min(args.image_shape) < 1:
         parser.error(f"--image-shape must be HxWxC, each at least 1, got {args.image_shape}")
+    return args
+
+
+@command("jdp.plan")
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _arguments(argv)
     try:
         sizes = mesh_sizes(args.mesh)
         devices = math.prod(sizes.values())
@@ -300,11 +304,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"mesh {spec}: {error}")
                 continue
             if args.json:
-                print(json.dumps(figures(plan, device, remat=planned_remat(args))))
+                print(
+                    json.dumps(
+                        figures(
+                            plan,
+                            device,
+                            remat=planned_remat(args),
+                            attention=planned_attention(args),
+                        )
+                    )
+                )
                 return 0
             print("\n".join(report(plan, device, batch_size=args.batch_size)))
-            if compile_step and planned_remat(args) != args.remat and args.model == "gpt":
-                print("  (compiled with --remat attention: cuDNN's attention keeps no scores)")
+            if compile_step:
+                print("\n".join(stand_ins(args)))
             if args.suggest and device is not None:
                 need = plan.need
                 bound = roofline(plan, device)

@@ -50,9 +50,11 @@ class Plan:
 
 
 def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequence[int],
-                remat: str = "none", unroll: bool = False, loss_chunks: int = 1):  # fmt: skip
+                remat: str = "none", unroll: bool = False, loss_chunks: int = 1,
+                attention: str = "auto"):  # fmt: skip
     """The built-in model and one example's batch (numpy) to shape it: gpt as a run on
-    a token corpus makes it (``remat``, ``unroll`` and ``loss_chunks``: `jdp.models.GPT`)."""
+    a token corpus makes it (``remat``, ``unroll`` and ``loss_chunks``: `jdp.models.GPT`;
+    ``attention``: gpt's and seq2seq's implementation)."""
     import numpy as np
 
     from jdp.models import registry
@@ -67,6 +69,8 @@ def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequen
         return model, batch
     if name == "gpt":  # as a run sets them
         options.update(remat=remat, unroll=unroll, max_len=seq_len, loss_chunks=loss_chunks)
+    if name in ("gpt", "seq2seq"):
+        options.update(attention=attention)
     module = builtin.module(vocab_size=vocab, **options)
     if name == "gpt":  # windows of seq_len + 1 tokens, each predicting the next
         objective = language_model(chunked=loss_chunks > 1)

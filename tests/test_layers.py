@@ -37,7 +37,8 @@ LAYERS = {
     "distributed": "services",
     "inference": "services", "collectives": "services", "sampling": "services",
     "training": "training",
-    "train": "tools", "plan": "tools", "plan_costs": "tools", "launch": "tools", "plot": "tools",
+    "train": "tools", "plan": "tools", "plan_costs": "tools", "plan_stand_ins": "tools",
+    "launch": "tools", "plot": "tools",
     "bench": "tools", "sample": "tools", "export": "tools", "on_ray": "tools", "replay": "tools",
     "data.__main__": "tools", "": "tools",
 }  # fmt: skip

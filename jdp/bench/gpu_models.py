@@ -186,7 +186,9 @@ def part_gpt2(sizes: Sizes, report: Report, share_end: float,
         stats = jax.devices()[0].memory_stats() or {}
         result["peak_bytes"] = stats.get("peak_bytes_in_use")
         result["bytes_limit"] = stats.get("bytes_limit")
-        result["own_peak"] = not cells  # later cells read the process's peak so far
+        # The peak is the process's so far: a cell's own where it rose above every cell's before.
+        before = max((done.get("peak_bytes") or 0 for done in cells), default=0)
+        result["own_peak"] = (result["peak_bytes"] or 0) > before
         result["plan"] = gpu_plan.read(planning)
         cells.append(result)
         on_line(gpt_line(result))
