@@ -16,6 +16,7 @@ import pytest
 from jdp.bench import arms, bundle, common, gpu_docs, gpu_host, gpu_table
 from jdp.bench.gpu import PARTS
 from jdp.bench.gpu_models import GPT2_CELLS
+from jdp.bench.levers import LEVERS
 from tests.helpers import run_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -29,7 +30,7 @@ def bench(*flags):
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu") / "gpu.json"
-    result = bench("--smoke", "--gpt2-profile", "--out", out)
+    result = bench("--smoke", "--gpt2-profile", "--levers", "all", "--out", out)
     return result, json.loads(out.read_text()), out
 
 
@@ -67,6 +68,13 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
     overhead = data["parts"]["sweep"]["cases"][0]["overhead"]  # host time a call, by arm
     assert list(overhead) == ["hand-written", "hand-written, jdp's scalars", "jdp"], overhead
     assert all(arm["dispatch_us"] > 0 for arm in overhead.values()), overhead
+    # --levers all: each lever raced as an arm of jdp's step, its source beside it.
+    parts = {"sweep": data["parts"]["sweep"]["cases"][0], "resnet50": data["parts"]["resnet50"]}
+    for part, landed in parts.items():
+        raced = {arm for arm in landed["rates"] if arm.startswith("jdp, ")}
+        assert {f"jdp, {lever.name}" for lever in LEVERS[part]} <= raced, (part, raced)
+        assert set(landed["levers"]) == {lever.name for lever in LEVERS[part]}
+    assert "    levers: command buffers of any size " in result.stdout
     correctness = data["parts"]["correctness"]
     assert correctness["within"], correctness
     # The tolerance is derived from a run nudged by a rounding, which must differ.
@@ -76,6 +84,7 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
                  "JPEG loader", "sweep mlp-38k", "with jdp's scalars) vs", "correctness: 4 steps",
                  "scheduler=true JAX_OPTIMIZATION_LEVEL=O1"):  # fmt: skip
         assert said in table, said
+    assert "  lever no autotuning: jdp " in table and "  lever command buffers of any" in table
 
 
 @pytest.mark.slow  # the smoke run's JSON
@@ -228,6 +237,7 @@ def test_pip_freeze_and_pip_list_read_alike():
         (("--gpt2-cells", "4,4", "--smoke"), "'4' is not a cell number from 1 to 8 named once"),
         (("--gpt2-cells", ",", "--smoke"), "--gpt2-cells ',' names no cell"),
         (("--parts", "", "--smoke"), "--parts '' names no part"),
+        (("--levers", "sweep,gpt2", "--smoke"), "--levers: unknown part 'gpt2'"),
         (("--budget", "0", "--smoke"), "--budget 0.0: give more than 0"),
         (("--budget", "-1", "--smoke"), "--budget -1.0: give more than 0"),
         (("--resolve-only", "--offline", "--have", "README.md", "--platform", "win_amd64"),

@@ -44,7 +44,7 @@ from typing import Any
 
 import jax
 
-from jdp.bench import peers
+from jdp.bench import levers, peers
 from jdp.bench.gpu_host import (
     CORRECTNESS_STEPS,
     SWEEP_CASES,
@@ -96,6 +96,7 @@ class Sizes:
     smoke: bool = False
     peers: tuple[str, ...] = ()  # the PyTorch arms that race (`jdp.bench.peers`)
     nanogpt: str = ""  # --nanogpt DIR: a checkout of karpathy/nanoGPT
+    levers: tuple[str, ...] = ()  # --levers: the parts whose levers race (`jdp.bench.levers`)
 
 
 # The smoke run computes in fp32: XLA:CPU compiles bf16 programs several times slower.
@@ -173,6 +174,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a checkout of karpathy/nanoGPT: its model.py races GPT-2 as the nanogpt arm",
     )
     parser.add_argument(
+        "--levers",
+        default="",
+        help="the parts whose XLA options race as more arms of jdp's step, comma-separated "
+        "(sweep, resnet50) or all (jdp.bench.levers)",
+    )
+    parser.add_argument(
         "--gpt-rows",
         type=int,
         default=0,
@@ -216,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         gpt_profile=args.gpt2_profile,
         peers=tuple(racing),
         nanogpt=os.path.abspath(args.nanogpt) if args.nanogpt else "",
+        levers=levers.chosen(args.levers),
     )
     if not args.smoke and jax.default_backend() == "cpu":
         print(

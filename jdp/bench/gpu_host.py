@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdp.bench import peers
-from jdp.bench.arms import interleaved_rates, jdp_loop, ratios_to, step_overhead
+from jdp.bench.arms import interleaved_rates, jdp_loop, ratios_to, step_overhead, with_options
+from jdp.bench.levers import LEVERS
 
 # A part's ``sizes`` is a `jdp.bench.gpu.Sizes`, its ``report`` the run's `jdp.bench.gpu.Report`.
 Sizes = Report = Any
@@ -90,12 +91,7 @@ def peer_spec(case, run, batch, smoke: bool) -> dict[str, Any]:
 
 def part_sweep(sizes: Sizes, report: Report, end: float,
                on_line: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
-    from jdp.bench.arms import (
-        hand_loop,
-        hand_written_step,
-        hand_written_with_scalars,
-        jdp_scalars,
-    )
+    from jdp.bench.arms import hand_loop, hand_written_step
     from jdp.bench.step import CASES, _params, case_run, first_batch
     from jdp.data.on_device import on_host
     from jdp.data.pipeline import places_ahead, train_batches
@@ -116,6 +112,8 @@ def part_sweep(sizes: Sizes, report: Report, end: float,
                 "jdp": jdp_loop(run.train_step, run, batch, run.optimizer),
                 "jdp, 4 steps per call": jdp_loop(stacked.train_step, run, four, run.optimizer,
                                                   per_call=4)}  # fmt: skip
+        if "sweep" in sizes.levers:
+            arms |= lever_arms(run, stacked, batch, four)
         with contextlib.ExitStack() as stack:  # each step's batch as a run's loader gives it
             for arm, split in (("fed from the host", on_host(run.train)),
                                ("fed on the device", run.train)):  # fmt: skip
@@ -134,21 +132,13 @@ def part_sweep(sizes: Sizes, report: Report, end: float,
                                       round_seconds=sizes.round_seconds, rows=rows)  # fmt: skip
             raced = peers.results(built, failed, rates)
         ratios = ratios_to(rates, "hand-written")
-        opt_state = run.optimizer.init(run.state.params)
-        scalars = hand_written_with_scalars(run.model, run.optimizer)
-        overhead = {
-            "hand-written": step_overhead(hand, (run.state.params, opt_state), batch),
-            # A newer arm than the run's figures: if it fails, its error stands, not the case's.
-            "hand-written, jdp's scalars": or_error(
-                step_overhead, scalars, (run.state.params, opt_state, jdp_scalars()), batch
-            ),
-            "jdp": step_overhead(run.train_step.unbounded, run.state, batch, run.train_step.lower),
-        }
         results.append({"case": name, "params": _params(run), "rows": rows,
                         "rates": {arm: statistics.median(r) for arm, r in rates.items()},
-                        "ratios": ratios, "overhead": overhead})  # fmt: skip
+                        "ratios": ratios, "overhead": _overheads(run, hand, batch)})  # fmt: skip
         if racing:
             results[-1]["peers"] = raced
+        if "sweep" in sizes.levers:
+            results[-1]["levers"] = {lever.name: lever.source for lever in LEVERS["sweep"]}
         on_line(
             f"  sweep {name} ({_params(run)}): hand-written "
             f"{results[-1]['rates']['hand-written']:,.0f} examples/s; jdp "
@@ -156,9 +146,48 @@ def part_sweep(sizes: Sizes, report: Report, end: float,
             f"fed from the host {ratios['fed from the host']:.3f}x, fed on the device "
             f"{ratios['fed on the device']:.3f}x"
         )
+        if "sweep" in sizes.levers:
+            on_line(
+                "    levers: "
+                + ", ".join(
+                    f"{lever.name} {ratios[f'jdp, {lever.name}']:.3f}x" for lever in LEVERS["sweep"]
+                )
+            )
         del run, stacked, arms
         gc.collect()
     return {"cases": results, "skipped_for_budget": skipped}
+
+
+def _overheads(run, hand, batch) -> dict[str, Any]:
+    """Each step's host time a call (`step_overhead`): the hand-written step, with jdp's
+    scalar arrays too, and jdp's."""
+    from jdp.bench.arms import hand_written_with_scalars, jdp_scalars
+
+    opt_state = run.optimizer.init(run.state.params)
+    scalars = hand_written_with_scalars(run.model, run.optimizer)
+    return {
+        "hand-written": step_overhead(hand, (run.state.params, opt_state), batch),
+        # A newer arm than the run's figures: if it fails, its error stands, not the case's.
+        "hand-written, jdp's scalars": or_error(
+            step_overhead, scalars, (run.state.params, opt_state, jdp_scalars()), batch
+        ),
+        "jdp": step_overhead(run.train_step.unbounded, run.state, batch, run.train_step.lower),
+    }
+
+
+def lever_arms(run, stacked, batch, four) -> dict[str, Callable[[int], None]]:
+    """jdp's step compiled under each of the sweep's levers (`jdp.bench.levers`), one step
+    a call (``run``'s step, ``batch``) or four (``stacked``'s, ``four``)."""
+    from jdp.step.contract import bounded
+
+    arms = {}
+    for lever in LEVERS["sweep"]:
+        step, fed = (stacked, four) if lever.steps_per_call > 1 else (run, batch)
+        program = bounded(with_options(step.train_step.lower, lever.options), lambda out: out[1])
+        arms[f"jdp, {lever.name}"] = jdp_loop(
+            program, run, fed, run.optimizer, per_call=lever.steps_per_call
+        )
+    return arms
 
 
 def or_error(measure: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:

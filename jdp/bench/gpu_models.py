@@ -23,8 +23,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jdp.bench import gpu_plan, kernels, peers
-from jdp.bench.arms import interleaved_rates, ratios_to
+from jdp.bench.arms import interleaved_rates, ratios_to, with_options
 from jdp.bench.gpu_table import gpt_line, peer_lines, setting_text
+from jdp.bench.levers import LEVERS
 from jdp.mesh_spec import DATA_AXIS
 from jdp.report.throughput import peak_flops
 
@@ -297,30 +298,25 @@ def part_resnet50(sizes: Sizes) -> dict[str, Any]:
     precision = make_precision(sizes.resnet_precision)
     step = make_train_step(model.loss_fn, optimizer, mesh, has_aux=True, has_model_state=True,
                            precision=precision)  # fmt: skip
-    state = create_train_state(jax.tree.map(jnp.copy, params), optimizer, mesh,
-                               rng=jax.random.key(0), model_state=model_state,
-                               precision=precision)  # fmt: skip
+
+    def fresh_state():  # each jdp arm's own: the step donates it
+        return create_train_state(
+            jax.tree.map(jnp.copy, params),
+            optimizer,
+            mesh,
+            rng=jax.random.key(0),
+            model_state=model_state,
+            precision=precision,
+        )
+
     hand = hand_written_resnet_step(module, optimizer, precision.compute_dtype, mesh)
-    # On the mesh as the step returns them, so that its second call compiles nothing new.
-    whole = NamedSharding(mesh, PartitionSpec())
-    carry = (params, model_state["batch_stats"], optimizer.init(params))
-    hand_carry = list(jax.device_put(jax.tree.map(jnp.copy, carry), whole))
-    jdp_carry = [state]
-
-    def hand_arm(count: int) -> None:
-        value = None
-        for _ in range(count):
-            *carry, value = hand(*hand_carry, batch)
-            hand_carry[:] = carry
-        jax.block_until_ready(value)
-
-    def jdp_arm(count: int) -> None:
-        metrics = None
-        for _ in range(count):
-            jdp_carry[0], metrics = step(jdp_carry[0], batch)
-        jax.block_until_ready(metrics)
-
-    arms = {"hand-written": hand_arm, "jdp": jdp_arm}
+    arms = {
+        "hand-written": _hand_resnet_arm(hand, mesh, params, model_state, optimizer, batch),
+        "jdp": _step_arm(step, fresh_state(), batch),
+    }
+    for lever in LEVERS["resnet50"] if "resnet50" in sizes.levers else ():
+        program = with_options(step.lower, lever.options)
+        arms[f"jdp, {lever.name}"] = _step_arm(program, fresh_state(), batch)
     racing = [arm for arm in sizes.peers if arm in peers.ARMS["resnet50"]]
     # torchvision's ResNet-50 at the same rows and pixels, SGD as the hand-written step's.
     spec = {
@@ -348,6 +344,39 @@ def part_resnet50(sizes: Sizes) -> dict[str, Any]:
               "ratio": ratios_to(rates, "hand-written")["jdp"]}  # fmt: skip
     if racing:
         result["peers"] = raced
+    if "resnet50" in sizes.levers:
+        result["levers"] = {lever.name: lever.source for lever in LEVERS["resnet50"]}
     gc.collect()
     jax.clear_caches()
     return result
+
+
+def _hand_resnet_arm(hand, mesh, params, model_state, optimizer, batch) -> Callable[[int], None]:
+    """``count -> None``: ``count`` calls of the hand-written ResNet step, going on from
+    the last."""
+    # On the mesh as the step returns them, so that its second call compiles nothing new.
+    whole = NamedSharding(mesh, PartitionSpec())
+    carry = (params, model_state["batch_stats"], optimizer.init(params))
+    hand_carry = list(jax.device_put(jax.tree.map(jnp.copy, carry), whole))
+
+    def arm(count: int) -> None:
+        value = None
+        for _ in range(count):
+            *carry, value = hand(*hand_carry, batch)
+            hand_carry[:] = carry
+        jax.block_until_ready(value)
+
+    return arm
+
+
+def _step_arm(step, state, batch) -> Callable[[int], None]:
+    """``count -> None``: ``count`` calls of ``step`` on ``batch``, going on from the last."""
+    carry = [state]
+
+    def arm(count: int) -> None:
+        metrics = None
+        for _ in range(count):
+            carry[0], metrics = step(carry[0], batch)
+        jax.block_until_ready(metrics)
+
+    return arm

@@ -110,7 +110,19 @@ def _resnet50(resnet: dict[str, Any]) -> list[str]:
         f"{resnet.get('precision', 'bf16')}: jdp {resnet['jdp']:,.0f} images/s, "
         f"hand-written {resnet['hand']:,.0f}, {resnet['ratio']:.3f}x"
     )
-    return [line, *peer_lines(resnet.get("peers", {}), "images")]
+    rates = {arm: statistics.median(each) for arm, each in resnet["rates"].items()}
+    ratios = {arm: rate / rates["hand-written"] for arm, rate in rates.items()}
+    return [line, *lever_lines(resnet, ratios), *peer_lines(resnet.get("peers", {}), "images")]
+
+
+def lever_lines(landed: dict[str, Any], ratios: dict[str, float]) -> list[str]:
+    """A line for each lever raced (`jdp.bench.levers`): jdp's step under it, to the
+    hand-written step, beside jdp's own."""
+    return [
+        f"  lever {name}: jdp {ratios[f'jdp, {name}']:.3f}x (as a run compiles it "
+        f"{ratios['jdp']:.3f}x)"
+        for name in landed.get("levers", {})
+    ]
 
 
 def peer_lines(peers: dict[str, Any], unit: str, cell: dict[str, Any] | None = None) -> list[str]:
@@ -166,6 +178,7 @@ def _sweep(sweep: dict[str, Any]) -> list[str]:
                      f"hand-written {case['rates']['hand-written']:,.0f} examples/s; jdp "
                      f"{r['jdp']:.3f}x, 4 steps per call {r['jdp, 4 steps per call']:.3f}x"
                      f"{fed}{where}")  # fmt: skip
+        lines += lever_lines(case, r)
         lines += peer_lines(case.get("peers", {}), "examples")
     return lines
 
