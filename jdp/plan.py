@@ -164,7 +164,9 @@ def report(plan: Plan, device: Device | None, *, batch_size: int) -> list[str]:
     return lines
 
 
-def figures(plan: Plan, device: Device | None, *, remat: str, attention: str) -> dict:
+def figures(
+    plan: Plan, device: Device | None, *, remat: str, attention: str, fp8: bool = False
+) -> dict:
     """The plan as ``--json`` prints it: bytes per device, FLOPs per step, what was
     compiled in the target's place, and for a ``device`` whether it fits and the
     roofline's seconds."""
@@ -172,6 +174,7 @@ def figures(plan: Plan, device: Device | None, *, remat: str, attention: str) ->
         "need": plan.need,
         "remat_compiled": remat,
         "attention_compiled": attention,
+        "fp8": fp8,
     }
     if device is not None:
         out["device"], out["fits"] = device.name, plan.need <= device.memory
@@ -205,6 +208,7 @@ def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan
         unroll=args.unroll_layers,
         loss_chunks=args.loss_chunks,
         attention=planned_attention(args),
+        fp8=args.fp8,
     )
     sizes = mesh_sizes(spec)
     from jdp.mesh import parse_axis_rules as parse_rules
@@ -254,6 +258,7 @@ def _arguments(argv: Sequence[str]) -> argparse.Namespace:
         help="gpt and seq2seq, as jdp.train's",
     )
     parser.add_argument("--unroll-layers", action="store_true", help="gpt: a loop, not a scan")
+    parser.add_argument("--fp8", action="store_true", help="gpt: its layers' products in FP8")
     parser.add_argument("--loss-chunks", type=int, default=1, help="gpt: the logits in chunks")
     parser.add_argument("--batch-size", type=int, default=512, help="global batch")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
@@ -304,16 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"mesh {spec}: {error}")
                 continue
             if args.json:
-                print(
-                    json.dumps(
-                        figures(
-                            plan,
-                            device,
-                            remat=planned_remat(args),
-                            attention=planned_attention(args),
-                        )
-                    )
-                )
+                compiled = {"remat": planned_remat(args), "attention": planned_attention(args)}
+                print(json.dumps(figures(plan, device, **compiled, fp8=args.fp8)))
                 return 0
             print("\n".join(report(plan, device, batch_size=args.batch_size)))
             if compile_step:

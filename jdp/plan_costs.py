@@ -51,10 +51,10 @@ class Plan:
 
 def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequence[int],
                 remat: str = "none", unroll: bool = False, loss_chunks: int = 1,
-                attention: str = "auto"):  # fmt: skip
+                attention: str = "auto", fp8: bool = False):  # fmt: skip
     """The built-in model and one example's batch (numpy) to shape it: gpt as a run on
     a token corpus makes it (``remat``, ``unroll`` and ``loss_chunks``: `jdp.models.GPT`;
-    ``attention``: gpt's and seq2seq's implementation)."""
+    ``attention``: gpt's and seq2seq's implementation; ``fp8``: gpt's products)."""
     import numpy as np
 
     from jdp.models import registry
@@ -68,7 +68,9 @@ def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequen
         batch = {"image": np.zeros((1, *image), np.float32), "label": np.zeros(1, np.int32)}
         return model, batch
     if name == "gpt":  # as a run sets them
-        options.update(remat=remat, unroll=unroll, max_len=seq_len, loss_chunks=loss_chunks)
+        options.update(
+            remat=remat, unroll=unroll, max_len=seq_len, loss_chunks=loss_chunks, fp8=fp8
+        )
     if name in ("gpt", "seq2seq"):
         options.update(attention=attention)
     module = builtin.module(vocab_size=vocab, **options)

@@ -47,6 +47,7 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
     assert gpt["cell"]["xla"] == {"xla_gpu_enable_latency_hiding_scheduler": True}
     assert gpt["cell"]["optimization"] == "O1"
     assert gpt["cell"]["loss_chunks"] == 8  # and jdp's arm takes its loss in chunks
+    assert gpt["cell"]["fp8"] and gpt["plan"]["fp8"]  # and both arms' products in FP8
     # --gpt2-profile traced both arms (a CPU's trace names no kernels, and says so).
     assert {arm: traced["steps"] for arm, traced in gpt["kernels"].items()} == {
         "hand-written": 6,
@@ -233,8 +234,8 @@ def test_pip_freeze_and_pip_list_read_alike():
         (("--bundle", "DIR"), "--have FREEZE"),
         (("--resolve-only", "--have", "/no/such/file"), "no such file"),
         (("--parts", "gpt2,nope", "--smoke"), "unknown part 'nope'"),
-        (("--gpt2-cells", "4,9", "--smoke"), "'9' is not a cell number"),
-        (("--gpt2-cells", "4,4", "--smoke"), "'4' is not a cell number from 1 to 8 named once"),
+        (("--gpt2-cells", "4,10", "--smoke"), "'10' is not a cell number"),
+        (("--gpt2-cells", "4,4", "--smoke"), "'4' is not a cell number from 1 to 9 named once"),
         (("--gpt2-cells", ",", "--smoke"), "--gpt2-cells ',' names no cell"),
         (("--parts", "", "--smoke"), "--parts '' names no part"),
         (("--levers", "sweep,gpt2", "--smoke"), "--levers: unknown part 'gpt2'"),

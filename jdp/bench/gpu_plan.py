@@ -26,7 +26,7 @@ def start(cell, vocab_size: int, kind: str) -> subprocess.Popen | None:
         "--batch-size", str(cell.batch_size), "--seq-len", str(cell.seq_len),
         "--vocab-size", str(vocab_size), "--precision", cell.precision or "fp32",
         "--remat", cell.remat, "--attention", cell.attention,
-        "--loss-chunks", str(cell.loss_chunks),
+        "--loss-chunks", str(cell.loss_chunks), *(["--fp8"] if cell.fp8 else []),
     ]  # fmt: skip
     argv += ["--unroll-layers"] if cell.unroll else []
     device = next((name for key, name in KINDS.items() if key in kind), None)

@@ -25,6 +25,7 @@ def setting_text(setting: dict[str, Any]) -> str:
     chunks = setting.get("loss_chunks", 1)
     return (f"attention {setting['attention']}, remat {setting['remat']}, {layers}"
             + (f", loss in {chunks} chunks" if chunks > 1 else "")
+            + (", FP8 products" if setting.get("fp8") else "")
             + (f", {compiler}" if compiler else ""))  # fmt: skip
 
 

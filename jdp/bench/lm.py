@@ -75,6 +75,7 @@ def jdp_run(cell: Cell, dataset: str) -> Run:
         remat=cell.remat, attention=cell.attention, precision=cell.precision,
         optimizer="adamw", lr=LR, schedule="constant", warmup_steps=0,
         weight_decay=WEIGHT_DECAY, unroll_layers=cell.unroll, loss_chunks=cell.loss_chunks,
+        fp8=cell.fp8,
     )  # fmt: skip
     return build(config, Console(enabled=False))
 
@@ -84,7 +85,8 @@ def gpt_module(cell: Cell, vocab_size: int) -> GPT:
     multiple = VOCAB_MULTIPLE if cell.model_size in LM_SIZES else 1
     options = dict(MODELS["gpt"].sizes[cell.model_size], max_len=cell.seq_len)
     return GPT(vocab_size=-(-vocab_size // multiple) * multiple, remat=cell.remat,
-               attention=cell.attention, unroll=cell.unroll, **options)  # fmt: skip
+               attention=cell.attention, unroll=cell.unroll, fp8=cell.fp8,
+               **options)  # fmt: skip
 
 
 def first_losses(run: Run, step, hand: HandWritten, params, tokens, dtype

@@ -49,6 +49,7 @@ class Cell:
     xla: dict[str, Any] = dataclasses.field(default_factory=dict)
     optimization: str = ""
     loss_chunks: int = 1  # jdp's arm: the logits for the loss in chunks (--loss-chunks)
+    fp8: bool = False  # both arms: the layers' products in FP8 while training (--fp8)
     profile: str = ""  # a folder: both arms' kernels traced into it (`jdp.bench.kernels`)
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jdp.models.blocked import blocked_attention
 from jdp.models.dropout import drop, row_masks
+from jdp.models.fp8 import fp8_dot_general
 from jdp.models.names import attention_inits
 
 AttentionImplementation = Literal["auto", "xla", "cudnn", "blocked"]
@@ -42,6 +43,7 @@ class Attention(nn.Module):
     # XLA's fused path: recompute the scores in the backward pass instead of keeping them
     # (``--remat attention``), as cuDNN's kernel does; its memory is then cuDNN's.
     remat: bool = False
+    fp8: bool = False  # the projections' products in FP8 while training (`jdp.models.fp8`)
 
     @nn.compact
     def __call__(
@@ -59,6 +61,7 @@ class Attention(nn.Module):
         if width % self.heads:
             raise ValueError(f"width {width} does not split into {self.heads} heads")
         inits = attention_inits()
+        fp8 = {"dot_general": fp8_dot_general} if self.fp8 and train else {}
 
         def project(name):
             return nn.DenseGeneral(
@@ -67,6 +70,7 @@ class Attention(nn.Module):
                 kernel_init=inits["kernel_init"],
                 bias_init=inits["bias_init"],
                 use_bias=self.bias,
+                **fp8,
             )
 
         q, k, v = project("query")(queries), project("key")(keys), project("value")(keys)
@@ -98,6 +102,7 @@ class Attention(nn.Module):
             kernel_init=inits["out_kernel_init"],
             bias_init=inits["out_bias_init"],
             use_bias=self.bias,
+            **fp8,
         )(attended)
 
 

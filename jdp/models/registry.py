@@ -153,6 +153,7 @@ def model_of_run(settings: Mapping[str, Any], split, *, logits: bool = False) ->
         label_smoothing=settings.get("label_smoothing", 0.0),
         loss_chunks=1 if logits else settings.get("loss_chunks", 1),
         shape=gpt_shape(settings),
+        fp8=settings.get("fp8", False),
     )
 
 
@@ -168,7 +169,7 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
               attention: str = "auto", unroll: bool = False,
               architecture: Mapping[str, Any] | None = None,
               label_smoothing: float = 0.0, loss_chunks: int = 1,
-              shape: Mapping[str, Any] | None = None) -> Model:  # fmt: skip
+              shape: Mapping[str, Any] | None = None, fp8: bool = False) -> Model:  # fmt: skip
     """The built-in model ``name`` at ``size``, shaped for ``split`` (classes or vocabulary).
 
     ``seq_len`` sets the positions ``gpt`` has (``--seq-len``; a token corpus's
@@ -181,7 +182,8 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
     ``loss_chunks``: gpt on a token corpus takes its logits for the loss that many
     chunks of tokens at a time (`jdp.models.head`).
     ``shape``: gpt's ``layers``, ``heads``, ``width``, ``hidden``, ``bias`` or ``dropout`` in place
-    of the size's (``--layers`` ...).
+    of the size's (``--layers`` ...). ``fp8``: gpt's layers' products in FP8 while training
+    (`jdp.models.fp8`).
 
     Examples:
         >>> train = jdp.load_split("digits", "train", data_dir=tmp)
@@ -191,6 +193,8 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
         19562
     """
     builtin = check_model(name, size, split.kind)
+    if fp8 and name != "gpt":
+        raise UsageError(f"fp8 is gpt's layers' products; {name} has none: leave it out")
     options = dict(builtin.sizes[size])
     if shape:
         shape = _checked_shape(name, shape, options, loaded=architecture is not None)
@@ -215,7 +219,7 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
         return from_linen(module, sequence(), inputs=lambda b: (b["source"], b["target"][:, :-1]),
                           rows_arg="rows")  # fmt: skip
     options["max_len"] = seq_len or getattr(split, "seq_len", 0) or options["max_len"]
-    options.update(remat=remat, unroll=unroll)
+    options.update(remat=remat, unroll=unroll, fp8=fp8)
     if loss_chunks > 1:
         if split.kind != "text":
             raise UsageError(

@@ -21,6 +21,7 @@ from jdp.models.attention import (
     AttentionImplementation,
 )
 from jdp.models.dropout import RowDropout
+from jdp.models.fp8 import fp8_dot_general
 from jdp.models.head import HeadInputs
 from jdp.models.names import dense, embed, norm_inits
 
@@ -56,12 +57,17 @@ class FeedForward(nn.Module):
     hidden: int
     dropout: float
     bias: bool = True
+    fp8: bool = False  # the products in FP8 while training (`jdp.models.fp8`)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool, rows=None) -> jax.Array:
         width = x.shape[-1]
-        x = nn.gelu(dense(self.hidden, ("embed", "mlp"), use_bias=self.bias)(x))
-        x = dense(width, ("mlp", "embed"), use_bias=self.bias)(x)
+        options = {
+            "use_bias": self.bias,
+            "dot_general": fp8_dot_general if self.fp8 and train else None,
+        }
+        x = nn.gelu(dense(self.hidden, ("embed", "mlp"), **options)(x))
+        x = dense(width, ("mlp", "embed"), **options)(x)
         return RowDropout(self.dropout, name="Dropout_0")(x, rows, deterministic=not train)
 
 
@@ -76,6 +82,7 @@ class Block(nn.Module):
     epsilon: float = EPSILON  # the LayerNorms'
     bias: bool = True  # in the dense layers and LayerNorms (nanoGPT's bias=False: none)
     remat_attention: bool = False  # the attention's scores recomputed in the backward pass
+    fp8: bool = False  # the dense layers' products in FP8 while training (`jdp.models.fp8`)
 
     @nn.compact
     def __call__(
@@ -103,6 +110,7 @@ class Block(nn.Module):
                 self.attention,
                 self.bias,
                 self.remat_attention,
+                fp8=self.fp8,
                 name=f"MultiHeadDotProductAttention_{index}",
             )
             attended = module(queries, keys, train=train, rows=rows, **masks)
@@ -117,7 +125,7 @@ class Block(nn.Module):
                 1, layer_norm(self.epsilon, bias=self.bias)(x), memory, key_mask=memory_mask,
                 query_mask=target_mask,
             )  # fmt: skip
-        feed = FeedForward(self.hidden, self.dropout, self.bias)
+        feed = FeedForward(self.hidden, self.dropout, self.bias, self.fp8)
         return x + feed(layer_norm(self.epsilon, bias=self.bias)(x), train=train, rows=rows)
 
 
@@ -209,7 +217,9 @@ class GPT(nn.Module):
     ``bias=False`` leaves the biases out of every dense layer and LayerNorm
     (nanoGPT's ``bias=False``). ``loss_chunks`` above 1 returns `HeadInputs` in place
     of the logits, for a loss that takes them that many chunks of tokens at a time
-    (`jdp.models.head`; `HeadInputs.logits` gives them all).
+    (`jdp.models.head`; `HeadInputs.logits` gives them all). ``fp8`` runs the layers'
+    products (not the embeddings' or the logits') in FP8 while training
+    (`jdp.models.fp8`); evaluating and sampling run them in the compute precision.
     """
 
     vocab_size: int
@@ -225,6 +235,7 @@ class GPT(nn.Module):
     epsilon: float = EPSILON
     bias: bool = True
     loss_chunks: int = 1
+    fp8: bool = False
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False, rows=None) -> jax.Array:
@@ -253,6 +264,7 @@ class GPT(nn.Module):
             "epsilon": self.epsilon,
             "bias": self.bias,
             "remat_attention": self.remat == "attention",
+            "fp8": self.fp8,
             "train": train,
         }
         if self.unroll:

@@ -86,6 +86,7 @@ class TrainConfig:
         "gpt: its blocks as a Python loop, not one scanned layer (as checkpoints written "
         "before scanned layers hold them; compile time then grows with depth)",
     )
+    fp8: bool = _flag(MODEL, False, "gpt: its layers' matrix products in FP8 while training")
     layers: int = _flag(MODEL, 0, "gpt: blocks, in place of --model-size's (0: the size's)")
     heads: int = _flag(MODEL, 0, "gpt: attention heads, dividing the width (0: the size's)")
     width: int = _flag(MODEL, 0, "gpt: the model width, nanoGPT's n_embd (0: the size's)")

@@ -285,6 +285,7 @@ def _check_model_options(config) -> None:
     own = {
         "--remat": config.remat != "none",
         "--unroll-layers": config.unroll_layers,
+        "--fp8": config.fp8,
         f"--loss-chunks {config.loss_chunks}": config.loss_chunks != 1,
         f"--model-size {config.model_size}": config.model_size not in ("small", "standard"),
     }
