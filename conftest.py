@@ -58,7 +58,7 @@ def pytest_configure(config):
     fast lane less too. Programs compiled alike agree bit for bit, as the
     equivalence tests compare them; figures recorded at XLA's defaults (the README's
     rows, the numerics fingerprint) are compared with runs that drop these flags
-    (`jdp.bench.readme.row_env`). Set here, before any test starts JAX's backend,
+    (`tools.readme.row_env`). Set here, before any test starts JAX's backend,
     and inherited by the fresh processes tests start."""
     if "--xla_backend_optimization_level" in os.environ["XLA_FLAGS"]:
         return

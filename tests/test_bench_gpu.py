@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdp.bench import arms, bundle, common, gpu_docs, gpu_host, gpu_table
+from jdp.bench import arms, common, gpu_host, gpu_table
 from jdp.bench.gpu import PARTS
 from jdp.bench.gpu_models import GPT2_CELLS
 from jdp.bench.levers import LEVERS
 from tests.helpers import run_tool
+from tools import bundle, gpu_docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GPU_RUNS = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "docs" / "gpu").glob("*.json"))
@@ -159,9 +160,9 @@ def test_the_docs_hold_the_committed_runs_figures():
 def test_json_that_is_not_a_run_is_one_line(tmp_path, text):
     path = tmp_path / "run.json"
     path.write_text(text)
-    result = run_tool("jdp.bench.gpu_docs", path, "--check")
+    result = run_tool("tools.gpu_docs", path, "--check")
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
-    assert result.stderr.startswith(f"jdp.bench.gpu_docs: error: {path} is not a file jdp.bench")
+    assert result.stderr.startswith(f"tools.gpu_docs: error: {path} is not a file jdp.bench")
 
 
 def test_runs_are_merged_by_kind_of_device_the_newest_first(tmp_path):
@@ -211,7 +212,7 @@ def test_the_bundle_carries_what_a_fake_pip_list_lacks(tmp_path):
     listed += [f"{name} {version}" for name, version in closure.items() if name not in lacking]
     have = tmp_path / "pip-list.txt"
     have.write_text("\n".join(listed) + "\n")
-    result = bench("--resolve-only", "--offline", "--have", have)
+    result = run_tool("tools.bundle", "--resolve-only", "--offline", "--have", have)
     assert result.returncode == 0, result.stderr
     carried = {line.strip().split("==")[0] for line in result.stdout.splitlines()[1:]}
     assert carried == lacking, result.stdout
@@ -228,31 +229,35 @@ def test_pip_freeze_and_pip_list_read_alike():
     assert "manylinux2014_x86_64" in tags and "manylinux_2_29_x86_64" not in tags
 
 
+GPU, BUNDLE = "jdp.bench gpu", "tools.bundle"
+
+
 @pytest.mark.parametrize(
     "flags, said",
     [
-        (("--bundle", "DIR"), "--have FREEZE"),
-        (("--resolve-only", "--have", "/no/such/file"), "no such file"),
-        (("--parts", "gpt2,nope", "--smoke"), "unknown part 'nope'"),
-        (("--gpt2-cells", "4,10", "--smoke"), "'10' is not a cell number"),
-        (("--gpt2-cells", "4,4", "--smoke"), "'4' is not a cell number from 1 to 9 named once"),
-        (("--gpt2-cells", ",", "--smoke"), "--gpt2-cells ',' names no cell"),
-        (("--parts", "", "--smoke"), "--parts '' names no part"),
-        (("--levers", "sweep,gpt2", "--smoke"), "--levers: unknown part 'gpt2'"),
-        (("--budget", "0", "--smoke"), "--budget 0.0: give more than 0"),
-        (("--budget", "-1", "--smoke"), "--budget -1.0: give more than 0"),
-        (("--resolve-only", "--offline", "--have", "README.md", "--platform", "win_amd64"),
+        ((BUNDLE, "DIR"), "--have FREEZE"),
+        ((BUNDLE, "--resolve-only", "--have", "/no/such/file"), "no such file"),
+        ((GPU, "--parts", "gpt2,nope", "--smoke"), "unknown part 'nope'"),
+        ((GPU, "--gpt2-cells", "4,10", "--smoke"), "'10' is not a cell number"),
+        ((GPU, "--gpt2-cells", "4,4", "--smoke"), "'4' is not a cell number from 1 to 9 named"),
+        ((GPU, "--gpt2-cells", ",", "--smoke"), "--gpt2-cells ',' names no cell"),
+        ((GPU, "--parts", "", "--smoke"), "--parts '' names no part"),
+        ((GPU, "--levers", "sweep,gpt2", "--smoke"), "--levers: unknown part 'gpt2'"),
+        ((GPU, "--budget", "0", "--smoke"), "--budget 0.0: give more than 0"),
+        ((GPU, "--budget", "-1", "--smoke"), "--budget -1.0: give more than 0"),
+        ((BUNDLE, "--resolve-only", "--offline", "--have", "README.md", "--platform", "win_amd64"),
          "cannot speak for --platform win_amd64"),
-        (("--resolve-only", "--offline", "--have", "README.md", "--python", "3.99"),
+        ((BUNDLE, "--resolve-only", "--offline", "--have", "README.md", "--python", "3.99"),
          "--python '3.99': give a Python jdp runs on"),
-        (("--resolve-only", "--have", "docs"), "--have docs is a directory"),
-        pytest.param((), "no accelerator here",
+        ((BUNDLE, "--resolve-only", "--have", "docs"), "--have docs is a directory"),
+        pytest.param((GPU,), "no accelerator here",
                      marks=pytest.mark.skipif(jax.default_backend() != "cpu",
                                               reason="an accelerator is here: it would run")),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(flags, said):
-    result = bench(*flags)
+    tool, *flags = flags
+    result = bench(*flags) if tool == GPU else run_tool(tool, *flags)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and said in lines[0], result.stderr

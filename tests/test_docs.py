@@ -23,7 +23,7 @@ import sys
 import pytest
 from helpers import BENCH_RUNS, interop, subprocess_env
 
-from jdp.bench import readme
+from tools import readme
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = [

@@ -27,11 +27,11 @@ from helpers import (
 )
 
 import jdp
-from jdp.bench.faults import bit_flips
 from jdp.checkpoint import Checkpointer
 from jdp.checkpoint.storage import _on_disk
 from jdp.distributed.lock import LOCK_NAME
 from jdp.launch import free_port
+from tools.faults import bit_flips
 
 
 def _two_checkpoints(directory, mesh):

@@ -64,7 +64,7 @@ def test_the_pytorch_peers_race_jdp_in_the_same_rounds(tmp_path):
     for arm in ARMS:
         assert f"  vs {arm} (PyTorch " in table, arm
     # The docs' generator: the peers' targets and the README's line read the same JSON.
-    from jdp.bench import gpu_docs
+    from tools import gpu_docs
 
     merged = gpu_docs.merge([str(out)])
     rows = gpu_docs.targets(merged)[-3:]  # the peers' three, measured

@@ -7,7 +7,7 @@ import platform
 import pytest
 from helpers import run_python
 
-from jdp.bench import numerics, readme
+from tools import numerics, readme
 
 ROOT = pathlib.Path(__file__).parent.parent
 HERE = "0123456789ab"  # a fingerprint standing for this machine's

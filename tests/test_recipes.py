@@ -14,12 +14,12 @@ from catalog import prepare
 from helpers import run_cli
 
 import jdp
-from jdp.bench import readme
 from jdp.bench.images import write_tree
 from jdp.data.shards import write_llmc, write_meta
 from jdp.errors import UsageError
 from jdp.training.flags import parse_flags
 from jdp.training.recipes import STATEMENT, load_recipe, recipe_names
+from tools import readme
 
 README = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
 # The recipes the wave promised: the digits MLP, the CIFAR ResNet, the reference
@@ -49,7 +49,7 @@ def test_a_measured_recipe_is_the_readme_row_that_checks_it(name):
     assert words[:3] == ["python", "-m", "jdp.train"]
     assert parse_flags(["--recipe", name]) == parse_flags(words[3:])
     # The figures it states are the row's, and the row's are what its command prints
-    # (tests/test_readme.py runs it): `python -m jdp.bench readme --write` keeps both.
+    # (tests/test_readme.py runs it): `python -m tools.readme --write` keeps both.
     assert f"{recipe.statement['expected']:.4f}" == row.accuracy
     assert f"{recipe.statement['tolerance']:.4f}" == row.tolerance
     assert recipe.statement["wall"] == f"{row.wall} s"

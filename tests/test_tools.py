@@ -2,7 +2,7 @@
 directory where a file belongs and the reverse, empty, cut short, unwritable, a name that
 is not UTF-8) with one line and exit code 2 (1 for a fault while working), never a Python
 traceback. Each tool's ``main`` runs in this process, its output written through real
-UTF-8 text streams, as a terminal's are (`jdp.bench.tool_faults`, whose table of the
+UTF-8 text streams, as a terminal's are (`tools.tool_faults`, whose table of the
 tools' path arguments this walks; the faults benchmark draws from it at random)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import os
 import numpy as np
 import pytest
 
-from jdp.bench.tool_faults import SLOTS, answered, arguments, bad_paths, make_inputs, run_main
 from jdp.tool import os_line, read_json
+from tools.tool_faults import SLOTS, answered, arguments, bad_paths, make_inputs, run_main
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def test_hugging_face_files_no_gpt2_has_are_one_line(gpt2_files, tmp_path):
         ("jdp.replay", ["LOGS", "--step", "1", "--top", "-1"], "--top -1: give how many"),
         ("jdp.bench", ["scaling", "--steps", "-5"], "--steps -5: give 1 or more"),
         ("jdp.bench", ["step", "--rounds", "0"], "--rounds 0: give 1 or more"),
-        ("jdp.bench", ["faults", "--kills", "-1"], "--kills -1: give 0 or more"),
+        ("tools.faults", ["--kills", "-1"], "--kills -1: give 0 or more"),
     ],
 )  # fmt: skip
 def test_numbers_out_of_range_are_one_line_before_any_work(made, tmp_path, module, argv, needle):

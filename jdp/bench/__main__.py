@@ -51,12 +51,11 @@ the compilation cache against compiled again, for gpt and resnet20.
 ``python -m jdp.train --help``, each in fresh processes, in interleaved rounds.
 
 ``gpu``: every accelerator figure in one run within a wall budget (GPT-2 124M,
-ResNet-50, the JPEG loader, the small-model sweep, a correctness check), as JSON;
-``--bundle`` writes the wheels an offline machine needs (`jdp.bench.gpu`).
+ResNet-50, the JPEG loader, the small-model sweep, a correctness check), as JSON
+(`jdp.bench.gpu`).
 
-``faults``: random kill -9 trials (each resumed and compared bitwise with an
-uninterrupted run) and random bit flips in a checkpoint (each detected,
-unaffected, or restored silently).
+The project's own tooling (the README's figures, the fault trials, the docs'
+GPU section, an offline machine's wheels) is in ``tools/`` beside the package.
 """
 
 from __future__ import annotations
@@ -70,7 +69,6 @@ from jdp.bench import (
     corpus,
     diloco,
     dispatch,
-    faults,
     gpu,
     inputs,
     keras,
@@ -78,13 +76,12 @@ from jdp.bench import (
     logs,
     memory,
     multihost,
-    readme,
     resume,
     scaling,
     startup,
     step,
 )
-from jdp.bench.common import HelpWithDefaults
+from jdp.bench.common import HelpWithDefaults, out_of_range
 from jdp.tool import command
 
 # command -> (module, help)
@@ -98,14 +95,12 @@ BENCHMARKS = {
     "multihost": (multihost, "each model in 1 process x 1 device vs 2 processes x 1 device"),
     "diloco": (diloco, "sync data parallelism vs DiLoCo: metric, bytes across groups, speed"),
     "corpus": (corpus, "gpt on a 2 GB memory-mapped token corpus: memory growth, input wait"),
-    "faults": (faults, "random kill -9 trials and checkpoint bit flips: resumes, detections"),
     "memory": (memory, "bytes per device of a model on each layout (data, fsdp, model, ZeRO-1)"),
     "keras": (keras, "jdp.train --mesh data=1 vs Keras 3's model.fit: same model, data, Adam"),
-    "readme": (readme, "run README.md's figures table's commands; rewrite or check its rows"),
     "resume": (resume, "a resume's seconds to its first step: compilation cache vs compiling"),
     "startup": (startup, "import jax vs import jdp, the API's first use, jdp.train --help"),
     "lm": (lm, "gpt's step vs a hand-written JAX + Optax one: tokens/s, MFU, remat, attention"),
-    "gpu": (gpu, "every accelerator figure in one budgeted run; --bundle: offline wheels"),
+    "gpu": (gpu, "every accelerator figure in one budgeted run"),
 }
 
 
@@ -122,34 +117,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker = commands.add_parser("multihost-worker")  # one process of `multihost`: no help
     multihost.add_arguments(worker, worker=True)
     args = parser.parse_args(argv)
-    if bad := _out_of_range(args):
+    if bad := out_of_range(args):
         print(f"jdp.bench: error: {bad}", file=sys.stderr)
         return 2
     if args.command == "multihost-worker":
         multihost.run_worker(args)
         return 0
     return BENCHMARKS[args.command][0].run(args) or 0
-
-
-# Counts a benchmark cannot run without one of (a median of no rounds, no steps).
-_AT_LEAST_ONE = {"rounds", "steps", "repeats"}  # (a batch size of 0: some choose it)
-# Amounts a benchmark cannot run within at 0: the seconds it is given.
-_POSITIVE = {"budget"}
-
-
-def _out_of_range(args: argparse.Namespace) -> str | None:
-    """The line for a count below what it can be: a number of anything is never negative,
-    and rounds and steps are at least 1; None when every one is in range."""
-    for name, value in sorted(vars(args).items()):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            continue
-        if name in _POSITIVE and not value > 0:  # NaN too
-            return f"--{name.replace('_', '-')} {value}: give more than 0"
-        low = 1 if name in _AT_LEAST_ONE else 0
-        if not value >= low:  # NaN too
-            least = "1 or more" if low else "0 or more"
-            return f"--{name.replace('_', '-')} {value}: give {least}"
-    return None
 
 
 if __name__ == "__main__":

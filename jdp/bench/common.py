@@ -112,3 +112,24 @@ def steps_per_sec(run, batch, count: int) -> float:
         state, metrics = run.train_step(state, batch)
     jax.block_until_ready(metrics)
     return count / (time.perf_counter() - started)
+
+
+# Counts a benchmark cannot run without one of (a median of no rounds, no steps).
+_AT_LEAST_ONE = {"rounds", "steps", "repeats"}  # (a batch size of 0: some choose it)
+# Amounts a benchmark cannot run within at 0: the seconds it is given.
+_POSITIVE = {"budget"}
+
+
+def out_of_range(args: argparse.Namespace) -> str | None:
+    """The line for a count below what it can be: a number of anything is never negative,
+    and rounds and steps are at least 1; None when every one is in range."""
+    for name, value in sorted(vars(args).items()):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if name in _POSITIVE and not value > 0:  # NaN too
+            return f"--{name.replace('_', '-')} {value}: give more than 0"
+        low = 1 if name in _AT_LEAST_ONE else 0
+        if not value >= low:  # NaN too
+            least = "1 or more" if low else "0 or more"
+            return f"--{name.replace('_', '-')} {value}: give {least}"
+    return None

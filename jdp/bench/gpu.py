@@ -25,9 +25,9 @@ done, so a run cut short keeps the parts before it:
    it runs on the host's cores beside the other parts), in fp32 with exact matrix
    products, within a tolerance derived from the CPU run's own sensitivity.
 
-``--smoke`` runs every part at toy sizes, on a CPU too, in seconds. ``--bundle
-DIR`` instead writes the wheels an offline machine needs (`jdp.bench.bundle`);
-``python -m jdp.bench.gpu_docs`` turns the JSON into the docs' GPU section.
+``--smoke`` runs every part at toy sizes, on a CPU too, in seconds. From a checkout,
+``python -m tools.bundle DIR`` writes the wheels an offline machine needs, and
+``python -m tools.gpu_docs`` turns the JSON into the docs' GPU section.
 """
 
 from __future__ import annotations
@@ -185,19 +185,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="GPT-2 rows per device (0: 32 on devices of 40 GB or more, else 16)",
     )
-    from jdp.bench import bundle
-
-    bundle.add_arguments(parser)
     # One process's CPU reference for the correctness part, printed as JSON.
     parser.add_argument("--cpu-reference", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
-    from jdp.bench import bundle
     from jdp.bench.common import names
 
-    if args.bundle or args.resolve_only:
-        return bundle.run(args)
     if args.cpu_reference:
         print(json.dumps(correctness_losses(args.cpu_reference, (False, True))))
         return 0

@@ -1,5 +1,5 @@
 """The table ``python -m jdp.bench gpu`` prints at its end (and ``python -m
-jdp.bench.gpu_docs`` writes into the docs), from the parts' JSON."""
+tools.gpu_docs`` writes into the docs), from the parts' JSON."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def gpt_line(result: dict[str, Any]) -> str:
 
 
 def table(data: dict[str, Any]) -> list[str]:
-    """The run's figures as printed at its end (and by ``python -m jdp.bench.gpu_docs``)."""
+    """The run's figures as printed at its end (and by ``python -m tools.gpu_docs``)."""
     parts, lines = data["parts"], []
     for part, lines_of in LINES.items():
         result = parts.get(part)

@@ -1,5 +1,5 @@
-"""``python -m jdp.bench faults``: random kill -9 trials and random bit flips in checkpoints,
-and the classes of `jdp.bench.fault_trials` (bad data, a stolen lock, a killed launcher,
+"""``python -m tools.faults``: random kill -9 trials and random bit flips in checkpoints,
+and the classes of `tools.fault_trials` (bad data, a stolen lock, a killed launcher,
 a checkpoint directory failing mid-run).
 
 Kills: a run is killed with SIGKILL at a random moment (any step, during a save
@@ -26,16 +26,17 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 import optax
 
-from jdp.bench import fault_trials, tool_faults
 from jdp.bench.common import report_lines
 from jdp.mesh_spec import child_environment
+from jdp.tool import command
 from jdp.training.run import setup_devices
+from tools import command_line, fault_trials, tool_faults
 
 # A run long enough for kills to land anywhere in it, short enough for many trials.
 KILL_RUN = "--mesh data=2 --steps 60 --warmup-steps 5 --batch-size 64 --ckpt-every 5"
@@ -255,3 +256,12 @@ def run(args: argparse.Namespace) -> None:
                for flag, _, _ in NEW_CLASSES}  # fmt: skip
     bench_faults(kill_trials=args.kills, flip_trials=args.flips, seed=args.seed,
                  on_line=on_line, **classes)  # fmt: skip
+
+
+@command("tools.faults")
+def main(argv: Sequence[str] | None = None) -> int:
+    return command_line("tools.faults", sys.modules[__name__], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

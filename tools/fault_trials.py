@@ -1,4 +1,4 @@
-"""The new classes of ``python -m jdp.bench faults``: bad data, a stolen lock, a launcher
+"""The new classes of ``python -m tools.faults``: bad data, a stolen lock, a launcher
 killed, a checkpoint directory that fails mid-run. Each trial draws its fault at
 random (seeded) and sorts the outcome; the counts that must be 0 are the silent
 results, the lost runs and the hangs.

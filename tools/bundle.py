@@ -1,9 +1,9 @@
-"""``python -m jdp.bench gpu --bundle DIR``: the wheels an offline machine needs to run jdp.
+"""``python -m tools.bundle DIR``: the wheels an offline machine needs to run jdp.
 
 Run on a machine with a network, for a target without one (an air-gapped cluster,
 a locked cloud image)::
 
-    python -m jdp.bench gpu --bundle DIR --have FREEZE --python 3.12 \\
+    python -m tools.bundle DIR --have FREEZE --python 3.12 \\
         --platform manylinux_2_28_x86_64
 
 ``FREEZE`` is the target's ``pip freeze`` or ``pip list`` output. jdp's
@@ -31,8 +31,11 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Sequence
 
 from jdp.errors import UsageError, check_input_file
+from jdp.tool import command
+from tools import command_line
 
 LIMIT_MB = 60  # what a bundle carried to a GPU machine may weigh
 
@@ -186,10 +189,10 @@ def lacking(closure: dict[str, str], have: dict[str, str]) -> dict[str, str]:
 
 
 def source_root() -> pathlib.Path:
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[1]
     if not (root / "pyproject.toml").is_file():
-        raise UsageError("--bundle builds jdp's wheel from its source: run it from a checkout "
-                         "of jdp (pip install -e .), not an installed wheel")  # fmt: skip
+        raise UsageError("tools.bundle builds jdp's wheel from its source: run it from a "
+                         "checkout of jdp")  # fmt: skip
     return root
 
 
@@ -213,10 +216,11 @@ def write_bundle(directory: str, missing: dict[str, str], python: str, platform:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--bundle",
+        "bundle",
         metavar="DIR",
+        nargs="?",
         default="",
-        help="write the wheels an offline target needs into DIR, and stop",
+        help="the folder the wheels an offline target needs are written into",
     )
     parser.add_argument(
         "--resolve-only",
@@ -268,6 +272,8 @@ def _check_target(python: str, platform: str, offline: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not (args.bundle or args.resolve_only):
+        raise UsageError("give DIR, the folder the wheels go into, or --resolve-only")
     if not args.have:
         raise UsageError("--have FREEZE: the target's `pip freeze` or `pip list` output, saved "
                          "to a file there (an empty file for a bare Python)")  # fmt: skip
@@ -309,3 +315,12 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"on the target: pip install --no-index --find-links {args.bundle} jdp")
     return 0
+
+
+@command("tools.bundle")
+def main(argv: Sequence[str] | None = None) -> int:
+    return command_line("tools.bundle", sys.modules[__name__], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,7 +18,7 @@ examples. The fingerprint hashes what does decide the bits:
 Its inputs are dyadic rationals made from integers, so they are the same bits on
 every machine; only the arithmetic can differ.
 
-``python -m jdp.bench.numerics`` prints this machine's fingerprint.
+``python -m tools.numerics`` prints this machine's fingerprint.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def fingerprint() -> str:
     """This machine's numerics fingerprint: 12 hex digits.
 
     Examples:
-        >>> from jdp.bench import numerics
+        >>> from tools import numerics
         >>> key = numerics.fingerprint()
         >>> len(key), key == numerics.fingerprint()
         (12, True)

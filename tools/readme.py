@@ -1,4 +1,4 @@
-"""``python -m jdp.bench readme``: runs the commands of README.md's figures table.
+"""``python -m tools.readme``: runs the commands of README.md's figures table.
 
 Each row's command runs in a fresh process, as a user runs it, and its summary
 line gives the row: test accuracy (a language model's validation bits per
@@ -8,7 +8,7 @@ row whose accuracy is not what its command printed. Speeds vary between runs and
 are never compared.
 
 How accuracies are compared depends on the numerics fingerprint recorded with
-the table (`jdp.bench.numerics`): where it is this machine's, the runs are
+the table (`tools.numerics`): where it is this machine's, the runs are
 bit-identical and the accuracy must be the same to the last digit; elsewhere
 float32 sums reorder, a trajectory moves after a few hundred steps, and each row
 must be within its "on another CPU" tolerance. ``--spread`` measures those
@@ -28,10 +28,13 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import jax
 
+from jdp.tool import command
 from jdp.training.recipes import load_recipe, recipe_names
+from tools import command_line
 
 HEADER = "| command | test accuracy | on another CPU | wall | examples/s |"
 ROW = re.compile(
@@ -110,7 +113,7 @@ def row_env(xla_flags: str = "") -> dict[str, str]:
 
 def machine_numerics(env: dict[str, str] | None = None) -> str:
     """This machine's numerics fingerprint, computed in a fresh process as the rows run."""
-    command = [sys.executable, "-m", "jdp.bench.numerics"]
+    command = [sys.executable, "-m", "tools.numerics"]
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=300, env=env or row_env()
     )
@@ -302,15 +305,24 @@ def run(args: argparse.Namespace) -> int:
         with open(args.readme, "w") as file:
             file.write(rewrite(text, rows, measured, key))
         _sync_recipes(measured, key)
-        print(f"jdp.bench readme: {len(chosen)} rows rewritten in {args.readme}, and the recipes "
+        print(f"tools.readme: {len(chosen)} rows rewritten in {args.readme}, and the recipes "
               "they check")  # fmt: skip
     if args.check:
         exact = recorded_numerics(text) == key
         how = "exactly" if exact else "within each row's tolerance on another CPU"
-        print(f"jdp.bench readme: this machine's numerics {key}: accuracies compared {how}")
+        print(f"tools.readme: this machine's numerics {key}: accuracies compared {how}")
         wrong = check(text, measured, key)
         for line in wrong:
-            print(f"jdp.bench readme: stale: {line}", file=sys.stderr)
-        print(f"jdp.bench readme: {len(chosen) - len(wrong)} of {len(chosen)} rows hold")
+            print(f"tools.readme: stale: {line}", file=sys.stderr)
+        print(f"tools.readme: {len(chosen) - len(wrong)} of {len(chosen)} rows hold")
         return 1 if wrong else 0
     return 0
+
+
+@command("tools.readme")
+def main(argv: Sequence[str] | None = None) -> int:
+    return command_line("tools.readme", sys.modules[__name__], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

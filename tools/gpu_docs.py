@@ -1,4 +1,4 @@
-"""``python -m jdp.bench.gpu_docs JSON...``: the GPU section of the docs, from the JSON files
+"""``python -m tools.gpu_docs JSON...``: the GPU section of the docs, from the JSON files
 ``python -m jdp.bench gpu`` wrote; nothing in it is typed by hand.
 
 Runs on one kind of device are merged: each file's parts replace the same parts of the
@@ -25,7 +25,7 @@ from jdp.bench.gpu_table import gpt_numbers, setting_text, table
 from jdp.errors import UsageError
 from jdp.tool import command, key_of, read_json
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = "docs/performance.md"
 BEGIN, END = "<!-- jdp.bench gpu: begin -->", "<!-- jdp.bench gpu: end -->"
 README = "README.md"  # one line of it, between its own pair of markers
@@ -176,7 +176,7 @@ def section(groups: list[dict[str, Any]], root: pathlib.Path) -> str:
     named from ``root`` (the checkout), however the command named them."""
     files = [_from(run["file"], root) for merged in reversed(groups) for run in merged["runs"]]
     body = [
-        f"<!-- made by `python -m jdp.bench.gpu_docs {' '.join(files)}`: edit the JSON's "
+        f"<!-- made by `python -m tools.gpu_docs {' '.join(files)}`: edit the JSON's "
         "run, not this -->",
         "",
         "Measured by the runs below; their JSON files are in [gpu/](gpu/).",
@@ -268,7 +268,7 @@ def readme_line(merged: dict[str, Any]) -> str:
 
 def _between(text: str, begin: str, end: str, body: str, name: str) -> str:
     if begin not in text or end not in text:
-        raise SystemExit(f"jdp.bench.gpu_docs: {name} has no {begin} ... {end} markers")
+        raise SystemExit(f"tools.gpu_docs: {name} has no {begin} ... {end} markers")
     head, rest = text.split(begin, 1)
     return head + begin + "\n" + body + "\n" + end + rest.split(end, 1)[1]
 
@@ -293,22 +293,22 @@ def rewrite(groups: list[dict[str, Any]], root: pathlib.Path) -> dict[pathlib.Pa
     return new
 
 
-@command("jdp.bench.gpu_docs")
+@command("tools.gpu_docs")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jdp.bench.gpu_docs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tools.gpu_docs", description=__doc__.splitlines()[0])
     parser.add_argument("json", nargs="+", help="jdp.bench gpu's files, oldest first")
     parser.add_argument("--check", action="store_true", help="change nothing; 1 when stale")
     parser.add_argument("--root", default=str(ROOT), help="the checkout whose docs to write")
     args = parser.parse_args(argv)
     for path in args.json:
         if not pathlib.Path(path).is_file():
-            print(f"jdp.bench.gpu_docs: {path}: no such file", file=sys.stderr)
+            print(f"tools.gpu_docs: {path}: no such file", file=sys.stderr)
             return 2
     new = rewrite(by_device(args.json), pathlib.Path(args.root))
     stale = [path for path, text in new.items() if path.read_text() != text]
     if args.check:
         for path in stale:
-            print(f"jdp.bench.gpu_docs: {path} differs from the JSON's figures", file=sys.stderr)
+            print(f"tools.gpu_docs: {path} differs from the JSON's figures", file=sys.stderr)
         return 1 if stale else 0
     for path in stale:
         path.write_text(new[path])

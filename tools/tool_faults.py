@@ -1,4 +1,4 @@
-"""Bad input to every tool, a class of ``python -m jdp.bench faults`` and the table the
+"""Bad input to every tool, a class of ``python -m tools.faults`` and the table the
 suite walks: each ``python -m jdp.*`` tool's path arguments (`SLOTS`) given generic bad
 paths (`bad_paths`: missing, a loop of links, a directory where a file belongs and the
 reverse, empty, cut short, unwritable, a name that is not UTF-8). A tool must answer in
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[1] / "jdp" / "recipes"
 TRAIN = ["--mesh", "data=1", "--steps", "1", "--warmup-steps", "0"]
 _GPT = ["--model", "gpt", "--seq-len", "16"]
 
@@ -71,7 +71,7 @@ SLOTS = {
     "plot --out": ("jdp.plot", ["LOGS", "--out", "{}"], "out_file", None,
                    {"a loop of links": "matplotlib adds .png: it writes loop.png"}),
     "launch COMMAND": ("jdp.launch", ["--nproc", "1", "--", "{}"], "in_file", "text/a.txt", {}),
-    "bench.gpu_docs JSON": ("jdp.bench.gpu_docs", ["{}", "--check"], "in_file", "gpu.json", {}),
+    "tools.gpu_docs JSON": ("tools.gpu_docs", ["{}", "--check"], "in_file", "gpu.json", {}),
 }  # fmt: skip
 
 
