@@ -4,7 +4,9 @@ a wrong result."""
 
 import json
 import os
+import pathlib
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -869,3 +871,31 @@ def test_a_full_data_dir_while_preparing_is_one_line(tmp_path):
         "free space there, or choose another --data-dir"
     ), result.stderr
     assert "Traceback" not in result.stderr
+
+
+# The scheduled lane: each class's cases are the per-change tests' of its own module
+# (tests/test_faults.py, test_lock.py, test_no_hangs.py, test_distributed.py, test_tools.py).
+@pytest.mark.slow
+@pytest.mark.scheduled
+def test_faults_benchmark_runs_the_new_classes_with_nothing_silent_lost_or_hung():
+    # One trial of each class: each class's cases are the tests' of its own module.
+    flags = "--kills 0 --flips 0 --data-faults 1 --lock-thefts 1 --directory-failures 1 " \
+        "--launcher-kills 1 --wrapped-stops 1 --tool-faults 1 --seed 1"  # fmt: skip
+    result = subprocess.run(  # the project's tools run from a checkout's root
+        [sys.executable, "-m", "tools.faults", *shlex.split(flags)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=subprocess_env(),
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+    )
+    assert result.returncode == 0, result.stderr
+    summary = dict(re.findall(r"^([a-z ]+): trials=\d+ (.+)$", result.stdout, re.M))
+    assert summary == {
+        "data faults": "named=1 silent=0 hang=0 other=0",
+        "lock thefts": "kept=1 two-writers=0 lost=0 hang=0",
+        "directory failures": "stopped=1 hang=0 other=0",
+        "launcher kills": "ended=1 late=0 orphaned=0 lost=0",
+        "wrapped stops": "saved=1 orphaned=0 lost=0 hang=0",
+        "tool faults": "one-line=1 traceback=0 other=0",
+    }, result.stdout
