@@ -27,8 +27,8 @@ __getattr__, __dir__, __all__ = lazy.attach(
     {
         "jdp.actions": ("Action", "Callback", "EarlyStopping", "PeriodicAction", "Progress"),
         "jdp.checkpoint": ("Checkpointer", "load_params"),
-        "jdp.data.pipeline": ("Loader", "eval_batches", "train_batches"),
-        "jdp.data.sources": ("Split", "load_split"),
+        "jdp.data.loader": ("Loader", "eval_batches", "train_batches"),
+        "jdp.data.splits": ("Split", "load_split"),
         "jdp.diloco": ("Outer", "diloco"),  # the function; the package is jdp/diloco/
         "jdp.errors": ("DataLedgerError", "NonFiniteError", "UsageError"),
         "jdp.inference": ("LoadedModel", "load_model", "predict"),

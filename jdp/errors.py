@@ -18,7 +18,7 @@ class NonFiniteError(RuntimeError):
 
 
 class DataLedgerError(RuntimeError):
-    """A global batch was not the one the run's seed and step give (`jdp.data.ledger`):
+    """A global batch was not the one the run's seed and step give (`jdp.data.splits.ledger`):
     a process read other rows, or the loader skipped or repeated a batch. The CLI
     prints it and exits with code 1; nothing trained on that batch was saved.
     """

@@ -22,11 +22,10 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jdp.checkpoint import read_checkpoint
 from jdp.checkpoint.record import YOURS, RunSettings
-from jdp.data.custom import from_arrays
-from jdp.data.facts import data_facts as data_facts  # importable here, as before
-from jdp.data.facts import split_shape
-from jdp.data.pipeline import eval_batches
-from jdp.data.raw import read_inputs
+from jdp.data.formats import read_inputs
+from jdp.data.loader import eval_batches
+from jdp.data.splits import data_facts as data_facts  # importable here, as before
+from jdp.data.splits import from_arrays, split_shape
 from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY, batch_sharded, batch_split, make_mesh, replicated
 from jdp.models import Model

@@ -5,7 +5,7 @@ restore exactly; so step ``N`` can be computed again. Replay builds the run from
 ``config.json``, restores its latest checkpoint before ``N`` (or initialises it as
 the run did, when none is left), trains on to ``N`` on the run's mesh, and checks
 each step the run logged on the way: the loss bit for bit, and the data ledger's
-digests (`jdp.data.ledger`). Then it writes step ``N`` into ``OUT`` (default
+digests (`jdp.data.splits.ledger`). Then it writes step ``N`` into ``OUT`` (default
 ``RUN_DIR/replay-N``): ``step.json`` (the loss, each parameter's gradient and update
 norm, the examples by loss, largest first) and ``batch.npz`` (the global batch as
 the model saw it, each row's example index and loss). The tool for "why did the loss
@@ -35,9 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jdp.checkpoint import Checkpointer, Record, read_record
 from jdp.checkpoint.record import RunSettings
-from jdp.data.ledger import BATCH, TOTAL, Ledger
-from jdp.data.pipeline import places_ahead, train_batches
-from jdp.data.readers import TrainReader, global_batch_indices
+from jdp.data.loader import TrainReader, global_batch_indices, places_ahead, train_batches
+from jdp.data.splits import BATCH, TOTAL, Ledger
 from jdp.errors import UsageError
 from jdp.mesh import DATA_AXIS, GROUP_AXIS
 from jdp.report.console import Console

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import jax
 
-from jdp.data.corpora import is_corpus, load_corpus
+from jdp.data.formats import is_corpus, load_corpus
 from jdp.models import hf
 from jdp.models.registry import context
 from jdp.models.transformer import EPSILON

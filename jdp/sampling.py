@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jdp.checkpoint.record import RunSettings
-from jdp.data.tokens import TOKENS_PREFIX, TokenSplit
+from jdp.data.formats import TOKENS_PREFIX, TokenSplit
 from jdp.errors import UsageError, not_there
 from jdp.inference import load_model
 from jdp.models.generate import generate, gpt_for
@@ -258,13 +258,13 @@ def sample_line(params: Any, splits: dict[str, TokenSplit | None], *,
         UsageError: parameters that this process cannot read whole (sharded over processes).
 
     Examples:
-        >>> from jdp.data.shards import write_llmc, write_meta
+        >>> from jdp.data.formats import write_llmc, write_meta
         >>> write_llmc(f"{tmp}/text_val_000000.bin", np.frombuffer(b"Hello! " * 9, np.uint8))
         >>> write_meta(tmp, {"vocab_size": 256, "tokenizer": "bytes"})
         >>> gpt = jdp.models.GPT(vocab_size=256, width=16, heads=2, layers=1, hidden=32,
         ...                      max_len=16)
         >>> params = jax.jit(gpt.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-        >>> print(sample_line(params, jdp.data.tokens.corpus(tmp, seq_len=16)))
+        >>> print(sample_line(params, jdp.data.formats.tokens.corpus(tmp, seq_len=16)))
         jdp: sample: "Hell" -> "..."
     """
     split = next(s for s in (splits.get(n) for n in ("validation", "test", "train")) if s)

@@ -90,7 +90,8 @@ def test_the_config_choices_are_the_registries():
     import typing
 
     from jdp import optim, precision, step
-    from jdp.data import corpora, custom, sources, tokens
+    from jdp.data.formats import corpora, tokens
+    from jdp.data.splits import custom, sources
     from jdp.diloco.outer import OUTER_OPTIMIZERS
     from jdp.models import hf
     from jdp.models.attention import ATTENTION_IMPLEMENTATIONS

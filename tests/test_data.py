@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import jdp
-from jdp.data.digits import TEST_SIZE
-from jdp.data.pipeline import (
+from jdp.data.formats.digits import TEST_SIZE
+from jdp.data.formats.transforms import Augmentation, Transform
+from jdp.data.loader.pipeline import (
     TRAIN_CHUNK,
     EvalReader,
     Loader,
@@ -15,9 +16,8 @@ from jdp.data.pipeline import (
     eval_batches,
     train_batches,
 )
-from jdp.data.readers import _AUGMENT_STREAM, global_batch_indices
-from jdp.data.sources import Split, load_split
-from jdp.data.transforms import Augmentation, Transform
+from jdp.data.loader.readers import _AUGMENT_STREAM, global_batch_indices
+from jdp.data.splits.sources import Split, load_split
 from jdp.mesh import rows_by_process
 
 # A split whose image is its example id, so batches show which examples they hold.
@@ -196,7 +196,7 @@ def test_loader_errors_reach_the_caller(mesh8):
 
 
 def test_the_ledgers_marks_sum_alike_asked_each_step_or_once_and_are_never_all_held():
-    from jdp.data.pipeline import MARKS_HELD
+    from jdp.data.loader.pipeline import MARKS_HELD
 
     mesh1, steps = jdp.make_mesh("data=1"), MARKS_HELD + 100
     kwargs = dict(batch_size=16, seed=2, start_step=5, place=False, ledger="indices")
@@ -282,7 +282,7 @@ def test_unknown_dataset():
 
 
 def test_on_one_cpu_device_the_loader_hands_the_step_host_arrays(mesh1, mesh8):
-    from jdp.data.pipeline import places_ahead
+    from jdp.data.loader.pipeline import places_ahead
 
     # One CPU device in one process: the step's call places a NumPy batch for less host
     # time than the loader's thread would; with several devices the loader places them.

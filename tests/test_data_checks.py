@@ -179,7 +179,7 @@ def test_a_validation_fraction_that_leaves_too_few_to_train_names_the_largest():
 
 def test_an_npz_validation_split_may_be_named_val(tmp_path):
     """x_val/y_val (as jdp's own val/loss names it) is the validation split, not left out."""
-    from jdp.data.custom import load_named
+    from jdp.data.splits.custom import load_named
 
     file = tmp_path / "mine.npz"
     x, y = np.zeros((12, 4), np.float32), np.arange(12) % 3

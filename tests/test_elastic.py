@@ -104,7 +104,7 @@ def _log_dir(ckpt_dir) -> str:
 
 
 def _ledger(ckpt_dir) -> dict:
-    """Each logged step's data ledger digests (`jdp.data.ledger`), every attempt's
+    """Each logged step's data ledger digests (`jdp.data.splits.ledger`), every attempt's
     records of a step agreeing (a restart logs again the steps a kill lost)."""
     ledger = {}
     with open(os.path.join(_log_dir(ckpt_dir), "metrics.jsonl")) as file:

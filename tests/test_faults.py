@@ -317,7 +317,7 @@ def test_a_recipe_setting_both_steps_and_epochs_is_refused(tmp_path):
 
 
 def test_an_input_that_is_not_a_regular_file_is_refused_never_read(tmp_path):
-    from jdp.data.custom import from_npz
+    from jdp.data.splits.custom import from_npz
     from jdp.training.recipes import load_recipe
 
     os.mkfifo(tmp_path / "fifo.toml")  # a read would block until something writes

@@ -14,8 +14,8 @@ import pytest
 from helpers import run_cli, run_python
 
 import jdp
-from jdp.data.tokenize import tokenize
-from jdp.data.tokens import corpus
+from jdp.data.formats.tokenize import tokenize
+from jdp.data.formats.tokens import corpus
 from jdp.models.generate import _decode
 from jdp.models.transformer import GPT, stack_layers
 from jdp.sample import main, training_sample
@@ -261,7 +261,7 @@ def test_the_closing_sample_stops_at_the_end_of_a_document(tmp_path):
     never prints a raw <|endoftext|>."""
     import dataclasses
 
-    from jdp.data.shards import write_llmc, write_meta
+    from jdp.data.formats.shards import write_llmc, write_meta
 
     write_llmc(tmp_path / "text_val_000000.bin", np.frombuffer(b"Hello, world! " * 9, np.uint8))
     write_meta(tmp_path, {"vocab_size": 256, "tokenizer": "bytes"})

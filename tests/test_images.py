@@ -1,4 +1,4 @@
-"""Streamed images (`jdp.data.images`): a JPEG tree and its packed form read alike, in
+"""Streamed images (`jdp.data.formats.images`): a JPEG tree and its packed form read alike, in
 jdp's order; Inception crops drawn from (seed, step, example), the same on every
 topology; evaluation counts each image once; resume is bitwise; memory stays flat."""
 
@@ -20,8 +20,8 @@ from helpers import assert_bitwise_equal, run_cli, run_python, saved_arrays, sub
 
 import jdp
 from jdp.bench.images import write_tree
-from jdp.data.images import ImageTransform, Normalize
-from jdp.data.readers import EvalReader, TrainReader
+from jdp.data.formats.images import ImageTransform, Normalize
+from jdp.data.loader.readers import EvalReader, TrainReader
 from jdp.mesh import MASK_KEY
 
 

@@ -55,7 +55,7 @@ OVER_TODAY: dict[str, int] = {
 
 
 def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
-    """``jdp/data/sources.py`` -> ``data.sources``; ``jdp/__init__.py`` -> ``""``."""
+    """``jdp/data/splits/sources.py`` -> ``data.sources``; ``jdp/__init__.py`` -> ``""``."""
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -106,6 +106,20 @@ def imports(name: str, source: str, known: set[str]) -> Iterator[tuple[str, str,
                     yield target, alias.name, node.lineno
 
 
+# Packages in wings, each wing a face the rest of jdp imports (jdp/data: formats, splits
+# and order, the loader); inside the package the wings' modules import each other.
+WINGED = ("data",)
+
+
+def _wing_module(target: str) -> tuple[str, str] | None:
+    """(package, package.wing) where ``target`` is a module inside a wing of a `WINGED`
+    package (``data.loader.pipeline``); else None."""
+    parts = target.split(".")
+    if len(parts) >= 3 and parts[0] in WINGED:
+        return parts[0], f"{parts[0]}.{parts[1]}"
+    return None
+
+
 def violations(sources: dict[str, str]) -> list[str]:
     """Every broken rule in ``sources`` (module name -> its source), one line each."""
     known = set(sources)
@@ -130,6 +144,9 @@ def violations(sources: dict[str, str]) -> list[str]:
             private = imported.startswith("_") and not imported.startswith("__")
             if private and (own_package is None or own_package != target_package):
                 found.append(f"{where} takes jdp.{target}.{imported}, a private name")
+            wing = _wing_module(target)
+            if wing and name != wing[0] and not name.startswith(f"{wing[0]}."):
+                found.append(f"{where} reaches into jdp.{target}: import its face, jdp.{wing[1]}")
     found.extend(f"import cycle: {' -> '.join(cycle)}" for cycle in _cycles(edges))
     for cycle in _cycles(_package_edges(edges)):
         found.append(f"packages import each other: {' -> '.join(cycle)}")
@@ -198,6 +215,11 @@ def test_the_package_keeps_its_layers():
         ("mesh", "from jdp.state import TrainState", "import cycle: "),
         ("diloco.outer", "from jdp.step.contract import bounded", "packages import each other: "),
         ("wheel", "", "jdp.wheel has no layer"),
+        (
+            "training.run",
+            "from jdp.data.loader.pipeline import train_batches",
+            "reaches into jdp.data.loader.pipeline: import its face, jdp.data.loader",
+        ),
         (
             "mesh",
             'from jdp import lazy\nlazy.attach(__name__, {"jdp.training.loop": ("fit",)})',

@@ -18,7 +18,7 @@ from helpers import assert_trees_close, run_cli
 from jax.sharding import PartitionSpec as P
 
 import jdp
-from jdp.data import numbers2words
+from jdp.data.formats import numbers2words
 from jdp.errors import UsageError
 from jdp.layout import MIN_SHARDED_BYTES, leaf_spec, param_specs
 from jdp.models import classification, from_linen, from_nnx, get_model

@@ -1,4 +1,4 @@
-"""The data ledger (`jdp.data.ledger`): each logged step's global batch digest and the sum
+"""The data ledger (`jdp.data.splits.ledger`): each logged step's global batch digest and the sum
 since step 1, the same on any mesh, loader and resume, kept with the checkpoints, and a
 batch that is not the one ``(seed, step)`` gives caught before it is saved."""
 
@@ -11,8 +11,8 @@ from helpers import run_python
 
 import jdp
 from jdp.checkpoint import read_record, step_directory
-from jdp.data.ledger import BATCH, TOTAL, TOTAL_BYTES, step_digests
-from jdp.data.readers import TrainReader
+from jdp.data.loader.readers import TrainReader
+from jdp.data.splits.ledger import BATCH, TOTAL, TOTAL_BYTES, step_digests
 
 QUIET = jdp.Console(enabled=False)
 
@@ -82,7 +82,7 @@ def test_the_bytes_ledger_sees_new_data_under_the_same_indices():
 
 @pytest.mark.slow
 def test_a_skipped_batch_stops_the_run_before_it_is_saved(tmp_path, monkeypatch):
-    from jdp.data.pipeline import Loader
+    from jdp.data.loader.pipeline import Loader
 
     step_once = Loader.__next__
 
@@ -106,7 +106,7 @@ def test_a_skipped_batch_stops_the_run_before_it_is_saved(tmp_path, monkeypatch)
 # row is process 0's last, and the batch's last row is nobody's.
 SHIFTED = """
 import os, runpy, sys
-from jdp.data import readers
+from jdp.data.loader import readers
 if os.environ["JDP_PROCESS_ID"] == "1":
     made = readers.TrainReader.__init__
     def shifted(self, *args, rows, **kwargs):

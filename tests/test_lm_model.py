@@ -14,8 +14,8 @@ import pytest
 from flax.core import meta
 
 import jdp
-from jdp.data import numbers2words
-from jdp.data.readers import TrainReader
+from jdp.data.formats import numbers2words
+from jdp.data.loader.readers import TrainReader
 from jdp.errors import UsageError
 from jdp.models.attention import Attention, implementation
 from jdp.models.registry import get_model

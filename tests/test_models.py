@@ -12,7 +12,7 @@ from closeness import assert_drift_within
 from flax import nnx
 
 import jdp
-from jdp.data import numbers2words
+from jdp.data.formats import numbers2words
 from jdp.models import (
     DATA_AXIS,
     GPT,

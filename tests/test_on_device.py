@@ -1,4 +1,4 @@
-"""Splits on the devices (`jdp.data.on_device`): the host loader's batches, bitwise, gathered
+"""Splits on the devices (`jdp.data.loader.on_device`): the host loader's batches, bitwise, gathered
 where the data lives; the same training; auto's choice and on's refusal.
 
 Runs on 2 processes use the default (auto, the digits placed) in test_distributed's
@@ -12,9 +12,9 @@ import pytest
 from helpers import cli
 
 import jdp
-from jdp.data import on_device
-from jdp.data.ledger import TOTAL, TOTAL_BYTES
-from jdp.data.on_device import OnDevice, cannot_place, place
+from jdp.data.loader import on_device
+from jdp.data.loader.on_device import OnDevice, cannot_place, place
+from jdp.data.splits.ledger import TOTAL, TOTAL_BYTES
 from jdp.errors import UsageError
 
 QUIET = jdp.Console(enabled=False)

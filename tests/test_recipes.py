@@ -15,7 +15,7 @@ from helpers import run_cli
 
 import jdp
 from jdp.bench.images import write_tree
-from jdp.data.shards import write_llmc, write_meta
+from jdp.data.formats.shards import write_llmc, write_meta
 from jdp.errors import UsageError
 from jdp.training.flags import parse_flags
 from jdp.training.recipes import STATEMENT, load_recipe, recipe_names

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import run_cli, run_python, run_tool
 
-from jdp.data.readers import global_batch_indices
+from jdp.data.loader.readers import global_batch_indices
 from jdp.errors import UsageError
 
 BATCH, EXAMPLES, CKPT_EVERY = 32, 256, 10

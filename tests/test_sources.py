@@ -16,8 +16,8 @@ import tensorflow_datasets as tfds
 from catalog import prepare as _prepare
 
 import jdp
-from jdp.data import builders
-from jdp.data.sources import load_split
+from jdp.data.formats import builders
+from jdp.data.splits.sources import load_split
 
 
 @pytest.fixture(scope="module")

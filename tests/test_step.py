@@ -199,8 +199,8 @@ def _mlp_setup(mesh):
 
 
 def test_exact_eval_counts_every_example_once(mesh8, mesh1, backend):
-    from jdp.data.pipeline import eval_batches
-    from jdp.data.sources import Split
+    from jdp.data.loader.pipeline import eval_batches
+    from jdp.data.splits.sources import Split
 
     results = []
     for mesh in (mesh8, mesh1):
@@ -222,8 +222,8 @@ def test_exact_eval_counts_every_example_once(mesh8, mesh1, backend):
 def test_eval_takes_batch_means_with_their_weights(mesh8, mesh1):
     """A script's evaluation that returns batch means: each with its weight (here the real
     rows it averaged), the same means as per-example values give, on a padded split."""
-    from jdp.data.pipeline import eval_batches
-    from jdp.data.sources import Split
+    from jdp.data.loader.pipeline import eval_batches
+    from jdp.data.splits.sources import Split
 
     def means(metrics_fn):
         def weighted(params, model_state, batch):

@@ -11,10 +11,10 @@ import pytest
 from helpers import run_python
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from jdp.data import shards
-from jdp.data import tokenize as tokenize_module
 from jdp.data.__main__ import main
-from jdp.data.tokenize import COLUMNS, DOCUMENTS_FILE, EOS_TOKEN, decode, tokenize
+from jdp.data.formats import shards
+from jdp.data.formats import tokenize as tokenize_module
+from jdp.data.formats.tokenize import COLUMNS, DOCUMENTS_FILE, EOS_TOKEN, decode, tokenize
 from jdp.errors import UsageError
 
 # Nested folders, non-ASCII text, CRLF line ends and an empty file: each one document.
@@ -185,7 +185,7 @@ def test_workers_that_cannot_start_are_an_error_not_a_hang(corpus, tmp_path):
     in each spawned worker, which then cannot start one of its own."""
     script = tmp_path / "script.py"
     script.write_text(
-        "from jdp.data.tokenize import tokenize\n"
+        "from jdp.data.formats.tokenize import tokenize\n"
         f"tokenize({str(corpus)!r}, {str(tmp_path / 'tokens')!r}, workers=2, progress=False)\n"
     )
     result = run_python(script, timeout=120)

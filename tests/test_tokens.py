@@ -19,9 +19,9 @@ from helpers import assert_bitwise_equal, run_cli, saved_arrays, subprocess_env
 import jdp
 from jdp import plot
 from jdp.checkpoint import load_params
-from jdp.data.readers import TrainReader
-from jdp.data.shards import HEADER_BYTES, write_llmc, write_meta
-from jdp.data.tokens import from_tokens, split_of
+from jdp.data.formats.shards import HEADER_BYTES, write_llmc, write_meta
+from jdp.data.formats.tokens import from_tokens, split_of
+from jdp.data.loader.readers import TrainReader
 from jdp.mesh import process_rows
 
 SEQ = 32
@@ -309,7 +309,7 @@ def test_the_best_checkpoint_is_the_lowest_loss_and_bad_best_metrics_are_refused
 def test_llmc_gpt2_shards_without_metadata_read_as_gpt2s_vocabulary(tmp_path, capsys):
     """llm.c's version-1 shards hold GPT-2's tokens (llm.c reads them with 50,257): a
     default, said in one line, where other files without a vocabulary are refused."""
-    from jdp.data.tokens import corpus
+    from jdp.data.formats.tokens import corpus
 
     write_llmc(tmp_path / "fineweb_train_000001.bin", (np.arange(5000) % 50257).astype(np.uint16))
     splits = corpus(tmp_path, seq_len=16)
@@ -402,9 +402,9 @@ def test_two_processes_match_one_on_token_data(corpus, whole, tmp_path):
 
 
 def test_python_stdlib_is_the_standard_librarys_text_and_decodes_back(tmp_path):
-    from jdp.data.corpora import LICENCE, prepare_stdlib, stdlib_files
-    from jdp.data.shards import open_shard, read_meta
-    from jdp.data.tokenize import decode
+    from jdp.data.formats.corpora import LICENCE, prepare_stdlib, stdlib_files
+    from jdp.data.formats.shards import open_shard, read_meta
+    from jdp.data.formats.tokenize import decode
 
     directory = prepare_stdlib(str(tmp_path))
     assert prepare_stdlib(str(tmp_path)) == directory  # prepared once
@@ -423,7 +423,7 @@ def test_python_stdlib_is_the_standard_librarys_text_and_decodes_back(tmp_path):
             shards[shard] = open_shard(os.path.join(directory, shard)).tokens()
         tokens = shards[shard][int(offset) : int(offset) + int(count)]
         assert decode(tokens) == pathlib.Path(path).read_text(encoding="utf-8"), path
-    splits = jdp.data.tokens.corpus(directory, seq_len=256)
+    splits = jdp.data.formats.tokens.corpus(directory, seq_len=256)
     assert splits["validation"] is not None and splits["test"] is None
 
 

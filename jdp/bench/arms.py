@@ -136,7 +136,7 @@ def hand_loop(step, run: Run, batch) -> Callable[[int], None]:
 
 def jdp_loop(step, run: Run, batch, optimizer, *, per_call: int = 1) -> Callable[[int], None]:
     """``count -> None``: runs jdp's step for ``count`` optimizer steps, going on from the last.
-    ``batch``: one batch for every call, or an iterator (a `jdp.data.pipeline.Loader`) giving
+    ``batch``: one batch for every call, or an iterator (a `jdp.data.loader.pipeline.Loader`) giving
     each call's, as a run's loader gives the step its input."""
     params = jax.tree.map(jnp.copy, run.state.params)
     carry = [create_train_state(params, optimizer, run.mesh, rng=jax.random.key(0))]

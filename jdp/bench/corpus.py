@@ -25,7 +25,7 @@ import tempfile
 
 import numpy as np
 
-from jdp.data.shards import write_llmc, write_meta
+from jdp.data.formats import write_llmc, write_meta
 from jdp.mesh_spec import child_environment
 
 SHARD_TOKENS = 100_000_000  # llm.c's shard size

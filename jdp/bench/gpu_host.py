@@ -39,7 +39,7 @@ def part_loader(sizes: Sizes, device_rate: float | None) -> dict[str, Any]:
 
     from jdp.bench.common import worker_window
     from jdp.bench.images import decode_rates, loader_rate, write_tree
-    from jdp.data.image_sources import from_images
+    from jdp.data.formats import from_images
 
     workers = max(1, min(8, (os.cpu_count() or 2) - 1))
     root = tempfile.mkdtemp(prefix="jdp-gpu-jpegs-")
@@ -93,8 +93,7 @@ def part_sweep(sizes: Sizes, report: Report, end: float,
                on_line: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
     from jdp.bench.arms import hand_loop, hand_written_step
     from jdp.bench.step import CASES, _params, case_run, first_batch
-    from jdp.data.on_device import on_host
-    from jdp.data.pipeline import places_ahead, train_batches
+    from jdp.data.loader import on_host, places_ahead, train_batches
     from jdp.mesh import batch_sharded
 
     rows, results, skipped = sizes.sweep_rows, [], []
@@ -210,7 +209,7 @@ def correctness_losses(steps: int, nudges: tuple[bool, ...] = (False,)) -> list[
     attention, exact fp32 matrix products) on this process's default platform; nudged,
     every initial parameter first moved to the next fp32 number above it (one unit in
     the last place: a rounding's difference). One step program serves all."""
-    from jdp.data.pipeline import train_batches
+    from jdp.data.loader import train_batches
     from jdp.report.console import Console
     from jdp.training.config import TrainConfig
     from jdp.training.run import build

@@ -4,7 +4,7 @@ It writes JPEGs of ImageNet's sizes (260-440 x 300-500 px, about 400 x 350 on
 average, quality 90) as a class-folder tree, then measures, in one run:
 
 - each JPEG decoder it can import (Pillow, simplejpeg, OpenCV) decoding them whole,
-  images/s on one core: why `jdp.data.images` decodes JPEGs with simplejpeg;
+  images/s on one core: why `jdp.data.formats.images` decodes JPEGs with simplejpeg;
 - the loader's decoded, Inception-cropped and flipped 224 px images/s with 0 Grain
   workers (one core) and with ``--workers``;
 - a ResNet-50 run on the CPU mesh streaming them: its images/s and the share of
@@ -97,8 +97,7 @@ def loader_rate(split, *, batch_size: int, workers: int, batches: int) -> float:
     """Training images/s the loader makes (read, decoded, cropped), once its workers
     have started (`jdp.bench.common.worker_window`)."""
     from jdp.bench.common import batches_per_sec, worker_window
-    from jdp.data.readers import TrainReader
-    from jdp.data.workers import host_batches
+    from jdp.data.loader import TrainReader, host_batches
 
     reader = TrainReader(split, batch_size=batch_size, seed=0, rows=slice(None))
     stream = host_batches(reader, start=0, stop=None, workers=workers)
@@ -107,7 +106,7 @@ def loader_rate(split, *, batch_size: int, workers: int, batches: int) -> float:
 
 
 def bench_images(args) -> list[str]:
-    from jdp.data.image_sources import from_images
+    from jdp.data.formats import from_images
     from jdp.report.console import Console
     from jdp.training.config import TrainConfig
     from jdp.training.loop import fit

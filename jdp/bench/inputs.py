@@ -17,10 +17,7 @@ from jdp.bench.common import (
     steps_per_sec,
     worker_window,
 )
-from jdp.data.on_device import on_host
-from jdp.data.pipeline import train_batches
-from jdp.data.readers import TrainReader
-from jdp.data.workers import host_batches
+from jdp.data.loader import TrainReader, host_batches, on_host, train_batches
 from jdp.mesh import process_rows
 from jdp.report.console import Console
 from jdp.training.config import TrainConfig

@@ -4,7 +4,7 @@
 The model is jdp's default, ``mlp`` small (Dense(512, relu) -> Dense(10), 38k
 parameters, Flax's LeCun-normal kernels and zero biases), on the bundled
 digits. Keras gets the very batches jdp trains on, in its order: the loader's
-reader (`jdp.data.readers.TrainReader`) makes steps 0..N-1 of seed 0, already
+reader (`jdp.data.loader.readers.TrainReader`) makes steps 0..N-1 of seed 0, already
 scaled to floats, and ``model.fit`` takes them as one array with ``shuffle=False``
 and ``epochs=1``, N steps. The optimizer is Adam (epsilon 1e-8, as Optax's) on
 jdp's default schedule, as Keras writes it: ``CosineDecay`` from 0, 40 steps of
@@ -13,7 +13,7 @@ linear warmup to 3e-3 (the warmup jdp resolves for the run's length), cosine to
 jdp's step reports it too.
 
 The "jdp" arm has the digits on the device, as ``--data-on-device auto`` places
-them (`jdp.data.on_device`); the "host" arm is the same run with
+them (`jdp.data.loader.on_device`); the "host" arm is the same run with
 ``--data-on-device off``, the host loader reading every batch. A last arm,
 "step", is the cell ``python -m jdp.bench step --cases mlp-38k --meshes data=1``
 times: the train step of the same run alone in a loop on one batch placed once (no
@@ -289,7 +289,7 @@ def _jdp_inputs(steps: int, batch_size: int):
     them, and the config that run resolves (its warmup for this length)."""
     import numpy as np
 
-    from jdp.data.readers import TrainReader
+    from jdp.data.loader import TrainReader
     from jdp.report.console import Console
     from jdp.training.config import TrainConfig
     from jdp.training.run import load_data, resolve

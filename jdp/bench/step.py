@@ -8,7 +8,7 @@ gradient leaf and one all-reducing the gradients raveled into one vector, so
 jdp is held to the best a careful engineer writes, not to a weak baseline.
 Two more arms give jdp's ``jit`` step each step's batch as a run's loader makes it:
 "fed host", read and placed by the host loader, and "on device", gathered on the
-devices from the split placed there (`jdp.data.on_device`; "-" where it stays on the
+devices from the split placed there (`jdp.data.loader.on_device`; "-" where it stays on the
 host): what the input costs the step. A last arm, "ahead", cycles through `AHEAD`
 batches the device loader made before the rounds: a fresh batch each step, and no
 input work while timed. The arms themselves (the hand-written steps,
@@ -43,8 +43,7 @@ from jdp.bench.arms import ratios_to as ratios_to
 from jdp.bench.arms import ratios_to_best as ratios_to_best
 from jdp.bench.arms import step_overhead
 from jdp.bench.common import names, report_lines
-from jdp.data.on_device import on_host
-from jdp.data.pipeline import places_ahead, train_batches
+from jdp.data.loader import on_host, places_ahead, train_batches
 from jdp.errors import UsageError
 from jdp.mesh import parse_mesh_spec
 from jdp.models import MLP, Model, classification, from_linen
@@ -93,7 +92,7 @@ def case_run(case: Case, mesh: str, batch_size: int, **overrides: Any) -> Run:
     )  # fmt: skip
     if case.hidden is None:
         return build(config, Console(enabled=False))
-    from jdp.data.sources import load_split
+    from jdp.data.splits import load_split
 
     model = case.model_for(load_split(case.dataset, "train", config.data_dir))
     return build(config, Console(enabled=False), Yours(model=model))

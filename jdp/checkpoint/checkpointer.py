@@ -163,7 +163,7 @@ class Checkpointer:
         ledger: Mapping[str, Any] | None = None,
     ) -> bool:
         """Saves ``state`` at its step, unless a checkpoint of that step exists; ``ledger``
-        is the run's data ledger through it (`jdp.data.ledger`).
+        is the run's data ledger through it (`jdp.data.splits.ledger`).
 
         Returns:
             Whether a save was started.

@@ -18,7 +18,7 @@ GROUPS_PREFIX = "groups/"  # the arrays of DiLoCo's groups, each (groups, ...)
 DATA_FACTS = "data"  # the data's shape, for jdp.load_model to rebuild a built-in model
 ARCHITECTURE = "architecture"  # gpt's shape as weights set it (--init-from hf:DIR)
 SPECIAL_TOKENS = "special_tokens"  # those weights' bos and eos ids, for jdp.export
-DATA_FINGERPRINT = "data_fingerprint"  # what the run trained on (`jdp.data.fingerprint`)
+DATA_FINGERPRINT = "data_fingerprint"  # what the run trained on (`jdp.data.splits.fingerprints`)
 WARMUP_CHOSEN = "warmup_steps_chosen_by_jdp"  # the warmup was jdp's choice, not the user's
 BEST = "best_checkpoint"  # the metric and mode the run keeps its best checkpoint by
 YOURS = "yours"  # the model, dataset or optimizer the user brought
@@ -35,7 +35,7 @@ class Record:
         arrays: each array by its name in the state (``params/Dense_0/kernel``):
             ``{"shape": [...], "dtype": "float32", "digest": ...}``.
         metrics: what chose the best checkpoint, if anything did.
-        ledger: the data ledger through this step (`jdp.data.ledger`): ``{"step",
+        ledger: the data ledger through this step (`jdp.data.splits.ledger`): ``{"step",
             "since", "indices"[, "bytes"]}``, or {} (none kept, or an older jdp's).
     """
 
@@ -108,7 +108,7 @@ class RunSettings:
 
     @property
     def data(self) -> dict[str, Any]:
-        """The data facts (`jdp.data.facts`): kind, vocabulary, tokenizer ...; {} before
+        """The data facts (`jdp.data.splits.facts`): kind, vocabulary, tokenizer ...; {} before
         they were recorded."""
         return dict(self.values.get(DATA_FACTS) or {})
 

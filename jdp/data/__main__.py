@@ -5,12 +5,12 @@ run it where the network reaches the dataset's host (a login node, a laptop),
 then point ``--data-dir`` of training runs at the same directory, or a copy.
 
 ``tokenize FILE_OR_DIR... --out DIR`` writes the text files' tokens as llm.c
-shards, a training and a validation split (`jdp.data.tokenize`); train on them
+shards, a training and a validation split (`jdp.data.formats.tokenize`); train on them
 with ``--dataset tokens:DIR``.
 
 ``pack FOLDER --out DIR`` writes a class-folder tree's images (its train,
 validation and test folders when it has them) into array_record shards, bytes
-unchanged and in the same order (`jdp.data.image_sources`); train on them with
+unchanged and in the same order (`jdp.data.formats.image_sources`); train on them with
 ``--dataset images:DIR``.
 """
 
@@ -21,10 +21,10 @@ import math
 import sys
 from collections.abc import Sequence
 
-from jdp.data.corpora import CORPORA, prepare_stdlib
-from jdp.data.image_sources import pack
-from jdp.data.sources import DATASETS, prepare
-from jdp.data.tokenize import tokenize
+from jdp.data.formats.corpora import CORPORA, prepare_stdlib
+from jdp.data.formats.image_sources import pack
+from jdp.data.formats.tokenize import tokenize
+from jdp.data.splits.sources import DATASETS, prepare
 from jdp.report.writers import check_writable
 from jdp.tool import command
 

@@ -283,7 +283,7 @@ class Watchdog:
 # filesystem must not keep it from ending).
 _RECORD_SECONDS = 10.0
 # Seconds a loop waiting for data has to answer the ask to save: it asks every 0.25 s
-# (`jdp.data.pipeline`), so twenty times that is an answer that is not coming.
+# (`jdp.data.loader.pipeline`), so twenty times that is an answer that is not coming.
 _ANSWER_SECONDS = 5.0
 
 

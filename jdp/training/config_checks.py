@@ -13,7 +13,7 @@ from jdp.errors import UsageError
 from jdp.mesh_spec import GROUP_AXIS, SHARDING_AXES, parse_axis_rules
 
 # The datasets known by name; --dataset also takes your own data by these prefixes
-# (jdp.data.custom reads them).
+# (jdp.data.splits.custom reads them).
 DatasetName = Literal[
     "cifar10", "digits", "fashion_mnist", "mnist", "numbers2words", "python_stdlib"
 ]

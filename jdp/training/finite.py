@@ -81,7 +81,7 @@ class GuardFinite(PeriodicAction):
 
     A loss that is not finite at the run's first read, from parameters that
     started finite, is most often the data's doing: given ``inputs`` (step ->
-    that step's host batch, `jdp.data.readers.TrainReader`), the guard reads the
+    that step's host batch, `jdp.data.loader.readers.TrainReader`), the guard reads the
     batches since the start again and names the first step, row and feature that
     is not finite (a ``map`` of yours that returned NaN, say); else it says to
     look at the data before the learning rate.

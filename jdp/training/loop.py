@@ -12,8 +12,8 @@ import optax
 
 from jdp.actions import NEVER, Action, Progress
 from jdp.checkpoint import Checkpointer
-from jdp.data.pipeline import places_ahead, train_batches
-from jdp.data.sources import Split
+from jdp.data.loader import places_ahead, train_batches
+from jdp.data.splits import Split
 from jdp.distributed.marks import (
     ACTIONS,
     COMPILING,

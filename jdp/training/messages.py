@@ -15,8 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jdp import layout
-from jdp.data.pipeline import EvalReader
-from jdp.data.streams import BatchStream
+from jdp.data.loader import BatchStream, EvalReader
 from jdp.distributed import Cluster
 from jdp.mesh import GROUP_AXIS, MODEL_AXIS, batch_split, data_size, group_size, is_sharded
 from jdp.report.console import Console

@@ -12,7 +12,7 @@ import dataclasses
 import optax
 from jax.sharding import Mesh
 
-from jdp.data.sources import Split
+from jdp.data.splits import Split
 from jdp.models import Model
 from jdp.state import TrainState
 from jdp.step import CompiledStep, SyncStep

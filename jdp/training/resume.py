@@ -19,7 +19,7 @@ from jdp.training.optimizer import config_optimizer
 def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, console: Console,
            recorded: dict | None = None) -> tuple[TrainState, int, dict]:  # fmt: skip
     """The state and first step to continue from, and the data ledger through that step
-    (`jdp.data.ledger`): a restored checkpoint's, or the fresh ones (and {}).
+    (`jdp.data.splits.ledger`): a restored checkpoint's, or the fresh ones (and {}).
     ``recorded``: the run's settings as its checkpoints record them."""
     existing = checkpoints.steps()
     if existing and config.no_resume:
@@ -81,7 +81,7 @@ def _none_whole(config: TrainConfig, checkpoints: Checkpointer, console: Console
 
 def _same_data(saved: dict, recorded: dict, directory: str) -> None:
     """UsageError when a split the run trained on (or chose its best by) has changed
-    since the checkpoint was written (`jdp.data.fingerprint`); a checkpoint written
+    since the checkpoint was written (`jdp.data.splits.fingerprints`); a checkpoint written
     before fingerprints were recorded resumes as before."""
     before, now = RunSettings(saved).fingerprint, RunSettings(recorded).fingerprint
     for name in ("train", "validation"):

@@ -28,15 +28,9 @@ from jdp.checkpoint.record import (
     WARMUP_CHOSEN,
     YOURS,
 )
-from jdp.data.checks import check_splits
-from jdp.data.corpora import is_corpus, load_corpus
-from jdp.data.custom import holdout, load_named
-from jdp.data.facts import data_facts
-from jdp.data.fingerprint import fingerprint
-from jdp.data.on_device import place, state_bytes
-from jdp.data.pipeline import EvalReader, check_train_batch
-from jdp.data.sources import Split
-from jdp.data.streams import BatchStream
+from jdp.data.formats import is_corpus, load_corpus
+from jdp.data.loader import BatchStream, EvalReader, check_train_batch, place, state_bytes
+from jdp.data.splits import Split, check_splits, data_facts, fingerprint, holdout, load_named
 from jdp.diloco import Outer, outer_from_flags
 from jdp.errors import UsageError
 from jdp.mesh import (

@@ -14,9 +14,8 @@ import numpy as np
 from jdp import checkpoint
 from jdp.actions import PeriodicAction, Progress
 from jdp.checkpoint import Checkpointer
-from jdp.data.ledger import Ledger
-from jdp.data.pipeline import eval_batches
-from jdp.data.sources import Split
+from jdp.data.loader import eval_batches
+from jdp.data.splits import Ledger, Split
 from jdp.diloco import has_groups
 from jdp.distributed.marks import EVALUATING, SAVING
 from jdp.distributed.replica_check import check_replicas
@@ -88,7 +87,7 @@ class Display(PeriodicAction):
 
 class LogMetrics(PeriodicAction):
     """Queues the last step's train metrics to the metric logger (never waits), with the
-    data ledger's digests of the step when the run keeps one (`jdp.data.ledger`)."""
+    data ledger's digests of the step when the run keeps one (`jdp.data.splits.ledger`)."""
 
     def __init__(self, logger: MetricLogger, *, every: int, ledger: Ledger | None = None):
         super().__init__(every)

@@ -14,9 +14,8 @@ from jdp.actions import Action, EarlyStopping
 from jdp.checkpoint import Checkpointer
 from jdp.checkpoint.params import best_recorded
 from jdp.checkpoint.record import BEST
-from jdp.data.ledger import Ledger
-from jdp.data.pipeline import EvalReader, Loader, TrainReader
-from jdp.data.streams import BatchStream
+from jdp.data.loader import BatchStream, EvalReader, Loader, TrainReader
+from jdp.data.splits import Ledger
 from jdp.distributed.lock import held
 from jdp.distributed.marks import ACTIONS, CALLBACK, Watch
 from jdp.distributed.preemption import Preemption
@@ -134,7 +133,7 @@ def eval_metric_names(run: Run) -> set[str] | None:
 
 def data_ledger(config: TrainConfig, run: Run, batches: Loader, start: int,
                 base: dict) -> Ledger | None:  # fmt: skip
-    """The run's data ledger (`jdp.data.ledger`), continuing ``base`` (a checkpoint's);
+    """The run's data ledger (`jdp.data.splits.ledger`), continuing ``base`` (a checkpoint's);
     None with ``--data-ledger off`` or your own stream of batches (no indices)."""
     if config.data_ledger == "off" or isinstance(run.train, BatchStream):
         return None

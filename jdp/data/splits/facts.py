@@ -76,7 +76,7 @@ def split_shape(facts: Mapping) -> types.SimpleNamespace:
 
 
 def _normalizer(facts: Mapping):
-    from jdp.data.images import Normalize
+    from jdp.data.formats.images import Normalize
 
     recorded = facts.get("normalize")
     if not recorded:

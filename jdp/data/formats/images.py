@@ -307,7 +307,7 @@ class ImageSplit:
     kind = "image"
     input_key, label_key = "image", "label"
     map = None
-    decodes = True  # read a batch at a time (`jdp.data.pipeline`)
+    decodes = True  # read a batch at a time (`jdp.data.loader.pipeline`)
 
     def __len__(self) -> int:
         if self.labels is not None:

@@ -22,13 +22,18 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from jdp.data.builders import open_builder, read_builder_split
-from jdp.data.checks import MANY_CLASSES
-from jdp.data.image_sources import class_tree, from_images, from_tfds_images, streamed_image_key
-from jdp.data.images import PACKED_META
-from jdp.data.npz import read_npz
-from jdp.data.sources import DATASETS, ArraySplit, check_dataset, load_split
-from jdp.data.transforms import Transform
+from jdp.data.formats.builders import open_builder, read_builder_split
+from jdp.data.formats.image_sources import (
+    class_tree,
+    from_images,
+    from_tfds_images,
+    streamed_image_key,
+)
+from jdp.data.formats.images import PACKED_META
+from jdp.data.formats.npz import read_npz
+from jdp.data.formats.transforms import Transform
+from jdp.data.splits.checks import MANY_CLASSES
+from jdp.data.splits.sources import DATASETS, ArraySplit, check_dataset, load_split
 from jdp.errors import UsageError
 
 # The prefixes of --dataset that name your own data.
@@ -97,7 +102,7 @@ def _inferred_classes(labels: np.ndarray, name: str) -> int:
     """The largest label + 1, unless that label stands far above the others (a uint8
     255, a common "ignore" value, among 0..3 would make a 256-way classifier): then a
     UsageError naming it. ``num_classes`` given says the classes are meant. Labels that
-    are ids running past 65,536 are the data checks' (`jdp.data.checks`)."""
+    are ids running past 65,536 are the data checks' (`jdp.data.splits.checks`)."""
     present = np.unique(labels)
     largest = int(present[-1]) if len(present) else -1
     if len(present) > 1 and 16 <= largest < MANY_CLASSES and largest > 2 * present[-2] + 2:
@@ -283,7 +288,7 @@ def from_npz(path: str | os.PathLike, split: str = "train") -> ArraySplit | None
     is one: feature ``x`` is the input and ``y`` the label; otherwise ``image``
     and ``label`` are, as in `from_arrays`. uint8 inputs are divided by 255. The
     ``validation`` split's arrays may end in ``_validation``, ``_val`` or ``_valid``.
-    Returns None when the file has no array of ``split`` (`jdp.data.npz` reads it).
+    Returns None when the file has no array of ``split`` (`jdp.data.formats.npz` reads it).
     """
     found = read_npz(path, split)
     return None if found is None else from_arrays(**found)

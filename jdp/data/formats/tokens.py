@@ -1,6 +1,6 @@
 """Token corpora as splits: windows of a memory-mapped corpus, in jdp's data order.
 
-A corpus is one token file, a directory of them or a glob (`jdp.data.shards`
+A corpus is one token file, a directory of them or a glob (`jdp.data.formats.shards`
 reads each file's format). A file's split is in its name: ``val`` or
 ``validation`` -> ``validation``, ``test`` -> ``test``, anything else ->
 ``train`` (nanoGPT's ``train.bin``/``val.bin``, llm.c's ``*_train_000001.bin``);
@@ -10,7 +10,7 @@ Example ``i`` of a split is its ``i``-th window: ``seq_len + 1`` consecutive
 tokens, the windows laid end to end and overlapping by one token (the last
 target of one is the first input of the next), never across two files. The
 loader draws a permutation of the windows per epoch from ``(seed, epoch)``, as
-for any split (`jdp.data.readers`), rather than nanoGPT's random offsets: each
+for any split (`jdp.data.loader.readers`), rather than nanoGPT's random offsets: each
 token is trained on once per epoch, an epoch is a number of steps, and
 evaluation reads each window exactly once. Only the rows a batch needs are read.
 """
@@ -25,7 +25,7 @@ import re
 import jax
 import numpy as np
 
-from jdp.data.shards import META_FILE, TOKEN_DTYPES, Shard, open_shard, read_meta, release
+from jdp.data.formats.shards import META_FILE, TOKEN_DTYPES, Shard, open_shard, read_meta, release
 from jdp.errors import UsageError, not_there
 
 TOKENS_PREFIX = "tokens:"

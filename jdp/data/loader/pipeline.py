@@ -7,7 +7,7 @@ process computes the same global indices and loads only its own rows, so 1 devic
 and 8, or 1 process and 2, see the same examples in the same global batches, and
 the loader's whole position is the next step.
 
-A reader (`jdp.data.readers`) does one step's host work (gather, preprocess,
+A reader (`jdp.data.loader.readers`) does one step's host work (gather, preprocess,
 augment); a Grain ``MapDataset`` indexed by step runs it, optionally in worker
 processes; a ``Loader`` thread turns host batches into global arrays on the mesh
 a few steps ahead of the train step.
@@ -25,12 +25,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jdp.data.ledger import LEDGER_KEY, MARKS
-from jdp.data.on_device import EvalIndexReader, IndexReader, OnDevice
-from jdp.data.readers import ChunkedReader, EvalReader, StackedReader, TrainReader
-from jdp.data.sources import Split
-from jdp.data.streams import BatchStream, stream_rows
-from jdp.data.workers import host_batches, worker_died
+from jdp.data.loader.on_device import EvalIndexReader, IndexReader, OnDevice
+from jdp.data.loader.readers import ChunkedReader, EvalReader, StackedReader, TrainReader
+from jdp.data.loader.streams import BatchStream, stream_rows
+from jdp.data.loader.workers import host_batches, worker_died
+from jdp.data.splits.ledger import LEDGER_KEY, MARKS
+from jdp.data.splits.sources import Split
 from jdp.errors import UsageError
 from jdp.mesh import process_rows, shard_batch
 
@@ -59,7 +59,7 @@ class Loader(Iterator[dict]):
     place that many steps' batches at once, yielded one by one. ``prefetch``
     counts items (or chunks) placed ahead. ``place=False`` yields the host's
     NumPy batches, for a step that places them itself (`places_ahead`). ``stream``,
-    host batches already made (`jdp.data.streams.stream_rows`), replaces the reader.
+    host batches already made (`jdp.data.loader.streams.stream_rows`), replaces the reader.
     ``device``: the reader gives index batches, gathered from that split on the devices.
     """
 
@@ -83,7 +83,7 @@ class Loader(Iterator[dict]):
                 f"need workers >= 0, prefetch >= 1 and steps_per_item >= 1, got "
                 f"workers={workers} prefetch={prefetch} steps_per_item={steps_per_item}"
             )
-        if stream is not None:  # your batches, in your order (jdp.data.streams)
+        if stream is not None:  # your batches, in your order (jdp.data.loader.streams)
             if workers or steps_per_item > 1 or chunk > 1:
                 raise UsageError("a stream of batches is read in this process, a batch a "
                                  "step: no --loader-workers or --steps-per-call")  # fmt: skip
@@ -190,7 +190,7 @@ class Loader(Iterator[dict]):
                 raise error
 
     def marks(self) -> tuple[tuple[int, ...], list[int], int, int]:
-        """The data ledger's marks (`jdp.data.ledger`) of the batches given: the last
+        """The data ledger's marks (`jdp.data.splits.ledger`) of the batches given: the last
         step's ``(rows' digest, their bytes', the global batch's, step)``, the sums of
         the first three over every step given, how many steps it gave, and the sum of
         ``i * step`` over the i-th step given (their order)."""
@@ -232,7 +232,7 @@ _ASK_EVERY, _CLOSE_SECONDS = 0.25, 5.0
 
 
 def _take_marks(item):
-    """The ledger's marks (`jdp.data.ledger`) taken out of a host item, as Python ints
+    """The ledger's marks (`jdp.data.splits.ledger`) taken out of a host item, as Python ints
     (cheaper to add on the loop's path than NumPy's): a list of its step's (or stacked
     steps') marks; for a chunk, a list of them; None without."""
     if isinstance(item, list):
@@ -360,7 +360,7 @@ def places_ahead(mesh: Mesh) -> bool:
 
 def _chunk_steps(reader: TrainReader, step: int, steps: int | None) -> int:
     """How many steps' batches to read and place at once (see TRAIN_CHUNK), at most the
-    ``steps`` a run takes; one for a split that decodes each batch (`jdp.data.images`),
+    ``steps`` a run takes; one for a split that decodes each batch (`jdp.data.formats.images`),
     whose encoded bytes read in bulk would be TRAIN_CHUNK batches' worth held at once,
     for an overhead that decoding dwarfs."""
     if getattr(reader.split, "decodes", False):

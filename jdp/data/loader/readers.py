@@ -1,6 +1,6 @@
 """Host batches by step: this process's rows of a global batch, read and preprocessed.
 
-The determinism the loader promises (`jdp.data.pipeline`) is kept here: a
+The determinism the loader promises (`jdp.data.loader.pipeline`) is kept here: a
 training step's example indices depend on ``(seed, step)`` alone
 (`global_batch_indices`), its augmentation and ``map`` draws on ``(seed, step)``
 and each row's place in the global batch, never on the devices or processes;
@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jdp.data.ledger import LEDGER_KEY
-from jdp.data.ledger import marks as ledger_marks
-from jdp.data.sources import Split
+from jdp.data.splits.ledger import LEDGER_KEY
+from jdp.data.splits.ledger import marks as ledger_marks
+from jdp.data.splits.sources import Split
 from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY
 
@@ -73,7 +73,7 @@ class TrainReader:
 
     A plain picklable callable, so Grain can run it in worker processes. With
     ``ledger`` ``indices`` or ``bytes`` each batch carries its rows' digests under
-    `jdp.data.ledger.LEDGER_KEY`, for the loader to take out (`jdp.data.ledger`).
+    `jdp.data.splits.ledger.LEDGER_KEY`, for the loader to take out (`jdp.data.splits.ledger`).
     """
 
     def __init__(self, split: Split, *, batch_size: int, seed: int, rows: slice,

@@ -8,7 +8,7 @@ extensions, 1.2 GB/s measured against BLAKE2b's 0.3), paid only by runs that
 save checkpoints. A token corpus is read from disk as it trains and may be far larger
 than memory: its fingerprint is each file's name and size and a SHA-256 of 16
 blocks of 64 KiB spread over it, read in milliseconds whatever the corpus's
-size; so are packed images' shards (`jdp.data.images`), and a folder of images by its
+size; so are packed images' shards (`jdp.data.formats.images`), and a folder of images by its
 files' names. A corpus replaced, regenerated, grown or cut is seen; a change of a few
 bytes between the sampled blocks is not (a full read of 100 GB at each start
 would cost minutes).
@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from jdp.data.checks import in_memory
+from jdp.data.splits.checks import in_memory
 
 _BLOCKS, _BLOCK_BYTES = 16, 64 * 1024
 _ROWS_BYTES = 1 << 24  # arrays are hashed this many bytes at a time
@@ -37,7 +37,7 @@ def fingerprint(split) -> str:
         for name in sorted(arrays):
             _hash_array(digest, name, arrays[name])
         return digest.hexdigest()[:24]
-    if getattr(split, "decodes", False):  # streamed images (`jdp.data.images`)
+    if getattr(split, "decodes", False):  # streamed images (`jdp.data.formats.images`)
         return _images(digest, split)
     shards = getattr(split, "shards", None)
     if shards is None:

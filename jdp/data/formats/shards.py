@@ -105,6 +105,43 @@ def write_meta(directory: str | os.PathLike, meta: dict) -> None:
         file.write("\n")
 
 
+class ShardWriter:
+    """One split's llm.c shards of at most ``shard_tokens`` tokens each, named
+    ``{name}_{split}_000000.bin`` on, and a row of ``table`` (a `csv.writer`) for each
+    piece of a document a shard holds: split, shard, offset, tokens, the document."""
+
+    def __init__(self, out: str, name: str, split: str, shard_tokens: int, table):
+        self.out, self.prefix, self.split = out, f"{name}_{split}", split
+        self.shard_tokens, self.table = shard_tokens, table
+        self.pending, self.filled, self.named = [], 0, False
+        self.documents = self.tokens = self.bytes = self.shards = 0
+
+    def add(self, tokens: np.ndarray, path: str, size: int):
+        self.documents += 1
+        self.tokens += len(tokens)
+        self.bytes += size
+        start = 0
+        while True:
+            piece = tokens[start : start + self.shard_tokens - self.filled]
+            shard = f"{self.prefix}_{self.shards:06d}.bin"
+            self.table.writerow([self.split, shard, self.filled, len(piece), path])
+            self.pending.append(piece)
+            self.filled, self.named, start = self.filled + len(piece), True, start + len(piece)
+            if self.filled == self.shard_tokens:
+                self._flush()
+            if start >= len(tokens):
+                return
+
+    def close(self):
+        if self.filled or self.named:
+            self._flush()
+
+    def _flush(self):
+        tokens = np.concatenate(self.pending) if self.pending else np.zeros(0, np.uint16)
+        write_llmc(os.path.join(self.out, f"{self.prefix}_{self.shards:06d}.bin"), tokens)
+        self.pending, self.filled, self.named, self.shards = [], 0, False, self.shards + 1
+
+
 def read_meta(directory: str) -> dict:
     """``tokens.json`` in ``directory``, or ``{}`` when there is none."""
     path = os.path.join(directory, META_FILE)

@@ -4,7 +4,7 @@ A catalog dataset is downloaded and prepared as array_record in ``--data-dir``
 when the network allows, by one process per directory at a time; what stands in
 the way (no network, no TensorFlow, a full disk, a damaged dataset or one
 prepared as TFRecord) is one line that says what to do instead. Datasets by name
-(`jdp.data.sources`) and your own TFDS builders (`jdp.data.custom`) both read
+(`jdp.data.splits.sources`) and your own TFDS builders (`jdp.data.splits.custom`) both read
 through here.
 """
 
@@ -19,12 +19,12 @@ import socket
 
 import numpy as np
 
-from jdp.data.transforms import Transform
+from jdp.data.formats.transforms import Transform
 from jdp.errors import UsageError, os_failure
 from jdp.report.console import quiet_absl
 
 
-# Here rather than beside the catalog (`jdp.data.sources.DATASETS`): preparing a
+# Here rather than beside the catalog (`jdp.data.splits.sources.DATASETS`): preparing a
 # catalog dataset needs its TFDS name and download host.
 @dataclasses.dataclass(frozen=True)
 class DatasetSpec:
@@ -41,7 +41,7 @@ def default_data_dir() -> str:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """TFDS prints banners, progress bars and log lines (errors still raise); keep runs to
     jdp's own lines."""
     chatter = io.StringIO()
@@ -53,7 +53,7 @@ def _builder(name: str, data_dir: str):
     import tensorflow_datasets as tfds
 
     if name == "digits":
-        from jdp.data import digits  # noqa: F401  (registers the builder with TFDS)
+        from jdp.data.formats import digits  # noqa: F401  (registers the builder with TFDS)
     # array_record: random access without TensorFlow (TFRecord would need it).
     return tfds.builder(name, data_dir=data_dir, file_format="array_record")
 
@@ -91,7 +91,9 @@ def _prepare_lock(data_dir: str):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _prepare(spec: DatasetSpec, name: str, data_dir: str) -> str:
+def prepare_spec(spec: DatasetSpec, name: str, data_dir: str) -> str:
+    """``spec``'s dataset prepared in ``data_dir`` (once, under a lock across processes):
+    its builder's folder. Unquieted: the caller holds `quiet`."""
     builder = _builder(spec.tfds_name, data_dir)
     if builder.is_prepared():
         return str(builder.data_dir)
@@ -153,7 +155,7 @@ def open_builder(name_or_builder, data_dir: str | None, spec: DatasetSpec | None
     A name TFDS does not know is looked up among the datasets already prepared
     in ``data_dir`` (a builder of your own needs no code to be read back).
     """
-    with _quiet():
+    with quiet():
         return _open_builder(name_or_builder, data_dir, spec)
 
 
@@ -171,7 +173,7 @@ def _open_builder(name_or_builder, data_dir: str | None, spec: DatasetSpec | Non
     if spec is not None:
         builder = _builder(spec.tfds_name, data_dir)
         if not builder.is_prepared():
-            _prepare(spec, name, data_dir)
+            prepare_spec(spec, name, data_dir)
             builder = _builder(spec.tfds_name, data_dir)
         return builder
     try:
@@ -213,7 +215,7 @@ def read_builder_split(builder, split: str) -> tuple[dict[str, np.ndarray], obje
     Returns:
         ``({feature: array}, builder.info)``; string and nested features are left out.
     """
-    with _quiet():
+    with quiet():
         return _read_builder_split(builder, split)
 
 

@@ -1,10 +1,10 @@
 """Datasets by name: TFDS sources read with ``tfds.data_source``, no TensorFlow at run time.
 
 A split is decoded once into host memory as raw ``uint8`` images and ``int32``
-labels; the loader (``jdp.data.pipeline``) gathers, preprocesses and augments
+labels; the loader (``jdp.data.loader.pipeline``) gathers, preprocesses and augments
 batches from it. The bundled digits prepare offline; the catalog datasets read
 what TFDS prepared in ``--data-dir`` and are downloaded and prepared there when
-the network allows (`jdp.data.builders`).
+the network allows (`jdp.data.formats.builders`).
 """
 
 from __future__ import annotations
@@ -14,20 +14,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jdp.data import numbers2words
-from jdp.data.builders import (
+from jdp.data.formats import numbers2words
+from jdp.data.formats.builders import (
     DatasetSpec,
-    _open_builder,
-    _prepare,
-    _quiet,
-    _read_builder_split,
     default_data_dir,
+    open_builder,
+    prepare_spec,
+    quiet,
+    read_builder_split,
 )
 
 # Each `name as name` re-exports a name that lived here before builders.py.
-from jdp.data.builders import open_builder as open_builder
-from jdp.data.builders import read_builder_split as read_builder_split
-from jdp.data.transforms import Transform
+from jdp.data.formats.transforms import Transform
 from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY
 
@@ -173,8 +171,8 @@ def prepare(name: str, data_dir: str | None = None) -> str:
     spec = check_dataset(name)
     if spec is None:
         raise UsageError(f"dataset {name!r} is generated when a run starts; nothing to prepare")
-    with _quiet():
-        return _prepare(spec, name, data_dir or default_data_dir())
+    with quiet():
+        return prepare_spec(spec, name, data_dir or default_data_dir())
 
 
 def load_split(
@@ -203,13 +201,13 @@ def load_split(
                 f"dataset {name!r} has no split {split!r}; it has: {', '.join(generated.SIZES)}"
             )
         return generated.generate(split)
-    with _quiet():
+    with quiet():
         return _load_split(spec, name, split, data_dir)
 
 
 def _load_split(spec: DatasetSpec, name: str, split: str, data_dir: str | None) -> Split:
-    builder = _open_builder(name, data_dir, spec)
-    arrays, info = _read_builder_split(builder, split)
+    builder = open_builder(name, data_dir, spec)
+    arrays, info = read_builder_split(builder, split)
     labels = info.features["label"]
     return Split(
         image=arrays["image"],

@@ -1,7 +1,7 @@
 """Where streamed images come from: a class-folder tree of any size, its packed form, or
 a prepared TFDS dataset of images of many sizes (``imagenet2012``, ``imagenette``).
 
-`from_images` opens a tree or a pack as an `jdp.data.images.ImageSplit` (nothing
+`from_images` opens a tree or a pack as an `jdp.data.formats.images.ImageSplit` (nothing
 decoded, nothing read but the names), `from_tfds_images` a TFDS split; `pack`
 writes a tree's encoded images, unchanged and in the same order, into a few
 array_record files (``python -m jdp.data pack``), so a cluster's hosts read a few
@@ -19,8 +19,8 @@ import sys
 
 import numpy as np
 
-from jdp.data.builders import check_readable, open_builder
-from jdp.data.images import (
+from jdp.data.formats.builders import check_readable, open_builder
+from jdp.data.formats.images import (
     IMAGE_SUFFIXES,
     PACKED_META,
     FileStore,
@@ -30,7 +30,7 @@ from jdp.data.images import (
     TfdsStore,
     why_unreadable,
 )
-from jdp.data.images import image_size as header_size
+from jdp.data.formats.images import image_size as header_size
 from jdp.errors import UsageError, not_there
 from jdp.tool import shown
 

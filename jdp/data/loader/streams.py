@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from jdp.data.checks import check_batch
-from jdp.data.transforms import Transform
+from jdp.data.formats.transforms import Transform
+from jdp.data.splits.checks import check_batch
 from jdp.errors import UsageError
 
 

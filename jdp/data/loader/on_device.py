@@ -5,7 +5,7 @@ without ``map``, a generated ``SequenceSplit``; a memory-mapped token corpus on
 request) is preprocessed whole on the host, by the same NumPy code the loader
 runs per batch, and placed on every device (`OnDevice`). A training step's
 batch is then gathered on the devices from its indices, the same ``(seed,
-step)`` order as the host loader's (`jdp.data.readers`), and augmented there
+step)`` order as the host loader's (`jdp.data.loader.readers`), and augmented there
 (crop and flip are data movement: the same values as the host's); the host
 computes only the indices, a chunk of steps at a time, and places them. So the
 batch of every step is bitwise the host loader's, and the data ledger's digests
@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jdp.data.ledger import LEDGER_KEY
-from jdp.data.ledger import marks as ledger_marks
-from jdp.data.readers import EvalReader, TrainReader, _stream
-from jdp.data.streams import BatchStream
-from jdp.data.transforms import Transform
+from jdp.data.formats.transforms import Transform
+from jdp.data.loader.readers import EvalReader, TrainReader, _stream
+from jdp.data.loader.streams import BatchStream
+from jdp.data.splits.ledger import LEDGER_KEY
+from jdp.data.splits.ledger import marks as ledger_marks
 from jdp.errors import UsageError
 from jdp.mesh import MASK_KEY, batch_sharded, device_bytes, replicated
 
@@ -117,7 +117,7 @@ def on_devices(split, mesh: Mesh) -> OnDevice:
 
 def _gather(arrays: dict, item: dict, *, key: str, padding: int, unstack: bool):
     """The index batch's rows of ``arrays``, ``key`` cropped and flipped as its draws say
-    (the host's `jdp.data.transforms._crop_and_flip`, over any leading axes); ``unstack``:
+    (the host's `jdp.data.formats.transforms._crop_and_flip`, over any leading axes); ``unstack``:
     the list of the batches stacked on axis 0."""
     rows = item[ROWS]
     # In bounds by construction (an epoch's permutation, row 0 for padding): no clamping.

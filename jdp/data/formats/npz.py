@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from jdp.data.transforms import Transform
+from jdp.data.formats.transforms import Transform
 from jdp.errors import UsageError, check_input_file
 
 # The names an .npz's arrays may give a split: x_val is as common as x_validation.

@@ -18,9 +18,9 @@ import shutil
 import sysconfig
 import tempfile
 
-from jdp.data.builders import default_data_dir
-from jdp.data.shards import META_FILE, write_meta
-from jdp.data.tokens import SPLITS, TOKENS_PREFIX, TokenSplit, corpus
+from jdp.data.formats.builders import default_data_dir
+from jdp.data.formats.shards import META_FILE, write_meta
+from jdp.data.formats.tokens import SPLITS, TOKENS_PREFIX, TokenSplit, corpus
 from jdp.errors import UsageError
 
 STDLIB = "python_stdlib"
@@ -71,7 +71,7 @@ def prepare_stdlib(data_dir: str | None = None) -> str:
     Several processes may prepare it at once: each writes a directory of its own
     and renames it into place; the first rename wins and the others discard theirs.
     """
-    from jdp.data.tokenize import tokenize
+    from jdp.data.formats.tokenize import tokenize
 
     root = os.path.join(data_dir or default_data_dir(), "jdp_corpora")
     target = os.path.join(root, f"{STDLIB}-{platform.python_version()}")

@@ -1,6 +1,6 @@
 """Raw inputs read as a run's training read its data: image files decoded, converted and
 resized as `jdp.data.from_folder` reads them, then the split's preprocessing, from the
-facts a checkpoint records (`jdp.data.facts`)."""
+facts a checkpoint records (`jdp.data.splits.facts`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from jdp.data.transforms import Transform
+from jdp.data.formats.transforms import Transform
 from jdp.errors import UsageError
 
 
@@ -69,8 +69,8 @@ def _decode(path: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _center_crops(paths: list, shape: tuple[int, ...], center: float) -> np.ndarray:
-    """Image files as a streamed image split evaluates them (`jdp.data.images`)."""
-    from jdp.data.images import ImageTransform
+    """Image files as a streamed image split evaluates them (`jdp.data.formats.images`)."""
+    from jdp.data.formats.images import ImageTransform
 
     transform = ImageTransform(size=tuple(shape[:2]), center=center)
     encoded = []

@@ -2,7 +2,7 @@
 
 One UTF-8 text file is one document; whole documents are set apart for validation;
 each split is written as ``{name}_train_000000.bin``... beside ``tokens.json``
-(`jdp.data.shards`), for ``jdp.data.from_tokens``. ``documents.tsv`` says where each
+(`jdp.data.formats.shards`), for ``jdp.data.from_tokens``. ``documents.tsv`` says where each
 document lies: a header, then a row per piece of a document in a shard (a document
 over two shards has two): split, shard, token offset, tokens (the eos id before the
 document included) and path. The ids are UTF-8 bytes, or a Hugging Face
@@ -27,8 +27,8 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
-from jdp.data.shards import META_FILE, write_llmc, write_meta
-from jdp.data.tokens import split_of
+from jdp.data.formats.shards import META_FILE, ShardWriter, write_meta
+from jdp.data.formats.tokens import split_of
 from jdp.errors import UsageError, not_there
 
 DOCUMENTS_FILE = "documents.tsv"
@@ -82,12 +82,13 @@ def tokenize(
 
     Examples:
         >>> import pathlib
-        >>> from jdp.data.tokenize import decode, tokenize
+        >>> from jdp.data.formats.tokenize import decode, tokenize
         >>> _ = pathlib.Path(tmp, "hello.txt").write_text("Hello, wörld!", encoding="utf-8")
         >>> meta = tokenize(tmp, f"{tmp}/tokens", val_fraction=0, progress=False)
         >>> meta["tokens"], meta["vocab_size"]
         ({'train': 14, 'val': 0}, 256)
-        >>> decode(jdp.data.shards.open_shard(f"{tmp}/tokens/corpus_train_000000.bin").tokens())
+        >>> shard = f"{tmp}/tokens/corpus_train_000000.bin"
+        >>> decode(jdp.data.formats.shards.open_shard(shard).tokens())
         'Hello, wörld!'
     """
     _check_options(val_fraction, shard_tokens, workers, name)
@@ -127,7 +128,7 @@ def decode(tokens: Sequence[int] | np.ndarray, tokenizer: str = "bytes") -> str:
     ``tokenizer``'s ids with its special tokens (``<|endoftext|>``) kept.
 
     Examples:
-        >>> from jdp.data.tokenize import decode
+        >>> from jdp.data.formats.tokenize import decode
         >>> decode([104, 195, 169])
         'hé'
     """
@@ -146,7 +147,7 @@ def _check_options(val_fraction: float, shard_tokens: int, workers: int | None, 
         raise UsageError(f"--shard-tokens {shard_tokens}: a shard holds at least 1 token")
     if workers is not None and workers < 0:
         raise UsageError(f"--workers {workers}: give 0 or 1 (this process) or more")
-    # The reader tells the splits apart by the words of the file names (jdp.data.tokens).
+    # The reader tells the splits apart by the words of the file names (jdp.data.formats.tokens).
     readable = split_of(f"{name}_train_0.bin") == "train"
     if not readable or split_of(f"{name}_val_0.bin") != "validation" or os.sep in name:
         raise UsageError(
@@ -317,41 +318,6 @@ def _tail_start(tokens: np.ndarray, val_fraction: float, byte_ids: bool) -> int:
     return back or start
 
 
-class _Shards:
-    """One split's shards of at most ``shard_tokens`` tokens, and a documents.tsv row a piece."""
-
-    def __init__(self, out: str, name: str, split: str, shard_tokens: int, table):
-        self.out, self.prefix, self.split = out, f"{name}_{split}", split
-        self.shard_tokens, self.table = shard_tokens, table
-        self.pending, self.filled, self.named = [], 0, False
-        self.documents = self.tokens = self.bytes = self.shards = 0
-
-    def add(self, tokens: np.ndarray, path: str, size: int):
-        self.documents += 1
-        self.tokens += len(tokens)
-        self.bytes += size
-        start = 0
-        while True:
-            piece = tokens[start : start + self.shard_tokens - self.filled]
-            shard = f"{self.prefix}_{self.shards:06d}.bin"
-            self.table.writerow([self.split, shard, self.filled, len(piece), path])
-            self.pending.append(piece)
-            self.filled, self.named, start = self.filled + len(piece), True, start + len(piece)
-            if self.filled == self.shard_tokens:
-                self._flush()
-            if start >= len(tokens):
-                return
-
-    def close(self):
-        if self.filled or self.named:
-            self._flush()
-
-    def _flush(self):
-        tokens = np.concatenate(self.pending) if self.pending else np.zeros(0, np.uint16)
-        write_llmc(os.path.join(self.out, f"{self.prefix}_{self.shards:06d}.bin"), tokens)
-        self.pending, self.filled, self.named, self.shards = [], 0, False, self.shards + 1
-
-
 def _pieces(paths, sizes, encoded, val, val_fraction, spec) -> Iterator[tuple]:
     """(split, tokens, path, bytes) of each document; the only one's head and tail apart."""
     for index, (path, size, tokens) in enumerate(zip(paths, sizes, encoded, strict=True)):
@@ -371,7 +337,7 @@ def _write(out: str, name: str, shard_tokens: int, pieces: Iterable[tuple]) -> d
     with open(path, "w", newline="", encoding="utf-8", errors="surrogateescape") as file:
         table = csv.writer(file, delimiter="\t", lineterminator="\n")
         table.writerow(COLUMNS)
-        written = {split: _Shards(out, name, split, shard_tokens, table) for split in SPLITS}
+        written = {split: ShardWriter(out, name, split, shard_tokens, table) for split in SPLITS}
         for split, tokens, path, size in pieces:
             written[split].add(tokens, path, size)
         for shards in written.values():
