@@ -229,3 +229,20 @@ def test_every_relative_link_resolves(doc):
         assert target.exists(), f"{doc} links to {match.group('target')}, which does not exist"
         anchor = match.group("anchor")
         assert anchor is None or anchor in _anchors(target), f"{doc}: no #{anchor} in {target}"
+
+
+def test_the_layout_names_every_module():
+    """docs/layout.md names each module of the package and of the tools beside it: by its
+    path, its file name in its folder's row, or its name in the layers' table."""
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    missing = []
+    for path in sorted([*(ROOT / "jdp").rglob("*.py"), *(ROOT / "tools").rglob("*.py")]):
+        relative = path.relative_to(ROOT).as_posix()
+        if path.name == "__init__.py":  # the folder's face: the folder's row, or its layer's
+            folder = path.parent.relative_to(ROOT).as_posix()
+            faces = (f"`{folder}/`", f"`{folder.removeprefix('jdp/')}/`", relative)
+            named = any(face in layout for face in faces)
+        else:
+            named = relative in layout or f"`{path.name}`" in layout or f"`{path.stem}`" in layout
+        missing += [] if named else [relative]
+    assert missing == []
