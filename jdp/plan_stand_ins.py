@@ -36,22 +36,22 @@ def compile_flags(flags: str) -> str:
 def planned_attention(args: argparse.Namespace) -> str:
     """The attention the step is compiled with: ``blocked`` (`jdp.models.blocked`, which
     keeps what a fused kernel keeps) where a run on the target takes cuDNN's fused
-    kernel, which the CPU cannot compile: ``cudnn``, or ``auto`` on a GPU in bf16 or fp16
-    with a head width the kernel takes (`jdp.models.attention.implementation`)."""
+    kernel, which the CPU cannot compile: ``cudnn``, or ``auto`` for gpt on a GPU in bf16
+    or fp16 with a head width the kernel takes (`jdp.models.attention.implementation`;
+    seq2seq's attention has a padding mask, which keeps it on XLA's)."""
     if args.attention != "auto":
         return "blocked" if args.attention == "cudnn" else args.attention
     half = args.device in GPUS and args.precision in ("bf16", "fp16")
-    return "blocked" if half and _head_width(args) in range(8, 129, 8) else "xla"
+    return "blocked" if half and _gpt_head_width(args) in range(8, 129, 8) else "xla"
 
 
-def _head_width(args: argparse.Namespace) -> int | None:
+def _gpt_head_width(args: argparse.Namespace) -> int | None:
     from jdp.models import registry
 
-    if args.model not in ("gpt", "seq2seq"):
+    if args.model != "gpt":
         return None
     options = registry.check_model(args.model, args.model_size).sizes[args.model_size]
-    heads = options.get("heads", 1)
-    return options["width"] // heads if "width" in options else None
+    return options["width"] // options["heads"]
 
 
 def planned_remat(args: argparse.Namespace) -> str:

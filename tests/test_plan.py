@@ -184,6 +184,8 @@ def test_a_gpus_kernels_and_fusions_are_planned_by_their_stand_ins():
     assert planned_attention(args("a100", "fp16", size="1.3b")) == "blocked"  # heads of 128
     assert planned_attention(args("h200", "fp32")) == planned_attention(args("v5e", "bf16"))
     assert planned_attention(args(None, "bf16")) == "xla"
+    seq2seq = vars(args("h100", "bf16", size="standard")) | {"model": "seq2seq"}  # padded
+    assert planned_attention(argparse.Namespace(**seq2seq)) == "xla"
     assert planned_attention(args("h100", "bf16", "xla")) == "xla"
     assert planned_attention(args(None, "fp32", "cudnn")) == "blocked"
     assert planned_remat(args("h100", "bf16", unroll=True)) == "dots"
