@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join([f"{args.bundle}:", *lines, f"  together {total:.1f} MB"]))
     if total > LIMIT_MB:
         print(
-            f"jdp.bench gpu: the bundle weighs {total:.1f} MB, over the {LIMIT_MB} MB "
+            f"tools.bundle: the bundle weighs {total:.1f} MB, over the {LIMIT_MB} MB "
             "a GPU machine's carry allows",
             file=sys.stderr,
         )
