@@ -66,6 +66,9 @@ class Progress:
     stop_reason: str | None = None
     finish: bool = True  # whether the at-end actions run after the stop
     _last: Any = dataclasses.field(default=None, repr=False)
+    # The learning rate of a step, where the step does not return it (`jdp.fit`'s:
+    # an output of every call costs the host, and it is read only when logged).
+    _lr_at: Callable[[int], Any] | None = dataclasses.field(default=None, repr=False)
 
     def after_call(self, step: int, ran: int, state: Any, call_metrics: Any) -> None:
         """Moves on to the state and metrics of a call that ran ``ran`` steps up to ``step``."""
@@ -80,6 +83,8 @@ class Progress:
             self._last = (
                 self.call_metrics if self.ran <= 1 else jax.tree.map(last, self.call_metrics)
             )
+            if self._lr_at is not None and "lr" not in self._last:
+                self._last = {**self._last, "lr": self._lr_at(self.step)}
         return self._last
 
     def stop(self, reason: str, *, finish: bool = True) -> None:

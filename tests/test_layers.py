@@ -294,7 +294,7 @@ def _handlers(source: str) -> list[str]:
 def test_the_step_picks_its_program_without_catching_errors():
     """The step chooses its program from the mesh and the state's placement: in
     jdp/step only the steps' calls catch an error, to say in one line why the
-    arguments were refused (`as_step`, `data_parallel_step`'s), or the function an
+    arguments were refused (`as_step`, `lean.py`'s, `data_parallel_step`'s), or the function an
     axis name it does not bind (`bound_axes`, reading JAX's error in `unbound_axis`),
     and no one-element list holds closure state."""
     found = {
@@ -304,6 +304,7 @@ def test_the_step_picks_its_program_without_catching_errors():
     }
     assert found == {
         "contract.py: except in as_step.call",
+        "lean.py: except in _runner.run",
         "adopt.py: except in _called.step",
         "axes.py: except in bound_axes.traced",
         "axes.py: except in unbound_axis.trace",

@@ -26,10 +26,12 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jdp.bench.arms import HAND_WRITTEN as HAND_WRITTEN
@@ -41,7 +43,6 @@ from jdp.bench.arms import interleaved_rates as interleaved_rates
 from jdp.bench.arms import jdp_loop as jdp_loop
 from jdp.bench.arms import ratios_to as ratios_to
 from jdp.bench.arms import ratios_to_best as ratios_to_best
-from jdp.bench.arms import step_overhead
 from jdp.bench.common import names, report_lines
 from jdp.data.loader import on_host, places_ahead, train_batches
 from jdp.errors import UsageError
@@ -263,14 +264,35 @@ def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_se
     return jax.devices()[0].device_kind, row
 
 
+# Rounds of `host_us`: the two steps' calls alternate, a round of each at a time, so a
+# change in the machine's load reaches both.
+HOST_ROUNDS, HOST_CALLS = 15, 40
+
+
 def host_us(run, kind: str, batch) -> dict[str, float]:
-    """The host's microseconds a call, dispatch alone (the median of calls that each wait
-    for the one before): jdp's step as a run calls it, and the hand-written ``kind``."""
-    step = hand_written_step(run.model, run.optimizer, run.mesh, kind=kind)
-    first = (run.state.params, run.state.opt_state)
-    jdp = step_overhead(run.train_step, run.state, batch, count_kernels=False)
-    hand = step_overhead(step, first, batch, count_kernels=False)
-    return {"jdp": jdp["dispatch_us"], "hand": hand["dispatch_us"]}
+    """The host's microseconds a call, dispatch alone (each call waits for the one before):
+    jdp's step as a run calls it, and the hand-written ``kind``; the median of the
+    medians of `HOST_ROUNDS` interleaved rounds."""
+    hand = hand_written_step(run.model, run.optimizer, run.mesh, kind=kind)
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+    states = {"jdp": copy(run.state), "hand": copy((run.state.params, run.state.opt_state))}
+    calls = {"jdp": run.train_step, "hand": lambda state, batch: _split(hand(*state, batch))}
+    rounds: dict[str, list[float]] = {"jdp": [], "hand": []}
+    for _ in range(HOST_ROUNDS):
+        for arm, call in calls.items():
+            times = []
+            for _ in range(HOST_CALLS):
+                started = time.perf_counter()
+                out = call(states[arm], batch)
+                times.append(time.perf_counter() - started)
+                states[arm] = jax.block_until_ready(out)[0]
+            rounds[arm].append(statistics.median(times[2:]))
+    return {arm: 1e6 * statistics.median(values) for arm, values in rounds.items()}
+
+
+def _split(out: tuple) -> tuple:
+    """A hand-written step's ``(params, opt_state, metrics)`` as ``(state, metrics)``."""
+    return out[:-1], out[-1]
 
 
 def add_arguments(parser) -> None:

@@ -32,6 +32,7 @@ from jdp.step.axes import bound_axes
 from jdp.step.contract import Backend, CompiledStep, _check_backend
 from jdp.step.data_parallel import _compile
 from jdp.step.groups import compile_groups, synchronised_eval
+from jdp.step.lean import Lean
 from jdp.step.sharded import _compile_sharded, _sharded_eval, _sharded_train
 
 
@@ -113,7 +114,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     scanned = lambda state, batches: lax.scan(one_step, state, batches)  # noqa: E731
     return _compile(
         scanned if steps > 1 else one_step, mesh, backend, outputs=2, donate_state=True,
-        steps=steps, sharded=sharded if backend == "jit" else None,
+        steps=steps, sharded=sharded if backend == "jit" else None, lean=Lean.of(**options),
     )  # fmt: skip
 
 

@@ -44,14 +44,17 @@ class CompiledStep(NamedTuple):
     ``fsdp``) (``batch_sharding``; with several steps per call the steps stack
     on axis 0 and the rows are axis 1), a train step donates its input state
     (passed again, to any step, it is refused with a `UsageError`), and every
-    other output is replicated (but the groups' state). At most two calls are in
-    flight: on the CPU backend, steps with collectives dispatched without bound
-    can leave the replicas' threads waiting on each other's rendezvous until XLA
-    aborts the process; waiting on the call before last keeps the device busy
-    (one call runs while the next is queued) and bounds what is in flight.
+    other output is replicated (but the groups' state). On several CPU devices at
+    most two calls are in flight: there, steps with collectives dispatched without
+    bound can leave the replicas' threads waiting on each other's rendezvous until
+    XLA aborts the process; waiting on the call before last keeps the device busy
+    (one call runs while the next is queued) and bounds what is in flight. On one
+    device, or a GPU's or TPU's queue, a replicated state's train step is its
+    program's call alone (`needs_bound`, `jdp.step.lean`).
 
     Attributes:
-        call: ``call(state, batch)``, the compiled program under that bound.
+        call: ``call(state, batch)``, the compiled program (under that bound, where
+            it applies).
         unbounded: the compiled program alone, to measure dispatch; many calls of
             it without waiting can deadlock on CPU.
         lower: ``lower(state, batch) -> jax.stages.Lowered``, to read the program.
@@ -69,20 +72,42 @@ class CompiledStep(NamedTuple):
         return self.call(state, batch)
 
 
+def needs_bound(mesh: Mesh) -> bool:
+    """Whether calls in flight must be bounded (`bounded`): several CPU devices, whose
+    replicas' threads meet in the collectives (on one device, or on a GPU or TPU, whose
+    queue runs the calls in order, the bound only costs the host)."""
+    return mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"
+
+
+def refuse_donated(state: Any) -> None:
+    # Donated arrays passed again make XLA:CPU crash the process when several
+    # devices run the step (one replica fails while the others wait in a
+    # collective), and elsewhere fail in JAX's words. The step count is donated
+    # with the rest and cheap to ask.
+    if isinstance(state.step, jax.Array) and state.step.is_deleted():
+        raise UsageError(
+            "this state was given to an earlier train step, which donated its "
+            "arrays; pass on the state that step returned"
+        )
+
+
+def refusing_donated(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` that refuses, in one line, a state an earlier call donated."""
+
+    def call(state, batch):
+        refuse_donated(state)
+        return fn(state, batch)
+
+    return call
+
+
 def bounded(fn: Callable[..., Any], witness: Callable[[Any], Any]) -> Callable[..., Any]:
     """``fn`` that waits on the output of the call before last (see `CompiledStep`)."""
     previous = None
 
     def call(state, batch):
         nonlocal previous
-        # Donated arrays passed again make XLA:CPU crash the process when several
-        # devices run the step (one replica fails while the others wait in a
-        # collective). The step count is donated with the rest and cheap to ask.
-        if isinstance(state.step, jax.Array) and state.step.is_deleted():
-            raise UsageError(
-                "this state was given to an earlier train step, which donated its "
-                "arrays; pass on the state that step returned"
-            )
+        refuse_donated(state)
         out = fn(state, batch)
         before, previous = previous, witness(out)
         if before is not None:

@@ -21,7 +21,10 @@ from jdp.step.contract import (
     bounded,
     check_rows,
     checks_replicas,
+    needs_bound,
+    refusing_donated,
 )
+from jdp.step.lean import Lean, jitted_by_impl, lean_call, lean_lower, lean_program
 from jdp.step.pmap import _pmapped
 from jdp.step.sharded import _compile_sharded
 
@@ -35,6 +38,7 @@ def _compile(
     donate_state: bool,
     steps: int = 1,
     sharded: Callable[..., Any] | None = None,
+    lean: Lean | None = None,
 ) -> CompiledStep:
     """Compiles ``replica_fn(state, batch)`` for a backend, under `CompiledStep`'s contract.
 
@@ -43,7 +47,8 @@ def _compile(
     are ``(steps, rows, ...)``, the rows split over ``data``. ``sharded``: the
     same step for a state that is not replicated (`_compile_sharded`'s
     ``make_fn``), which the ``jit`` backend runs for a state whose `Placement` says
-    ``"sharded"``.
+    ``"sharded"``. ``lean``: a train step's, whose ``jit`` program of a replicated
+    state takes only what it changes (`jdp.step.lean`; ``pmap`` takes the whole state).
     """
     stacked = steps > 1
     batch_axis, replicas = int(stacked), batch_split(mesh)
@@ -62,14 +67,8 @@ def _compile(
             check_vma=checks_replicas(mesh),
         )
 
-        def checked(state, batch):
-            # While tracing, once per batch shape: a check on every call costs
-            # the host more than the dispatch of a small model's step.
-            check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)
-            return mapped(state, batch)
-
         jitted = jax.jit(
-            checked,
+            _rows_checked(mapped, replicas, batch_axis, steps),
             in_shardings=(state_in, batch_in),
             out_shardings=per_output(replicated(mesh)),
             donate_argnums=donate,
@@ -84,12 +83,67 @@ def _compile(
             sharded=layouts and layouts.unbounded,
         )  # fmt: skip
         lower = _lower_by_placement(jitted.lower, layouts)
+        if lean is not None:
+            program, lower = _lean(replica_fn, mesh, lean, program, lower, steps=steps)
     else:
         program, lower = _pmapped(
             replica_fn, mesh, batch_axis, steps, outputs, donate, (state_in, batch_in)
         )
     witness = (lambda out: out[1]) if outputs > 1 else (lambda out: out)
-    return CompiledStep(bounded(program, witness), program, lower, state_in, batch_in)
+    if needs_bound(mesh):
+        call = bounded(program, witness)
+    else:  # the lean call refuses a donated state itself
+        refuses = backend == "jit" and lean is not None
+        call = program if refuses else refusing_donated(program)
+    return CompiledStep(call, program, lower, state_in, batch_in)
+
+
+def _rows_checked(
+    mapped: Callable[..., Any], replicas: int, batch_axis: int, steps: int
+) -> Callable[..., Any]:
+    def checked(*args):
+        # While tracing, once per batch shape: a check on every call costs
+        # the host more than the dispatch of a small model's step.
+        check_rows(args[-1], replicas, batch_axis=batch_axis, steps=steps)
+        return mapped(*args)
+
+    return checked
+
+
+def _lean(
+    replica_fn: Callable[..., Any],
+    mesh: Mesh,
+    lean: Lean,
+    whole: Callable[..., Any],
+    whole_lower: Callable[..., Any],
+    *,
+    steps: int,
+) -> tuple[Callable, Callable]:
+    """The train step's (call, lower) on what it changes (`jdp.step.lean`), ``whole`` and
+    ``whole_lower`` for a state that is not replicated."""
+    batch_axis, replicas = int(steps > 1), batch_split(mesh)
+    batch_in = batch_sharded(mesh, stacked=steps > 1)
+
+    def make(rng_impl: str):
+        mapped = jax.shard_map(
+            lean_program(replica_fn, rng_impl=rng_impl, **lean._asdict()),
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(), batch_in.spec),
+            out_specs=(PartitionSpec(), PartitionSpec()),
+            check_vma=checks_replicas(mesh),
+        )
+        return jax.jit(
+            _rows_checked(mapped, replicas, batch_axis, steps),
+            in_shardings=(replicated(mesh), replicated(mesh), batch_in),
+            out_shardings=(replicated(mesh), replicated(mesh)),
+            donate_argnums=(0,),
+        )
+
+    programs = jitted_by_impl(make)
+    call = lean_call(
+        programs, whole, lean=lean, replicas=replicas, batch_axis=batch_axis, steps=steps
+    )
+    return call, lean_lower(programs, whole_lower, lean=lean)
 
 
 def _lower_by_placement(lower: Callable[..., Any], layouts: CompiledStep | None

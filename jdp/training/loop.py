@@ -32,6 +32,7 @@ from jdp.state import TrainState
 from jdp.training.compile_cache import compile_cache
 from jdp.training.config import TrainConfig
 from jdp.training.messages import describe_run
+from jdp.training.optimizer import logged_lr, lr_in_step
 from jdp.training.results import (
     FitResult,
     SteadyTimer,
@@ -155,6 +156,8 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
     actions = actions_for(config, run, stack, console, logger, batches, checkpoints, callbacks,
                           ledger)  # fmt: skip
     progress = Progress(step=start, steps=config.steps, state=state)
+    if run.schedule is not None and not lr_in_step(config):
+        progress._lr_at = logged_lr(run.schedule, int(state.loss_scale.skipped))
     clock, quiet = goodput.clock, start  # no action is due through step `quiet`
     watch = stack.enter_context(stall_watch(config, start, goodput))
     phases = action_phases(actions, callbacks)

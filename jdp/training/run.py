@@ -63,7 +63,7 @@ from jdp.training.messages import (
     say_where_it_runs,
 )
 from jdp.training.messages import describe_run as describe_run  # importable here, as before
-from jdp.training.optimizer import config_optimizer
+from jdp.training.optimizer import config_optimizer, step_lr
 from jdp.training.optimizer import peak_lr as peak_lr  # importable here, as before
 from jdp.training.parts import Data, Run, Yours
 
@@ -285,7 +285,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None, *,
                                     workers=config.loader_workers).values()  # fmt: skip
     train_step = make_train_step(
         model.loss_fn, optimizer, mesh, backend=config.backend, has_model_state=True,
-        precision=precision, accumulate=config.accumulate, lr_schedule=schedule,
+        precision=precision, accumulate=config.accumulate, lr_schedule=step_lr(config, schedule),
         steps_per_call=config.steps_per_call, skip_nonfinite=config.nan_policy == "skip",
         grad_norm=config.grad_norm,
     )  # fmt: skip

@@ -1,0 +1,188 @@
+"""A replicated train step's call on what the step changes, and nothing else.
+
+A hand-written step takes the parameters and the optimizer's state and returns
+them; jdp's `TrainState` holds more (the step count, the key, the loss scale),
+and each array a call passes and gets back costs the host about a microsecond,
+a few percent of a small model's call. So the program of a replicated state
+takes the fields the step changes (the step count, parameters, optimizer and
+model state; the loss scale only where fp16 scaling or ``skip_nonfinite`` moves
+it) and reads the key (and the skipped count, for the schedule's count) without
+taking them over; the call puts the `TrainState` back together around its
+outputs. A state whose `Placement` says otherwise (ZeRO-1's) takes the whole
+state's program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+
+from jdp.precision import LossScale, Precision
+from jdp.state import TrainState
+from jdp.step.contract import check_rows, refuse_donated
+
+
+class Lean(NamedTuple):
+    """What a train step's program takes of the state besides the step count and the
+    parameters, optimizer and model state.
+
+    Attributes:
+        carries_scale: the loss scale, changed by the step (fp16 loss scaling or
+            ``skip_nonfinite``).
+        reads_skipped: the skipped count alone, read (a schedule's count is the updates
+            applied: the step count less those skipped by an earlier run).
+    """
+
+    carries_scale: bool
+    reads_skipped: bool
+
+    @classmethod
+    def of(cls, *, precision: Precision, skip_nonfinite: bool, lr_schedule: Any, **_) -> Lean:
+        """What a step of these options (`jdp.replica.train_step_parts`') takes."""
+        carries = precision.loss_scaling or skip_nonfinite
+        return cls(carries, reads_skipped=lr_schedule is not None and not carries)
+
+
+def lean_program(
+    replica_fn: Callable[..., Any], *, carries_scale: bool, reads_skipped: bool, rng_impl: str
+) -> Callable[..., Any]:
+    """``replica_fn(state, batch) -> (state, metrics)`` as ``program(changed, read, batch)
+    -> (changed, metrics)``: ``changed`` the step count, parameters, optimizer and model
+    state (and the loss scale, ``carries_scale``), ``read`` the key (and the skipped
+    count, ``reads_skipped``)."""
+
+    def program(changed, read, batch):
+        step, params, opt_state, model_state, *scale = changed
+        rng, *skipped = read
+        if not carries_scale:  # constant: scaling is off and no update is skipped
+            one, zero = jnp.ones((), jnp.float32), jnp.zeros((), jnp.int32)
+            scale = [LossScale(one, zero, skipped[0] if reads_skipped else zero)]
+        state = TrainState(step, params, opt_state, model_state, rng, scale[0], None, rng_impl)
+        new, metrics = replica_fn(state, batch)
+        out = (new.step, new.params, new.opt_state, new.model_state)
+        return (*out, new.loss_scale) if carries_scale else out, metrics
+
+    return program
+
+
+def _runner(
+    program_for: Callable[[str], Any],
+    check: Callable[..., None],
+    *,
+    carries_scale: bool,
+    reads_skipped: bool,
+) -> Callable[..., Any]:
+    """``run(state, batch)``: ``program_for(rng_impl)`` on the fields of a replicated
+    ``state`` it takes, the `TrainState` put back together around its outputs;
+    ``check(state, batch)`` says in one line why a refused call was refused."""
+
+    def run(state, batch):
+        fields = state.__dict__
+        rng, loss_scale = fields["rng"], fields["loss_scale"]
+        changed = (fields["step"], fields["params"], fields["opt_state"], fields["model_state"])
+        if carries_scale:
+            changed = (*changed, loss_scale)
+        read = (rng, loss_scale.skipped) if reads_skipped else (rng,)
+        try:
+            out, metrics = program_for(fields["rng_impl"])(changed, read, batch)
+        except (ValueError, RuntimeError):
+            check(state, batch)
+            raise
+        # A copy of the state's fields (its placement too), the changed ones replaced:
+        # the dataclass's own constructor costs the host a microsecond a call.
+        new = object.__new__(TrainState)
+        new.__dict__.update(fields)
+        new.__dict__.update(step=out[0], params=out[1], opt_state=out[2], model_state=out[3])
+        if carries_scale:
+            new.__dict__["loss_scale"] = out[4]
+        return new, metrics
+
+    return run
+
+
+def lean_call(
+    programs: Callable[[str], Callable[..., Any]],
+    whole: Callable[..., Any],
+    *,
+    lean: Lean,
+    replicas: int,
+    batch_axis: int,
+    steps: int,
+) -> Callable[..., Any]:
+    """``call(state, batch)``: ``programs(rng_impl)`` (the jitted `lean_program`) on a
+    replicated state, ``whole(state, batch)`` on any other."""
+
+    def check(state, batch):
+        refuse_donated(state)
+        check_rows(batch, replicas, batch_axis=batch_axis, steps=steps)
+
+    run = _runner(programs, check, **lean._asdict())
+
+    def call(state, batch):
+        if state.placement.kind != "replicated":
+            return whole(state, batch)
+        return run(state, batch)
+
+    return call
+
+
+def lean_lower(
+    programs: Callable[[str], Any], whole_lower: Callable[..., Any], *, lean: Lean
+) -> Callable[..., Any]:
+    """``lower(state, batch)`` of the program `lean_call` runs for ``state``: a
+    `jax.stages.Lowered` whose compiled program is called as the step is."""
+
+    def lower(state, batch):
+        if state.placement.kind != "replicated":
+            return whole_lower(state, batch)
+        changed = (state.step, state.params, state.opt_state, state.model_state)
+        if lean.carries_scale:
+            changed = (*changed, state.loss_scale)
+        read = (state.rng, state.loss_scale.skipped) if lean.reads_skipped else (state.rng,)
+        return _Lowered(programs(state.rng_impl).lower(changed, read, batch), lean)
+
+    return lower
+
+
+class _Lowered:
+    """A lean program's `jax.stages.Lowered` (every attribute its own), whose ``compile``
+    gives a program called as the step is, ``compiled(state, batch)``."""
+
+    def __init__(self, lowered: Any, lean: Lean):
+        self._lowered, self._lean = lowered, lean
+
+    def compile(self, *args: Any, **kwargs: Any) -> _Compiled:
+        compiled = self._lowered.compile(*args, **kwargs)
+        run = _runner(lambda _: compiled, lambda *_: None, **self._lean._asdict())
+        return _Compiled(compiled, run)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lowered, name)
+
+
+class _Compiled:
+    """A lean program's `jax.stages.Compiled`, called as ``compiled(state, batch)``."""
+
+    def __init__(self, compiled: Any, run: Callable[..., Any]):
+        self._compiled, self._run = compiled, run
+
+    def __call__(self, state: Any, batch: Any) -> Any:
+        return self._run(state, batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._compiled, name)
+
+
+def jitted_by_impl(make: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``make(rng_impl)``, made once per key implementation (a static part of the state)."""
+    made: dict[str, Any] = {}
+
+    def programs(rng_impl: str):
+        program = made.get(rng_impl)
+        if program is None:
+            program = made[rng_impl] = make(rng_impl)
+        return program
+
+    return programs
