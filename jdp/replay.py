@@ -86,23 +86,37 @@ def replay(run_dir: str, step: int, *, ckpt_dir: str | None = None, out: str | N
     state, start, base = _restore(run, step)
     if start >= step:  # a checkpoint's loader position past its step: not one to replay from
         raise UsageError(f"the checkpoint before step {step} resumes at step {start}")
+    calls = config.steps_per_call  # the run's calls: replayed as it made them
+    if start % calls:
+        raise UsageError(
+            f"the checkpoint before step {step} is at step {start}, inside a "
+            f"call of the run's {calls} steps; replay a run resumed at a call's end"
+        )
     checked, place = [], places_ahead(run.mesh)
+    end = start + -(-(step - start) // calls) * calls  # the end of the call holding the step
     loader = train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=config.seed,
                            start_step=start, place=place, ledger=config.data_ledger,
-                           steps=step - start)  # fmt: skip
+                           steps=end - start, steps_per_call=calls)  # fmt: skip
     with loader as batches:
         ledger = data_ledger(config, run, batches, start, base)
-        for number in range(start + 1, step + 1):
+        for first in range(start, step, calls):
             batch = next(batches)
-            if number == step:
-                seen = _diagnose(run, state, batch)
-                before = jax.tree.map(jnp.copy, state.params)
+            if first + calls >= step:  # the call holding the step: before and after it
+                inside = step - first
+                before = _first_steps(run, state, batch, inside - 1)
+                seen = _diagnose(run, before, _one_step(batch, inside - 1, calls))
+                after = None if inside == calls else _first_steps(run, state, batch, inside)
+                before = jax.tree.map(jnp.copy, before.params)
             state, metrics = run.train_step(state, batch)
-            if number in logged:
-                _check(number, float(metrics["loss"]), logged[number], ledger, where)
-                checked.append(number)
-    updates = jax.tree.map(lambda new, old: _norm(new - old), state.params, before)
-    loss = float(metrics["loss"])
+            losses = np.atleast_1d(jax.device_get(metrics["loss"]))
+            numbers = range(first + 1, min(first + calls, step) + 1)  # none past the step
+            for number, value in zip(numbers, losses[: len(numbers)], strict=True):
+                if number in logged:
+                    _check(number, float(value), logged[number], ledger, where)
+                    checked.append(number)
+    after = state.params if after is None else after.params
+    updates = jax.tree.map(lambda new, old: _norm(new - old), after, before)
+    loss = float(losses[inside - 1])
     largest = _write(out, run, step, loss, seen, updates, start, checked, top)
     return Replayed(step, loss, checked, start, largest, out)
 
@@ -165,12 +179,6 @@ def _config(saved: dict, run_dir: str, ckpt_dir: str | None, step: int) -> Train
     if config.mesh_spec.has(GROUP_AXIS):
         raise UsageError(f"the run trained DiLoCo groups (--mesh {config.mesh}), whose "
                          "synchronisations replay does not repeat")  # fmt: skip
-    if config.steps_per_call > 1:
-        raise UsageError(
-            f"the run scanned --steps-per-call {config.steps_per_call} steps per call, "
-            "and replay computes a step at a time; replay a run trained with "
-            "--steps-per-call 1"
-        )
     if not 1 <= step <= config.steps:
         raise UsageError(f"--step {step}: the run has steps 1 to {config.steps}")
     return config
@@ -238,6 +246,25 @@ def _check(step: int, loss: float, record: dict, ledger: Ledger | None, where: s
                 f"step {step}'s global batch is not the one the run logged (data ledger "
                 f"{digests[TOTAL]}, logged {record.get(TOTAL)}): the data changed since"
             )
+
+
+def _first_steps(run: Run, state, stacked, count: int):
+    """The state after the first ``count`` steps of a call of the run's (``stacked``, its
+    batches), from a copy of ``state``: the steps scanned as the run's call scans them
+    (one step alone compiles as the run's single step)."""
+    if count == 0:
+        return state
+    step = run.step_for(count)
+    first = jax.jit(
+        lambda batch: jax.tree.map(lambda x: x[:count] if count > 1 else x[0], batch),
+        out_shardings=step.batch_sharding,
+    )
+    return step(jax.tree.map(jnp.copy, state), first(stacked))[0]
+
+
+def _one_step(batch, index: int, calls: int):
+    """Step ``index``'s batch of a call's ``batch`` (stacked when ``calls`` > 1)."""
+    return batch if calls == 1 else jax.tree.map(lambda x: x[index], batch)
 
 
 def _norm(x: jax.Array) -> jax.Array:

@@ -177,6 +177,35 @@ def test_a_batchnorm_model_after_a_longer_resume_replays(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_a_run_of_several_steps_per_call_replays_its_calls(run, tmp_path):
+    """A run scanning 4 steps a call replays call by call as it ran: its logged steps
+    (each call's last) bit for bit, and a step inside a call from the call's own
+    metrics, the state before it from the call's first steps."""
+    root, _ = run
+    flags = ["--dataset", f"npz:{root / 'data.npz'}", "--model", "mlp", "--mesh", "data=2",
+             "--batch-size", BATCH, "--steps", "16", "--warmup-steps", "2", "--log-every", "1",
+             "--eval-every", "0", "--ckpt-every", "8"]  # fmt: skip
+    for calls in (1, 4):
+        where = tmp_path / str(calls)
+        result = run_cli(*flags, "--steps-per-call", calls, "--log-dir", where / "log",
+                         "--ckpt-dir", where / "ckpt", timeout=240)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    single, scanned = _logged(tmp_path / "1" / "log"), _logged(tmp_path / "4" / "log")
+    assert sorted(scanned) == [4, 8, 12, 16]  # a call logs its last step
+    result = run_tool("jdp.replay", tmp_path / "4" / "log", "--step", 14, "--out",
+                      tmp_path / "out")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "step.json").read_text())
+    assert summary["started_from"] == 8 and summary["checked_steps"] == [12]
+    # The MLP's scanned steps are bitwise its single steps: step 14, inside a call, is the
+    # single-step run's logged loss, as are the calls' last steps.
+    assert summary["loss"] == single[14]["loss"]
+    assert all(scanned[step]["loss"] == single[step]["loss"] for step in scanned)
+    assert all(norm > 0 for norm in summary["update_norms"].values())
+
+
+@pytest.mark.slow
 def test_a_diloco_run_is_refused_in_one_line(tmp_path):
     result = run_cli("--mesh", "group=2,data=2", "--steps", "4", "--log-every", "1",
                      "--eval-every", "0", "--log-dir", tmp_path, timeout=240)  # fmt: skip

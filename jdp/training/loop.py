@@ -32,7 +32,6 @@ from jdp.state import TrainState
 from jdp.training.compile_cache import compile_cache
 from jdp.training.config import TrainConfig
 from jdp.training.messages import describe_run
-from jdp.training.optimizer import logged_lr, lr_in_step
 from jdp.training.results import (
     FitResult,
     SteadyTimer,
@@ -43,6 +42,7 @@ from jdp.training.results import (
 )
 from jdp.training.resume import resume
 from jdp.training.run import Data, Run, Yours, build
+from jdp.training.steps import logged_lr, lr_in_step
 from jdp.training.stops import Interrupted, StopOnPreemption
 from jdp.training.wiring import (
     action_phases,

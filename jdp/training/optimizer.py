@@ -8,15 +8,10 @@ was built (``messages.py``) shows the peak.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import jax
-import jax.numpy as jnp
 import optax
 
 from jdp.errors import UsageError
 from jdp.optim import DECOUPLED_DECAY, make_optimizer, make_schedule, scale_lr
-from jdp.precision import make_precision
 from jdp.training.config import TrainConfig
 
 
@@ -94,28 +89,3 @@ def describe(config: TrainConfig) -> str:
     if config.clip_norm:
         parts.append(f"gradients clipped at global norm {config.clip_norm:g}")
     return ", ".join(parts)
-
-
-def lr_in_step(config: TrainConfig) -> bool:
-    """Whether the train step returns the learning rate: where an update may be skipped
-    inside a call (fp16's loss scale, ``--nan-policy skip``: the schedule counts the
-    updates applied) and with DiLoCo's groups. Elsewhere the run computes it on the
-    host when it is read (`logged_lr`): an output of every call costs the host about a
-    microsecond and a half, 4% of a small model's call."""
-    precision = make_precision(config.precision, reduce=config.reduce_dtype)
-    skips = precision.loss_scaling or config.nan_policy == "skip"
-    return skips or config.mesh_spec.has("group")
-
-
-def step_lr(config: TrainConfig, schedule: optax.Schedule | None) -> optax.Schedule | None:
-    """The schedule a run's train step reports its learning rate by, where it must
-    (`lr_in_step`); else None."""
-    return schedule if lr_in_step(config) else None
-
-
-def logged_lr(schedule: optax.Schedule, skipped: int) -> Callable[[int], jax.Array]:
-    """``lr_at(step)``: the rate the step that ended at ``step`` used, as the step computes
-    it (``schedule(count)`` in float32, compiled, ``count`` the updates applied before
-    it), for a run whose skipped count stays ``skipped``."""
-    rate = jax.jit(lambda count: jnp.asarray(schedule(count), jnp.float32))
-    return lambda step: rate(jnp.int32(step - 1 - skipped))

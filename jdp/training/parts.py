@@ -8,6 +8,7 @@ import cycle.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import optax
 from jax.sharding import Mesh
@@ -59,3 +60,6 @@ class Run:
     validation: Split | None = None
     recorded: dict | None = None
     sync_step: SyncStep | None = None  # DiLoCo's synchronisation, on a mesh with groups
+    # ``step_for(steps_per_call)``: the run's train step, scanning that many steps a call
+    # (``jdp.replay`` steps inside a call of the run's with it).
+    step_for: Callable[[int], CompiledStep] | None = None

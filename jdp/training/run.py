@@ -53,7 +53,7 @@ from jdp.report.console import Console
 from jdp.report.trackers import check_trackers
 from jdp.report.writers import check_writable
 from jdp.state import create_train_state
-from jdp.step import make_eval_step, make_sync_step, make_train_step
+from jdp.step import make_eval_step, make_sync_step
 from jdp.training.config import OPTIMIZER, TrainConfig, fields_of
 from jdp.training.config_checks import image_hw
 from jdp.training.messages import (
@@ -63,9 +63,10 @@ from jdp.training.messages import (
     say_where_it_runs,
 )
 from jdp.training.messages import describe_run as describe_run  # importable here, as before
-from jdp.training.optimizer import config_optimizer, step_lr
+from jdp.training.optimizer import config_optimizer
 from jdp.training.optimizer import peak_lr as peak_lr  # importable here, as before
 from jdp.training.parts import Data, Run, Yours
+from jdp.training.steps import step_maker
 
 # Beyond this, simulated CPU devices take minutes and gigabytes to create.
 MAX_SIMULATED_DEVICES = 1024
@@ -283,12 +284,8 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None, *,
     train, validation, test = place(config.data_on_device, splits, mesh, say=console.line,
                                     state_bytes=state_bytes(state),
                                     workers=config.loader_workers).values()  # fmt: skip
-    train_step = make_train_step(
-        model.loss_fn, optimizer, mesh, backend=config.backend, has_model_state=True,
-        precision=precision, accumulate=config.accumulate, lr_schedule=step_lr(config, schedule),
-        steps_per_call=config.steps_per_call, skip_nonfinite=config.nan_policy == "skip",
-        grad_norm=config.grad_norm,
-    )  # fmt: skip
+    step_for = step_maker(config, model, optimizer, mesh, precision, schedule)
+    train_step = step_for(config.steps_per_call)
     eval_step = make_eval_step(model.metrics_fn, mesh, backend=config.backend, has_model_state=True)
     sync_step = make_sync_step(outer, mesh) if outer is not None else None
     num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
@@ -305,7 +302,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None, *,
                recorded_config(config, yours, train,
                                chose_warmup=config.warmup_steps != given.warmup_steps,
                                fingerprints=fingerprints(config, data), architecture=architecture),
-               sync_step)  # fmt: skip
+               sync_step, step_for)  # fmt: skip
 
 
 def _checked_data(config: TrainConfig, yours: Yours, architecture: dict | None
