@@ -85,15 +85,20 @@ class OnDevice:
             raise AttributeError(name)
         return getattr(self.split, name)
 
-    def gather(self, item: dict, *, stacked: bool = False, chunk: bool = False):
+    def gather(self, item: dict, *, stacked: bool = False, chunk: bool = False, group: int = 1):
         """An index batch placed on the mesh (`shard_batch`) -> the batch it names, on the
         devices. ``stacked``: several steps' on axis 0, kept so; ``chunk``: several steps'
-        on axis 0, given back as a list of batches (one transfer and one call a chunk)."""
-        key = (stacked, chunk)
+        on axis 0, given back as a list of batches (one transfer and one call a chunk), or
+        of stacks of ``group`` steps each (calls of several steps)."""
+        key = (stacked, chunk, group)
         if key not in self._gathers:
             self._gathers[key] = jax.jit(
                 functools.partial(
-                    _gather, key=self.split.input_key, padding=self.padding, unstack=chunk
+                    _gather,
+                    key=self.split.input_key,
+                    padding=self.padding,
+                    unstack=chunk,
+                    group=group,
                 ),
                 out_shardings=batch_sharded(self.mesh, stacked=stacked),
             )
@@ -115,10 +120,11 @@ def on_devices(split, mesh: Mesh) -> OnDevice:
     return OnDevice(split, mesh)
 
 
-def _gather(arrays: dict, item: dict, *, key: str, padding: int, unstack: bool):
+def _gather(arrays: dict, item: dict, *, key: str, padding: int, unstack: bool, group: int = 1):
     """The index batch's rows of ``arrays``, ``key`` cropped and flipped as its draws say
     (the host's `jdp.data.formats.transforms._crop_and_flip`, over any leading axes); ``unstack``:
-    the list of the batches stacked on axis 0."""
+    the list of the batches stacked on axis 0 (of stacks of ``group`` of them, when more
+    than one)."""
     rows = item[ROWS]
     # In bounds by construction (an epoch's permutation, row 0 for padding): no clamping.
     batch = {name: value.at[rows].get(mode="promise_in_bounds") for name, value in arrays.items()}
@@ -129,6 +135,11 @@ def _gather(arrays: dict, item: dict, *, key: str, padding: int, unstack: bool):
     )
     if not unstack:
         return batch
+    if group > 1:
+        return [
+            {name: value[i : i + group] for name, value in batch.items()}
+            for i in range(0, len(rows), group)
+        ]
     return [{name: value[i] for name, value in batch.items()} for i in range(len(rows))]
 
 

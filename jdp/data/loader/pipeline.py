@@ -95,7 +95,7 @@ class Loader(Iterator[dict]):
                     "a TrainReader's endless training stream only"
                 )
             if steps_per_item > 1:
-                reader = StackedReader(reader, steps=steps_per_item, start=start)
+                reader = StackedReader(reader, steps=steps_per_item, start=start, calls=chunk)
             else:
                 reader = ChunkedReader(reader, steps=chunk, start=start)
             host = host_batches(reader, start=0, stop=None, workers=workers)
@@ -250,6 +250,11 @@ def _gathered(device: OnDevice, item, mesh: Mesh, *, stacked: bool):
     a chunk's indices stack into one transfer (`jax.device_put`'s Python cost is per leaf)."""
     if not isinstance(item, list):
         return device.gather(shard_batch(item, mesh, stacked=stacked), stacked=stacked)
+    if stacked:  # calls of several steps: their steps in a row, gathered a call apiece
+        steps = len(next(iter(item[0].values())))
+        item = {key: np.concatenate([batch[key] for batch in item]) for key in item[0]}
+        placed = shard_batch(item, mesh, stacked=True)
+        return device.gather(placed, stacked=True, chunk=True, group=steps)
     item = {key: np.stack([batch[key] for batch in item]) for key in item[0]}
     return device.gather(shard_batch(item, mesh, stacked=True), chunk=True)
 
@@ -336,7 +341,7 @@ def train_batches(
         steps_per_item=steps_per_call,
         # Chunks are for the loader's own thread, whose per-batch cost they save;
         # Grain workers pay that cost in other processes.
-        chunk=_chunk_steps(reader, start_step, steps) if steps_per_call == 1 and not workers else 1,
+        chunk=1 if workers else max(1, _chunk_steps(reader, start_step, steps) // steps_per_call),
         place=place,
         device=split if on_device else None,
     )

@@ -193,11 +193,24 @@ class EvalReader:
 
 
 class StackedReader:
-    """Call ``i`` -> the batches of steps ``start + i*steps .. + steps - 1``, stacked on axis 0."""
+    """Call ``i`` -> the batches of steps ``start + i*steps .. + steps - 1``, stacked on axis 0;
+    with ``calls`` > 1, the list of that many calls' stacks, read at once (a chunk). Bad
+    data gives the whole calls before it, then raises at the next read."""
 
-    def __init__(self, reader: TrainReader, *, steps: int, start: int):
-        self.chunks = ChunkedReader(reader, steps=steps, start=start)
+    def __init__(self, reader: TrainReader, *, steps: int, start: int, calls: int = 1):
+        self.chunks = ChunkedReader(reader, steps=steps * calls, start=start)
+        self.steps, self.calls = steps, calls
 
-    def __call__(self, call: int) -> dict[str, np.ndarray]:
-        batches = self.chunks(call)
-        return {key: np.stack([batch[key] for batch in batches]) for key in batches[0]}
+    def __call__(self, call: int) -> dict[str, np.ndarray] | list[dict[str, np.ndarray]]:
+        batches, steps = self.chunks(call), self.steps
+        whole = len(batches) // steps
+        if not whole:  # bad data inside the first call: its error
+            return self.chunks(call + 1)
+        stacks = [
+            {
+                key: np.stack([batch[key] for batch in batches[i * steps : (i + 1) * steps]])
+                for key in batches[0]
+            }
+            for i in range(whole)
+        ]
+        return stacks if self.calls > 1 else stacks[0]
