@@ -562,3 +562,21 @@ def test_the_launcher_drops_the_collectives_connection_lines_even_interleaved():
     kept = ["[Gloo] Rank 0 failed to connect to 127.0.0.1:1234", "7", "step 20: loss=0.1"]
     connection = ConnectionLines()
     assert [connection.drops(line + "\n") for line in dropped + kept] == [True] * 5 + [False] * 3
+
+
+@pytest.mark.slow
+def test_auto_steps_per_call_on_two_processes_is_their_run_at_one(tmp_path):
+    """Process 0's timings choose for both (each process checks the call, all agreeing);
+    the two processes' run is bitwise their run at one step a call."""
+    runs, said = {}, {}
+    for calls in ("auto", "1"):
+        log = tmp_path / calls
+        result = _train(
+            "--steps-per-call", calls, "--log-dir", str(log), "--log-every", "20", nproc=2
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        figures = re.search(r"train_loss=\S+ test_loss=\S+ test_accuracy=\S+", result.stdout)
+        runs[calls], said[calls] = (_logged(log, "loss"), figures.group(0)), result.stdout
+    assert re.search(r"^\[0\] jdp: --steps-per-call auto: \d+ steps? a call", said["auto"], re.M)
+    assert "--steps-per-call auto" not in said["1"]
+    assert runs["auto"] == runs["1"]

@@ -141,7 +141,7 @@ def _finished(parts: dict, examples_per_sec: float = 1e4):
         ({"startup": 1.0, "input": 5.0, "step": 3.0}, 1e4, {}, "most of it went to waiting "
          "for batches: --loader-workers 2 (or more), or --data-on-device on"),
         ({"startup": 1.0, "step": 9.0}, 1e5, {}, "training steps of 1.28 ms each, short "
-         "enough that the host's dispatch of each call is a share of them: --steps-per-call 4"),
+         "enough that the host's dispatch of each call is a share of them: --steps-per-call auto"),
         ({"startup": 1.0, "step": 9.0}, 1e5, {"steps_per_call": 4}, "most of it went to "
          "training steps, the model's own compute"),
         ({"startup": 1.0, "step": 9.0}, 1e4, {}, "training steps, the model's own compute"),

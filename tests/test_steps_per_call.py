@@ -1,4 +1,8 @@
-"""Several optimizer steps per call: the same result as single steps, batches stacked."""
+"""Several optimizer steps per call: the same result as single steps, batches stacked;
+``--steps-per-call auto``."""
+
+import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -115,3 +119,64 @@ def test_a_stack_of_the_wrong_length_is_refused(mesh8):
     batch = jax.tree.map(lambda x: np.stack([x] * 3), regression_data())
     with pytest.raises(jdp.UsageError, match="steps_per_call=4 takes that many batches"):
         step(state, jdp.shard_batch(batch, mesh8, stacked=True))
+
+
+def test_auto_calls_never_cross_a_period_or_the_start(tmp_path):
+    from jdp.training.calls import MOST_STEPS, longest_call
+
+    config = jdp.TrainConfig(steps=400, log_every=20, eval_every=200, ckpt_every=0)
+    assert longest_call(config, 0) == 20
+    assert longest_call(config, 30) == 10  # resumed at step 30: calls end at 40, 50, ...
+    assert longest_call(jdp.TrainConfig(steps=400, log_every=7), 0) == 1
+    assert longest_call(jdp.TrainConfig(steps=1280, log_every=640, eval_every=0), 0) == MOST_STEPS
+    profiled = jdp.TrainConfig(steps=400, log_every=20, profile_steps="11:14", log_dir=tmp_path)
+    assert longest_call(profiled, 0) == 2
+
+
+def test_auto_takes_the_smallest_call_that_leaves_the_host_under_its_share():
+    from jdp.training.calls import steps_for_share
+
+    # A one-step call of 100 us, 40 of them the host's: 40 / (40 + 60 k) < 3% from k = 22.
+    assert steps_for_share(40.0, 100.0, 64) == 32  # the divisors of 64 above 22
+    assert steps_for_share(40.0, 100.0, 20) == 20  # none under it: the longest call
+    assert steps_for_share(1.0, 1000.0, 20) == 1  # a long step: one a call
+    assert steps_for_share(10.0, 100.0, 20) == 4  # 10 / (10 + 90 k) < 3% from k = 4
+
+
+@pytest.mark.parametrize("spec", ["data=1", "data=8"])
+def test_auto_is_bitwise_the_run_at_one_step_a_call(devices, spec, capsys):
+    config = jdp.TrainConfig(mesh=spec, steps=40, warmup_steps=4, log_every=10, eval_every=20)
+    auto = jdp.fit(dataclasses.replace(config, steps_per_call="auto"), console=jdp.Console())
+    line = r"--steps-per-call auto: (\d+) steps? a call \((.+)\)"
+    said = re.search(line, capsys.readouterr().out)
+    assert said and 10 % int(said.group(1)) == 0, said
+    single = jdp.fit(config, console=jdp.Console(enabled=False))
+    jax.tree.map(np.testing.assert_array_equal, auto.state.params, single.state.params)
+    assert [r["loss"] for r in auto.history] == [r["loss"] for r in single.history]
+    assert auto.test_accuracy == single.test_accuracy
+
+
+def test_auto_keeps_one_step_a_call_where_a_call_rounds_otherwise(devices, monkeypatch, capsys):
+    # The cnn's convolutions compile otherwise inside XLA:CPU's loop: a call of 2 steps is
+    # not bitwise 2 single steps, which auto checks and says, keeping one step a call.
+    from jdp.training import calls
+
+    monkeypatch.setattr(calls, "steps_for_share", lambda host, call, longest: 2)
+    config = jdp.TrainConfig(
+        mesh="data=1", model="cnn", steps=4, steps_per_call="auto", log_every=2, eval_every=0
+    )
+    result = jdp.fit(config, console=jdp.Console())
+    out = capsys.readouterr().out
+    assert "--steps-per-call auto: 1 step a call (the host took" in out
+    assert "a call of 2 steps rounds otherwise than 2 single steps with this model here" in out
+    assert result.steps == 4
+
+
+def test_auto_on_the_command_line_and_a_bad_value_in_one_line():
+    from jdp.training.flags import parse_flags
+
+    assert parse_flags(["--steps-per-call", "auto"]).steps_per_call == "auto"
+    assert parse_flags(["--steps-per-call", "4"]).steps_per_call == 4
+    refused = run_cli("--steps-per-call", "many")
+    assert refused.returncode == 2
+    assert "--steps-per-call: invalid" in refused.stderr and len(refused.stderr.splitlines()) == 1

@@ -65,11 +65,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
             fp16 loss scaling); create the state with the same one.
         accumulate: micro-batches per replica, scanned; one all-reduce per update.
         lr_schedule: the optimizer's schedule, to report ``lr``.
-        steps_per_call: optimizer steps per call, scanned (less host dispatch), equal
-            to as many single steps: batch leaves ``(steps_per_call, rows, ...)``
-            (`shard_batch(..., stacked=True)`), each metric ``(steps_per_call,)``.
-        skip_nonfinite: keep the state as it was when the loss or the averaged
-            gradient is not finite, counting ``skipped_steps``.
+        steps_per_call: steps per call, scanned: batch leaves ``(steps_per_call, rows, ...)``
+            (`shard_batch(..., stacked=True)`), metrics ``(steps_per_call,)``; bitwise as many
+            single steps where XLA compiles the step alike in its loop (not XLA:CPU's convs).
+        skip_nonfinite: keep the state as it was (counting ``skipped_steps``) when the
+            loss or the averaged gradient is not finite.
         grad_norm: also report ``grad_norm``, the averaged gradient's global norm
             before clipping (one more pass over the gradients).
 

@@ -19,6 +19,7 @@ EarlyStopMetric = Literal["loss", "accuracy"]
 TokenDtype = Literal["", "uint16", "uint32", "int32"]
 BestMode = Literal["auto", "max", "min"]
 NanPolicy = Literal["stop", "skip", "ignore"]
+Auto = Literal["auto"]  # a number's field whose value the run chooses (--steps-per-call)
 DataLedger = Literal["indices", "bytes", "off"]
 DataOnDevice = Literal["auto", "on", "off"]
 OuterOptimizerName = Literal["nesterov", "sgd"]

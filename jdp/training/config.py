@@ -174,10 +174,10 @@ class TrainConfig:
     weight_decay: float = _flag(OPTIMIZER, 0.0, "weight decay (biases and norm scales are spared)")
     clip_norm: float = _flag(OPTIMIZER, 0.0, "clip the gradients' global norm to this (0: off)")
     accumulate: int = _flag(STEP, 1, "micro-batches per update (gradient accumulation)")
-    steps_per_call: int = _flag(
+    steps_per_call: int | choices.Auto = _flag(
         LAYOUT,
         1,
-        "optimizer steps per compiled call, scanned on the device (for small, fast steps)",
+        "optimizer steps per compiled call, scanned on the device; auto: the run's choice",
         shown=STEP.name,
     )
     precision: choices.PrecisionName = _flag(

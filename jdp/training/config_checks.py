@@ -148,6 +148,8 @@ def _check_numbers(config) -> None:
 
 def _check_steps_per_call(config) -> None:
     calls = config.steps_per_call
+    if calls == "auto":  # the run chooses a number that divides every period
+        return
     if calls < 1:
         raise UsageError("--steps-per-call must be at least 1")
     if calls == 1:

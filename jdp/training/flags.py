@@ -41,6 +41,9 @@ def _parser_of(hint: Any) -> tuple[Callable[[str], Any], str | None]:
         return (lambda text: read(text) if text else None), metavar
     if typing.get_origin(hint) is Literal:
         return str, "{" + ",".join(args) + "}"
+    if int in args:  # a number, or one of a Literal's words (``int | Literal["auto"]``)
+        (words,) = [typing.get_args(arg) for arg in args if arg is not int]
+        return (lambda text: text if text in words else int(text)), "{N," + ",".join(words) + "}"
     if hint in (int, float, str):
         return hint, None
     raise TypeError(f"TrainConfig field of type {hint!r} has no flag parser")

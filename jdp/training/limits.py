@@ -58,7 +58,7 @@ def _limited(config: TrainConfig, result: FitResult, most: str) -> str:
     if config.steps_per_call == 1 and 0 < step < SHORT_STEP_SECONDS:
         return (
             f"most of it went to training steps of {step * 1e3:.2f} ms each, short enough that "
-            "the host's dispatch of each call is a share of them: --steps-per-call 4 scans "
-            "four steps in one call"
+            "the host's dispatch of each call is a share of them: --steps-per-call auto "
+            "chooses how many steps one call scans"
         )
     return "most of it went to training steps, the model's own compute"

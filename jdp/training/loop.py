@@ -29,6 +29,7 @@ from jdp.report.console import Console
 from jdp.report.goodput import Clock, Goodput
 from jdp.report.run_info import record_goodput
 from jdp.state import TrainState
+from jdp.training.calls import choose_steps_per_call
 from jdp.training.compile_cache import compile_cache
 from jdp.training.config import TrainConfig
 from jdp.training.messages import describe_run
@@ -120,6 +121,9 @@ def _fit(config: TrainConfig, console: Console, yours: Yours, callbacks: Sequenc
                     f"{config.steps}); evaluating it (raise --steps to train on)"
                 )
                 return evaluated(run, state, start, console, started)
+        if config.steps_per_call == "auto":  # from the step it starts at
+            run = choose_steps_per_call(run, state, start, console)
+            config = run.config
         goodput.start(start)
         progress, timer, history = _train(run, state, start, ledger, stack, console,
                                           checkpoints, callbacks, goodput)  # fmt: skip

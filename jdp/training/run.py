@@ -66,7 +66,7 @@ from jdp.training.messages import describe_run as describe_run  # importable her
 from jdp.training.optimizer import config_optimizer
 from jdp.training.optimizer import peak_lr as peak_lr  # importable here, as before
 from jdp.training.parts import Data, Run, Yours
-from jdp.training.steps import step_maker
+from jdp.training.steps import built_calls, step_maker
 
 # Beyond this, simulated CPU devices take minutes and gigabytes to create.
 MAX_SIMULATED_DEVICES = 1024
@@ -148,7 +148,7 @@ def resolve(config: TrainConfig, train_examples: int, console: Console, *,
     resumed with the default warmup keeps the one jdp chose when it started (`_warmup_kept`):
     raising ``--steps`` continues the run, the warmup it went through unchanged."""
     if config.epochs:
-        calls = config.steps_per_call
+        calls = built_calls(config)
         steps = math.ceil(config.epochs * train_examples / config.batch_size)
         steps = calls * math.ceil(steps / calls)
         console.line(
@@ -285,7 +285,7 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None, *,
                                     state_bytes=state_bytes(state),
                                     workers=config.loader_workers).values()  # fmt: skip
     step_for = step_maker(config, model, optimizer, mesh, precision, schedule)
-    train_step = step_for(config.steps_per_call)
+    train_step = step_for(built_calls(config))
     eval_step = make_eval_step(model.metrics_fn, mesh, backend=config.backend, has_model_state=True)
     sync_step = make_sync_step(outer, mesh) if outer is not None else None
     num_params = sum(np.size(leaf) for leaf in jax.tree.leaves(params))

@@ -17,6 +17,12 @@ from jdp.step import CompiledStep, make_train_step
 from jdp.training.config import TrainConfig
 
 
+def built_calls(config: TrainConfig) -> int:
+    """The steps a call of the step `build` makes: ``--steps-per-call``, or 1 for ``auto``
+    (`jdp.training.calls` chooses before the first step)."""
+    return 1 if config.steps_per_call == "auto" else config.steps_per_call
+
+
 def step_maker(
     config: TrainConfig,
     model: Model,

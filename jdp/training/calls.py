@@ -1,0 +1,149 @@
+"""``--steps-per-call auto``: the steps a call, chosen by the run before its first step.
+
+A call of one small step leaves the device idle while the host dispatches the next
+one; a call of K steps, scanned on the device, pays that once per K. The run times a
+few one-step calls on a copy of its state, takes the smallest K that brings the
+host's share of a call under `HOST_SHARE`, and keeps it only where a call of K steps
+is bitwise K single steps (it computes both from a copy of the state over the run's
+first K batches): otherwise one step a call, so that ``auto`` never changes a number.
+K divides every period at which an action runs (``--log-every``, ``--eval-every``,
+``--ckpt-every``, ``--check-replicas-every``, the profile's window), the steps and the
+step the run starts from, so no call crosses one. Process 0's timings decide for all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdp.data.loader import places_ahead, train_batches
+from jdp.distributed.agree import all_ok, from_process_0
+from jdp.mesh import GROUP_AXIS
+from jdp.report.console import Console
+from jdp.state import TrainState
+from jdp.training.config import TrainConfig
+from jdp.training.parts import Run
+
+# The host's share of a call that ``auto`` brings a call under, and the most steps a call
+# holds (its batches stacked on the devices: K global batches at once).
+HOST_SHARE, MOST_STEPS = 0.03, 64
+# One-step calls timed (after one that compiles); the median is kept.
+TIMED_CALLS = 8
+
+
+def longest_call(config: TrainConfig, start: int) -> int:
+    """The most steps a call may hold: the greatest common divisor of the periods at which
+    an action runs, the steps and ``start`` (no call crosses one), at most `MOST_STEPS`."""
+    periods = [config.steps, start, config.log_every, config.eval_every]
+    periods += [config.ckpt_every, config.check_replicas_every]
+    if config.profile_window:
+        first, last = config.profile_window
+        periods += [first - 1, last]
+    return max(k for k in range(1, MOST_STEPS + 1) if math.gcd(*periods) % k == 0)
+
+
+def steps_for_share(host_us: float, call_us: float, longest: int) -> int:
+    """The smallest K dividing ``longest`` whose call leaves the host under `HOST_SHARE` of
+    it, a one-step call taking ``call_us`` of which the host ``host_us`` (the host's time
+    paid once a call, the device's K times); ``longest`` if none does."""
+    device_us = max(call_us - host_us, 1e-3)
+    for k in range(1, longest + 1):
+        if longest % k == 0 and host_us / (host_us + k * device_us) < HOST_SHARE:
+            return k
+    return longest
+
+
+def choose_steps_per_call(run: Run, state: TrainState, start: int, console: Console) -> Run:
+    """``run`` with ``--steps-per-call auto`` resolved to a number of steps (the run's
+    config, recorded config and train step), saying which and why in one line."""
+    config, longest = run.config, longest_call(run.config, start)
+    if config.mesh_spec.has(GROUP_AXIS):
+        steps, why = 1, "DiLoCo's groups keep one step a call"
+    elif longest == 1:
+        steps, why = 1, "the steps, the start and the actions' periods leave no longer call"
+    else:
+        steps, why = _timed_choice(run, state, start, longest)
+    console.line(f"jdp: --steps-per-call auto: {steps} step{'s' * (steps > 1)} a call ({why})")
+    return dataclasses.replace(
+        run,
+        config=dataclasses.replace(config, steps_per_call=steps),
+        train_step=run.step_for(steps) if steps > 1 else run.train_step,
+        recorded={**(run.recorded or {}), "steps_per_call": steps},
+    )
+
+
+def _timed_choice(run: Run, state: TrainState, start: int, longest: int) -> tuple[int, str]:
+    """``(K, why)`` from one-step calls timed on a copy of ``state``, K kept only where a
+    call of K steps is bitwise K single steps."""
+    config = run.config
+    loader = train_batches(
+        run.train,
+        run.mesh,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        start_step=start,
+        place=places_ahead(run.mesh),
+    )
+    with loader as batches:
+        host_us, call_us = _one_step_call(run.train_step, state, next(batches))
+        share = host_us / call_us
+        timed = f"the host took {share:.0%} of a one-step call, {host_us:.0f} of {call_us:.0f} us"
+        # Process 0 decides, before any process checks the call (a check all processes make).
+        steps = from_process_0([steps_for_share(host_us, call_us, longest)])[0]
+        if steps == 1:
+            return 1, timed
+        made = [next(batches) for _ in range(steps)]
+    if not same_bits(run, state, made):
+        return 1, (
+            f"{timed}; a call of {steps} steps rounds otherwise than {steps} single steps with "
+            "this model here, and auto keeps the numbers of one step a call"
+        )
+    return steps, f"{timed}; a call of {steps} is bitwise {steps} single steps here"
+
+
+def _one_step_call(step: Callable, state: TrainState, batch) -> tuple[float, float]:
+    """``(host us, call us)``: the median of `TIMED_CALLS` one-step calls on a copy of
+    ``state``, each waited for: the host's time until the call returns, and the whole."""
+    copy = jax.tree.map(jnp.copy, state)
+    copy, _ = jax.block_until_ready(step(copy, batch))  # compiles
+    host, whole = [], []
+    for _ in range(TIMED_CALLS):
+        started = time.perf_counter()
+        out = step(copy, batch)
+        host.append(time.perf_counter() - started)
+        copy, _ = jax.block_until_ready(out)
+        whole.append(time.perf_counter() - started)
+    return 1e6 * statistics.median(host), 1e6 * statistics.median(whole)
+
+
+def same_bits(run: Run, state: TrainState, batches: list) -> bool:
+    """Whether one call of ``len(batches)`` steps gives bitwise the state and losses of as
+    many one-step calls, from copies of ``state`` (every process agreeing)."""
+    steps = len(batches)
+    single, losses = jax.tree.map(jnp.copy, state), []
+    for batch in batches:
+        single, metrics = run.train_step(single, batch)
+        losses.append(metrics["loss"])
+    scanned_step = run.step_for(steps)
+    stack = jax.jit(
+        lambda *made: jax.tree.map(lambda *leaves: jnp.stack(leaves), *made),
+        out_shardings=scanned_step.batch_sharding,
+    )
+    scanned, metrics = scanned_step(jax.tree.map(jnp.copy, state), stack(*batches))
+    same = _held(single) == _held(scanned) and _held(losses) == _held(list(metrics["loss"]))
+    return all_ok(same)
+
+
+def _held(tree) -> list[bytes]:
+    """The bytes of every array this process holds of ``tree``, in order."""
+    leaves = jax.tree.leaves(tree)
+    return [
+        np.asarray(shard.data).tobytes() for leaf in leaves for shard in leaf.addressable_shards
+    ]
