@@ -172,6 +172,15 @@ def test_auto_keeps_one_step_a_call_where_a_call_rounds_otherwise(devices, monke
     assert result.steps == 4
 
 
+def test_auto_leaves_a_large_state_untimed(devices, monkeypatch, capsys):
+    from jdp.training import calls
+
+    monkeypatch.setattr(calls, "MOST_STATE_BYTES", 0)  # every state is "large"
+    config = jdp.TrainConfig(mesh="data=1", steps=4, steps_per_call="auto", log_every=2)
+    assert jdp.fit(config, console=jdp.Console()).steps == 4
+    assert "--steps-per-call auto: 1 step a call (a state of 0.0 GiB" in capsys.readouterr().out
+
+
 def test_auto_on_the_command_line_and_a_bad_value_in_one_line():
     from jdp.training.flags import parse_flags
 

@@ -251,7 +251,7 @@ def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_se
             arms, rounds=rounds, round_seconds=round_seconds, rows=batch_size, multiple=1
         )
     ratios = ratios_to(rates, best)
-    hosts = host_us(run, best, batch)
+    hosts = host_us(run, best, batch, rounds=min(HOST_ROUNDS, rounds))
     on = "device" if run.train is not host else "-"
     row = (
         f"  {name:<10}{_params(run):>8}  {mesh:<8}"
@@ -269,16 +269,16 @@ def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_se
 HOST_ROUNDS, HOST_CALLS = 15, 40
 
 
-def host_us(run, kind: str, batch) -> dict[str, float]:
+def host_us(run, kind: str, batch, *, rounds: int = HOST_ROUNDS) -> dict[str, float]:
     """The host's microseconds a call, dispatch alone (each call waits for the one before):
     jdp's step as a run calls it, and the hand-written ``kind``; the median of the
-    medians of `HOST_ROUNDS` interleaved rounds."""
+    medians of ``rounds`` interleaved rounds (at most `HOST_ROUNDS`, as ``--rounds`` asks)."""
     hand = hand_written_step(run.model, run.optimizer, run.mesh, kind=kind)
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
     states = {"jdp": copy(run.state), "hand": copy((run.state.params, run.state.opt_state))}
     calls = {"jdp": run.train_step, "hand": lambda state, batch: _split(hand(*state, batch))}
-    rounds: dict[str, list[float]] = {"jdp": [], "hand": []}
-    for _ in range(HOST_ROUNDS):
+    medians: dict[str, list[float]] = {"jdp": [], "hand": []}
+    for _ in range(rounds):
         for arm, call in calls.items():
             times = []
             for _ in range(HOST_CALLS):
@@ -286,8 +286,8 @@ def host_us(run, kind: str, batch) -> dict[str, float]:
                 out = call(states[arm], batch)
                 times.append(time.perf_counter() - started)
                 states[arm] = jax.block_until_ready(out)[0]
-            rounds[arm].append(statistics.median(times[2:]))
-    return {arm: 1e6 * statistics.median(values) for arm, values in rounds.items()}
+            medians[arm].append(statistics.median(times[2:]))
+    return {arm: 1e6 * statistics.median(values) for arm, values in medians.items()}
 
 
 def _split(out: tuple) -> tuple:

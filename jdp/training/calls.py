@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdp.data.loader import places_ahead, train_batches
+from jdp.data.loader import places_ahead, state_bytes, train_batches
 from jdp.distributed.agree import all_ok, from_process_0
 from jdp.mesh import GROUP_AXIS
 from jdp.report.console import Console
@@ -36,6 +36,9 @@ from jdp.training.parts import Run
 HOST_SHARE, MOST_STEPS = 0.03, 64
 # One-step calls timed (after one that compiles); the median is kept.
 TIMED_CALLS = 8
+# The largest state (bytes a device) whose calls are timed and checked: those hold copies
+# of it, and a state this large steps for far longer than the host takes to dispatch.
+MOST_STATE_BYTES = 1 << 30
 
 
 def longest_call(config: TrainConfig, start: int) -> int:
@@ -68,6 +71,8 @@ def choose_steps_per_call(run: Run, state: TrainState, start: int, console: Cons
         steps, why = 1, "DiLoCo's groups keep one step a call"
     elif longest == 1:
         steps, why = 1, "the steps, the start and the actions' periods leave no longer call"
+    elif (held := state_bytes(state)) > MOST_STATE_BYTES:
+        steps, why = 1, f"a state of {held / 2**30:.1f} GiB a device steps long: not timed"
     else:
         steps, why = _timed_choice(run, state, start, longest)
     console.line(f"jdp: --steps-per-call auto: {steps} step{'s' * (steps > 1)} a call ({why})")
