@@ -71,8 +71,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for step in range(1, steps + 1):
         rows = rng.choice(len(x_train), batch_size, replace=False)
-        state, metrics = train_step(state, jdp.shard_batch({"x": x_train[rows],
-                                                            "y": y_train[rows]}, mesh))  # fmt: skip
+        state, metrics = train_step(
+            state, jdp.shard_batch({"x": x_train[rows], "y": y_train[rows]}, mesh)
+        )
         if step % sync.every == 0:
             state = sync(state)
         if step % 100 == 0:
@@ -87,9 +88,13 @@ def main() -> None:
             rows = np.arange(start, start + batch_size)
             real = rows < len(x_test)
             yield jdp.shard_batch(
-                {"x": x_test[np.where(real, rows, 0)], "y": y_test[np.where(real, rows, 0)],
-                 "mask": real.astype(np.float32)}, mesh,
-            )  # fmt: skip
+                {
+                    "x": x_test[np.where(real, rows, 0)],
+                    "y": y_test[np.where(real, rows, 0)],
+                    "mask": real.astype(np.float32),
+                },
+                mesh,
+            )
 
     result = jdp.evaluate(eval_step, state, test_batches())
     print(

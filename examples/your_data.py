@@ -103,9 +103,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8, help="CPU devices to simulate")
     args = parser.parse_args()
     jdp.simulate_cpu_devices(args.devices)  # before any JAX computation; no-op on accelerators
-    sources = ("arrays", "tfds", "folder") if args.smoke else (
-        "folder" if args.folder else args.source,
-    )  # fmt: skip
+    sources = (
+        ("arrays", "tfds", "folder") if args.smoke else ("folder" if args.folder else args.source,)
+    )
     for source in sources:
         train, test = splits(source, args.folder)
         print(f"{source}: {len(train)} training and {len(test)} test examples")
@@ -144,9 +144,13 @@ def train_and_predict(train, test, *, steps: int) -> None:
         ckpt_every=steps // 4,
     )
     result = jdp.fit(
-        config, model=model, train=train, test=test,
-        optimizer=optax.adamw(3e-3, weight_decay=1e-4), lr_schedule=3e-3,
-    )  # fmt: skip
+        config,
+        model=model,
+        train=train,
+        test=test,
+        optimizer=optax.adamw(3e-3, weight_decay=1e-4),
+        lr_schedule=3e-3,
+    )
     print(result.summary_line())
 
     best = jdp.load_model(ckpt_dir, "best", model=model)

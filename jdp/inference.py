@@ -53,8 +53,9 @@ class LoadedModel:
     step: int
     metrics: dict
 
-    def predict(self, inputs: Any, *, mesh: Mesh | None = None, batch_size: int = 128
-                ) -> Predictions:  # fmt: skip
+    def predict(
+        self, inputs: Any, *, mesh: Mesh | None = None, batch_size: int = 128
+    ) -> Predictions:
         """Classes and probabilities for raw inputs, preprocessed as training did.
 
         ``inputs``: image files (a path or a list of paths: decoded, made grey or RGB
@@ -70,17 +71,24 @@ class LoadedModel:
         if self.model is None:
             raise UsageError("this checkpoint holds your own model: pass model= to load_model")
         if not facts.get("num_classes"):
-            raise UsageError("LoadedModel.predict classifies; this model has no classes "
-                             "(use jdp.predict for its outputs)")  # fmt: skip
+            raise UsageError(
+                "LoadedModel.predict classifies; this model has no classes "
+                "(use jdp.predict for its outputs)"
+            )
         batch = {facts.get("input_key", "image"): read_inputs(inputs, facts)}
-        logits = predict(self.model, self.params, batch, model_state=self.model_state,
-                         mesh=mesh, batch_size=batch_size)  # fmt: skip
+        logits = predict(
+            self.model,
+            self.params,
+            batch,
+            model_state=self.model_state,
+            mesh=mesh,
+            batch_size=batch_size,
+        )
         shifted = np.exp(logits - logits.max(-1, keepdims=True))
         probabilities = shifted / shifted.sum(-1, keepdims=True)
         labels = probabilities.argmax(-1)
         names = facts.get("classes") or None
-        return Predictions(labels, probabilities,
-                           [names[i] for i in labels] if names else None)  # fmt: skip
+        return Predictions(labels, probabilities, [names[i] for i in labels] if names else None)
 
 
 class Predictions(NamedTuple):

@@ -138,8 +138,9 @@ def launch(
     try:
         while True:
             children.clear()
-            failed = _group(command, nproc, devices_per_process, port, grace, lock,
-                            children, signals, stopped)  # fmt: skip
+            failed = _group(
+                command, nproc, devices_per_process, port, grace, lock, children, signals, stopped
+            )
             if failed is None:
                 # Stopped as asked, each saved where it could: the launcher says so as a
                 # shell does (130 for SIGINT, 143 for SIGTERM), unless every one finished.
@@ -150,25 +151,35 @@ def launch(
             if signals or code == 2 or restarts == max_restarts:
                 _say(lock, f"{line}; exit code {shell_code(code)}")
                 if max_restarts and restarts == max_restarts and not signals and code != 2:
-                    _say(lock, f"--max-restarts {max_restarts} spent; the last complete "
-                               "checkpoint is where a rerun resumes")  # fmt: skip
+                    _say(
+                        lock,
+                        f"--max-restarts {max_restarts} spent; the last complete "
+                        "checkpoint is where a rerun resumes",
+                    )
                 return shell_code(code)
             _say(lock, line)
             restarts, port = restarts + 1, None  # a fresh port: the old one may linger
             if rank == failed_before and nproc > min_nproc:
                 nproc -= 1
-                _say(lock, f"process {rank} failed twice in a row; going on with {nproc} "
-                           f"processes (--min-nproc {min_nproc})")  # fmt: skip
+                _say(
+                    lock,
+                    f"process {rank} failed twice in a row; going on with {nproc} "
+                    f"processes (--min-nproc {min_nproc})",
+                )
             failed_before = rank
-            _say(lock, f"restart {restarts} of {max_restarts}: {nproc} processes, resuming "
-                       "from the last complete checkpoint")  # fmt: skip
+            _say(
+                lock,
+                f"restart {restarts} of {max_restarts}: {nproc} processes, resuming "
+                "from the last complete checkpoint",
+            )
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
 
 
-def _group(command, nproc, devices_per_process, port, grace, lock, children, signals,
-           stopped) -> tuple[int, int] | None:  # fmt: skip
+def _group(
+    command, nproc, devices_per_process, port, grace, lock, children, signals, stopped
+) -> tuple[int, int] | None:
     """Starts the ``nproc`` processes once and waits for them: the first failure, or None."""
     port = port or free_port()
     relays: list[threading.Thread] = []

@@ -135,8 +135,9 @@ def _spec(entries: list[tuple[str, ...]]) -> PartitionSpec:
     return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
 
 
-def add_axis(spec: PartitionSpec, shape: Sequence[int], axis: str,
-             sizes: Mapping[str, int]) -> PartitionSpec:  # fmt: skip
+def add_axis(
+    spec: PartitionSpec, shape: Sequence[int], axis: str, sizes: Mapping[str, int]
+) -> PartitionSpec:
     """``spec`` with ``axis`` added to the largest dimension that can take it (its size
     divisible by the product of its axes' sizes), or ``spec`` unchanged when none can,
     the axis has size 1, or the leaf already uses it."""
@@ -151,9 +152,14 @@ def add_axis(spec: PartitionSpec, shape: Sequence[int], axis: str,
     return spec
 
 
-def leaf_spec(shape: Sequence[int], names: Sequence[str | None] | None,
-              mesh: Mesh | Mapping[str, int], rules: Rules | None = None,
-              *, nbytes: int | None = None) -> PartitionSpec:  # fmt: skip
+def leaf_spec(
+    shape: Sequence[int],
+    names: Sequence[str | None] | None,
+    mesh: Mesh | Mapping[str, int],
+    rules: Rules | None = None,
+    *,
+    nbytes: int | None = None,
+) -> PartitionSpec:
     """The `PartitionSpec` of one parameter of ``shape`` with logical ``names`` (None:
     none given) on ``mesh``: the rules, then the default rule on ``fsdp``.
 
@@ -167,8 +173,13 @@ def leaf_spec(shape: Sequence[int], names: Sequence[str | None] | None,
         # unscanned layer would be; the stacking axis itself is never split.
         dim = list(names).index(STACKED)
         nbytes = math.prod(shape) * 4 if nbytes is None else nbytes
-        inner = leaf_spec([*shape[:dim], *shape[dim + 1 :]], [*names[:dim], *names[dim + 1 :]],
-                          sizes, table, nbytes=nbytes // max(shape[dim], 1))  # fmt: skip
+        inner = leaf_spec(
+            [*shape[:dim], *shape[dim + 1 :]],
+            [*names[:dim], *names[dim + 1 :]],
+            sizes,
+            table,
+            nbytes=nbytes // max(shape[dim], 1),
+        )
         entries = _entries(inner, len(shape) - 1)
         return _spec([*entries[:dim], (), *entries[dim:]])
     entries: list[tuple[str, ...]] = [()] * len(shape)
@@ -197,8 +208,9 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
 
 
-def param_specs(params: Any, mesh: Mesh | Mapping[str, int], *, names: Any = None,
-                rules: Rules | None = None) -> Any:  # fmt: skip
+def param_specs(
+    params: Any, mesh: Mesh | Mapping[str, int], *, names: Any = None, rules: Rules | None = None
+) -> Any:
     """Each parameter's `PartitionSpec` on ``mesh``, as `leaf_spec` gives it.
 
     Args:
@@ -251,9 +263,14 @@ def logical_names(boxed: Any) -> Any:
     return params, names
 
 
-def optimizer_specs(optimizer: optax.GradientTransformation, params: Any, specs: Any,
-                    mesh: Mesh | Mapping[str, int], *,
-                    shard_optimizer: bool = False) -> Any:  # fmt: skip
+def optimizer_specs(
+    optimizer: optax.GradientTransformation,
+    params: Any,
+    specs: Any,
+    mesh: Mesh | Mapping[str, int],
+    *,
+    shard_optimizer: bool = False,
+) -> Any:
     """The `PartitionSpec` of each leaf of ``optimizer.init(params)``: a leaf that mirrors a
     parameter takes its spec (and, with ``shard_optimizer``, ``data`` added by the
     default rule); the rest are replicated. ``params`` may be shapes."""
@@ -268,9 +285,13 @@ def optimizer_specs(optimizer: optax.GradientTransformation, params: Any, specs:
 
     try:
         return optax.tree_utils.tree_map_params(
-            optimizer, mirror, state, specs,
-            transform_non_params=lambda _: PartitionSpec(), is_leaf=_is_spec,
-        )  # fmt: skip
+            optimizer,
+            mirror,
+            state,
+            specs,
+            transform_non_params=lambda _: PartitionSpec(),
+            is_leaf=_is_spec,
+        )
     except Exception:  # an optimizer whose state optax cannot map to its parameters
         return _specs_by_shape(state, params, specs, mirror)
 
@@ -279,8 +300,9 @@ def _specs_by_shape(state: Any, params: Any, specs: Any, mirror) -> Any:
     """Specs for a state whose leaves optax cannot map to parameters: a leaf takes the
     spec of the parameter of its shape when that spec is unique, else stays whole."""
     by_shape: dict[tuple, set] = {}
-    for leaf, spec in zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=_is_spec),
-                          strict=True):  # fmt: skip
+    for leaf, spec in zip(
+        jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=_is_spec), strict=True
+    ):
         by_shape.setdefault(tuple(leaf.shape), set()).add(spec)
 
     def spec_of(leaf):
@@ -300,8 +322,9 @@ def bytes_per_device(tree: Any, specs: Any, mesh: Mesh | Mapping[str, int]) -> i
     tree of `PartitionSpec`, as `param_specs` and `optimizer_specs` make) on ``mesh``."""
     sizes = _axis_sizes(mesh)
     total = 0
-    for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=_is_spec),
-                          strict=True):  # fmt: skip
+    for leaf, spec in zip(
+        jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=_is_spec), strict=True
+    ):
         total += _nbytes(leaf) // math.prod(sizes[a] for e in _entries(spec, 0) for a in e)
     return total
 

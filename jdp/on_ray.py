@@ -85,9 +85,16 @@ class Process:
             os.killpg(self.child.pid, number)
 
 
-def run_on_ray(command: Sequence[str], nproc: int, *, address: str | None = None,
-               devices_per_process: int | None = None, cpus_per_process: float = 1,
-               gpus_per_process: float = 0, grace: float = 10.0) -> int:  # fmt: skip
+def run_on_ray(
+    command: Sequence[str],
+    nproc: int,
+    *,
+    address: str | None = None,
+    devices_per_process: int | None = None,
+    cpus_per_process: float = 1,
+    gpus_per_process: float = 0,
+    grace: float = 10.0,
+) -> int:
     """Runs ``command`` as ``nproc`` processes of one run on the Ray cluster at
     ``address`` (default: Ray's, ``RAY_ADDRESS`` or the local one); returns the
     exit code, the first non-zero one of the processes."""
@@ -95,14 +102,20 @@ def run_on_ray(command: Sequence[str], nproc: int, *, address: str | None = None
 
     ray.init(address=address or "auto", log_to_driver=True, logging_level="ERROR")
     actor = ray.remote(Process).options(
-        num_cpus=cpus_per_process, num_gpus=gpus_per_process, max_concurrency=2,
+        num_cpus=cpus_per_process,
+        num_gpus=gpus_per_process,
+        max_concurrency=2,
         scheduling_strategy="SPREAD",
-    )  # fmt: skip
+    )
     actors = [actor.remote() for _ in range(nproc)]
     host, port = ray.get(actors[0].where.remote(True))
     say(f"coordinator {host}:{port}; {nproc} processes on {len(ray.nodes())} Ray nodes")
-    env = {cluster.ENV_COORDINATOR: f"{host}:{port}", cluster.ENV_NUM_PROCESSES: str(nproc),
-           "PYTHONUNBUFFERED": "1", **device_flags(devices_per_process)}  # fmt: skip
+    env = {
+        cluster.ENV_COORDINATOR: f"{host}:{port}",
+        cluster.ENV_NUM_PROCESSES: str(nproc),
+        "PYTHONUNBUFFERED": "1",
+        **device_flags(devices_per_process),
+    }
     runs = {
         a.run.remote(list(command), {**env, cluster.ENV_PROCESS_ID: str(rank)}, rank): rank
         for rank, a in enumerate(actors)
@@ -188,10 +201,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         import ray  # noqa: F401
     except ImportError:
         parser.error("jdp.on_ray needs Ray: pip install 'jdp[ray]'")
-    return run_on_ray(command, args.nproc, address=args.address,
-                      devices_per_process=args.devices_per_process,
-                      cpus_per_process=args.cpus_per_process,
-                      gpus_per_process=args.gpus_per_process, grace=args.grace)  # fmt: skip
+    return run_on_ray(
+        command,
+        args.nproc,
+        address=args.address,
+        devices_per_process=args.devices_per_process,
+        cpus_per_process=args.cpus_per_process,
+        gpus_per_process=args.gpus_per_process,
+        grace=args.grace,
+    )
 
 
 if __name__ == "__main__":

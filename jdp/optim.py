@@ -150,8 +150,9 @@ def _noam(peak_lr: float, warmup_steps: int, d_model: int | None) -> optax.Sched
     return noam
 
 
-def _piecewise(peak_lr: float, warmup_steps: int, boundaries: Sequence[int],
-               decay_factor: float) -> optax.Schedule:  # fmt: skip
+def _piecewise(
+    peak_lr: float, warmup_steps: int, boundaries: Sequence[int], decay_factor: float
+) -> optax.Schedule:
     """``peak_lr`` times ``decay_factor`` at each boundary, counted after warmup."""
     if list(boundaries) != sorted(set(boundaries)) or any(b <= warmup_steps for b in boundaries):
         raise UsageError(

@@ -136,8 +136,10 @@ def report(plan: Plan, device: Device | None, *, batch_size: int) -> list[str]:
         if plan.flops is not None:
             lines.append(f"  model FLOPs per step: {plan.flops:.4g} (all devices)")
     else:
-        lines.append(f"  activations and temporaries: {_bytes(plan.temporaries)} per device "
-                     "(the compiled step's memory analysis)")  # fmt: skip
+        lines.append(
+            f"  activations and temporaries: {_bytes(plan.temporaries)} per device "
+            "(the compiled step's memory analysis)"
+        )
         for key, nbytes in sorted(plan.collectives.items()):
             lines.append(f"  collective {key}: {nbytes:,} bytes per device per step")
         if plan.flops is not None:
@@ -222,8 +224,15 @@ def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan
         )
     plan = state_bytes(model, batch, sizes, shard_optimizer=args.shard_optimizer, rules=rules)
     if compile_step:
-        compiled_figures(plan, model, batch, args.batch_size, precision=args.precision,
-                         shard_optimizer=args.shard_optimizer, rules=rules)  # fmt: skip
+        compiled_figures(
+            plan,
+            model,
+            batch,
+            args.batch_size,
+            precision=args.precision,
+            shard_optimizer=args.shard_optimizer,
+            rules=rules,
+        )
     elif not args.no_compile:  # too many devices to simulate: the FLOPs from shapes
         plan.flops = step_model_flops(model, batch, args.batch_size)
     return plan
@@ -266,8 +275,12 @@ def _arguments(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--axis-rules", default="", help="as jdp.train's --axis-rules")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB, help="sequence models")
     parser.add_argument("--seq-len", type=int, default=1024, help="sequence models' tokens")
-    parser.add_argument("--image-shape", type=lambda s: tuple(int(d) for d in s.split("x")),
-                        default=(32, 32, 3), help="image models' HxWxC")  # fmt: skip
+    parser.add_argument(
+        "--image-shape",
+        type=lambda s: tuple(int(d) for d in s.split("x")),
+        default=(32, 32, 3),
+        help="image models' HxWxC",
+    )
     parser.add_argument("--device", choices=sorted(DEVICES), help="an accelerator to fit")
     parser.add_argument("--no-compile", action="store_true", help="shapes only")
     parser.add_argument(

@@ -49,9 +49,19 @@ class Plan:
         return self.state
 
 
-def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequence[int],
-                remat: str = "none", unroll: bool = False, loss_chunks: int = 1,
-                attention: str = "auto", fp8: bool = False):  # fmt: skip
+def build_model(
+    name: str,
+    size: str,
+    *,
+    vocab: int,
+    seq_len: int,
+    image: Sequence[int],
+    remat: str = "none",
+    unroll: bool = False,
+    loss_chunks: int = 1,
+    attention: str = "auto",
+    fp8: bool = False,
+):
     """The built-in model and one example's batch (numpy) to shape it: gpt as a run on
     a token corpus makes it (``remat``, ``unroll`` and ``loss_chunks``: `jdp.models.GPT`;
     ``attention``: gpt's and seq2seq's implementation; ``fp8``: gpt's products)."""
@@ -84,8 +94,15 @@ def build_model(name: str, size: str, *, vocab: int, seq_len: int, image: Sequen
     return model, {key: np.zeros(value, np.int32) for key, value in shape.items()}
 
 
-def state_bytes(model, batch, mesh: Mapping[str, int], *, shard_optimizer: bool = False,
-                rules=None, optimizer=None) -> Plan:  # fmt: skip
+def state_bytes(
+    model,
+    batch,
+    mesh: Mapping[str, int],
+    *,
+    shard_optimizer: bool = False,
+    rules=None,
+    optimizer=None,
+) -> Plan:
     """The exact per-device bytes of parameters, gradients (laid out as the parameters,
     in their dtype) and optimizer state (AdamW's unless ``optimizer``): shapes only."""
     import jax
@@ -118,8 +135,9 @@ _WIRE = {  # bytes a device sends, per byte of the op's result, in a ring of n d
 }
 
 
-def compiled_figures(plan: Plan, model, batch, batch_size: int, *, precision: str,
-                     shard_optimizer: bool, rules=None) -> Plan:  # fmt: skip
+def compiled_figures(
+    plan: Plan, model, batch, batch_size: int, *, precision: str, shard_optimizer: bool, rules=None
+) -> Plan:
     """Fills the compiled figures, on this process's (simulated) devices, which must be
     at least the mesh's; the step is lowered from shapes, nothing is allocated."""
     import jax
@@ -139,23 +157,35 @@ def compiled_figures(plan: Plan, model, batch, batch_size: int, *, precision: st
     rows = {k: np.zeros((batch_size, *v.shape[1:]), v.dtype) for k, v in batch.items()}
 
     def state():
-        params, model_state, specs = model.init_on_mesh(jax.random.key(0), batch, mesh,
-                                                        rules=rules)  # fmt: skip
+        params, model_state, specs = model.init_on_mesh(jax.random.key(0), batch, mesh, rules=rules)
         return create_train_state(
-            params, optimizer, mesh, model_state=model_state, precision=precision_,
-            param_specs=specs, shard_optimizer=shard_optimizer,
-        )  # fmt: skip
+            params,
+            optimizer,
+            mesh,
+            model_state=model_state,
+            precision=precision_,
+            param_specs=specs,
+            shard_optimizer=shard_optimizer,
+        )
 
     abstract = jax.eval_shape(state)
     params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
     names = model.names(jax.random.key(0), batch) if model.names else None
     specs = param_specs(params, mesh, names=names, rules=rules)
-    abstract = placed(abstract, state_shardings(
-        params, optimizer, mesh, param_specs=specs, shard_optimizer=shard_optimizer,
-        rng_impl=abstract.rng_impl,
-    ))  # fmt: skip
-    step = make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True,
-                           precision=precision_)  # fmt: skip
+    abstract = placed(
+        abstract,
+        state_shardings(
+            params,
+            optimizer,
+            mesh,
+            param_specs=specs,
+            shard_optimizer=shard_optimizer,
+            rng_impl=abstract.rng_impl,
+        ),
+    )
+    step = make_train_step(
+        model.loss_fn, optimizer, mesh, has_model_state=True, precision=precision_
+    )
     shapes = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=step.batch_sharding), rows
     )

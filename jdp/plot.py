@@ -88,8 +88,9 @@ def plot_runs(run_dirs: Sequence[str], out: str) -> str:
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
-    runs = {_label(run_dir, run_dirs) + _goodput(run_dir): read_run(run_dir)
-            for run_dir in run_dirs}  # fmt: skip
+    runs = {
+        _label(run_dir, run_dirs) + _goodput(run_dir): read_run(run_dir) for run_dir in run_dirs
+    }
     figure, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (title, ylabel, log, key, lines) in zip(axes.flat, panels(runs), strict=True):
         for color, kind, name, steps, values in lines:

@@ -66,8 +66,15 @@ class Replayed:
     out: str
 
 
-def replay(run_dir: str, step: int, *, ckpt_dir: str | None = None, out: str | None = None,
-           top: int = 10, console: Console | None = None) -> Replayed:  # fmt: skip
+def replay(
+    run_dir: str,
+    step: int,
+    *,
+    ckpt_dir: str | None = None,
+    out: str | None = None,
+    top: int = 10,
+    console: Console | None = None,
+) -> Replayed:
     """Replays step ``step`` of the run logged in ``run_dir`` (see the module's doc).
 
     Raises:
@@ -94,9 +101,17 @@ def replay(run_dir: str, step: int, *, ckpt_dir: str | None = None, out: str | N
         )
     checked, place = [], places_ahead(run.mesh)
     end = start + -(-(step - start) // calls) * calls  # the end of the call holding the step
-    loader = train_batches(run.train, run.mesh, batch_size=config.batch_size, seed=config.seed,
-                           start_step=start, place=place, ledger=config.data_ledger,
-                           steps=end - start, steps_per_call=calls)  # fmt: skip
+    loader = train_batches(
+        run.train,
+        run.mesh,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        start_step=start,
+        place=place,
+        ledger=config.data_ledger,
+        steps=end - start,
+        steps_per_call=calls,
+    )
     with loader as batches:
         ledger = data_ledger(config, run, batches, start, base)
         for first in range(start, step, calls):
@@ -126,14 +141,17 @@ def _run_files(run_dir: str) -> tuple[dict, dict[int, dict]]:
     two attempts of a restarted run keeps the last)."""
     paths = [os.path.join(run_dir, name) for name in ("config.json", "metrics.jsonl")]
     if not all(os.path.isfile(path) for path in paths):
-        raise UsageError(f"{run_dir} holds no config.json and metrics.jsonl; give the "
-                         "--log-dir of a run")  # fmt: skip
+        raise UsageError(
+            f"{run_dir} holds no config.json and metrics.jsonl; give the --log-dir of a run"
+        )
     try:
         with open(paths[0]) as file:
             saved = json.load(file)
     except (OSError, ValueError) as error:
-        raise UsageError(f"cannot read {paths[0]} ({getattr(error, 'strerror', None) or error}); "
-                         "replay reads the config the run recorded there") from None  # fmt: skip
+        raise UsageError(
+            f"cannot read {paths[0]} ({getattr(error, 'strerror', None) or error}); "
+            "replay reads the config the run recorded there"
+        ) from None
     if not isinstance(saved, dict):
         raise UsageError(f"{paths[0]} is not the object of settings a run records")
     logged, strange = {}, []
@@ -166,19 +184,32 @@ def _config(saved: dict, run_dir: str, ckpt_dir: str | None, step: int) -> Train
     written."""
     ckpt_dir = ckpt_dir or RunSettings(saved).ckpt_dir
     if ckpt_dir and not os.path.isdir(ckpt_dir):
-        raise UsageError(f"the run's checkpoints were in {ckpt_dir}, which is not here; give "
-                         "their directory with --ckpt-dir")  # fmt: skip
+        raise UsageError(
+            f"the run's checkpoints were in {ckpt_dir}, which is not here; give "
+            "their directory with --ckpt-dir"
+        )
     saved = _recorded(ckpt_dir, step) or saved
     if RunSettings(saved).yours:
-        raise UsageError(f"{run_dir} trained your own model or data; replay rebuilds runs "
-                         "of the built-in ones")  # fmt: skip
+        raise UsageError(
+            f"{run_dir} trained your own model or data; replay rebuilds runs of the built-in ones"
+        )
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
     made_with = {name: value for name, value in saved.items() if name in fields}
-    config = TrainConfig(**made_with | {"log_dir": None, "eval_only": False, "no_resume": False,
-                                        "tracker": "none", "ckpt_dir": ckpt_dir})  # fmt: skip
+    config = TrainConfig(
+        **made_with
+        | {
+            "log_dir": None,
+            "eval_only": False,
+            "no_resume": False,
+            "tracker": "none",
+            "ckpt_dir": ckpt_dir,
+        }
+    )
     if config.mesh_spec.has(GROUP_AXIS):
-        raise UsageError(f"the run trained DiLoCo groups (--mesh {config.mesh}), whose "
-                         "synchronisations replay does not repeat")  # fmt: skip
+        raise UsageError(
+            f"the run trained DiLoCo groups (--mesh {config.mesh}), whose "
+            "synchronisations replay does not repeat"
+        )
     if not 1 <= step <= config.steps:
         raise UsageError(f"--step {step}: the run has steps 1 to {config.steps}")
     return config
@@ -189,8 +220,11 @@ def _recorded(ckpt_dir: str | None, step: int) -> dict:
     latest; {} when there is none."""
     if not ckpt_dir:
         return {}
-    steps = sorted(int(name) for name in os.listdir(ckpt_dir) if name.isdigit()
-                   and os.path.isdir(os.path.join(ckpt_dir, name, "state")))  # fmt: skip
+    steps = sorted(
+        int(name)
+        for name in os.listdir(ckpt_dir)
+        if name.isdigit() and os.path.isdir(os.path.join(ckpt_dir, name, "state"))
+    )
     chosen = next((saved for saved in steps if saved >= step), steps[-1] if steps else None)
     return read_record(os.path.join(ckpt_dir, str(chosen))).config if chosen is not None else {}
 
@@ -199,8 +233,10 @@ def _same_data(saved: dict, run: Run, run_dir: str) -> None:
     before = RunSettings(saved).fingerprint.get("train")
     now = RunSettings(run.recorded).fingerprint.get("train")
     if before and now and before != now:
-        raise UsageError(f"the training data here is not the data {run_dir}'s run trained "
-                         "on (its fingerprint differs); replay on that data")  # fmt: skip
+        raise UsageError(
+            f"the training data here is not the data {run_dir}'s run trained "
+            "on (its fingerprint differs); replay on that data"
+        )
 
 
 def _topology(run_dir: str, run: Run) -> str:
@@ -214,9 +250,11 @@ def _topology(run_dir: str, run: Run) -> str:
     here = (jax.device_count(), jax.process_count(), sorted({d.device_kind for d in jax.devices()}))
     if ran == here:
         return "the same devices and processes; another jdp or JAX version than the run's?"
-    return (f"the run ran on {ran[0]} {'/'.join(ran[2])} devices in {ran[1]} processes, this "
-            f"replay on {here[0]} in {here[1]}: replay where it ran, under python -m "
-            f"jdp.launch --nproc {ran[1]} for several processes")  # fmt: skip
+    return (
+        f"the run ran on {ran[0]} {'/'.join(ran[2])} devices in {ran[1]} processes, this "
+        f"replay on {here[0]} in {here[1]}: replay where it ran, under python -m "
+        f"jdp.launch --nproc {ran[1]} for several processes"
+    )
 
 
 def _restore(run: Run, step: int) -> tuple:
@@ -306,14 +344,25 @@ def _diagnose(run: Run, state, batch) -> tuple[np.ndarray, dict]:
 def _names(tree) -> dict[str, float]:
     """``{"Dense_0/kernel": value, ...}`` for a tree of scalars."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path):
-            float(np.asarray(value.addressable_data(0) if isinstance(value, jax.Array)
-                             else value))
-            for path, value in flat}  # fmt: skip
+    return {
+        "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path): float(
+            np.asarray(value.addressable_data(0) if isinstance(value, jax.Array) else value)
+        )
+        for path, value in flat
+    }
 
 
-def _write(out: str, run: Run, step: int, loss: float, seen, updates, start: int,
-           checked: list[int], top: int) -> list[tuple[int, float]]:  # fmt: skip
+def _write(
+    out: str,
+    run: Run,
+    step: int,
+    loss: float,
+    seen,
+    updates,
+    start: int,
+    checked: list[int],
+    top: int,
+) -> list[tuple[int, float]]:
     """Writes ``step.json`` and ``batch.npz`` in ``out`` (process 0); the examples with the
     ``top`` largest losses."""
     config, (per_example, grads) = run.config, seen
@@ -323,10 +372,15 @@ def _write(out: str, run: Run, step: int, loss: float, seen, updates, start: int
     if jax.process_index() != 0:
         return largest
     os.makedirs(out, exist_ok=True)
-    batch = TrainReader(run.train, batch_size=config.batch_size, seed=config.seed,
-                        rows=slice(None))(step - 1)  # fmt: skip
-    np.savez(os.path.join(out, "batch.npz"), index=indices, loss=per_example,
-             **{f"batch.{name}": value for name, value in batch.items()})  # fmt: skip
+    batch = TrainReader(
+        run.train, batch_size=config.batch_size, seed=config.seed, rows=slice(None)
+    )(step - 1)
+    np.savez(
+        os.path.join(out, "batch.npz"),
+        index=indices,
+        loss=per_example,
+        **{f"batch.{name}": value for name, value in batch.items()},
+    )
     grad_norms = _names(grads)
     summary = {
         "step": step,
@@ -336,9 +390,11 @@ def _write(out: str, run: Run, step: int, loss: float, seen, updates, start: int
         "grad_norm": float(np.sqrt(sum(v * v for v in grad_norms.values()))),
         "grad_norms": grad_norms,
         "update_norms": _names(updates),
-        "largest_losses": [{"index": index, "row": int(row), "loss": value}
-                           for (index, value), row in zip(largest, order, strict=False)],
-    }  # fmt: skip
+        "largest_losses": [
+            {"index": index, "row": int(row), "loss": value}
+            for (index, value), row in zip(largest, order, strict=False)
+        ],
+    }
     with open(os.path.join(out, "step.json"), "w") as file:
         json.dump(summary, file, indent=1)
     return largest
@@ -351,17 +407,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's --log-dir")
     parser.add_argument("--step", type=int, required=True, help="the step to replay")
     parser.add_argument("--ckpt-dir", help="the run's checkpoints (default: as it recorded)")
-    parser.add_argument("--out", help="where to write step.json and batch.npz "
-                        "(default: RUN_DIR/replay-N)")  # fmt: skip
+    parser.add_argument(
+        "--out", help="where to write step.json and batch.npz (default: RUN_DIR/replay-N)"
+    )
     parser.add_argument("--top", type=int, default=10, help="examples to name by loss")
     args = parser.parse_args(argv)
     if args.top < 0:
-        print(f"jdp.replay: error: --top {args.top}: give how many examples to name, 0 or more",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"jdp.replay: error: --top {args.top}: give how many examples to name, 0 or more",
+            file=sys.stderr,
+        )
         return 2
     try:
-        replayed = replay(args.run_dir, args.step, ckpt_dir=args.ckpt_dir, out=args.out,
-                          top=args.top)  # fmt: skip
+        replayed = replay(
+            args.run_dir, args.step, ckpt_dir=args.ckpt_dir, out=args.out, top=args.top
+        )
     except UsageError as error:
         print(f"jdp.replay: error: {error}", file=sys.stderr)
         return 2
@@ -374,10 +434,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _say(replayed: Replayed) -> None:
-    source = (f"checkpoint {replayed.started_from}" if replayed.started_from
-              else "the run's initialisation")  # fmt: skip
-    checked = (f"; the logged loss and batch of {len(replayed.checked)} steps reproduced bit "
-               "for bit" if replayed.checked else "; no step on the way was logged")  # fmt: skip
+    source = (
+        f"checkpoint {replayed.started_from}"
+        if replayed.started_from
+        else "the run's initialisation"
+    )
+    checked = (
+        f"; the logged loss and batch of {len(replayed.checked)} steps reproduced bit for bit"
+        if replayed.checked
+        else "; no step on the way was logged"
+    )
     print(f"jdp.replay: step {replayed.step} from {source}: loss {replayed.loss:.6g}{checked}")
     for index, loss in replayed.largest:
         print(f"  example {index}: loss {loss:.6g}")

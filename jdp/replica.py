@@ -37,8 +37,12 @@ def loss_with_state(loss_fn: LossFn, *, has_aux: bool, has_model_state: bool) ->
     if has_model_state:
 
         def with_state(params, model_state, batch, rng):
-            return _unpack(loss_fn(params, model_state, batch, rng), 3, "has_model_state=True",
-                           "(loss, aux, model_state)")  # fmt: skip
+            return _unpack(
+                loss_fn(params, model_state, batch, rng),
+                3,
+                "has_model_state=True",
+                "(loss, aux, model_state)",
+            )
 
         return with_state
     if has_aux:
@@ -176,8 +180,15 @@ def _gradients(grad_fn, vary, accumulate: int, axes: tuple[str, ...]):
     return gradients
 
 
-def _apply(optimizer, precision: Precision, skip_nonfinite: bool, state: TrainState, grads,
-           model_state, metrics):  # fmt: skip
+def _apply(
+    optimizer,
+    precision: Precision,
+    skip_nonfinite: bool,
+    state: TrainState,
+    grads,
+    model_state,
+    metrics,
+):
     """The optimizer update; skipped when a gradient is not finite under fp16 loss scaling
     or ``skip_nonfinite``."""
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -233,8 +244,9 @@ def _after(value: jax.Array, finite_or_not: jax.Array) -> jax.Array:
     return value + zero.astype(value.dtype)
 
 
-def _objective(loss_fn: LossFn, precision: Precision, gather: Callable[[Any], Any] | None
-               ) -> Callable[..., Any]:  # fmt: skip
+def _objective(
+    loss_fn: LossFn, precision: Precision, gather: Callable[[Any], Any] | None
+) -> Callable[..., Any]:
     """What the gradient is taken of: ``objective(params, model_state, batch, rng, scale)
     -> (scaled loss, (loss, aux, model_state))``, with the parameters and the batch in
     the compute dtype (the parameters gathered by ``gather``, when given) and the loss
@@ -312,8 +324,9 @@ def train_step_parts(
         scale = state.loss_scale.scale if precision.loss_scaling else 1.0
         return jax.tree.map(lambda g, p: g.astype(p.dtype) / scale, grads, state.params)
 
-    def update(state: TrainState, grads: Any, model_state: Any, metrics: Metrics
-               ) -> tuple[TrainState, Metrics]:  # fmt: skip
+    def update(
+        state: TrainState, grads: Any, model_state: Any, metrics: Metrics
+    ) -> tuple[TrainState, Metrics]:
         metrics = dict(metrics)
         if grad_norm:
             norm = optax.tree.norm if replicas is None else partial(global_norm, replicas=replicas)
@@ -333,8 +346,9 @@ def train_step_parts(
     return StepParts(gradients, update, finish)
 
 
-def train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, **options: Any
-               ) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:  # fmt: skip
+def train_step(
+    loss_fn: LossFn, optimizer: optax.GradientTransformation, **options: Any
+) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
     """The step one replica runs on its slice of the batch.
 
     ``loss_fn`` has the form `loss_with_state` gives. Options (`train_step_parts`):

@@ -27,9 +27,13 @@ from jdp.training.results import FitResult
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     sampler = load_sampler(args.ckpt_dir, _step(args.step), tokenizer=args.tokenizer)
-    text = sampler.sample(args.prompt, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_k=args.top_k or None,
-                          seed=args.seed)  # fmt: skip
+    text = sampler.sample(
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        seed=args.seed,
+    )
     print(text)
     return 0
 
@@ -40,18 +44,35 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="a --ckpt-dir, or one step of it")
     parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS, metavar="N",
-                        help=f"default {DEFAULT_NEW_TOKENS}; past the model's context each is "
-                        "read from its last tokens (a sliding window, as nanoGPT)")  # fmt: skip
-    parser.add_argument("--temperature", type=float, default=TEMPERATURE,
-                        help=f"0: greedy (default {TEMPERATURE}, nanoGPT's)")  # fmt: skip
-    parser.add_argument("--top-k", type=int, default=TOP_K, metavar="K",
-                        help=f"draw among the K most likely tokens (default {TOP_K}, "
-                        "nanoGPT's; 0: all)")  # fmt: skip
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_NEW_TOKENS,
+        metavar="N",
+        help=f"default {DEFAULT_NEW_TOKENS}; past the model's context each is "
+        "read from its last tokens (a sliding window, as nanoGPT)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=TEMPERATURE,
+        help=f"0: greedy (default {TEMPERATURE}, nanoGPT's)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=TOP_K,
+        metavar="K",
+        help=f"draw among the K most likely tokens (default {TOP_K}, nanoGPT's; 0: all)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step", default="latest", help="latest (default), best, or a number")
-    parser.add_argument("--tokenizer", default=None, metavar="bytes|PATH",
-                        help="the corpus's tokenizer.json, when not beside the corpus")  # fmt: skip
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="bytes|PATH",
+        help="the corpus's tokenizer.json, when not beside the corpus",
+    )
     return parser
 
 

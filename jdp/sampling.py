@@ -138,9 +138,15 @@ class Sampler:
     codec: Codec
     vocab_size: int
 
-    def continue_tokens(self, prompt: Sequence[int], *, max_new_tokens: int,
-                        temperature: float = 1.0, top_k: int | None = None,
-                        seed: int = 0) -> np.ndarray:  # fmt: skip
+    def continue_tokens(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int = 0,
+    ) -> np.ndarray:
         """The ids of ``max_new_tokens`` new tokens after the ids ``prompt`` (see `generate`)."""
         ids = np.asarray(prompt, np.int64)
         if not ids.size:
@@ -164,21 +170,29 @@ class Sampler:
         )
         return np.asarray(tokens[0])
 
-    def sample(self, prompt: str, *, max_new_tokens: int = DEFAULT_NEW_TOKENS,
-               temperature: float = TEMPERATURE, top_k: int | None = TOP_K,
-               seed: int = 0) -> str:  # fmt: skip
+    def sample(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int = DEFAULT_NEW_TOKENS,
+        temperature: float = TEMPERATURE,
+        top_k: int | None = TOP_K,
+        seed: int = 0,
+    ) -> str:
         """The text the model continues ``prompt`` with: ``max_new_tokens`` tokens drawn
         at ``temperature`` (0: greedy) among the ``top_k`` most likely (None: all), from
         ``seed``; past the model's context each is read from its last ``max_len``
         tokens, as nanoGPT samples."""
         ids = self.codec.encode(prompt)
-        tokens = self.continue_tokens(ids, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_k=top_k, seed=seed)  # fmt: skip
+        tokens = self.continue_tokens(
+            ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+        )
         return self.codec.decode(tokens)
 
 
-def load_sampler(path: str | os.PathLike, step: str | int = "latest", *,
-                 tokenizer: str | None = None) -> Sampler:  # fmt: skip
+def load_sampler(
+    path: str | os.PathLike, step: str | int = "latest", *, tokenizer: str | None = None
+) -> Sampler:
     """The language model of a checkpoint (a ``--ckpt-dir`` or a step directory) with
     its corpus's tokenizer (``tokenizer``: ``bytes`` or a tokenizer.json instead).
 
@@ -246,8 +260,9 @@ def corpus_directory(dataset: str) -> str | None:
     return path if os.path.isdir(path) else os.path.dirname(path) or "."
 
 
-def sample_line(params: Any, splits: dict[str, TokenSplit | None], *,
-                epsilon: float = EPSILON) -> str | None:  # fmt: skip
+def sample_line(
+    params: Any, splits: dict[str, TokenSplit | None], *, epsilon: float = EPSILON
+) -> str | None:
     """A run's closing sample, ``jdp: sample: "PROMPT" -> "CONTINUATION"`` (newlines
     escaped): the first tokens of the held-out split (validation, else test, else
     train), continued at temperature 0.8 among the 40 most likely tokens, seed 0,

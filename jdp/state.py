@@ -121,11 +121,18 @@ class TrainState:
         return jax.random.wrap_key_data(self.rng, impl=self.rng_impl)
 
 
-def create_train_state(params: Any, optimizer: optax.GradientTransformation, mesh: Mesh, *,
-                       rng: jax.Array | None = None, model_state: Any = None,
-                       precision: Precision | None = None, outer: Outer | None = None,
-                       param_specs: Any = None, shard_optimizer: bool = False
-                       ) -> TrainState:  # fmt: skip
+def create_train_state(
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    rng: jax.Array | None = None,
+    model_state: Any = None,
+    precision: Precision | None = None,
+    outer: Outer | None = None,
+    param_specs: Any = None,
+    shard_optimizer: bool = False,
+) -> TrainState:
     """Creates a `TrainState` on ``mesh``, laid out as `jdp.layout` says.
 
     On a mesh of ``data`` alone every leaf is replicated. With ``fsdp`` or
@@ -186,9 +193,13 @@ def create_train_state(params: Any, optimizer: optax.GradientTransformation, mes
     check_outer(mesh, outer, laid_out=param_specs is not None or shard_optimizer)
     if outer is None:
         shardings = state_shardings(
-            params, optimizer, mesh, param_specs=param_specs, shard_optimizer=shard_optimizer,
+            params,
+            optimizer,
+            mesh,
+            param_specs=param_specs,
+            shard_optimizer=shard_optimizer,
             rng_impl=rng_impl,
-        )  # fmt: skip
+        )
         return jax.jit(build, out_shardings=shardings)(params, model_state, rng)
     groups = group_size(mesh)
 
@@ -197,9 +208,15 @@ def create_train_state(params: Any, optimizer: optax.GradientTransformation, mes
 
     sharding = replicated(mesh)
     shardings = TrainState(
-        step=sharding, params=sharding, opt_state=sharding, model_state=sharding, rng=sharding,
-        loss_scale=sharding, groups=groups_sharding(mesh), rng_impl=rng_impl,
-    )  # fmt: skip
+        step=sharding,
+        params=sharding,
+        opt_state=sharding,
+        model_state=sharding,
+        rng=sharding,
+        loss_scale=sharding,
+        groups=groups_sharding(mesh),
+        rng_impl=rng_impl,
+    )
     return jax.jit(build_groups, out_shardings=shardings)(params, model_state, rng)
 
 
@@ -236,10 +253,14 @@ def state_shardings(
         optimizer, params, specs, mesh, shard_optimizer=shard_optimizer
     )
     return TrainState(
-        step=sharding, params=layout.shardings(specs, mesh),
-        opt_state=layout.shardings(opt_specs, mesh), model_state=sharding, rng=sharding,
-        loss_scale=sharding, rng_impl=rng_impl,
-    )  # fmt: skip
+        step=sharding,
+        params=layout.shardings(specs, mesh),
+        opt_state=layout.shardings(opt_specs, mesh),
+        model_state=sharding,
+        rng=sharding,
+        loss_scale=sharding,
+        rng_impl=rng_impl,
+    )
 
 
 def placed(abstract: Any, shardings: Any) -> Any:

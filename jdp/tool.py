@@ -60,8 +60,12 @@ def command(prog: str) -> Callable:
             argv = list(sys.argv[1:] if argv is None else argv)
             ours = argv[: argv.index("--")] if "--" in argv else argv  # not a launcher's command
             if (bad := next((arg for arg in ours if not _is_utf8(arg)), None)) is not None:
-                return _say(prog, f"{shown(bad)} is not UTF-8 text (a file name in another "
-                            "encoding?); rename the file or give a UTF-8 name", 2)  # fmt: skip
+                return _say(
+                    prog,
+                    f"{shown(bad)} is not UTF-8 text (a file name in another "
+                    "encoding?); rename the file or give a UTF-8 name",
+                    2,
+                )
             with _outliving_its_reader(), _one_line_usage_errors():
                 try:
                     return main(argv)

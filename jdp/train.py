@@ -94,8 +94,10 @@ def _threads_left() -> bool:
     """Whether a thread Python's exit would wait for is still running (a loader's, stuck
     on a worker that stopped, after a signal ended the run)."""
     main_thread = threading.main_thread()
-    return any(thread.is_alive() and not thread.daemon and thread is not main_thread
-               for thread in threading.enumerate())  # fmt: skip
+    return any(
+        thread.is_alive() and not thread.daemon and thread is not main_thread
+        for thread in threading.enumerate()
+    )
 
 
 if __name__ == "__main__":

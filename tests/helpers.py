@@ -82,15 +82,19 @@ def run_main(main: Callable[[Sequence[str]], int], *flags) -> subprocess.Complet
     it saves the process's start (JAX, the devices, the imports: seconds each). Warnings
     are printed, as a fresh process prints them, not raised."""
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-            warnings.catch_warnings():  # fmt: skip
+    with (
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("default")
         try:
             code = main([str(flag) for flag in flags])
         except SystemExit as exit_:  # argparse: --help, a bad flag
             code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
-    return subprocess.CompletedProcess(["main", *map(str, flags)], code, out.getvalue(),
-                                       err.getvalue())  # fmt: skip
+    return subprocess.CompletedProcess(
+        ["main", *map(str, flags)], code, out.getvalue(), err.getvalue()
+    )
 
 
 def cli(*flags) -> subprocess.CompletedProcess:
@@ -166,8 +170,9 @@ def saves_after(directory, broken, good, metrics) -> tuple[list[int], list[int],
 
     progress, saved = Progress(step=2, steps=2, state=broken), []
     with Checkpointer(str(directory)) as checkpointer:
-        save = Checkpoint(checkpointer, SimpleNamespace(position=2), every=1, config={},
-                          skipping=False)  # fmt: skip
+        save = Checkpoint(
+            checkpointer, SimpleNamespace(position=2), every=1, config={}, skipping=False
+        )
         for state in (broken, good):
             progress.after_call(2, 1, state, metrics)
             save.run(progress)

@@ -150,13 +150,16 @@ def table(wall: dict[str, float], cpu: dict[str, float], processes: dict[str, in
         row[2] += cpu.get(test, 0.0)
         row[3] += processes.get(test, 0)
     total = [sum(row[i] for row in files.values()) for i in range(4)]
-    lines = ["| file | tests | wall (s) | CPU (s) | fresh processes |",
-             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        "| file | tests | wall (s) | CPU (s) | fresh processes |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for name, (count, seconds, used, started) in sorted(files.items(), key=lambda kv: -kv[1][2]):
         lines.append(f"| `{name}` | {count} | {seconds:.0f} | {used:.0f} | {started} |")
     lines.append(f"| all | {total[0]} | {total[1]:.0f} | {total[2]:.0f} | {total[3]} |")
     lines += ["", "| test | wall (s) | CPU (s) | fresh processes |", "| --- | ---: | ---: | ---: |"]
     for test in sorted(wall, key=lambda test: -cpu.get(test, 0.0))[:SLOWEST]:
-        lines.append(f"| `{test}` | {wall[test]:.1f} | {cpu.get(test, 0.0):.1f} "
-                     f"| {processes.get(test, 0)} |")  # fmt: skip
+        lines.append(
+            f"| `{test}` | {wall[test]:.1f} | {cpu.get(test, 0.0):.1f} | {processes.get(test, 0)} |"
+        )
     return "\n".join(lines) + "\n"

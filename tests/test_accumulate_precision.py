@@ -167,8 +167,9 @@ def test_step_reports_lr_and_grad_norm(mesh8, backend):
     schedule = jdp.make_schedule("cosine", 0.05, warmup_steps=2, total_steps=10)
     optimizer = jdp.make_optimizer("momentum", schedule, clip_norm=1.0)
     batches = [regression_data(seed) for seed in range(3)]
-    _, history = _run(mesh8, backend, batches, optimizer=optimizer, lr_schedule=schedule,
-                      grad_norm=True)  # fmt: skip
+    _, history = _run(
+        mesh8, backend, batches, optimizer=optimizer, lr_schedule=schedule, grad_norm=True
+    )
     for count, metrics in enumerate(history):
         assert metrics["lr"] == pytest.approx(float(schedule(count)))
     expected_norm = optax.tree.norm(jax.grad(regression_loss)(init_params(), batches[0], None))

@@ -136,8 +136,10 @@ def test_the_config_imports_nothing_above_it():
                 imported |= {f"{node.module}.{alias.name}" for alias in node.names}
     # The config, its checks and sections, and below them only errors and the mesh spec.
     assert {name.rsplit(".", 1)[0] for name in imported} - {"jdp.training.sections"} == {
-        "jdp.training", "jdp.errors", "jdp.mesh_spec"
-    }  # fmt: skip
+        "jdp.training",
+        "jdp.errors",
+        "jdp.mesh_spec",
+    }
     assert {name.rsplit(".", 1)[0] for name in imported if name.startswith("jdp.training")} == {
         "jdp.training",
         "jdp.training.sections",
@@ -147,10 +149,29 @@ def test_the_config_imports_nothing_above_it():
 # What a program pays for before it touches a name: none of these may load with
 # `import jdp` (and its faces), nor while `python -m jdp.train` reads its flags.
 BACKENDS = (
-    "jax", "jaxlib", "optax", "flax", "orbax", "grain", "tensorflow_datasets", "tensorflow",
-    "array_record", "tensorstore", "matplotlib", "PIL", "simplejpeg", "sklearn", "tokenizers",
-    "safetensors", "tqdm", "mlflow", "wandb", "ray", "torch", "transformers",
-)  # fmt: skip
+    "jax",
+    "jaxlib",
+    "optax",
+    "flax",
+    "orbax",
+    "grain",
+    "tensorflow_datasets",
+    "tensorflow",
+    "array_record",
+    "tensorstore",
+    "matplotlib",
+    "PIL",
+    "simplejpeg",
+    "sklearn",
+    "tokenizers",
+    "safetensors",
+    "tqdm",
+    "mlflow",
+    "wandb",
+    "ray",
+    "torch",
+    "transformers",
+)
 
 
 def test_import_jdp_loads_no_backend():

@@ -343,11 +343,24 @@ def test_lm_benchmarks_hand_written_optimizer_is_jdps_adamw(mesh1):
     from jdp.training.config import TrainConfig
     from jdp.training.optimizer import config_optimizer
 
-    config = TrainConfig(model="gpt", optimizer="adamw", lr=lm.LR, schedule="constant",
-                         warmup_steps=0, weight_decay=lm.WEIGHT_DECAY)  # fmt: skip
+    config = TrainConfig(
+        model="gpt",
+        optimizer="adamw",
+        lr=lm.LR,
+        schedule="constant",
+        warmup_steps=0,
+        weight_decay=lm.WEIGHT_DECAY,
+    )
     _, jdps = config_optimizer(config)
-    hand = lm.hand_written_lm_step(lm.GPT(vocab_size=8), mesh1, np.float32, lr=lm.LR,
-                                   weight_decay=lm.WEIGHT_DECAY, b1=lm.B1, b2=lm.B2)  # fmt: skip
+    hand = lm.hand_written_lm_step(
+        lm.GPT(vocab_size=8),
+        mesh1,
+        np.float32,
+        lr=lm.LR,
+        weight_decay=lm.WEIGHT_DECAY,
+        b1=lm.B1,
+        b2=lm.B2,
+    )
     params = {"kernel": np.full((2, 3), 0.5, np.float32), "bias": np.full(3, 0.5, np.float32)}
     grads = jax.tree.map(lambda leaf: leaf * 0.1, params)
     for optimizer in (jdps, hand.optimizer):
@@ -383,11 +396,18 @@ def test_keras_benchmark_races_fit_against_keras_and_the_step_alone():
         assert min(keras, jdp, host, step) > 0
         # A round's ratios are its rates' own: printed to 3 decimals (half a unit, 5e-4),
         # from rates printed to the example (1e-3 relative covers rates over 1,000/s).
-        for ratio, (over, under) in ((by_keras, (jdp, keras)), (by_step, (jdp, step)),
-                                     (host_by_step, (host, step))):  # fmt: skip
+        for ratio, (over, under) in (
+            (by_keras, (jdp, keras)),
+            (by_step, (jdp, step)),
+            (host_by_step, (host, step)),
+        ):
             assert abs(float(ratio) - over / under) < 1e-3 * over / under + 5e-4
-    loop = re.search(r"^  fit's loop alone .*: ([\d.]+) us a step, ([\d.]+) us of its "
-                     r"thread's CPU \(median of 2 runs\)$", result.stdout, re.M)  # fmt: skip
+    loop = re.search(
+        r"^  fit's loop alone .*: ([\d.]+) us a step, ([\d.]+) us of its "
+        r"thread's CPU \(median of 2 runs\)$",
+        result.stdout,
+        re.M,
+    )
     assert loop, result.stdout
     wall, cpu = float(loop[1]), float(loop[2])
     # One thread's CPU time cannot exceed the wall time it ran over (0.1: the print's rounding).
@@ -470,9 +490,16 @@ def test_kernel_profiles_name_what_one_arm_runs_alone():
     assert jdp[1:] == (pytest.approx(26e3), 1)  # busy 0-26 us, the overlap once; 1 device
     assert jdp[0] == {"gemm": [2, 22e3], "fusion_1": [1, 2e3], "reduce_36": [1, 3e3]}
     hand = kernels.device_kernels(
-        _xspace([("gemm", 0, 10), ("fusion_1", 10, 2), ("fusion_1", 12, 2), ("copy", 14, 1),
-                 ("gemm", 15, 10)])
-    )  # fmt: skip
+        _xspace(
+            [
+                ("gemm", 0, 10),
+                ("fusion_1", 10, 2),
+                ("fusion_1", 12, 2),
+                ("copy", 14, 1),
+                ("gemm", 15, 10),
+            ]
+        )
+    )
     lines = kernels.compare({"jdp": _traced(jdp), "hand-written": _traced(hand)})
     assert lines == [
         "kernels jdp: 0.030 ms a step; a device busy 0.026 ms, 4 kernels taking 0.027 ms",
@@ -496,8 +523,10 @@ def test_a_kernel_trace_is_per_step_and_per_device(tmp_path, monkeypatch):
     traced = kernels.trace(lambda count: jnp.zeros(count).block_until_ready(), 2, str(tmp_path))
     assert traced["devices"] == 2 and traced["steps"] == 2 and traced["wall_ms"] > 0
     assert traced["busy_ms"] == pytest.approx(0.004)  # 8 us of 2 steps, a device
-    assert traced["kernels"] == {"gemm": [1, pytest.approx(0.003)],
-                                 "reduce": [1, pytest.approx(0.001)]}  # fmt: skip
+    assert traced["kernels"] == {
+        "gemm": [1, pytest.approx(0.003)],
+        "reduce": [1, pytest.approx(0.001)],
+    }
     # A second trace into the same folder is a trace of its own.
     assert kernels.trace(lambda count: None, 2, str(tmp_path))["devices"] == 2
 
@@ -541,8 +570,9 @@ def test_lm_benchmark_passes_profile_to_each_cells_process(monkeypatch):
     args = parser.parse_args(["--profile", "traces"])
     ran = []
     monkeypatch.setattr(
-        lm.subprocess, "run",
+        lm.subprocess,
+        "run",
         lambda command, **_: ran.append(command) or sp.CompletedProcess(command, 0, "{}\n", ""),
-    )  # fmt: skip
+    )
     assert lm._cell_in_own_process(args, "data=1", "none", "xla") == {}
     assert ran[0][ran[0].index("--profile") + 1] == "traces"

@@ -82,9 +82,16 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
     # The tolerance is derived from a run nudged by a rounding, which must differ.
     assert correctness["cpu_nudged"] != correctness["cpu"], correctness
     table = result.stdout.split("--- jdp.bench gpu,", 1)[1]
-    for said in ("bf16 256-cube product", "GPT-2 small, T = 32", "ResNet-50 toy",
-                 "JPEG loader", "sweep mlp-38k", "with jdp's scalars) vs", "correctness: 4 steps",
-                 "scheduler=true JAX_OPTIMIZATION_LEVEL=O1"):  # fmt: skip
+    for said in (
+        "bf16 256-cube product",
+        "GPT-2 small, T = 32",
+        "ResNet-50 toy",
+        "JPEG loader",
+        "sweep mlp-38k",
+        "with jdp's scalars) vs",
+        "correctness: 4 steps",
+        "scheduler=true JAX_OPTIMIZATION_LEVEL=O1",
+    ):
         assert said in table, said
     assert "  lever no autotuning: jdp " in table and "  lever command buffers of any" in table
 
@@ -92,8 +99,12 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
 @pytest.mark.slow  # the smoke run's JSON
 def test_the_docs_generator_writes_a_runs_figures_and_checks_them(smoke, tmp_path):
     _, data, out = smoke
-    for name in (gpu_docs.DOC, gpu_docs.README, "jdp/recipes/gpt2-124m.toml",
-                 "jdp/recipes/imagenet-resnet50.toml"):  # fmt: skip
+    for name in (
+        gpu_docs.DOC,
+        gpu_docs.README,
+        "jdp/recipes/gpt2-124m.toml",
+        "jdp/recipes/imagenet-resnet50.toml",
+    ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     assert gpu_docs.main([str(out), "--root", str(tmp_path)]) == 0
@@ -110,11 +121,11 @@ def test_the_docs_generator_writes_a_runs_figures_and_checks_them(smoke, tmp_pat
 def test_a_loaders_figure_timed_while_its_workers_started_says_so():
     """Runs before the loader's workers were timed once started keep their figure, named
     as what it was."""
-    loader = {"jpegs": 256, "mean_kb": 72.4, "per_core": 372.1, "workers": 8,
-              "with_workers": 436.7}  # fmt: skip
+    loader = {"jpegs": 256, "mean_kb": 72.4, "per_core": 372.1, "workers": 8, "with_workers": 436.7}
     (old,) = gpu_table._loader(loader)
-    assert old.endswith("437 with 8 workers (timed from the first batch, the other workers "
-                        "still starting)")  # fmt: skip
+    assert old.endswith(
+        "437 with 8 workers (timed from the first batch, the other workers still starting)"
+    )
     (new,) = gpu_table._loader(loader | {"warm_batches": 16, "timed_batches": 32})
     assert new.endswith("437 with 8 workers")
 
@@ -245,16 +256,32 @@ GPU, BUNDLE = "jdp.bench gpu", "tools.bundle"
         ((GPU, "--levers", "sweep,gpt2", "--smoke"), "--levers: unknown part 'gpt2'"),
         ((GPU, "--budget", "0", "--smoke"), "--budget 0.0: give more than 0"),
         ((GPU, "--budget", "-1", "--smoke"), "--budget -1.0: give more than 0"),
-        ((BUNDLE, "--resolve-only", "--offline", "--have", "README.md", "--platform", "win_amd64"),
-         "cannot speak for --platform win_amd64"),
-        ((BUNDLE, "--resolve-only", "--offline", "--have", "README.md", "--python", "3.99"),
-         "--python '3.99': give a Python jdp runs on"),
+        (
+            (
+                BUNDLE,
+                "--resolve-only",
+                "--offline",
+                "--have",
+                "README.md",
+                "--platform",
+                "win_amd64",
+            ),
+            "cannot speak for --platform win_amd64",
+        ),
+        (
+            (BUNDLE, "--resolve-only", "--offline", "--have", "README.md", "--python", "3.99"),
+            "--python '3.99': give a Python jdp runs on",
+        ),
         ((BUNDLE, "--resolve-only", "--have", "docs"), "--have docs is a directory"),
-        pytest.param((GPU,), "no accelerator here",
-                     marks=pytest.mark.skipif(jax.default_backend() != "cpu",
-                                              reason="an accelerator is here: it would run")),
+        pytest.param(
+            (GPU,),
+            "no accelerator here",
+            marks=pytest.mark.skipif(
+                jax.default_backend() != "cpu", reason="an accelerator is here: it would run"
+            ),
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_one_line_and_exit_2(flags, said):
     tool, *flags = flags
     result = bench(*flags) if tool == GPU else run_tool(tool, *flags)

@@ -133,8 +133,20 @@ def test_damaged_and_partial_saves_are_skipped(reference, tmp_path):
 # A short run of the same model, in this process: what the refusals are asked to resume.
 # The refusals read the checkpoint's recorded settings, not its model's size: the MLP's
 # two steps compile in a fraction of the CNN's time.
-_SHORT = ("--mesh", "data=8", "--model", "mlp", "--batch-size", "64", "--steps", "2",
-          "--warmup-steps", "1", "--ckpt-every", "1")  # fmt: skip
+_SHORT = (
+    "--mesh",
+    "data=8",
+    "--model",
+    "mlp",
+    "--batch-size",
+    "64",
+    "--steps",
+    "2",
+    "--warmup-steps",
+    "1",
+    "--ckpt-every",
+    "1",
+)
 
 
 @pytest.fixture(scope="module")

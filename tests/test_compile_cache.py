@@ -28,8 +28,13 @@ def run_cli(*flags, timeout):
     env = subprocess_env()
     for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "jdp.train", *flags], capture_output=True,
-                          text=True, timeout=timeout, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "jdp.train", *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def _resume(ckpt, *flags):
@@ -75,8 +80,9 @@ def test_a_resume_reads_its_compiled_step_back_and_computes_the_same(tmp_path):
     shutil.rmtree(ckpt / "6")
     swapped = run_cli(*FLAGS, "--ckpt-dir", str(ckpt), timeout=180)
     assert swapped.returncode == 0, swapped.stderr
-    assert f"compiled program(s) in {ckpt / DIRNAME} changed since a run wrote them" in \
-        swapped.stderr  # fmt: skip
+    assert (
+        f"compiled program(s) in {ckpt / DIRNAME} changed since a run wrote them" in swapped.stderr
+    )
     assert _same(jax.tree.leaves(read_params(ckpt, step=6)), straight)
 
 
@@ -84,8 +90,9 @@ def test_a_resume_reads_its_compiled_step_back_and_computes_the_same(tmp_path):
 def test_a_shared_cache_directory_serves_another_run(tmp_path):
     shared = tmp_path / "shared"
     for run in ("a", "b"):
-        result = run_cli(*FLAGS, "--ckpt-dir", str(tmp_path / run), "--compile-cache",
-                         str(shared), timeout=180)  # fmt: skip
+        result = run_cli(
+            *FLAGS, "--ckpt-dir", str(tmp_path / run), "--compile-cache", str(shared), timeout=180
+        )
         assert result.returncode == 0, result.stderr
         assert (READ in result.stdout) == (run == "b"), result.stdout
         assert not (tmp_path / run / DIRNAME).exists()

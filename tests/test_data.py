@@ -144,8 +144,11 @@ def test_a_run_of_fewer_steps_than_a_chunk_makes_only_those(mesh8, monkeypatch):
     """A run that says how many steps it takes reads (and, on the devices, gathers)
     chunks of no more: a 3-step run no longer makes 64 steps' batches first."""
     counts, steps = [], TrainReader.steps
-    monkeypatch.setattr(TrainReader, "steps", lambda self, first, count: (
-        counts.append(count), steps(self, first, count))[1])  # fmt: skip
+    monkeypatch.setattr(
+        TrainReader,
+        "steps",
+        lambda self, first, count: (counts.append(count), steps(self, first, count))[1],
+    )
     bounded = _labels(train_batches(_split(), mesh8, batch_size=16, seed=2, steps=3), 5)
     assert max(counts) == 3  # and past its steps the batches go on, the same:
     counts.clear()

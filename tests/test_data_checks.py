@@ -128,39 +128,75 @@ def _save(path, **arrays):
 @pytest.mark.parametrize(
     ("make", "flags", "message"),
     [
-        (lambda p: _save(p, x_train=np.zeros((64, 4), np.float32), y_train=np.arange(64) % 3,
-                         x_test=np.zeros((8, 4), np.float32)),
-         [], "{file} has x_test and no y_test; save both (inputs and labels) for each split"),
-        (lambda p: p.write_text("x,y\n1,2\n") and p,
-         [], "{file} is not a NumPy .npz file (not the zip archive numpy.savez writes)"),
-        (lambda p: _save(p, x_train=np.array([{"a": 1}] * 64, dtype=object),
-                         y_train=np.arange(64) % 3),
-         [], "cannot read {file} as a NumPy .npz file (it holds Python objects, which jdp "
-             "never unpickles; save numeric arrays)"),
-        (lambda p: _save(p, x_train=np.zeros((64, 4), np.float32),
-                         y_train=np.where(np.arange(64) == 0, 10**8, np.arange(64) % 3),
-                         x_test=np.zeros((8, 4), np.float32), y_test=np.arange(8) % 3),
-         [], "the training split's labels run to 100000000 (num_classes 100000001) but take 4 "
-             "values: a classifier would have 100,000,001 outputs; number the classes 0 to K-1"),
+        (
+            lambda p: _save(
+                p,
+                x_train=np.zeros((64, 4), np.float32),
+                y_train=np.arange(64) % 3,
+                x_test=np.zeros((8, 4), np.float32),
+            ),
+            [],
+            "{file} has x_test and no y_test; save both (inputs and labels) for each split",
+        ),
+        (
+            lambda p: p.write_text("x,y\n1,2\n") and p,
+            [],
+            "{file} is not a NumPy .npz file (not the zip archive numpy.savez writes)",
+        ),
+        (
+            lambda p: _save(
+                p, x_train=np.array([{"a": 1}] * 64, dtype=object), y_train=np.arange(64) % 3
+            ),
+            [],
+            "cannot read {file} as a NumPy .npz file (it holds Python objects, which jdp "
+            "never unpickles; save numeric arrays)",
+        ),
+        (
+            lambda p: _save(
+                p,
+                x_train=np.zeros((64, 4), np.float32),
+                y_train=np.where(np.arange(64) == 0, 10**8, np.arange(64) % 3),
+                x_test=np.zeros((8, 4), np.float32),
+                y_test=np.arange(8) % 3,
+            ),
+            [],
+            "the training split's labels run to 100000000 (num_classes 100000001) but take 4 "
+            "values: a classifier would have 100,000,001 outputs; number the classes 0 to K-1",
+        ),
         # 20M features a row: an MLP of 10 billion parameters, 41 GB a device.
-        (lambda p: _save(p, x_train=np.zeros((2, 20_000_000), np.uint8), y_train=np.arange(2),
-                         x_test=np.zeros((2, 20_000_000), np.uint8), y_test=np.arange(2)),
-         ["--batch-size", "2"], "the model has 10.2 billion parameters, 41.0 GB a device on "
-                                "this mesh; with their gradients that is more than the "),
+        (
+            lambda p: _save(
+                p,
+                x_train=np.zeros((2, 20_000_000), np.uint8),
+                y_train=np.arange(2),
+                x_test=np.zeros((2, 20_000_000), np.uint8),
+                y_test=np.arange(2),
+            ),
+            ["--batch-size", "2"],
+            "the model has 10.2 billion parameters, 41.0 GB a device on "
+            "this mesh; with their gradients that is more than the ",
+        ),
         # One uint8 255 (an "ignore" value) among 0..2: not a 256-way classifier in silence.
-        (lambda p: _save(p, x_train=np.zeros((64, 4), np.float32),
-                         y_train=np.where(np.arange(64) == 5, 255, np.arange(64) % 3).astype(
-                             np.uint8),
-                         x_test=np.zeros((8, 4), np.float32), y_test=np.arange(8) % 3),
-         [], "labels 'y': label 255 (1 example) stands far above the others (up to 2), which "
-             "would make 256 classes; drop or relabel those examples"),
+        (
+            lambda p: _save(
+                p,
+                x_train=np.zeros((64, 4), np.float32),
+                y_train=np.where(np.arange(64) == 5, 255, np.arange(64) % 3).astype(np.uint8),
+                x_test=np.zeros((8, 4), np.float32),
+                y_test=np.arange(8) % 3,
+            ),
+            [],
+            "labels 'y': label 255 (1 example) stands far above the others (up to 2), which "
+            "would make 256 classes; drop or relabel those examples",
+        ),
     ],
     ids=["half-keras", "text", "objects", "label-ids", "huge-model", "far-label"],
-)  # fmt: skip
+)
 def test_bad_npz_files_are_one_line_naming_the_fix(tmp_path, make, flags, message):
     file = make(tmp_path / "mine.npz")
-    result = run_cli("--dataset", f"npz:{file}", "--mesh", "data=2", "--steps", "2", *flags,
-                     timeout=180)  # fmt: skip
+    result = run_cli(
+        "--dataset", f"npz:{file}", *"--mesh data=2 --steps 2".split(), *flags, timeout=180
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jdp.train: error: "), result.stderr
@@ -168,8 +204,7 @@ def test_bad_npz_files_are_one_line_naming_the_fix(tmp_path, make, flags, messag
 
 
 def test_a_validation_fraction_that_leaves_too_few_to_train_names_the_largest():
-    result = run_cli("--mesh", "data=2", "--validation-fraction", "0.999", "--steps", "2",
-                     timeout=120)  # fmt: skip
+    result = run_cli(*"--mesh data=2 --validation-fraction 0.999 --steps 2".split(), timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "jdp.train: error: --validation-fraction 0.999 leaves 1 of 1438 examples to train on, "

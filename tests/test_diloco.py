@@ -54,8 +54,9 @@ def _train(spec, outer, batches, optimizer, *, steps_per_call=1, after=None):
     for first in range(0, len(batches), steps_per_call):
         chunk = batches[first : first + steps_per_call]
         if steps_per_call > 1:
-            batch = jdp.shard_batch(jax.tree.map(lambda *xs: np.stack(xs), *chunk), mesh,
-                                    stacked=True)  # fmt: skip
+            batch = jdp.shard_batch(
+                jax.tree.map(lambda *xs: np.stack(xs), *chunk), mesh, stacked=True
+            )
         else:
             batch = jdp.shard_batch(chunk[0], mesh)
         state, _ = step(state, batch)
@@ -168,8 +169,9 @@ def _programs(steps_per_call=1):
     mesh = jdp.make_mesh("group=2,data=4")
     outer = jdp.diloco(sync_every=4)
     state = jdp.create_train_state(init_params(), optax.adam(1e-2), mesh, outer=outer)
-    step = jdp.make_train_step(regression_loss, optax.adam(1e-2), mesh,
-                               steps_per_call=steps_per_call)  # fmt: skip
+    step = jdp.make_train_step(
+        regression_loss, optax.adam(1e-2), mesh, steps_per_call=steps_per_call
+    )
     data = regression_data()
     if steps_per_call > 1:
         data = jax.tree.map(lambda x: np.stack([x] * steps_per_call), data)
@@ -298,9 +300,9 @@ def test_cli_refusals_are_one_line_and_exit_2(flags, needle):
 # A DiLoCo run long enough (CNN, BatchNorm statistics averaged too) for a kill to land
 # mid-run; saves every 10 steps fall between synchronisations (every 15).
 _RUN = [
-    "--mesh", "group=2,data=4", "--sync-every", "15", "--model", "cnn", "--steps", "60",
-    "--warmup-steps", "5", "--batch-size", "64", "--ckpt-every", "10",
-]  # fmt: skip
+    *"--mesh group=2,data=4 --sync-every 15 --model cnn --steps 60".split(),
+    *"--warmup-steps 5 --batch-size 64 --ckpt-every 10".split(),
+]
 
 
 def _steps_in(directory):
@@ -316,8 +318,9 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
 
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "jdp.train", *_RUN, "--ckpt-dir", str(killed)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=subprocess_env())  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env()
+    )
     deadline = time.monotonic() + 120
     while not (killed.exists() and 10 in _steps_in(killed)):
         assert process.poll() is None, process.communicate()
@@ -337,8 +340,11 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
 
 @pytest.mark.slow
 def test_a_checkpoint_of_groups_resumes_only_with_as_many_groups(tmp_path):
-    result = run_cli("--mesh", "group=2,data=4", "--sync-every", "4", "--steps", "8",
-                     "--warmup-steps", "0", "--ckpt-dir", tmp_path)  # fmt: skip
+    result = run_cli(
+        *"--mesh group=2,data=4 --sync-every 4 --steps 8 --warmup-steps 0".split(),
+        "--ckpt-dir",
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     for mesh in (["data=8"], ["group=4,data=2", "--sync-every", "4"]):
         refused = run_cli("--mesh", *mesh, "--steps", "16", "--ckpt-dir", tmp_path)
@@ -351,24 +357,32 @@ def test_a_checkpoint_of_groups_resumes_only_with_as_many_groups(tmp_path):
         assert evaluated.returncode == 0, evaluated.stderr
         assert tested in evaluated.stdout, (tested, evaluated.stdout)
     # The same number of groups resumes, however the mesh is written.
-    resumed = run_cli("--mesh", "group=-1,data=4", "--sync-every", "4", "--steps", "12",
-                      "--warmup-steps", "0", "--ckpt-dir", tmp_path, devices=8)  # fmt: skip
+    resumed = run_cli(
+        *"--mesh group=-1,data=4 --sync-every 4 --steps 12 --warmup-steps 0".split(),
+        "--ckpt-dir",
+        tmp_path,
+        devices=8,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "jdp: resuming from step 8" in resumed.stdout
 
 
 @pytest.mark.slow
 def test_two_processes_hold_one_group_each_and_match_one_process(tmp_path):
-    run = ["--mesh", "group=2,data=4", "--sync-every", "10", "--steps", "60",
-           "--warmup-steps", "10"]  # fmt: skip
+    run = "--mesh group=2,data=4 --sync-every 10 --steps 60 --warmup-steps 10".split()
     single = run_cli(*run, "--ckpt-dir", tmp_path / "one")
     assert single.returncode == 0, single.stderr
     command = [
-        sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "4", "--",
-        sys.executable, "-m", "jdp.train", *run, "--ckpt-dir", str(tmp_path / "two"),
-    ]  # fmt: skip
-    two = subprocess.run(command, capture_output=True, text=True, timeout=240,
-                         env=subprocess_env())  # fmt: skip
+        sys.executable,
+        *"-m jdp.launch --nproc 2 --devices-per-process 4 --".split(),
+        sys.executable,
+        "-m",
+        "jdp.train",
+        *run,
+        "--ckpt-dir",
+        str(tmp_path / "two"),
+    ]
+    two = subprocess.run(command, capture_output=True, text=True, timeout=240, env=subprocess_env())
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert "jdp: DiLoCo groups by process: group 0: process 0; group 1: process 1" in two.stdout
     # Gloo and XLA sum the data axis's gradients in other orders (closeness.py).
@@ -385,13 +399,17 @@ def test_the_replica_check_compares_each_groups_devices_among_themselves(devices
     check.run(Progress(step=3, steps=3, state=state))  # the groups differ; each agrees inside
     leaf = state.groups.params["b1"]
     blocks = [np.asarray(shard.data) + (shard.device.id == 5) for shard in leaf.addressable_shards]
-    placed = [jax.device_put(block, shard.device) for block, shard in
-              zip(blocks, leaf.addressable_shards, strict=True)]  # fmt: skip
+    placed = [
+        jax.device_put(block, shard.device)
+        for block, shard in zip(blocks, leaf.addressable_shards, strict=True)
+    ]
     diverged = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, placed)
     params = {**state.groups.params, "b1": diverged}
     broken = state.replace(groups=state.groups.replace(params=params))
-    with pytest.raises(ReplicaMismatchError, match="on process 0 device 5 are not those the "
-                       "other 3 devices of their group hold"):  # fmt: skip
+    with pytest.raises(
+        ReplicaMismatchError,
+        match="on process 0 device 5 are not those the other 3 devices of their group hold",
+    ):
         check.run(Progress(step=3, steps=3, state=broken))
 
 
@@ -401,10 +419,12 @@ def test_a_group_gone_non_finite_is_never_saved_and_stops_the_run(devices, tmp_p
 
     state = _train("group=2,data=4", jdp.diloco(sync_every=4), _batches(2), optax.adam(1e-2))
     leaf = state.groups.params["b1"]
-    poisoned = jax.device_put(np.asarray(leaf) * np.array([1.0, np.nan], np.float32)[:, None],
-                              leaf.sharding)  # fmt: skip
-    broken = state.replace(groups=state.groups.replace(params={**state.groups.params,
-                                                               "b1": poisoned}))  # fmt: skip
+    poisoned = jax.device_put(
+        np.asarray(leaf) * np.array([1.0, np.nan], np.float32)[:, None], leaf.sharding
+    )
+    broken = state.replace(
+        groups=state.groups.replace(params={**state.groups.params, "b1": poisoned})
+    )
     metrics = {"loss": jnp.float32(0.5)}  # group 0's: finite
     on_disk, then, progress = saves_after(tmp_path, broken, state, metrics)
     assert (on_disk, then) == ([], [2])

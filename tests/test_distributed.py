@@ -45,10 +45,17 @@ def _train(*flags, nproc=None, grace=10, timeout=240, wrapper=(), **popen):
     command = [sys.executable, "-m", "jdp.train", *_RUN, *flags]
     if nproc:
         command = [
-            sys.executable, "-m", "jdp.launch", "--nproc", str(nproc),
-            "--devices-per-process", str(8 // nproc), "--grace", str(grace), "--", *wrapper,
+            sys.executable,
+            *"-m jdp.launch --nproc".split(),
+            str(nproc),
+            "--devices-per-process",
+            str(8 // nproc),
+            "--grace",
+            str(grace),
+            "--",
+            *wrapper,
             *command,
-        ]  # fmt: skip
+        ]
     if popen:
         return subprocess.Popen(command, text=True, env=_env(), **popen)
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env())
@@ -78,9 +85,13 @@ def single(tmp_path_factory):
     """The run in one process with 8 devices, checkpointed every 60 steps, logged every step."""
     directory = tmp_path_factory.mktemp("single")
     result = _train(
-        "--ckpt-dir", str(directory / "ckpt"), "--ckpt-every", "60",
-        "--log-dir", str(directory / "log"), "--log-every", "1",
-    )  # fmt: skip
+        "--ckpt-dir",
+        str(directory / "ckpt"),
+        *"--ckpt-every 60 --log-dir".split(),
+        str(directory / "log"),
+        "--log-every",
+        "1",
+    )
     assert result.returncode == 0, result.stderr
     return directory
 
@@ -89,9 +100,16 @@ def single(tmp_path_factory):
 @pytest.mark.slow
 def test_two_processes_match_one(single, tmp_path, backend):
     result = _train(
-        "--ckpt-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "log"),
-        "--log-every", "1", "--backend", backend, "--check-replicas-every", "40", nproc=2,
-    )  # fmt: skip
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--log-dir",
+        str(tmp_path / "log"),
+        *"--log-every 1 --backend".split(),
+        backend,
+        "--check-replicas-every",
+        "40",
+        nproc=2,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = SUMMARY.findall(result.stdout)
     assert len(summaries) == 1 and summaries[0] == "[0] ", result.stdout
@@ -142,10 +160,15 @@ def _interrupt_mid_run(launcher, interrupt, timeout=120):
 @pytest.mark.slow
 def test_a_lost_process_stops_the_others_within_the_heartbeat_timeout():
     launcher = _train(
-        "--steps", "100000", "--heartbeat-timeout", "5", nproc=2,
+        "--steps",
+        "100000",
+        "--heartbeat-timeout",
+        "5",
+        nproc=2,
         grace=120,  # long: process 0 must be stopped by the runtime, not by the launcher
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     code, _, text, stopped_after = _interrupt_mid_run(
         launcher, lambda err: os.kill(launched_pids(err)[1], signal.SIGKILL), timeout=90
     )
@@ -225,10 +248,16 @@ def test_launcher_grace_kills_what_does_not_stop(tmp_path):
     )
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--grace", "1", "--",
-         sys.executable, str(script)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            *"-m jdp.launch --nproc 2 --grace 1 --".split(),
+            sys.executable,
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 3
     assert "killing process 0" in result.stderr
     assert "process 1 of 2 failed first (exit code 3)" in result.stderr
@@ -241,9 +270,13 @@ def test_sigterm_to_the_launcher_saves_and_one_process_resumes(tmp_path):
     steps = ["--steps", "400"]
     stopped_dir = tmp_path / "stopped"
     launcher = _train(
-        "--ckpt-dir", str(stopped_dir), *steps, nproc=2,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        "--ckpt-dir",
+        str(stopped_dir),
+        *steps,
+        nproc=2,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     code, text, errors, _ = _interrupt_mid_run(
         launcher, lambda err: launcher.send_signal(signal.SIGTERM)
     )
@@ -315,10 +348,17 @@ def test_replica_check_across_processes_names_the_odd_one(tmp_path):
     script = tmp_path / "diverged.py"
     script.write_text(_DIVERGED)
     result = subprocess.run(
-        [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "2", "--",
-         sys.executable, str(script)],
-        capture_output=True, text=True, timeout=120, env=_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            *"-m jdp.launch --nproc 2 --devices-per-process 2 --".split(),
+            sys.executable,
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
     assert result.returncode == 1
     assert (
         "replicas differ at step 7: parameters on process 1 device 2048, process 1 device 2049"
@@ -342,10 +382,17 @@ def test_replica_check_in_one_process(mesh8):
 @pytest.mark.slow
 def test_startup_names_the_missing_process():
     result = subprocess.run(
-        [sys.executable, "-m", "jdp.train", "--coordinator", f"127.0.0.1:{free_port()}",
-         "--num-processes", "3", "--process-id", "0", "--startup-timeout", "2"],
-        capture_output=True, text=True, timeout=60, env=_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            *"-m jdp.train --coordinator".split(),
+            f"127.0.0.1:{free_port()}",
+            *"--num-processes 3 --process-id 0 --startup-timeout 2".split(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line, no traceback
     assert "processes 1, 2 of 3 did not reach the coordinator" in result.stderr
@@ -426,9 +473,13 @@ def test_sigint_to_the_launcher_stops_a_run_without_checkpoints(tmp_path):
     wrapper.write_text('#!/bin/sh\n"$@"\n')
     wrapper.chmod(0o755)
     launcher = _train(
-        "--steps", "100000", nproc=2, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        "--steps",
+        "100000",
+        nproc=2,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         wrapper=[str(wrapper)],
-    )  # fmt: skip
+    )
     pids = []
 
     def interrupt(err):
@@ -478,8 +529,10 @@ def test_settings_from_the_environment(monkeypatch):
     monkeypatch.setenv("JDP_PROCESS_ID", "3")
     cluster = distributed.resolve()
     assert (cluster.coordinator, cluster.num_processes, cluster.process_id) == (
-        "10.0.0.1:1234", 4, 3,
-    )  # fmt: skip
+        "10.0.0.1:1234",
+        4,
+        3,
+    )
     assert distributed.resolve(process_id=1).process_id == 1  # a flag wins
     assert distributed.resolve(num_processes=1, process_id=0).num_processes == 1
 
@@ -503,8 +556,11 @@ def test_a_port_another_program_holds_stops_a_process_at_once(says, monkeypatch)
     (cluster,) = _clusters(2, [1], port)
     started = time.monotonic()
     try:
-        with pytest.raises(UsageError, match=rf"another program holds the coordinator's port "
-                           rf"127.0.0.1:{port} \(it said "):  # fmt: skip
+        with pytest.raises(
+            UsageError,
+            match=rf"another program holds the coordinator's port "
+            rf"127.0.0.1:{port} \(it said ",
+        ):
             handshake(cluster, 300)
     finally:
         for connection in connections:
@@ -524,24 +580,40 @@ def test_two_processes_draw_one_processs_dropout(tmp_path):
     """A gpt with dropout on 2 processes x 4 devices trains as on 1 device: each example's
     mask comes from the step's key and its place in the global batch (with a key per
     replica, as before, the two drew other masks)."""
-    flags = ["--model", "gpt", "--dataset", "numbers2words", "--layers", "1", "--width", "32",
-             "--heads", "2", "--dropout", "0.3", "--steps", "6",
-             "--warmup-steps", "1", "--batch-size", "32", "--eval-every", "0", "--optimizer",
-             "momentum", "--lr", "0.1", "--log-every", "1"]  # fmt: skip
-    one = run_cli(*flags, "--mesh", "data=1", "--ckpt-dir", tmp_path / "one", "--log-dir",
-                  tmp_path / "one-log")  # fmt: skip
+    flags = [
+        *"--model gpt --dataset numbers2words --layers 1 --width 32".split(),
+        *"--heads 2 --dropout 0.3 --steps 6 --warmup-steps 1 --batch-size 32".split(),
+        *"--eval-every 0 --optimizer momentum --lr 0.1 --log-every 1".split(),
+    ]
+    one = run_cli(
+        *flags,
+        *"--mesh data=1 --ckpt-dir".split(),
+        tmp_path / "one",
+        "--log-dir",
+        tmp_path / "one-log",
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    command = [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "4",
-               "--", sys.executable, "-m", "jdp.train", *flags, "--mesh", "data=8", "--ckpt-dir",
-               str(tmp_path / "two"), "--log-dir", str(tmp_path / "two-log")]  # fmt: skip
+    command = [
+        sys.executable,
+        *"-m jdp.launch --nproc 2 --devices-per-process 4 --".split(),
+        sys.executable,
+        "-m",
+        "jdp.train",
+        *flags,
+        *"--mesh data=8 --ckpt-dir".split(),
+        str(tmp_path / "two"),
+        "--log-dir",
+        str(tmp_path / "two-log"),
+    ]
     two = subprocess.run(command, capture_output=True, text=True, timeout=240, env=_env())
     assert two.returncode == 0, two.stderr[-3000:]
     # Momentum is linear in the gradient: rounding stays rounding (closeness.py).
     assert_sequences_close(
         _logged(tmp_path / "two-log", "loss"), _logged(tmp_path / "one-log", "loss")
     )
-    assert_trees_close(load_params(str(tmp_path / "two")), load_params(str(tmp_path / "one")),
-                       rtol=1e-5, atol=1e-6)  # fmt: skip
+    assert_trees_close(
+        load_params(str(tmp_path / "two")), load_params(str(tmp_path / "one")), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_the_launcher_drops_the_collectives_connection_lines_even_interleaved():

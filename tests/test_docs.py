@@ -27,11 +27,24 @@ from tools import readme
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = [
-    "README.md", "docs/library.md", "docs/cli.md", "docs/data.md", "docs/models.md",
-    "docs/sharding.md", "docs/diloco.md", "docs/multihost.md", "docs/checkpoints.md",
-    "docs/observability.md", "docs/performance.md", "docs/examples.md", "docs/layout.md",
-    "docs/figures.md", "docs/testing.md", "docs/adopt.md", "colab/README.md",
-]  # fmt: skip
+    "README.md",
+    "docs/library.md",
+    "docs/cli.md",
+    "docs/data.md",
+    "docs/models.md",
+    "docs/sharding.md",
+    "docs/diloco.md",
+    "docs/multihost.md",
+    "docs/checkpoints.md",
+    "docs/observability.md",
+    "docs/performance.md",
+    "docs/examples.md",
+    "docs/layout.md",
+    "docs/figures.md",
+    "docs/testing.md",
+    "docs/adopt.md",
+    "colab/README.md",
+]
 CLUSTER_TOOLS = ("srun", "sbatch", "gcloud", "kubectl")
 BLOCK = re.compile(r"(?:<!-- smoke: (?P<smoke>[^>]*?) -->\n)?```bash\n(?P<body>.*?)```", re.S)
 
@@ -64,8 +77,9 @@ def _blocks():
                     continue  # a server; the suite this test belongs to
                 # The smoke flags are the run's (train, bench, a launched train), not a tool's
                 # that prepares its data (jdp.data).
-                runs = line.startswith(("python -m jdp.train", "python -m jdp.bench",
-                                        "python -m jdp.launch"))  # fmt: skip
+                runs = line.startswith(
+                    ("python -m jdp.train", "python -m jdp.bench", "python -m jdp.launch")
+                )
                 in_jdp = runs or (in_jdp and lines[-1].endswith("\\"))
                 if smoke and in_jdp and not line.endswith("\\"):  # a command's last line
                     line += f" {smoke}"  # after the command's own flags, so the smoke's win
@@ -141,15 +155,20 @@ def test_a_documented_block_runs(script, tmp_path):
     interop(*_needs(script), load=False)
     repository = tmp_path / "repository"
     shutil.copytree(
-        ROOT, repository,
+        ROOT,
+        repository,
         ignore=shutil.ignore_patterns(".git", ".whl", "*.egg-info", "__pycache__", "runs"),
-    )  # fmt: skip
+    )
     env = subprocess_env()
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}:{env['PATH']}"  # `python` is this one
     result = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", script],
-        cwd=repository, env=env, capture_output=True, text=True, timeout=850,
-    )  # fmt: skip
+        cwd=repository,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )
     assert result.returncode == 0, f"{script}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 
 
@@ -158,8 +177,14 @@ def test_the_readmes_library_example_runs_as_pasted(tmp_path):
     (example,) = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     script = tmp_path / "example.py"
     script.write_text(example)
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=subprocess_env(),
-                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["1", "1.0"], result.stdout
 

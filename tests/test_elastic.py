@@ -22,8 +22,12 @@ from helpers import alive, assert_bitwise_equal, launched_pids, loader_workers, 
 from jdp.checkpoint import load_params
 
 STEPS = 300
-TRAIN = [sys.executable, "-m", "jdp.train", "--mesh", "data=-1", "--steps", str(STEPS),
-         "--ckpt-every", "50", "--eval-every", "0", "--log-every", "20"]  # fmt: skip
+TRAIN = [
+    sys.executable,
+    *"-m jdp.train --mesh data=-1 --steps".split(),
+    str(STEPS),
+    *"--ckpt-every 50 --eval-every 0 --log-every 20".split(),
+]
 # Seconds a run's processes may take to exit after its summary line (Orbax's and the
 # distributed runtime's threads), and the launcher to start (its imports: JAX, Orbax,
 # Grain), on a loaded 2-core machine: outside the ledger's wall.
@@ -48,27 +52,40 @@ STALLS_IN_A_CALLBACK = (
     "        time.sleep(3600)\n"
     "flags = sys.argv[sys.argv.index('jdp.train') + 1:]\n"
     "fit(parse_flags([*flags, '--stall-timeout', sys.argv[2]]), callbacks=[hang_once])\n"
-)  # fmt: skip
+)
 # A stall timeout far above this small model's steps and batch reads (milliseconds) on a
 # loaded 2-core machine, and short enough to keep the tests quick.
 STALL = 10
 
 
 def _launcher(ckpt_dir, *launch_flags, wrapper=()):
-    command = [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process",
-               "4", "--grace", "3", *launch_flags, "--", *wrapper, *TRAIN,
-               "--ckpt-dir", str(ckpt_dir), "--log-dir", _log_dir(ckpt_dir)]  # fmt: skip
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=subprocess_env())  # fmt: skip
+    command = [
+        sys.executable,
+        *"-m jdp.launch --nproc 2 --devices-per-process 4 --grace 3".split(),
+        *launch_flags,
+        "--",
+        *wrapper,
+        *TRAIN,
+        "--ckpt-dir",
+        str(ckpt_dir),
+        "--log-dir",
+        _log_dir(ckpt_dir),
+    ]
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env()
+    )
 
 
 def _kill_when(launcher, ready, then=lambda: None, timeout=240, act=None):
     """Kills process 1 with SIGKILL once ``ready()`` (or calls ``act(stderr_lines)``);
     returns the exit code and output."""
     out, err = [], []
-    readers = [threading.Thread(target=lambda s=s, into=into: into.extend(iter(s.readline, "")),
-                                daemon=True)
-               for s, into in ((launcher.stdout, out), (launcher.stderr, err))]  # fmt: skip
+    readers = [
+        threading.Thread(
+            target=lambda s=s, into=into: into.extend(iter(s.readline, "")), daemon=True
+        )
+        for s, into in ((launcher.stdout, out), (launcher.stderr, err))
+    ]
     for reader in readers:
         reader.start()
     deadline = time.monotonic() + timeout
@@ -132,8 +149,11 @@ def _logged(ckpt_dir, step):
                 lines = file.read().splitlines()
         except OSError:
             return False
-        return any(f'"kind": "train", "step": {logged},' in line for line in lines
-                   for logged in range(step, STEPS + 1, 20))  # fmt: skip
+        return any(
+            f'"kind": "train", "step": {logged},' in line
+            for line in lines
+            for logged in range(step, STEPS + 1, 20)
+        )
 
     return logged
 
@@ -206,8 +226,9 @@ def test_a_process_that_cannot_come_back_is_left_out(whole, tmp_path):
     on its 4 devices, the same global batches in the same order."""
     mark = tmp_path / "fails-again"
     wrapper = [sys.executable, "-c", FAILS_AGAIN, str(mark)]
-    launcher = _launcher(tmp_path / "ckpt", "--max-restarts", "3", "--min-nproc", "1",
-                         wrapper=wrapper)  # fmt: skip
+    launcher = _launcher(
+        tmp_path / "ckpt", "--max-restarts", "3", "--min-nproc", "1", wrapper=wrapper
+    )
     code, _, err = _kill_when(launcher, _saved(tmp_path / "ckpt", 50), then=mark.touch)
     assert code == 0, err[-3000:]
     assert "process 1 failed twice in a row; going on with 1 processes (--min-nproc 1)" in err
@@ -270,12 +291,21 @@ def test_a_stalled_process_ends_the_group_and_the_restart_ends_bitwise(whole, tm
 def test_a_stopped_loader_worker_ends_every_process_naming_the_read(tmp_path):
     """One process's loader worker stopped (SIGSTOP): that process waits for data forever
     while the other waits in the all-reduce; both end within the stall timeout and 10 s."""
-    command = [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process",
-               "2", "--grace", "3", "--", *TRAIN, "--loader-workers", "1", "--stall-timeout",
-               str(STALL), "--ckpt-dir", str(tmp_path), "--log-dir",
-               _log_dir(tmp_path)]  # fmt: skip
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=subprocess_env())  # fmt: skip
+    command = [
+        sys.executable,
+        *"-m jdp.launch --nproc 2 --devices-per-process 2 --grace 3".split(),
+        "--",
+        *TRAIN,
+        *"--loader-workers 1 --stall-timeout".split(),
+        str(STALL),
+        "--ckpt-dir",
+        str(tmp_path),
+        "--log-dir",
+        _log_dir(tmp_path),
+    ]
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env()
+    )
     stopped = []
 
     def stop_a_worker(err_lines):
@@ -285,8 +315,11 @@ def test_a_stopped_loader_worker_ends_every_process_naming_the_read(tmp_path):
 
     code, _, err = _kill_when(launcher, _logged(tmp_path, 100), act=stop_a_worker)
     assert code == 75, err[-3000:]
-    line = re.search(r"\[0\] jdp: process 1 of 2 stalled reading data after step \d+: no "
-                     r"progress for (\d+) s", err)  # fmt: skip
+    line = re.search(
+        r"\[0\] jdp: process 1 of 2 stalled reading data after step \d+: no "
+        r"progress for (\d+) s",
+        err,
+    )
     assert line and STALL <= int(line[1]) <= STALL + 10, err[-3000:]
     with open(f"{_log_dir(tmp_path)}/stalls/process-1.txt") as file:
         text = file.read()

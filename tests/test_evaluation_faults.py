@@ -27,8 +27,9 @@ def test_a_failing_final_evaluation_keeps_the_trained_state(tmp_path, monkeypatc
         raise RuntimeError("INTERNAL: device lost\nand more lines of XLA's")
 
     monkeypatch.setattr(run_actions, "evaluate", lost)
-    config = jdp.TrainConfig(mesh="data=2", steps=20, batch_size=16, warmup_steps=2,
-                             ckpt_dir=str(tmp_path))  # fmt: skip
+    config = jdp.TrainConfig(
+        mesh="data=2", steps=20, batch_size=16, warmup_steps=2, ckpt_dir=str(tmp_path)
+    )
     with pytest.raises(jdp.UsageError) as raised:
         jdp.fit(config, train=_data(), test=_data(), console=QUIET)
     assert str(raised.value) == (
@@ -52,9 +53,16 @@ class NanWhenEvaluating(nn.Module):
 
 def test_a_nan_evaluation_names_its_split_and_stops_nothing_early(tmp_path):
     model = jdp.models.from_linen(NanWhenEvaluating(), jdp.models.classification())
-    config = jdp.TrainConfig(mesh="data=2", steps=200, batch_size=16, warmup_steps=2,
-                             eval_every=20, early_stop_patience=2, ckpt_dir=str(tmp_path),
-                             ckpt_every=10)  # fmt: skip
+    config = jdp.TrainConfig(
+        mesh="data=2",
+        steps=200,
+        batch_size=16,
+        warmup_steps=2,
+        eval_every=20,
+        early_stop_patience=2,
+        ckpt_dir=str(tmp_path),
+        ckpt_every=10,
+    )
     with pytest.raises(
         jdp.NonFiniteError,
         match=r"^the validation split's loss is nan at step 20, though its inputs are finite "
@@ -74,10 +82,14 @@ def test_parameters_that_are_not_finite_are_named_not_the_data():
     """NaN weights (imported, say): checked, and named, whichever reads a loss first."""
     model = jdp.models.from_linen(NanWeights(), jdp.models.classification())
     for eval_every in (1, 0):  # the evaluation reads first, or the training loss's guard
-        config = jdp.TrainConfig(mesh="data=2", steps=40, batch_size=16, warmup_steps=0,
-                                 eval_every=eval_every)  # fmt: skip
-        with pytest.raises(jdp.NonFiniteError, match=r"the parameters themselves are not finite "
-                           r"\(the initial or imported weights"):  # fmt: skip
+        config = jdp.TrainConfig(
+            mesh="data=2", steps=40, batch_size=16, warmup_steps=0, eval_every=eval_every
+        )
+        with pytest.raises(
+            jdp.NonFiniteError,
+            match=r"the parameters themselves are not finite "
+            r"\(the initial or imported weights",
+        ):
             jdp.fit(config, model=model, train=_data(), validation=_data(), console=QUIET)
 
 
@@ -86,8 +98,9 @@ def test_eval_only_reads_the_latest_again_when_a_live_run_rotates_it(tmp_path, m
     new latest is read, not a line blaming the path."""
     import shutil
 
-    config = jdp.TrainConfig(mesh="data=2", steps=4, batch_size=16, warmup_steps=0,
-                             ckpt_dir=str(tmp_path), ckpt_every=2)  # fmt: skip
+    config = jdp.TrainConfig(
+        mesh="data=2", steps=4, batch_size=16, warmup_steps=0, ckpt_dir=str(tmp_path), ckpt_every=2
+    )
     jdp.fit(config, train=_data(), test=_data(), console=QUIET)
     real, removed = params._read_arrays, []
 
@@ -98,6 +111,7 @@ def test_eval_only_reads_the_latest_again_when_a_live_run_rotates_it(tmp_path, m
         return real(step_dir, *args)
 
     monkeypatch.setattr(params, "_read_arrays", rotated)
-    evaluated = jdp.fit(dataclasses.replace(config, eval_only=True), train=_data(),
-                        test=_data(), console=QUIET)  # fmt: skip
+    evaluated = jdp.fit(
+        dataclasses.replace(config, eval_only=True), train=_data(), test=_data(), console=QUIET
+    )
     assert removed == [str(tmp_path / "4")] and evaluated.steps == 2

@@ -489,11 +489,15 @@ def test_processes_with_different_flags_all_stop_naming_them():
 
 def _launch_two(*flags, timeout=300):
     command = [
-        sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "1",
-        "--", sys.executable, "-m", "jdp.train", "--mesh", "data=2", *map(str, flags),
-    ]  # fmt: skip
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env=subprocess_env())  # fmt: skip
+        sys.executable,
+        *"-m jdp.launch --nproc 2 --devices-per-process 1 --".split(),
+        sys.executable,
+        *"-m jdp.train --mesh data=2".split(),
+        *map(str, flags),
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=subprocess_env()
+    )
 
 
 @pytest.mark.slow
@@ -586,10 +590,18 @@ def test_a_mesh_too_large_is_refused_before_devices_are_made():
 @pytest.mark.slow
 def test_loader_workers_die_with_a_killed_trainer(tmp_path):
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps", "100000",
-         "--loader-workers", "2", "--log-dir", str(tmp_path), "--log-every", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=subprocess_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            *"-m jdp.train --mesh data=1 --steps 100000 --loader-workers 2".split(),
+            "--log-dir",
+            str(tmp_path),
+            "--log-every",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=subprocess_env(),
+    )
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "metrics.jsonl").exists():  # training, so the workers run
@@ -614,11 +626,21 @@ def test_sigterm_while_waiting_on_a_stopped_loader_worker_saves_and_ends(tmp_pat
     still ends the run within seconds, the last step's state saved (the state is whole
     between steps; the loader is not needed to save it)."""
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps", "100000",
-         "--loader-workers", "1", "--ckpt-dir", str(tmp_path / "ckpt"), "--log-dir",
-         str(tmp_path), "--log-every", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            *"-m jdp.train --mesh data=1 --steps 100000 --loader-workers 1".split(),
+            "--ckpt-dir",
+            str(tmp_path / "ckpt"),
+            "--log-dir",
+            str(tmp_path),
+            "--log-every",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     try:
         deadline = time.monotonic() + 120
         while '"step": 20,' not in _text(tmp_path / "metrics.jsonl"):  # training
@@ -634,8 +656,11 @@ def test_sigterm_while_waiting_on_a_stopped_loader_worker_saves_and_ends(tmp_pat
     finally:
         trainer.kill()
     assert trainer.returncode == 143 and took < 15, (took, err[-2000:])
-    saved = re.search(r"jdp.train: SIGTERM while waiting for data at step (\d+); checkpoint "
-                      "saved in", out)  # fmt: skip
+    saved = re.search(
+        r"jdp.train: SIGTERM while waiting for data at step (\d+); checkpoint "
+        "saved in",
+        out,
+    )
     assert saved, out[-2000:] + err[-2000:]
     assert str(int(saved[1])) in os.listdir(tmp_path / "ckpt")
     assert not alive(worker)
@@ -681,8 +706,9 @@ def _text(path) -> str:
 def test_a_signal_at_start_up_or_without_a_ckpt_dir_is_one_line(tmp_path, signal_number):
     command = [sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps", "100000"]
     # At start-up: as soon as the run says what it built, before its first step.
-    early = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=subprocess_env())  # fmt: skip
+    early = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env()
+    )
     early.stdout.readline()
     early.send_signal(signal_number)
     rest, stderr = early.communicate(timeout=120)  # the output after the first line
@@ -695,9 +721,13 @@ def test_a_signal_at_start_up_or_without_a_ckpt_dir_is_one_line(tmp_path, signal
             f"jdp.train: {name} outside training steps; nothing saved"
         ), stderr
     # Mid-run, without --ckpt-dir: the run stops at a step boundary and says so.
-    late = subprocess.Popen([*command, "--log-dir", str(tmp_path), "--log-every", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=subprocess_env())  # fmt: skip
+    late = subprocess.Popen(
+        [*command, "--log-dir", str(tmp_path), "--log-every", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     deadline = time.monotonic() + 120
     # A step's record, not the file: the file is opened before the loop takes signals over.
     while '"kind": "train"' not in _text(tmp_path / "metrics.jsonl"):
@@ -723,8 +753,7 @@ def test_an_unwritable_directory_is_one_line(tmp_path, flag, path, needle):
     if path == "FILE":
         path = tmp_path / "a-file"
         path.write_text("")
-    result = run_cli("--mesh", "data=1", "--steps", "2", "--warmup-steps", "0", flag, path,
-                     timeout=120)  # fmt: skip
+    result = run_cli(*"--mesh data=1 --steps 2 --warmup-steps 0".split(), flag, path, timeout=120)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
@@ -734,8 +763,9 @@ def _train_with_file_limit(kib, *flags):
     """``jdp.train FLAGS`` under ``ulimit -f KIB``: a write past KIB KiB fails with EFBIG, as
     one past a disk's free space fails with ENOSPC (no root or tmpfs needed)."""
     command = f"ulimit -f {kib}; exec {sys.executable} -m jdp.train " + " ".join(map(str, flags))
-    return subprocess.run(["bash", "-c", command], capture_output=True, text=True,
-                          timeout=240, env=subprocess_env())  # fmt: skip
+    return subprocess.run(
+        ["bash", "-c", command], capture_output=True, text=True, timeout=240, env=subprocess_env()
+    )
 
 
 @pytest.mark.slow
@@ -781,8 +811,9 @@ def test_launcher_refuses_bad_settings_in_one_line(argv, needle):
 def test_more_bad_flags_are_one_line(tmp_path, flags, needle):
     file = tmp_path / "a-file"
     file.write_text("")
-    result = run_cli(*[str(file) if flag == "FILE" else flag for flag in flags], devices=1,
-                     timeout=120)  # fmt: skip
+    result = run_cli(
+        *[str(file) if flag == "FILE" else flag for flag in flags], devices=1, timeout=120
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
@@ -847,9 +878,12 @@ def test_a_full_log_dir_warns_once_and_training_goes_on(tmp_path):
     prepared = run_cli("--mesh", "data=1", "--steps", "1", "--warmup-steps", "0")  # the data
     assert prepared.returncode == 0, prepared.stderr
     result = _train_with_file_limit(  # 8 KiB: the metrics outgrow it within the run
-        8, "--mesh", "data=1", "--steps", "200", "--warmup-steps", "0", "--log-dir", tmp_path,
-        "--log-every", "1",
-    )  # fmt: skip
+        8,
+        *"--mesh data=1 --steps 200 --warmup-steps 0 --log-dir".split(),
+        tmp_path,
+        "--log-every",
+        "1",
+    )
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("jdp: warning:")]
@@ -879,8 +913,10 @@ def test_a_full_data_dir_while_preparing_is_one_line(tmp_path):
 @pytest.mark.scheduled
 def test_faults_benchmark_runs_the_new_classes_with_nothing_silent_lost_or_hung():
     # One trial of each class: each class's cases are the tests' of its own module.
-    flags = "--kills 0 --flips 0 --data-faults 1 --lock-thefts 1 --directory-failures 1 " \
-        "--launcher-kills 1 --wrapped-stops 1 --tool-faults 1 --seed 1"  # fmt: skip
+    flags = (
+        "--kills 0 --flips 0 --data-faults 1 --lock-thefts 1 --directory-failures 1 "
+        "--launcher-kills 1 --wrapped-stops 1 --tool-faults 1 --seed 1"
+    )
     result = subprocess.run(  # the project's tools run from a checkout's root
         [sys.executable, "-m", "tools.faults", *shlex.split(flags)],
         capture_output=True,

@@ -130,9 +130,16 @@ def test_every_config_field_declares_its_section():
     assert "mesh" in config.TOPOLOGY_FIELDS and "lr" not in config.TOPOLOGY_FIELDS
     assert config.DILOCO_FIELDS == ("sync_every", "outer_optimizer", "outer_lr", "outer_momentum")
     assert set(config.fields_of(per_process=True)) == {
-        "coordinator", "num_processes", "process_id", "startup_timeout", "data_dir",
-        "loader_workers", "prefetch", "data_on_device", "compile_cache",
-    }  # fmt: skip
+        "coordinator",
+        "num_processes",
+        "process_id",
+        "startup_timeout",
+        "data_dir",
+        "loader_workers",
+        "prefetch",
+        "data_on_device",
+        "compile_cache",
+    }
 
 
 def test_a_gpt_reshaped_by_its_flags_is_named_so():

@@ -35,8 +35,16 @@ FP32_ATOL = 2e-4
 
 
 def _gpt(unroll=False) -> GPT:
-    return GPT(vocab_size=PADDED, width=32, heads=4, layers=2, hidden=64, dropout=0.0,
-               max_len=24, unroll=unroll)  # fmt: skip
+    return GPT(
+        vocab_size=PADDED,
+        width=32,
+        heads=4,
+        layers=2,
+        hidden=64,
+        dropout=0.0,
+        max_len=24,
+        unroll=unroll,
+    )
 
 
 def _init(module: GPT, seed=0):
@@ -115,11 +123,20 @@ def test_past_the_context_sampling_slides_its_window_as_nanogpt(model, length, n
     for token nanoGPT's uncached loop."""
     module, params = model
     prompt = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (ROWS, length)), jnp.int32)
-    tokens = jdp.models.generate(module, params, prompt, max_new_tokens=new, temperature=0,
-                                 vocab_size=VOCAB)  # fmt: skip
+    tokens = jdp.models.generate(
+        module, params, prompt, max_new_tokens=new, temperature=0, vocab_size=VOCAB
+    )
     np.testing.assert_array_equal(tokens, sliding_greedy(module, params, prompt, new))
-    drawn = jdp.models.generate(module, params, prompt, max_new_tokens=new, temperature=0.8,
-                                top_k=5, vocab_size=VOCAB, rng=jax.random.key(3))  # fmt: skip
+    drawn = jdp.models.generate(
+        module,
+        params,
+        prompt,
+        max_new_tokens=new,
+        temperature=0.8,
+        top_k=5,
+        vocab_size=VOCAB,
+        rng=jax.random.key(3),
+    )
     assert drawn.shape == (ROWS, new) and bool((drawn < VOCAB).all())
 
 
@@ -132,8 +149,11 @@ def test_top_k_1_is_greedy_and_sampling_follows_the_rng(model, prompt):
     np.testing.assert_array_equal(top1, greedy)
 
     def sample(seed, temperature=2.0):
-        return np.asarray(jdp.models.generate(module, params, prompt, rng=jax.random.key(seed),
-                                              temperature=temperature, **common))  # fmt: skip
+        return np.asarray(
+            jdp.models.generate(
+                module, params, prompt, rng=jax.random.key(seed), temperature=temperature, **common
+            )
+        )
 
     first = sample(1)
     compiled = _decode._cache_size()
@@ -153,8 +173,15 @@ def test_padded_vocabulary_rows_are_never_sampled(model, prompt):
     unmasked = jdp.models.generate(module, loud, prompt, max_new_tokens=4, temperature=0)
     assert (np.asarray(unmasked) >= VOCAB).all()
     for options in ({"temperature": 0}, {"temperature": 1.5}, {"temperature": 1.0, "top_k": 60}):
-        tokens = jdp.models.generate(module, loud, prompt, max_new_tokens=NEW, vocab_size=VOCAB,
-                                     rng=jax.random.key(0), **options)  # fmt: skip
+        tokens = jdp.models.generate(
+            module,
+            loud,
+            prompt,
+            max_new_tokens=NEW,
+            vocab_size=VOCAB,
+            rng=jax.random.key(0),
+            **options,
+        )
         assert (np.asarray(tokens) < VOCAB).all(), options
 
 
@@ -230,8 +257,11 @@ def _bpe(path):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator([json.__doc__, re.__doc__], trainer)
     tokenizer.save(str(path))
     return str(path)
@@ -241,8 +271,14 @@ def test_a_run_ends_with_a_sample_when_its_corpus_decodes(tmp_path):
     (tmp_path / "text").mkdir()
     for name, module in (("json.txt", json), ("re.txt", re)):
         (tmp_path / "text" / name).write_text(module.__doc__ * 3, encoding="utf-8")
-    meta = tokenize(tmp_path / "text", tmp_path / "tokens", tokenizer=_bpe(tmp_path / "bpe.json"),
-                    val_fraction=0.3, workers=0, progress=False)  # fmt: skip
+    meta = tokenize(
+        tmp_path / "text",
+        tmp_path / "tokens",
+        tokenizer=_bpe(tmp_path / "bpe.json"),
+        val_fraction=0.3,
+        workers=0,
+        progress=False,
+    )
     assert (tmp_path / "tokens" / "bpe.json").is_file()  # copied beside the shards
     module = GPT(vocab_size=meta["vocab_size"], width=16, heads=2, layers=1, hidden=32, max_len=32)
     params = jax.jit(module.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
@@ -315,8 +351,10 @@ def test_only_a_language_model_samples(config, message):
 def test_the_command_line_refuses_in_one_line(tmp_path, capsys):
     assert main([str(tmp_path), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == [f"jdp.sample: error: no checkpoint in {tmp_path}; pass a "
-                                "--ckpt-dir or one of its step directories"]  # fmt: skip
+    assert err.splitlines() == [
+        f"jdp.sample: error: no checkpoint in {tmp_path}; pass a "
+        "--ckpt-dir or one of its step directories"
+    ]
 
 
 def test_a_failed_sample_never_fails_the_run(capsys):
@@ -332,12 +370,23 @@ def test_train_a_language_model_then_sample_from_its_checkpoint(tmp_path):
     (tmp_path / "text").mkdir()
     for name, module in (("json.txt", json), ("re.txt", re)):
         (tmp_path / "text" / name).write_text(module.__doc__ * 4, encoding="utf-8")
-    made = run_python("-m", "jdp.data", "tokenize", tmp_path / "text", "--out",
-                      tmp_path / "tokens", "--val-fraction", "0.3", "--workers", "0")  # fmt: skip
+    made = run_python(
+        "-m",
+        "jdp.data",
+        "tokenize",
+        tmp_path / "text",
+        "--out",
+        tmp_path / "tokens",
+        *"--val-fraction 0.3 --workers 0".split(),
+    )
     assert made.returncode == 0, made.stderr
-    run = run_cli("--model", "gpt", "--dataset", f"tokens:{tmp_path / 'tokens'}", "--seq-len",
-                  "32", "--batch-size", "8", "--steps", "3", "--mesh", "data=2", "--ckpt-dir",
-                  tmp_path / "ckpt")  # fmt: skip
+    run = run_cli(
+        *"--model gpt --dataset".split(),
+        f"tokens:{tmp_path / 'tokens'}",
+        *"--seq-len 32 --batch-size 8 --steps 3 --mesh data=2".split(),
+        "--ckpt-dir",
+        tmp_path / "ckpt",
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
     samples = [line for line in lines if line.startswith("jdp: sample: ")]

@@ -15,8 +15,12 @@ from jdp.report.goodput import PARTS, Clock, Goodput, summarize
 
 def _attempt(started, seconds, *, step=0.0, ended=None, recomputed=0):
     parts = dict.fromkeys(PARTS, 0.0) | {"startup": seconds - step, "step": step}
-    attempt = {"started": started, "updated": started + seconds, "parts": parts,
-               "recomputed_steps": recomputed}  # fmt: skip
+    attempt = {
+        "started": started,
+        "updated": started + seconds,
+        "parts": parts,
+        "recomputed_steps": recomputed,
+    }
     return attempt | ({"ended": ended} if ended else {})
 
 
@@ -50,11 +54,19 @@ QUIET = jdp.Console(enabled=False)
 def _fit(log_dir, steps):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 6)).astype(np.float32)
-    config = jdp.TrainConfig(model="mlp", mesh="data=2", steps=steps, batch_size=32,
-                             warmup_steps=2, log_every=4, log_dir=str(log_dir),
-                             ckpt_dir=str(log_dir / "ckpt"))  # fmt: skip
-    return jdp.fit(config, train=jdp.data.from_arrays(x, (x[:, 0] > 0).astype(np.int32)),
-                   console=QUIET)  # fmt: skip
+    config = jdp.TrainConfig(
+        model="mlp",
+        mesh="data=2",
+        steps=steps,
+        batch_size=32,
+        warmup_steps=2,
+        log_every=4,
+        log_dir=str(log_dir),
+        ckpt_dir=str(log_dir / "ckpt"),
+    )
+    return jdp.fit(
+        config, train=jdp.data.from_arrays(x, (x[:, 0] > 0).astype(np.int32)), console=QUIET
+    )
 
 
 @pytest.mark.slow

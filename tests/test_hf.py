@@ -45,8 +45,9 @@ LOGITS_BOUND = PRODUCTS * 128 * EPS32
 
 def _hf_model(directory, seed=0, **overrides):
     torch, transformers = _stack()
-    config = transformers.GPT2Config(**{**TOY, "bos_token_id": None, "eos_token_id": None,
-                                        **overrides})  # fmt: skip
+    config = transformers.GPT2Config(
+        **{**TOY, "bos_token_id": None, "eos_token_id": None, **overrides}
+    )
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(config).eval()
     model.save_pretrained(directory)
@@ -91,8 +92,9 @@ def test_greedy_generation_matches_transformers(toy):
     gpt = jdp.models.from_hf(directory)
     prompt = _tokens(rows=2, length=5)
     with torch.no_grad():
-        expected = model.generate(torch.tensor(prompt), max_new_tokens=8, do_sample=False,
-                                  pad_token_id=0)[:, 5:].numpy()  # fmt: skip
+        expected = model.generate(
+            torch.tensor(prompt), max_new_tokens=8, do_sample=False, pad_token_id=0
+        )[:, 5:].numpy()
     got = jdp.models.generate(gpt.module, gpt.params, prompt, max_new_tokens=8, temperature=0)
     np.testing.assert_array_equal(np.asarray(got), expected)
 
@@ -113,8 +115,10 @@ def test_other_ways_the_weights_are_saved(toy, tmp_path, how):
     else:
         from safetensors.numpy import load_file, save_file
 
-        tensors = {k.removeprefix("transformer."): v for k, v in
-                   load_file(directory / "model.safetensors").items()}  # fmt: skip
+        tensors = {
+            k.removeprefix("transformer."): v
+            for k, v in load_file(directory / "model.safetensors").items()
+        }
         tensors["lm_head.weight"] = tensors["wte.weight"]
         for layer in range(TOY["n_layer"]):
             tensors[f"h.{layer}.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.float32))
@@ -139,15 +143,21 @@ def _rewritten(directory, tmp_path, change):
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
-        (lambda t: t.update({"transformer.h.0.mlp.c_fc.weight": np.zeros((32, 7), np.float32)}),
-         "the tensor h.0.mlp.c_fc.weight is (32, 7), and config.json makes it (32, 128)"),
+        (
+            lambda t: t.update({"transformer.h.0.mlp.c_fc.weight": np.zeros((32, 7), np.float32)}),
+            "the tensor h.0.mlp.c_fc.weight is (32, 7), and config.json makes it (32, 128)",
+        ),
         (lambda t: t.pop("transformer.h.1.ln_2.bias"), "the tensor h.1.ln_2.bias is missing"),
-        (lambda t: t.update({"transformer.h.0.extra": np.zeros(3, np.float32)}),
-         "the tensor h.0.extra is not GPT-2's"),
-        (lambda t: t.update({"lm_head.weight": np.ones((256, 32), np.float32)}),
-         "the tensor lm_head.weight is not GPT-2's"),
+        (
+            lambda t: t.update({"transformer.h.0.extra": np.zeros(3, np.float32)}),
+            "the tensor h.0.extra is not GPT-2's",
+        ),
+        (
+            lambda t: t.update({"lm_head.weight": np.ones((256, 32), np.float32)}),
+            "the tensor lm_head.weight is not GPT-2's",
+        ),
     ],
-)  # fmt: skip
+)
 def test_tensors_that_do_not_fit_are_named(toy, tmp_path, change, needle):
     with pytest.raises(UsageError) as error:
         jdp.models.from_hf(_rewritten(toy[0], tmp_path, change))
@@ -163,7 +173,7 @@ def test_a_config_that_is_not_gpt2_is_refused(toy, tmp_path):
     ]:
         (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(UsageError, match=needle):
-            jdp.models.from_hf(tmp_path)  # fmt: skip
+            jdp.models.from_hf(tmp_path)
     with pytest.raises(UsageError, match="does not exist"):
         jdp.models.from_hf(tmp_path / "nowhere")
 
@@ -173,8 +183,16 @@ def test_an_export_loads_in_transformers_with_jdps_logits(tmp_path):
     """A gpt trained by jdp (its own epsilon, scanned layers), exported and loaded."""
     _, transformers = _stack()
     run = str(tmp_path / "run")
-    config = jdp.TrainConfig(mesh="data=2", model="gpt", dataset="python_stdlib", seq_len=32,
-                             batch_size=8, steps=3, warmup_steps=1, ckpt_dir=run)  # fmt: skip
+    config = jdp.TrainConfig(
+        mesh="data=2",
+        model="gpt",
+        dataset="python_stdlib",
+        seq_len=32,
+        batch_size=8,
+        steps=3,
+        warmup_steps=1,
+        ckpt_dir=run,
+    )
     jdp.fit(config, console=jdp.Console(enabled=False))
     assert export([run, "--to", "hf", str(tmp_path / "out")]) == 0
     model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
@@ -196,9 +214,14 @@ def test_fine_tuning_from_gpt2_weights_through_the_cli(toy, tmp_path):
     directory = tmp_path / "gpt2"
     _hf_model(directory, bos_token_id=0, eos_token_id=0)
     run = tmp_path / "run"
-    flags = ["--mesh", "data=2", "--model", "gpt", "--dataset", "python_stdlib",
-             "--batch-size", "8", "--init-from", f"hf:{directory}", "--ckpt-dir", str(run),
-             "--ckpt-every", "2", "--warmup-steps", "1", "--lr", "1e-12"]  # fmt: skip
+    flags = [
+        *"--mesh data=2 --model gpt --dataset python_stdlib --batch-size 8".split(),
+        "--init-from",
+        f"hf:{directory}",
+        "--ckpt-dir",
+        str(run),
+        *"--ckpt-every 2 --warmup-steps 1 --lr 1e-12".split(),
+    ]
     first = run_cli(*flags, "--steps", "2", devices=2)
     assert first.returncode == 0, first.stderr
     assert f"gpt of hf:{directory}" in first.stdout
@@ -222,14 +245,17 @@ def test_bad_imports_and_exports_are_one_line(toy, tmp_path):
     directory = toy[0]
     wrong_model = run_cli("--model", "mlp", "--init-from", f"hf:{directory}", "--steps", "1")
     shape = _rewritten(directory, tmp_path, lambda t: t.pop("transformer.wpe.weight"))
-    missing = run_cli("--model", "gpt", "--dataset", "python_stdlib", "--init-from",
-                      f"hf:{shape}", "--steps", "1")  # fmt: skip
+    missing = run_cli(
+        *"--model gpt --dataset python_stdlib --init-from".split(), f"hf:{shape}", "--steps", "1"
+    )
     export = run_python(
         "-m", "jdp.export", str(tmp_path / "none"), "--to", "hf", str(tmp_path / "o")
     )
-    for result, needle in [(wrong_model, "loads GPT-2's weights; use --model gpt"),
-                           (missing, "the tensor wpe.weight is missing"),
-                           (export, "no checkpoint in")]:  # fmt: skip
+    for result, needle in [
+        (wrong_model, "loads GPT-2's weights; use --model gpt"),
+        (missing, "the tensor wpe.weight is missing"),
+        (export, "no checkpoint in"),
+    ]:
         assert result.returncode == 2, result.stderr
         assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
 

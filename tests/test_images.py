@@ -113,10 +113,18 @@ def test_images_reach_the_devices_as_uint8_and_are_normalised_there():
 
 def _fit(dataset, mesh, tmp_path, **more):
     config = jdp.TrainConfig(
-        dataset=f"images:{dataset}", model="cnn", image_size="32,32", mesh=mesh,
-        batch_size=16, steps=6, warmup_steps=3, eval_every=0, log_every=1, log_dir=str(tmp_path),
+        dataset=f"images:{dataset}",
+        model="cnn",
+        image_size="32,32",
+        mesh=mesh,
+        batch_size=16,
+        steps=6,
+        warmup_steps=3,
+        eval_every=0,
+        log_every=1,
+        log_dir=str(tmp_path),
         **more,
-    )  # fmt: skip
+    )
     result = jdp.fit(config)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return result, [r for r in records if r["kind"] == "train"]
@@ -127,8 +135,9 @@ def test_a_streamed_run_on_data8_matches_data1_and_the_packed_form_bitwise(tree,
     one, one_log = _fit(tree[0], "data=1", tmp_path / "1")
     eight, eight_log = _fit(tree[0], "data=8", tmp_path / "8", data_ledger="bytes")
     packed, packed_log = _fit(tree[1], "data=8", tmp_path / "p", data_ledger="bytes")
-    assert_sequences_close([r["loss"] for r in eight_log],
-                           [r["loss"] for r in one_log], rtol=EARLY_STEPS)  # fmt: skip
+    assert_sequences_close(
+        [r["loss"] for r in eight_log], [r["loss"] for r in one_log], rtol=EARLY_STEPS
+    )
     assert_drift_within(eight.state.params, one.state.params)
     assert [r["data_ledger"] for r in eight_log] == [r["data_ledger"] for r in one_log]
     # The packed form: the same bytes, so the same digests and the same run, bit for bit.
@@ -157,8 +166,12 @@ def test_a_damaged_image_is_one_line_and_exit_2(tree, tmp_path):
     np.save(packed / "labels.npy", np.full(12, 3, np.int32))  # 3 classes: 0, 1, 2
     with pytest.raises(jdp.UsageError, match="labels outside its 3 classes"):
         jdp.data.from_images(packed)
-    trained = run_cli("--dataset", f"images:{bad}", "--image-size", "16,16", "--steps", "4",
-                      "--batch-size", "6", "--mesh", "data=2", "--model", "cnn")  # fmt: skip
+    trained = run_cli(
+        "--dataset",
+        f"images:{bad}",
+        *"--image-size 16,16 --steps 4 --batch-size 6 --mesh data=2".split(),
+        *"--model cnn".split(),
+    )
     assert trained.returncode == 2, trained.stderr
     assert trained.stderr.strip().splitlines()[-1] == (
         f"jdp.train: error: cannot read image {broken} (not an image Pillow or libjpeg-turbo "
@@ -195,7 +208,7 @@ def test_images_that_would_be_dropped_or_break_are_named(tmp_path, capsys):
             match=r"test has class folders the training split "
             r"lacks \(class_009\): their images would be left out",
         ):
-            read()  # fmt: skip
+            read()
     shutil.rmtree(root / "test" / "class_009")
     # Files that are not images by their names: left out, counted in one warning.
     folder = root / "train" / "class_000"
@@ -203,9 +216,11 @@ def test_images_that_would_be_dropped_or_break_are_named(tmp_path, capsys):
     (folder / ".DS_Store").write_bytes(b"\0")
     assert len(jdp.data.from_images(root / "train")) == 4
     warning = capsys.readouterr().err.strip().splitlines()
-    assert warning == [f"jdp: warning: left out 1 file of {root / 'train'}'s class folders that "
-                       f"are not images by their names ({folder / 'notes.txt'}, ...; jdp reads "
-                       ".png, .jpg, .jpeg, .bmp, .gif, .tif, .tiff, .webp)"], warning  # fmt: skip
+    assert warning == [
+        f"jdp: warning: left out 1 file of {root / 'train'}'s class folders that "
+        f"are not images by their names ({folder / 'notes.txt'}, ...; jdp reads "
+        ".png, .jpg, .jpeg, .bmp, .gif, .tif, .tiff, .webp)"
+    ], warning
     # Names that are not image files, and a name that is not UTF-8 (read as it is).
     for make, needle in [
         (lambda p: p.mkdir(), "x.jpg is not a file"),
@@ -214,7 +229,7 @@ def test_images_that_would_be_dropped_or_break_are_named(tmp_path, capsys):
         make(folder / "x.jpg")
         with pytest.raises(jdp.UsageError, match=needle):
             jdp.data.from_images(root / "train")
-        (os.rmdir if (folder / "x.jpg").is_dir() else os.remove)(folder / "x.jpg")  # fmt: skip
+        (os.rmdir if (folder / "x.jpg").is_dir() else os.remove)(folder / "x.jpg")
     odd = os.path.join(os.fsencode(folder), b"\xff.jpg")
     shutil.copy(folder / "000000.jpg", odd)
     split = jdp.data.from_images(root / "train", image_size=(8, 8))
@@ -240,10 +255,14 @@ def test_images_that_would_be_dropped_or_break_are_named(tmp_path, capsys):
 def _cli(dataset, ckpt_dir):
     # ResNet-20's batch norm is ResNet-50's at a fraction of the compile (the layers' count
     # is not this test's point: the statistics' and the workers' state on a kill is).
-    flags = ["--dataset", f"images:{dataset}", "--model", "resnet20", "--model-size", "small",
-             "--image-size", "32,32", "--mesh", "data=4", "--batch-size", "8", "--steps", "16",
-             "--warmup-steps", "4", "--ckpt-every", "4", "--eval-every", "0",
-             "--loader-workers", "1", "--ckpt-dir", str(ckpt_dir)]  # fmt: skip
+    flags = [
+        "--dataset",
+        f"images:{dataset}",
+        *"--model resnet20 --model-size small --image-size 32,32".split(),
+        *"--mesh data=4 --batch-size 8 --steps 16 --warmup-steps 4".split(),
+        *"--ckpt-every 4 --eval-every 0 --loader-workers 1 --ckpt-dir".split(),
+        str(ckpt_dir),
+    ]
     return [sys.executable, "-m", "jdp.train", *flags]
 
 
@@ -252,11 +271,21 @@ def _cli(dataset, ckpt_dir):
 @pytest.mark.slow
 @pytest.mark.scheduled
 def test_kill_9_and_resume_is_bitwise_with_batchnorm_and_workers(tree, tmp_path):
-    reference = subprocess.run(_cli(tree[1], tmp_path / "whole"), capture_output=True,
-                               text=True, timeout=400, env=subprocess_env())  # fmt: skip
+    reference = subprocess.run(
+        _cli(tree[1], tmp_path / "whole"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=subprocess_env(),
+    )
     assert reference.returncode == 0, reference.stderr
-    process = subprocess.Popen(_cli(tree[1], tmp_path / "killed"), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=subprocess_env())  # fmt: skip
+    process = subprocess.Popen(
+        _cli(tree[1], tmp_path / "killed"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     deadline = time.monotonic() + 300
     while not (tmp_path / "killed" / "8").is_dir():
         assert process.poll() is None, process.communicate()
@@ -265,12 +294,18 @@ def test_kill_9_and_resume_is_bitwise_with_batchnorm_and_workers(tree, tmp_path)
     process.send_signal(signal.SIGKILL)
     process.communicate()
     assert process.returncode == -signal.SIGKILL, "the run ended before it was killed"
-    resumed = subprocess.run(_cli(tree[1], tmp_path / "killed"), capture_output=True,
-                             text=True, timeout=400, env=subprocess_env())  # fmt: skip
+    resumed = subprocess.run(
+        _cli(tree[1], tmp_path / "killed"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=subprocess_env(),
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert re.search(r"^jdp: resuming from step \d+ in ", resumed.stdout, re.M)
-    assert_bitwise_equal(saved_arrays(tmp_path / "killed", 16),
-                         saved_arrays(tmp_path / "whole", 16))  # fmt: skip
+    assert_bitwise_equal(
+        saved_arrays(tmp_path / "killed", 16), saved_arrays(tmp_path / "whole", 16)
+    )
 
 
 # A training process's memory before the run and the most it holds while it reads a
@@ -344,9 +379,15 @@ def test_the_trained_model_names_image_files_as_evaluation_saw_them(tree, tmp_pa
     """load_model reads a streamed run's facts: centre crops of image files, normalised by
     the model; its predictions on the test files give the run's own test accuracy."""
     config = jdp.TrainConfig(
-        dataset=f"images:{tree[1]}", model="cnn", image_size="32,32", mesh="data=2",
-        batch_size=16, steps=8, warmup_steps=2, ckpt_dir=str(tmp_path / "run"),
-    )  # fmt: skip
+        dataset=f"images:{tree[1]}",
+        model="cnn",
+        image_size="32,32",
+        mesh="data=2",
+        batch_size=16,
+        steps=8,
+        warmup_steps=2,
+        ckpt_dir=str(tmp_path / "run"),
+    )
     result = jdp.fit(config)
     loaded = jdp.load_model(tmp_path / "run")
     files = sorted((tree[0] / "test").glob("*/*.jpg"))
@@ -395,8 +436,7 @@ def _tfds_images(name, data_dir, splits):
 @pytest.mark.slow
 def test_tfds_image_datasets_stream_their_jpegs_undecoded(name, classes, tmp_path):
     written = _tfds_images(name, tmp_path, {"train": 24, "validation": 8})
-    split = jdp.data.from_tfds_images(name, "train", data_dir=str(tmp_path),
-                                      image_size=(32, 32))  # fmt: skip
+    split = jdp.data.from_tfds_images(name, "train", data_dir=str(tmp_path), image_size=(32, 32))
     assert len(split) == 24 and len(split.classes) == classes and split.labels is None
     batch = split.read(np.arange(24))
     # TFDS keeps the files' bytes (in its own shuffled order) and the labels with them.
@@ -407,9 +447,14 @@ def test_tfds_image_datasets_stream_their_jpegs_undecoded(name, classes, tmp_pat
     assert crops.shape == (8, 32, 32, 3) and crops.dtype == np.uint8
     # On the command line: tfds:NAME streams a dataset of images of many sizes, its
     # validation split evaluated (imagenet2012 and imagenette have no test split).
-    result = run_cli("--dataset", f"tfds:{name}", "--data-dir", tmp_path, "--image-size",
-                     "32,32", "--model", "cnn", "--mesh", "data=2", "--batch-size", "8",
-                     "--steps", "4", "--eval-every", "2", "--loader-workers", "1")  # fmt: skip
+    result = run_cli(
+        "--dataset",
+        f"tfds:{name}",
+        "--data-dir",
+        tmp_path,
+        *"--image-size 32,32 --model cnn --mesh data=2 --batch-size 8".split(),
+        *"--steps 4 --eval-every 2 --loader-workers 1".split(),
+    )
     assert result.returncode == 0, result.stderr
     assert "(24 train / 8 validation)" in result.stdout, result.stdout
     assert re.search(r"step 4: val_loss=\S+ val_accuracy=", result.stdout), result.stdout
@@ -425,11 +470,14 @@ def test_the_imagenet_recipe_learns_from_jpegs_on_the_cpu_mesh(tmp_path):
     in bf16 with smoothed labels learns from JPEGs (at full width it took a test 48 s
     more of CI to say the same)."""
     write_tree(str(tmp_path / "images"), {"train": 128, "test": 32}, classes=4)
-    result = run_cli("--recipe", "imagenet-resnet50", "--dataset", f"images:{tmp_path / 'images'}",
-                     "--model-size", "small", "--image-size", "32,32", "--epochs", "0",
-                     "--steps", "40", "--batch-size", "32", "--warmup-steps", "4",
-                     "--loader-workers", "0", "--eval-every", "0", "--mesh", "data=8",
-                     timeout=400)  # fmt: skip
+    result = run_cli(
+        *"--recipe imagenet-resnet50 --dataset".split(),
+        f"images:{tmp_path / 'images'}",
+        *"--model-size small --image-size 32,32 --epochs 0 --steps 40".split(),
+        *"--batch-size 32 --warmup-steps 4 --loader-workers 0".split(),
+        *"--eval-every 0 --mesh data=8".split(),
+        timeout=400,
+    )
     assert result.returncode == 0, result.stderr
     summary = result.stdout.strip().splitlines()[-1]
     loss = float(re.search(r"test_loss=([\d.]+)", summary).group(1))
@@ -443,13 +491,24 @@ def test_two_processes_read_their_rows_and_train_as_one(tree, tmp_path):
     """Each process decodes only its rows of each global batch; together they train on
     the very bytes and crops one process does (the byte ledger), to float rounding, and
     evaluate each test image once."""
-    flags = ["--dataset", f"images:{tree[1]}", "--model", "cnn", "--image-size", "32,32",
-             "--mesh", "data=4", "--batch-size", "16", "--steps", "6", "--warmup-steps", "3",
-             "--log-every", "1", "--data-ledger", "bytes", "--loader-workers", "1"]  # fmt: skip
+    flags = [
+        "--dataset",
+        f"images:{tree[1]}",
+        *"--model cnn --image-size 32,32 --mesh data=4 --batch-size 16".split(),
+        *"--steps 6 --warmup-steps 3 --log-every 1 --data-ledger bytes".split(),
+        *"--loader-workers 1".split(),
+    ]
     one = run_cli(*flags, "--log-dir", tmp_path / "one", devices=4)
     assert one.returncode == 0, one.stderr
-    launch = ["-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "2", "--",
-              sys.executable, "-m", "jdp.train", *flags, "--log-dir", tmp_path / "two"]  # fmt: skip
+    launch = [
+        *"-m jdp.launch --nproc 2 --devices-per-process 2 --".split(),
+        sys.executable,
+        "-m",
+        "jdp.train",
+        *flags,
+        "--log-dir",
+        tmp_path / "two",
+    ]
     two = run_python(*launch, timeout=300)
     assert two.returncode == 0, two.stderr
 
@@ -459,8 +518,10 @@ def test_two_processes_read_their_rows_and_train_as_one(tree, tmp_path):
 
     train = [[r for r in logged(name) if r["kind"] == "train"] for name in ("one", "two")]
     assert [r["data_ledger_bytes"] for r in train[1]] == [r["data_ledger_bytes"] for r in train[0]]
-    assert_sequences_close([r["loss"] for r in train[1]], [r["loss"] for r in train[0]],
-                           rtol=EARLY_STEPS)  # fmt: skip
-    accuracy = [re.search(r"test_accuracy=([\d.]+)", out).group(1)
-                for out in (one.stdout, two.stdout)]  # fmt: skip
+    assert_sequences_close(
+        [r["loss"] for r in train[1]], [r["loss"] for r in train[0]], rtol=EARLY_STEPS
+    )
+    accuracy = [
+        re.search(r"test_accuracy=([\d.]+)", out).group(1) for out in (one.stdout, two.stdout)
+    ]
     assert accuracy[0] == accuracy[1]  # of 12 images: a difference would be a twelfth

@@ -71,13 +71,22 @@ def _train(model, batches, spec, *, shard_optimizer=False, steps_per_call=1, acc
     optimizer = optax.sgd(0.1, momentum=0.9)
     params, model_state, specs = model.init_on_mesh(jax.random.key(0), batches[0], mesh)
     state = jdp.create_train_state(
-        params, optimizer, mesh, model_state=model_state, param_specs=specs,
-        shard_optimizer=shard_optimizer, rng=jax.random.key(1),
-    )  # fmt: skip
+        params,
+        optimizer,
+        mesh,
+        model_state=model_state,
+        param_specs=specs,
+        shard_optimizer=shard_optimizer,
+        rng=jax.random.key(1),
+    )
     step = jdp.make_train_step(
-        model.loss_fn, optimizer, mesh, has_model_state=True, steps_per_call=steps_per_call,
+        model.loss_fn,
+        optimizer,
+        mesh,
+        has_model_state=True,
+        steps_per_call=steps_per_call,
         accumulate=accumulate,
-    )  # fmt: skip
+    )
     for start in range(0, len(batches), steps_per_call):
         chunk = batches[start : start + steps_per_call]
         if steps_per_call == 1:
@@ -92,9 +101,10 @@ def _train(model, batches, spec, *, shard_optimizer=False, steps_per_call=1, acc
 def _expect_laid_out(state, specs, mesh):
     """Every parameter leaf lives where its spec says, on ``mesh``."""
     for leaf, spec in zip(
-        jax.tree.leaves(state.params), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+        jax.tree.leaves(state.params),
+        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
         strict=True,
-    ):  # fmt: skip
+    ):
         assert leaf.sharding.spec == spec and leaf.sharding.mesh.shape == mesh.shape
 
 
@@ -246,11 +256,14 @@ def test_the_pmap_backend_refuses_a_zero1_state_in_one_line(devices):
     optimizer = optax.adam(1e-3)
     params, model_state, specs = model.init_on_mesh(jax.random.key(0), batches[0], mesh)
     state = jdp.create_train_state(
-        params, optimizer, mesh, model_state=model_state, param_specs=specs,
+        params,
+        optimizer,
+        mesh,
+        model_state=model_state,
+        param_specs=specs,
         shard_optimizer=True,
-    )  # fmt: skip
-    step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True,
-                               backend="pmap")  # fmt: skip
+    )
+    step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True, backend="pmap")
     with pytest.raises(UsageError, match=r"replicated on every device.*use backend 'jit'"):
         step(state, jdp.shard_batch(batches[0], mesh))
 
@@ -322,9 +335,10 @@ def test_cli_refuses_layouts_it_cannot_run(flags, needle):
 @pytest.mark.slow
 def test_cli_trains_a_sharded_layout(tmp_path):
     result = run_cli(
-        "--mesh", "data=2,fsdp=2,model=2", "--steps", "40", "--eval-every", "40",
-        "--shard-optimizer", devices=8,
-    )  # fmt: skip
+        *"--mesh data=2,fsdp=2,model=2 --steps 40 --eval-every 40".split(),
+        "--shard-optimizer",
+        devices=8,
+    )
     assert result.returncode == 0, result.stderr
     line = "jdp: layout: 3 of 4 parameter leaves split (fsdp: 2, model: 3); optimizer state split"
     assert f"{line} over data (2)" in result.stdout
@@ -428,8 +442,9 @@ def test_a_state_on_another_mesh_is_refused(devices):
     model = from_linen(UserNet(), classification())
     batch = _image_batches(1)[0]
     state, _ = _state_on(model, batch, "data=8", optax.sgd(0.1))
-    step = jdp.make_train_step(model.loss_fn, optax.sgd(0.1), jdp.make_mesh("fsdp=8"),
-                               has_model_state=True)  # fmt: skip
+    step = jdp.make_train_step(
+        model.loss_fn, optax.sgd(0.1), jdp.make_mesh("fsdp=8"), has_model_state=True
+    )
     with pytest.raises(jdp.UsageError, match=r"this state lives on mesh \{'data': 8\}"):
         step(state, jdp.shard_batch(batch, jdp.make_mesh("fsdp=8")))
 
@@ -444,8 +459,9 @@ def test_fsdp_gathers_one_scanned_layer_at_a_time(devices):
     mesh = jdp.make_mesh("fsdp=8")
     optimizer = optax.sgd(0.1)
     params, model_state, specs = model.init_on_mesh(jax.random.key(0), batches[0], mesh)
-    state = jdp.create_train_state(params, optimizer, mesh, model_state=model_state,
-                                   param_specs=specs)  # fmt: skip
+    state = jdp.create_train_state(
+        params, optimizer, mesh, model_state=model_state, param_specs=specs
+    )
     step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True)
     text = step.lower(state, jdp.shard_batch(batches[0], mesh)).compile().as_text()
     layers = params["blocks"]["FeedForward_0"]["Dense_0"]["kernel"].shape[0]

@@ -24,14 +24,26 @@ def _split(seed=0, rows=256):
 
 
 def _fit(split=None, **flags):
-    config = jdp.TrainConfig(**{"model": "mlp", "steps": 12, "batch_size": 32, "log_every": 2,
-                                "warmup_steps": 2, "eval_every": 0, **flags})  # fmt: skip
+    config = jdp.TrainConfig(
+        **{
+            "model": "mlp",
+            "steps": 12,
+            "batch_size": 32,
+            "log_every": 2,
+            "warmup_steps": 2,
+            "eval_every": 0,
+            **flags,
+        }
+    )
     return jdp.fit(config, train=split or _split(), console=QUIET)
 
 
 def _ledger(result, *keys):
-    return {record["step"]: tuple(record[key] for key in keys)
-            for record in result.history if record["kind"] == "train"}  # fmt: skip
+    return {
+        record["step"]: tuple(record[key] for key in keys)
+        for record in result.history
+        if record["kind"] == "train"
+    }
 
 
 def test_the_processes_rows_add_up_to_the_global_batch_digest():
@@ -121,15 +133,23 @@ runpy.run_module("jdp.train", run_name="__main__")
 @pytest.mark.timeout(300)
 def test_a_process_reading_shifted_rows_is_caught(tmp_path):
     result = run_python(
-        "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "2", "--",
-        sys.executable, "-c", SHIFTED, "--mesh", "data=-1", "--steps", "40", "--log-every",
-        "20", "--ckpt-dir", tmp_path / "ckpt", "--ckpt-every", "20", timeout=240,
-    )  # fmt: skip
+        *"-m jdp.launch --nproc 2 --devices-per-process 2 --".split(),
+        sys.executable,
+        "-c",
+        SHIFTED,
+        *"--mesh data=-1 --steps 40 --log-every 20 --ckpt-dir".split(),
+        tmp_path / "ckpt",
+        "--ckpt-every",
+        "20",
+        timeout=240,
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     for process in (0, 1):  # every process stops, neither left waiting in a collective
-        assert (f"[{process}] jdp.train: error: the data ledger: step 20's global batch is "
-                "not the one the run's order gives (the processes' rows do not add up to it: "
-                "a process read other rows)") in result.stderr  # fmt: skip
+        assert (
+            f"[{process}] jdp.train: error: the data ledger: step 20's global batch is "
+            "not the one the run's order gives (the processes' rows do not add up to it: "
+            "a process read other rows)"
+        ) in result.stderr
     assert not (tmp_path / "ckpt" / "20").exists()
 
 
@@ -139,17 +159,30 @@ def test_processes_that_read_the_same_rows_count_them_once(tmp_path):
     """--mesh model=4 over 2 processes of 2 devices: the batch is not split, both read
     every row, and the ledger is the one process's."""
     flags = ["--steps", "20", "--log-every", "10", "--eval-every", "0"]
-    two = run_python("-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "2", "--",
-                     sys.executable, "-m", "jdp.train", "--mesh", "model=4", *flags,
-                     "--log-dir", tmp_path / "two", timeout=240)  # fmt: skip
+    two = run_python(
+        *"-m jdp.launch --nproc 2 --devices-per-process 2 --".split(),
+        sys.executable,
+        *"-m jdp.train --mesh model=4".split(),
+        *flags,
+        "--log-dir",
+        tmp_path / "two",
+        timeout=240,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
-    one = run_python("-m", "jdp.train", "--mesh", "data=1", *flags, "--log-dir",
-                     tmp_path / "one", devices=1, timeout=240)  # fmt: skip
+    one = run_python(
+        *"-m jdp.train --mesh data=1".split(),
+        *flags,
+        "--log-dir",
+        tmp_path / "one",
+        devices=1,
+        timeout=240,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     assert _logged(tmp_path / "two") == _logged(tmp_path / "one")
 
 
 def _logged(log_dir):
     with open(log_dir / "metrics.jsonl") as file:
-        return {r["step"]: (r[BATCH], r[TOTAL]) for r in map(json.loads, file)
-                if r["kind"] == "train"}  # fmt: skip
+        return {
+            r["step"]: (r[BATCH], r[TOTAL]) for r in map(json.loads, file) if r["kind"] == "train"
+        }

@@ -209,8 +209,10 @@ def test_model_flops_of_a_model_without_a_formula_are_its_products_times_three()
     """The default MLP on digits: 64 x 512 and 512 x 10 multiply-adds per example."""
     train = jdp.load_split("digits", "train")
     model = get_model("mlp", train)
-    batch = {"image": jax.ShapeDtypeStruct((1, 8, 8, 1), jnp.float32),
-             "label": jax.ShapeDtypeStruct((1,), jnp.int32)}  # fmt: skip
+    batch = {
+        "image": jax.ShapeDtypeStruct((1, 8, 8, 1), jnp.float32),
+        "label": jax.ShapeDtypeStruct((1,), jnp.int32),
+    }
     params, state = jax.eval_shape(model.init, jax.random.key(0), batch)
     assert model_flops(model, params, state, batch) == 6 * (64 * 512 + 512 * 10)
 
@@ -298,8 +300,15 @@ def test_a_gpt_checkpoint_from_before_scanned_layers_names_the_flag_to_resume_it
 def test_a_run_reports_the_model_flops_not_xlas_count_of_a_loop(tmp_path):
     import json
 
-    config = jdp.TrainConfig(mesh="data=2", model="gpt", dataset="numbers2words", steps=2,
-                             batch_size=16, warmup_steps=1, log_dir=str(tmp_path))  # fmt: skip
+    config = jdp.TrainConfig(
+        mesh="data=2",
+        model="gpt",
+        dataset="numbers2words",
+        steps=2,
+        batch_size=16,
+        warmup_steps=1,
+        log_dir=str(tmp_path),
+    )
     jdp.fit(config, console=jdp.Console(enabled=False))
     facts = json.loads((tmp_path / "run.json").read_text())
     test = numbers2words.generate("test")
@@ -315,11 +324,19 @@ def test_a_run_reports_the_model_flops_not_xlas_count_of_a_loop(tmp_path):
 def test_a_gpt_checkpoint_of_unrolled_layers_starts_a_scanned_run(tmp_path):
     """--init-from a checkpoint written before scanned layers: its layers are stacked."""
     # One evaluation batch: the test reads parameters, not metrics.
-    base = {"mesh": "data=2", "model": "gpt", "dataset": "numbers2words", "batch_size": 16,
-            "warmup_steps": 1, "eval_batches": 1}  # fmt: skip
+    base = {
+        "mesh": "data=2",
+        "model": "gpt",
+        "dataset": "numbers2words",
+        "batch_size": 16,
+        "warmup_steps": 1,
+        "eval_batches": 1,
+    }
     old = str(tmp_path / "old")
-    jdp.fit(jdp.TrainConfig(**base, steps=2, unroll_layers=True, ckpt_dir=old),
-            console=jdp.Console(enabled=False))  # fmt: skip
+    jdp.fit(
+        jdp.TrainConfig(**base, steps=2, unroll_layers=True, ckpt_dir=old),
+        console=jdp.Console(enabled=False),
+    )
     saved, _ = jdp.checkpoint.read_params(old)
     config = jdp.TrainConfig(**base, steps=1, init_from=old, lr=1e-12)
     result = jdp.fit(config, console=jdp.Console(enabled=False))
@@ -347,8 +364,15 @@ def test_the_docs_sizes_table_is_the_registrys():
 
 
 def test_shape_flags_with_loaded_weights_are_refused_and_width_sets_the_hidden_units():
-    architecture = {"vocab_size": 64, "width": 32, "heads": 2, "layers": 1, "hidden": 128,
-                    "max_len": 1024, "dropout": 0.1}  # fmt: skip
+    architecture = {
+        "vocab_size": 64,
+        "width": 32,
+        "heads": 2,
+        "layers": 1,
+        "hidden": 128,
+        "max_len": 1024,
+        "dropout": 0.1,
+    }
     with pytest.raises(UsageError, match="--layers: the loaded weights set the gpt's shape"):
         get_model("gpt", _Text(61), "small", architecture=architecture, shape={"layers": 2})
     get_model("gpt", _Text(61), "small", architecture=architecture, shape={"dropout": 0.0})
@@ -357,8 +381,7 @@ def test_shape_flags_with_loaded_weights_are_refused_and_width_sets_the_hidden_u
     assert params["blocks"]["FeedForward_0"]["Dense_0"]["kernel"].shape == (4, 64, 256)
 
 
-def _dropout_steps(model, batch, mesh_spec, *, steps=3, accumulate=1, state=None,
-                   backend="jit"):  # fmt: skip
+def _dropout_steps(model, batch, mesh_spec, *, steps=3, accumulate=1, state=None, backend="jit"):
     """``steps`` train steps of ``model`` on ``batch`` over ``mesh_spec`` (from ``state``, a
     host copy of a train state, when given): their losses and host copies of the state
     after each."""
@@ -367,12 +390,19 @@ def _dropout_steps(model, batch, mesh_spec, *, steps=3, accumulate=1, state=None
     mesh, optimizer = jdp.make_mesh(mesh_spec), optax.sgd(0.5)
     if state is None:
         params, model_state, specs = model.init_on_mesh(jax.random.key(0), batch, mesh)
-        state = jdp.create_train_state(params, optimizer, mesh, model_state=model_state,
-                                       rng=jax.random.key(7), param_specs=specs)  # fmt: skip
+        state = jdp.create_train_state(
+            params,
+            optimizer,
+            mesh,
+            model_state=model_state,
+            rng=jax.random.key(7),
+            param_specs=specs,
+        )
     else:  # the run goes on with the same state on another mesh (data only: replicated)
         state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.P()))
-    step = jdp.make_train_step(model.loss_fn, optimizer, mesh, has_model_state=True,
-                               accumulate=accumulate, backend=backend)  # fmt: skip
+    step = jdp.make_train_step(
+        model.loss_fn, optimizer, mesh, has_model_state=True, accumulate=accumulate, backend=backend
+    )
     losses, states = [], []
     for _ in range(steps):
         state, metrics = step(state, jdp.shard_batch(batch, mesh))
@@ -391,8 +421,9 @@ def test_dropout_is_drawn_per_example_the_same_on_any_mesh():
     from closeness import EARLY_STEPS
 
     split = jdp.load_split("numbers2words", "train")
-    model = get_model("gpt", split, "small", shape={"layers": 1, "width": 32, "heads": 2,
-                                                    "dropout": 0.3})  # fmt: skip
+    model = get_model(
+        "gpt", split, "small", shape={"layers": 1, "width": 32, "heads": 2, "dropout": 0.3}
+    )
     assert model.row_keys
     reader = TrainReader(split, batch_size=32, seed=0, rows=slice(None))
     batch = {key: value for key, value in reader(0).items() if not key.startswith("_")}
@@ -408,8 +439,9 @@ def test_dropout_is_drawn_per_example_the_same_on_any_mesh():
     assert_trees_close(resumed_states[-1].params, states[-1].params, rtol=1e-5, atol=1e-6)
     # A Linen module of one's own that takes its rows (here jdp's seq2seq, small, with
     # dropout on its attention weights too): 8 devices under pmap against 1.
-    module = Seq2SeqTransformer(vocab_size=len(split.vocab), width=32, heads=2, layers=1,
-                                hidden=64, dropout=0.3)  # fmt: skip
+    module = Seq2SeqTransformer(
+        vocab_size=len(split.vocab), width=32, heads=2, layers=1, hidden=64, dropout=0.3
+    )
     pair = lambda b: (b["source"], b["target"][:, :-1])  # noqa: E731
     seq2seq = jdp.models.from_linen(module, jdp.models.sequence(), inputs=pair, rows_arg="rows")
     assert get_model("seq2seq", split, "small").row_keys  # as the built-in one is made

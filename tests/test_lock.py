@@ -24,8 +24,11 @@ def test_a_deleted_lock_file_lets_no_second_run_in(tmp_path):
     flags = ["--mesh", "data=1", "--steps", "6000", "--ckpt-every", "100", "--ckpt-dir", tmp_path]
     first = subprocess.Popen(
         [sys.executable, "-m", "jdp.train", *map(str, flags)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     try:
         deadline = time.monotonic() + 120
         while not [name for name in os.listdir(tmp_path) if name.isdigit()]:
@@ -65,8 +68,9 @@ def test_where_directories_cannot_be_locked_a_lock_taken_by_another_stops_the_ow
             match=r"another run took .* \(pid \d+ on .*\) while this "
             r"one held it \(its lock file was deleted\); this run stops without",
         ):
-            owner.save(jdp.create_train_state({"w": jnp.ones((2,))}, optax.sgd(0.1), mesh8),
-                       loader_step=0)  # fmt: skip
+            owner.save(
+                jdp.create_train_state({"w": jnp.ones((2,))}, optax.sgd(0.1), mesh8), loader_step=0
+            )
         intruder.release()
     finally:
         owner.close()
@@ -106,8 +110,12 @@ def test_no_directory_of_a_run_lies_inside_a_live_runs(tmp_path):
     """A second run's --ckpt-dir inside a live run's, or its --log-dir equal to or inside
     it, would interleave files with that run's: each is one line, exit 2."""
     live = tmp_path / "live"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(live)], stdout=subprocess.PIPE,
-                              text=True, env=subprocess_env())  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(live)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         inside = f"is inside {live}, which is in use by another run (pid {holder.pid} on "
@@ -134,9 +142,13 @@ def test_two_runs_never_share_a_log_dir(tmp_path):
     """A live run holds its --log-dir (without a --ckpt-dir too): a second run given it is
     one line, exit 2, and the first one's metrics are its own."""
     logs = tmp_path / "logs"
-    first = subprocess.Popen([sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps",
-                              "100000", "--log-dir", str(logs)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=subprocess_env())  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, *"-m jdp.train --mesh data=1 --steps 100000 --log-dir".split(), str(logs)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     try:
         deadline = time.monotonic() + 120
         while not (logs / "metrics.jsonl").exists():

@@ -44,8 +44,9 @@ def run_dir(tmp_path_factory):
     """A run in this process (what it writes is the point, not its start); the command
     line a run directory records is checked on a fresh one's, `test_only_process_0_writes`."""
     log_dir = tmp_path_factory.mktemp("run") / "adam"
-    result = cli(*_RUN, "--log-dir", str(log_dir), "--log-every", "10", "--profile-steps",
-                 "5:8", "--grad-norm")  # fmt: skip
+    result = cli(
+        *_RUN, "--log-dir", str(log_dir), *"--log-every 10 --profile-steps 5:8 --grad-norm".split()
+    )
     assert result.returncode == 0, result.stderr
     return log_dir, result.stdout
 
@@ -148,17 +149,28 @@ def test_an_output_is_only_ever_a_regular_file_in_a_directory(tmp_path):
 def test_only_process_0_writes(tmp_path):
     log_dir = tmp_path / "two"
     result = _train(
-        "--log-dir", str(log_dir), "--log-every", "20",
+        "--log-dir",
+        str(log_dir),
+        "--log-every",
+        "20",
         launch=["--nproc", "2", "--devices-per-process", "4"],
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     events = [name for name in os.listdir(log_dir) if "tfevents" in name]
     assert len(events) == 1  # one writer, process 0's (the file name holds its pid)
     assert [r["step"] for r in _records(log_dir, "train")] == [20, 40, 60]
     run = json.loads((log_dir / "run.json").read_text())
     assert run["processes"] == 2
-    assert run["command"] == ["python", "-m", "jdp.train", *_RUN, "--log-dir", str(log_dir),
-                              "--log-every", "20"]  # as typed, to rerun it  # fmt: skip
+    assert run["command"] == [
+        "python",
+        "-m",
+        "jdp.train",
+        *_RUN,
+        "--log-dir",
+        str(log_dir),
+        "--log-every",
+        "20",
+    ]  # as typed, to rerun it
 
 
 def test_a_disabled_logger_writes_nothing(mesh8):
@@ -300,8 +312,17 @@ def test_event_file_holds_large_and_negative_steps(tmp_path):
 def test_the_plot_draws_every_split_a_run_evaluated(tmp_path):
     from jdp.plot import panels
 
-    records = [{"kind": "train", "step": s, "loss": 1.0 / s, "accuracy": 0.5, "lr": 1e-3,
-                "examples_per_sec": 100.0} for s in (10, 20, 30)]  # fmt: skip
+    records = [
+        {
+            "kind": "train",
+            "step": s,
+            "loss": 1.0 / s,
+            "accuracy": 0.5,
+            "lr": 1e-3,
+            "examples_per_sec": 100.0,
+        }
+        for s in (10, 20, 30)
+    ]
     records += [{"kind": "val", "step": s, "loss": 0.5, "accuracy": 0.8} for s in (10, 20, 30)]
     records.append({"kind": "eval", "step": 30, "loss": 0.6, "accuracy": 0.75})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -309,6 +330,7 @@ def test_the_plot_draws_every_split_a_run_evaluated(tmp_path):
     by_title = {title.split(" (")[0]: lines for title, _, _, _, lines in drawn}
     for panel in ("Loss", "Accuracy"):
         kinds = {kind: (list(steps), len(values)) for _, kind, _, steps, values in by_title[panel]}
-        assert kinds == {"train": ([10, 20, 30], 3), "val": ([10, 20, 30], 3),
-                         "eval": ([30], 1)}, panel  # fmt: skip
+        assert kinds == {"train": ([10, 20, 30], 3), "val": ([10, 20, 30], 3), "eval": ([30], 1)}, (
+            panel
+        )
     assert plot_main([str(tmp_path), "--out", str(tmp_path / "c.png")]) == 0

@@ -20,10 +20,17 @@ EXIT_SECONDS = 60
 def _train_until_checkpoints(directory, count=2):
     """A long ``jdp.train`` run saving every 200 steps, once ``count`` checkpoints exist."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "jdp.train", "--mesh", "data=2", "--steps", "1000000",
-         "--ckpt-every", "200", "--ckpt-dir", str(directory)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            *"-m jdp.train --mesh data=2 --steps 1000000 --ckpt-every 200".split(),
+            "--ckpt-dir",
+            str(directory),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and process.poll() is None:
         steps = [name for name in os.listdir(directory) if name.isdigit()]
@@ -103,12 +110,19 @@ def test_workers_die_with_a_launcher_killed_with_sigkill(tmp_path):
 
     directory = tmp_path / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "1", "--",
-         sys.executable, "-m", "jdp.train", "--mesh", "data=2", "--batch-size", "16",
-         # a progress line every 60 steps: one soon after the kill
-         "--steps", "600", "--ckpt-every", "50", "--ckpt-dir", str(directory)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            *"-m jdp.launch --nproc 2 --devices-per-process 1 --".split(),
+            sys.executable,
+            *"-m jdp.train --mesh data=2 --batch-size 16 --steps 600".split(),
+            *"--ckpt-every 50 --ckpt-dir".split(),
+            str(directory),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=subprocess_env(),
+    )
     pids, lines = [], []
 
     def read():

@@ -24,13 +24,17 @@ def _images(rows=300, seed=0):
     """Images augmented as CIFAR-10's are (normalised, padded crops, flips); 300 rows make
     an uneven last evaluation batch of 64."""
     rng = np.random.default_rng(seed)
-    transform = jdp.data.Transform(mean=(0.4, 0.5, 0.6), std=(0.2, 0.3, 0.25), crop_padding=2,
-                                   flip=True)  # fmt: skip
+    transform = jdp.data.Transform(
+        mean=(0.4, 0.5, 0.6), std=(0.2, 0.3, 0.25), crop_padding=2, flip=True
+    )
     return jdp.data.ArraySplit(
-        {"image": rng.integers(0, 256, (rows, 8, 8, 3), dtype=np.uint8),
-         "label": rng.integers(0, 10, rows).astype(np.int32)},
-        num_classes=10, transform=transform,
-    )  # fmt: skip
+        {
+            "image": rng.integers(0, 256, (rows, 8, 8, 3), dtype=np.uint8),
+            "label": rng.integers(0, 10, rows).astype(np.int32),
+        },
+        num_classes=10,
+        transform=transform,
+    )
 
 
 def _same(host, device) -> None:
@@ -45,8 +49,10 @@ def test_batches_on_the_devices_are_the_host_loaders_bitwise(mesh8, mesh1):
         placed = OnDevice(split, mesh)
         for calls in (1, 4):  # a chunk of steps gathered at once; steps stacked for a call
             kwargs = dict(batch_size=64, seed=3, steps_per_call=calls, ledger="bytes")
-            with jdp.train_batches(split, mesh, **kwargs) as host, \
-                    jdp.train_batches(placed, mesh, workers=1, **kwargs) as device:  # fmt: skip
+            with (
+                jdp.train_batches(split, mesh, **kwargs) as host,
+                jdp.train_batches(placed, mesh, workers=1, **kwargs) as device,
+            ):
                 for _ in range(7):  # 7 x 64 rows: two epochs of 300
                     batch = next(device)
                     _same(next(host), batch)
@@ -69,8 +75,11 @@ def test_each_device_gathers_its_rows_from_its_own_copy(mesh8):
     with jdp.train_batches(placed, mesh8, batch_size=64, seed=0) as batches:
         next(batches)
     (gather,) = placed._gathers.values()  # the chunk's program, as the loader ran it
-    index = {"rows": np.zeros((2, 64), np.int32), "offsets": np.zeros((2, 64, 2), np.int32),
-             "flips": np.zeros((2, 64), bool)}  # fmt: skip
+    index = {
+        "rows": np.zeros((2, 64), np.int32),
+        "offsets": np.zeros((2, 64, 2), np.int32),
+        "flips": np.zeros((2, 64), bool),
+    }
     index = jdp.shard_batch(index, mesh8, stacked=True)  # as the loader places a chunk's
     program = gather.lower(placed.arrays, index).compile().as_text()
     for collective in ("all-gather", "all-reduce", "all-to-all", "collective-permute"):
@@ -78,28 +87,41 @@ def test_each_device_gathers_its_rows_from_its_own_copy(mesh8):
 
 
 def _fit(on, **flags):
-    config = jdp.TrainConfig(**{"steps": 16, "warmup_steps": 2, "log_every": 4, "eval_every": 8,
-                                "data_on_device": on, **flags})  # fmt: skip
+    config = jdp.TrainConfig(
+        **{
+            "steps": 16,
+            "warmup_steps": 2,
+            "log_every": 4,
+            "eval_every": 8,
+            "data_on_device": on,
+            **flags,
+        }
+    )
     return jdp.fit(config, console=QUIET)
 
 
 def _figures(result):
     timings = ("time", "examples_per_sec", "steps_per_sec")
-    return [{key: value for key, value in record.items() if key not in timings}
-            for record in result.history]  # fmt: skip
+    return [
+        {key: value for key, value in record.items() if key not in timings}
+        for record in result.history
+    ]
 
 
 @pytest.mark.slow
 def test_fit_on_the_devices_trains_bitwise_as_on_the_host():
-    for flags in ({"mesh": "data=8", "steps_per_call": 8, "data_ledger": "bytes"},
-                  {"mesh": "data=1"}):  # fmt: skip
+    for flags in (
+        {"mesh": "data=8", "steps_per_call": 8, "data_ledger": "bytes"},
+        {"mesh": "data=1"},
+    ):
         host, device = _fit("off", **flags), _fit("on", **flags)
         assert _figures(device) == _figures(host)  # losses, evaluations, the ledger's digests
         assert TOTAL in host.history[0] and (TOTAL_BYTES in host.history[0]) == (
             "data_ledger" in flags
         )
-        for a, b in zip(jax.tree.leaves(host.state.params), jax.tree.leaves(device.state.params),
-                        strict=True):  # fmt: skip
+        for a, b in zip(
+            jax.tree.leaves(host.state.params), jax.tree.leaves(device.state.params), strict=True
+        ):
             assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -110,15 +132,18 @@ def test_auto_leaves_what_does_not_fit_on_the_host_and_on_refuses_it(mesh8, monk
     splits = {"train": train, "validation": None, "test": test}
     placed = place("auto", splits, mesh8, state_bytes=0, say=said.append)
     assert isinstance(placed["train"], OnDevice) and isinstance(placed["test"], OnDevice)
-    assert said[-1] == ("jdp: data on each device: train 300 examples (226.2 KiB), test 100 "
-                        "examples (75.4 KiB), each step's rows gathered there "
-                        "(--data-on-device auto)")  # fmt: skip
+    assert said[-1] == (
+        "jdp: data on each device: train 300 examples (226.2 KiB), test 100 "
+        "examples (75.4 KiB), each step's rows gathered there "
+        "(--data-on-device auto)"
+    )
     # Room, at auto's share of what the state leaves, for the training split alone.
     monkeypatch.setattr(on_device, "device_bytes", lambda mesh: 4 * 350 * row + 2 * 1000)
     placed = place("auto", splits, mesh8, state_bytes=1000, say=said.append)
     assert isinstance(placed["train"], OnDevice) and placed["test"] is test
-    assert said[-1].endswith("(226.2 KiB); test on the host, each step's rows gathered there "
-                             "(--data-on-device auto)")  # fmt: skip
+    assert said[-1].endswith(
+        "(226.2 KiB); test on the host, each step's rows gathered there (--data-on-device auto)"
+    )
     monkeypatch.setattr(on_device, "device_bytes", lambda mesh: 350 * row + 2 * 1000)
     with pytest.raises(
         UsageError,
@@ -127,12 +152,14 @@ def test_auto_leaves_what_does_not_fit_on_the_host_and_on_refuses_it(mesh8, monk
         r"263\.9 KiB for data \(265\.8 KiB, less 2 x 1\.0 KiB of training "
         r"state\); use --data-on-device auto \(or off\) to read it on the host$",
     ):
-        place("on", splits, mesh8, state_bytes=1000)  # fmt: skip
+        place("on", splits, mesh8, state_bytes=1000)
     monkeypatch.setattr(on_device, "device_bytes", lambda mesh: 100 * row)
     assert place("auto", splits, mesh8, state_bytes=0, say=said.append) is splits
-    assert said[-1] == ("jdp: data on the host: the train split stays there: 226.2 KiB, and a "
-                        "device has 18.8 KiB for data (75.4 KiB, less 2 x 0.0 KiB of training "
-                        "state, times 0.25)")  # fmt: skip
+    assert said[-1] == (
+        "jdp: data on the host: the train split stays there: 226.2 KiB, and a "
+        "device has 18.8 KiB for data (75.4 KiB, less 2 x 0.0 KiB of training "
+        "state, times 0.25)"
+    )
     assert place("auto", splits, mesh8, state_bytes=0, workers=2, say=said.append) is splits
     assert said[-1] == "jdp: data on the host (--loader-workers asks for host workers)"
     assert place("off", splits, mesh8, state_bytes=0, say=said.append) is splits
@@ -142,8 +169,9 @@ def test_auto_leaves_what_does_not_fit_on_the_host_and_on_refuses_it(mesh8, monk
 
 
 def test_what_runs_on_the_host_stays_there(tmp_path, mesh8):
-    mapped = jdp.data.from_arrays(np.zeros((8, 2), np.float32), np.zeros(8, np.int32),
-                                  map=lambda example, rng: example)  # fmt: skip
+    mapped = jdp.data.from_arrays(
+        np.zeros((8, 2), np.float32), np.zeros(8, np.int32), map=lambda example, rng: example
+    )
     assert cannot_place(mapped, corpus=True) == "its map= function runs on the host"
     stream = jdp.data.from_batches([{"image": np.zeros((8, 2)), "label": np.zeros(8)}])
     assert cannot_place(stream, corpus=True) == "its batches come from an iterable of your own"
@@ -171,5 +199,7 @@ def test_on_a_split_that_does_not_fit_is_one_line_and_exit_2(monkeypatch):
     result = cli("--mesh", "data=8", "--steps", "2", "--data-on-device", "on")
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("jdp.train: error: --data-on-device on: the train split cannot go "
-                           "on the devices: 365.1 KiB, and a device has ")  # fmt: skip
+    assert line.startswith(
+        "jdp.train: error: --data-on-device on: the train split cannot go "
+        "on the devices: 365.1 KiB, and a device has "
+    )

@@ -36,9 +36,14 @@ finally:
 @pytest.fixture(scope="module")
 def cluster():
     """A Ray cluster of a head and a worker node, as ``ray start`` makes them."""
-    process = subprocess.Popen([sys.executable, "-c", CLUSTER], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True, env=subprocess_env(),
-                               start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", CLUSTER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+        start_new_session=True,
+    )
     try:
         address = process.stdout.readline().strip()
         assert address, "the Ray cluster did not start"
@@ -54,8 +59,13 @@ def cluster():
 
 
 def _run(*command, timeout=240):
-    return subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True,
-                          timeout=timeout, env=subprocess_env())  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", *command],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(),
+    )
 
 
 def _final(log_dir):
@@ -66,25 +76,45 @@ def _final(log_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_processes_on_ray_end_where_jdp_launch_does(cluster, tmp_path):
-    on_ray = _run("jdp.on_ray", "--address", cluster, "--nproc", "2", "--devices-per-process",
-                  "4", "--", *TRAIN, "--log-dir", str(tmp_path / "ray"))  # fmt: skip
+    on_ray = _run(
+        "jdp.on_ray",
+        "--address",
+        cluster,
+        *"--nproc 2 --devices-per-process 4 --".split(),
+        *TRAIN,
+        "--log-dir",
+        str(tmp_path / "ray"),
+    )
     assert on_ray.returncode == 0, on_ray.stderr[-3000:]
     assert "2 processes on 2 Ray nodes" in on_ray.stderr
-    launched = _run("jdp.launch", "--nproc", "2", "--devices-per-process", "4", "--", *TRAIN,
-                    "--log-dir", str(tmp_path / "launch"))  # fmt: skip
+    launched = _run(
+        *"jdp.launch --nproc 2 --devices-per-process 4 --".split(),
+        *TRAIN,
+        "--log-dir",
+        str(tmp_path / "launch"),
+    )
     assert launched.returncode == 0, launched.stderr[-3000:]
     ray_final, launch_final = _final(tmp_path / "ray"), _final(tmp_path / "launch")
     # The same 2 x 4 devices, the same program and batches: the same bits.
     for got, expected in zip(ray_final, launch_final, strict=True):
         assert (got["kind"], got["loss"], got["accuracy"]) == (
-            expected["kind"], expected["loss"], expected["accuracy"])  # fmt: skip
+            expected["kind"],
+            expected["loss"],
+            expected["accuracy"],
+        )
 
 
 @pytest.mark.slow
 def test_a_failing_process_ends_the_run_with_its_exit_code(cluster):
     script = "import os, sys, time\nsys.exit(3) if os.environ['JDP_PROCESS_ID'] == '1' else "
     script += "time.sleep(300)"  # process 0 waits for a collective that never comes
-    result = _run("jdp.on_ray", "--address", cluster, "--nproc", "2", "--grace", "2", "--",
-                  "python", "-c", script, timeout=120)  # fmt: skip
+    result = _run(
+        "jdp.on_ray",
+        "--address",
+        cluster,
+        *"--nproc 2 --grace 2 -- python -c".split(),
+        script,
+        timeout=120,
+    )
     assert result.returncode == 3, result.stderr[-3000:]
     assert "process 1 of 2 failed first (exit code 3)" in result.stderr

@@ -176,8 +176,10 @@ def test_weight_decay_reaches_the_weight_matrices_and_embeddings_alone(name):
 
     split, shapes, options = BUILT_IN[name]
     model = get_model(name.split("-")[0], split(), "small", **options)
-    batch = {key: jax.ShapeDtypeStruct(shape, jnp.int32 if key != "image" else jnp.float32)
-             for key, shape in shapes.items()}  # fmt: skip
+    batch = {
+        key: jax.ShapeDtypeStruct(shape, jnp.int32 if key != "image" else jnp.float32)
+        for key, shape in shapes.items()
+    }
     params, _ = jax.eval_shape(model.init, jax.random.key(0), batch)
     mask = decay_mask(params)
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -188,10 +190,14 @@ def test_weight_decay_reaches_the_weight_matrices_and_embeddings_alone(name):
     assert decayed == ({"kernel", "embedding"} & set(names)), (decayed, spared)
     assert spared == (set(names) - {"kernel", "embedding"}), (decayed, spared)
     if name.startswith("gpt"):  # the same parameters decayed, scanned or not
-        count = sum(np.size(leaf) for leaf, on in zip(jax.tree.leaves(params), decided,
-                                                       strict=True) if on)  # fmt: skip
-        biases = sum(np.size(leaf) for leaf, on in zip(jax.tree.leaves(params), decided,
-                                                        strict=True) if not on)  # fmt: skip
+        count = sum(
+            np.size(leaf) for leaf, on in zip(jax.tree.leaves(params), decided, strict=True) if on
+        )
+        biases = sum(
+            np.size(leaf)
+            for leaf, on in zip(jax.tree.leaves(params), decided, strict=True)
+            if not on
+        )
         assert (count, biases) == (GPT_SMALL_DECAYED, GPT_SMALL_SPARED)
 
 
@@ -217,9 +223,13 @@ def test_decay_mask_reads_names_through_nnx_variables_and_linen_boxes():
             self.bias = nnx.Param(jnp.zeros((2, 4)))  # a bias per stacked layer
             self.scale = nnx.Param(jnp.ones((2, 4)))
 
-    for tree in (nnx.state(Stacked(), nnx.Param),
-                 {"kernel": nn.Partitioned(jnp.ones((2, 3)), ("a", "b")),
-                  "bias": nn.Partitioned(jnp.zeros((2, 3)), ("a", "b"))}):  # fmt: skip
+    for tree in (
+        nnx.state(Stacked(), nnx.Param),
+        {
+            "kernel": nn.Partitioned(jnp.ones((2, 3)), ("a", "b")),
+            "bias": nn.Partitioned(jnp.zeros((2, 3)), ("a", "b")),
+        },
+    ):
         flat = jax.tree_util.tree_flatten_with_path(decay_mask(tree))[0]
         named = {jax.tree_util.keystr(path): on for path, on in flat}
         assert [key for key, on in named.items() if on] == [

@@ -51,9 +51,15 @@ def test_bytes_per_device_match_hand_arithmetic(size, mesh):
     fsdp = 8
     params = FLOAT * sum(n // fsdp if split else n for n, split in leaves)
     result = run_python(
-        "-m", "jdp.plan", "--mesh", mesh, "--model", "gpt", "--model-size", size,
-        "--seq-len", str(CONFIGS[size]["max_len"]), "--no-compile", timeout=120,
-    )  # fmt: skip
+        *"-m jdp.plan --mesh".split(),
+        mesh,
+        *"--model gpt --model-size".split(),
+        size,
+        "--seq-len",
+        str(CONFIGS[size]["max_len"]),
+        "--no-compile",
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     total = sum(n for n, _ in leaves)
     if size == "standard":
@@ -102,8 +108,10 @@ def test_the_compiled_figures_are_the_steps(devices):
     whole = sum(leaf.nbytes for leaf in jax.tree.leaves(state.params))
     assert figures.collectives["all-gather over fsdp"] <= whole
     assert set(figures.collectives) == {
-        "all-gather over fsdp", "all-reduce over fsdp", "all-reduce over data",
-    }  # fmt: skip
+        "all-gather over fsdp",
+        "all-reduce over fsdp",
+        "all-reduce over data",
+    }
 
 
 @pytest.mark.slow
@@ -111,9 +119,10 @@ def test_the_planner_fits_and_suggests_for_a_device():
     # The MLP: the comparison and the suggestion are the point, not the model; its ten
     # layouts compile in 8 s where the gpt's took 45 (its layouts' figures are checked above).
     result = run_python(
-        "-m", "jdp.plan", "--mesh", "data=8", "--model", "mlp", "--batch-size", "16",
-        "--device", "v5e", "--suggest", timeout=600,
-    )  # fmt: skip
+        *"-m jdp.plan --mesh data=8 --model mlp --batch-size 16".split(),
+        *"--device v5e --suggest".split(),
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     compared = re.findall(r"^mesh (\S+) \(8 devices\)", result.stdout, re.M)
     assert {"data=8", "data=1,fsdp=8", "data=4,model=2", "data=2,fsdp=2,model=2"} <= set(compared)
@@ -129,9 +138,9 @@ def test_the_planner_fits_and_suggests_for_a_device():
 
 def test_a_mesh_the_batch_cannot_split_is_one_line():
     result = run_python(
-        "-m", "jdp.plan", "--mesh", "data=4,fsdp=4", "--batch-size", "8", "--no-compile",
+        *"-m jdp.plan --mesh data=4,fsdp=4 --batch-size 8 --no-compile".split(),
         timeout=120,
-    )  # fmt: skip
+    )
     assert result.returncode == 2
     assert "use a multiple of 16" in result.stderr and len(result.stderr.splitlines()) == 1
 

@@ -37,8 +37,13 @@ def _digit_folders(root, *, sizes=(16,)):
 def test_a_folder_runs_model_names_the_class_of_new_image_files(tmp_path):
     files = _digit_folders(tmp_path / "digits")
     ckpt = tmp_path / "run"
-    result = run_cli("--dataset", f"folder:{tmp_path / 'digits'}", "--mesh", "data=2",
-                     "--steps", "200", "--ckpt-dir", ckpt, timeout=300)  # fmt: skip
+    result = run_cli(
+        "--dataset",
+        f"folder:{tmp_path / 'digits'}",
+        *"--mesh data=2 --steps 200 --ckpt-dir".split(),
+        ckpt,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     accuracy = float(re.search(r"test_accuracy=([\d.]+)", result.stdout).group(1))
     loaded = jdp.load_model(ckpt)
@@ -49,8 +54,11 @@ def test_a_folder_runs_model_names_the_class_of_new_image_files(tmp_path):
     assert right / len(tests) == pytest.approx(accuracy, abs=5e-5)
     assert np.allclose(found.probabilities.sum(-1), 1.0, atol=1e-5)
     # A new JPEG of another size: decoded, resized and scaled as training read the folder.
-    sure = next(i for i, (_, want) in enumerate(tests)
-                if found.names[i] == want and found.probabilities[i].max() > 0.9)  # fmt: skip
+    sure = next(
+        i
+        for i, (_, want) in enumerate(tests)
+        if found.names[i] == want and found.probabilities[i].max() > 0.9
+    )
     path, want = tests[sure]
     Image.open(path).resize((24, 24), Image.Resampling.BILINEAR).convert("RGB").save(
         tmp_path / "new.jpg", quality=95

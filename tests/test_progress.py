@@ -16,8 +16,9 @@ from jdp.report import console as console_module
 
 @pytest.mark.slow
 def test_a_run_says_it_compiles_and_how_long_it_took(capsys):
-    config = jdp.TrainConfig(mesh="data=2", steps=20, warmup_steps=2, validation_fraction=0.2,
-                             eval_every=10)  # fmt: skip
+    config = jdp.TrainConfig(
+        mesh="data=2", steps=20, warmup_steps=2, validation_fraction=0.2, eval_every=10
+    )
     result = jdp.fit(config, console=jdp.Console(enabled=True, interactive=False))
     lines = capsys.readouterr().out.splitlines()
     assert "jdp: compiling the train step" in lines
@@ -135,18 +136,36 @@ def _finished(parts: dict, examples_per_sec: float = 1e4):
 @pytest.mark.parametrize(
     ("parts", "rate", "flags", "said"),
     [
-        ({"startup": 6.0, "compile": 2.0, "step": 0.5}, 1e4, {},
-         "start-up 6.0 s, compiling 2.0 s, training steps 0.5 s (what examples/s measures); "
-         "most of it went to start-up: more --steps amortise it"),
-        ({"startup": 1.0, "input": 5.0, "step": 3.0}, 1e4, {}, "most of it went to waiting "
-         "for batches: --loader-workers 2 (or more), or --data-on-device on"),
-        ({"startup": 1.0, "step": 9.0}, 1e5, {}, "training steps of 1.28 ms each, short "
-         "enough that the host's dispatch of each call is a share of them: --steps-per-call auto"),
-        ({"startup": 1.0, "step": 9.0}, 1e5, {"steps_per_call": 4}, "most of it went to "
-         "training steps, the model's own compute"),
+        (
+            {"startup": 6.0, "compile": 2.0, "step": 0.5},
+            1e4,
+            {},
+            "start-up 6.0 s, compiling 2.0 s, training steps 0.5 s (what examples/s measures); "
+            "most of it went to start-up: more --steps amortise it",
+        ),
+        (
+            {"startup": 1.0, "input": 5.0, "step": 3.0},
+            1e4,
+            {},
+            "most of it went to waiting for batches: --loader-workers 2 (or more), "
+            "or --data-on-device on",
+        ),
+        (
+            {"startup": 1.0, "step": 9.0},
+            1e5,
+            {},
+            "training steps of 1.28 ms each, short enough that the host's dispatch of each "
+            "call is a share of them: --steps-per-call auto",
+        ),
+        (
+            {"startup": 1.0, "step": 9.0},
+            1e5,
+            {"steps_per_call": 4},
+            "most of it went to training steps, the model's own compute",
+        ),
         ({"startup": 1.0, "step": 9.0}, 1e4, {}, "training steps, the model's own compute"),
     ],
-)  # fmt: skip
+)
 def test_the_last_lines_say_what_limited_the_run_and_the_flag_that_helps(parts, rate, flags, said):
     """From the run's own ledger: examples/s counts the steady steps alone, which in a short
     run are a few percent of it; the line says where the rest went."""

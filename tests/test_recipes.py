@@ -24,8 +24,13 @@ from tools import readme
 README = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
 # The recipes the wave promised: the digits MLP, the CIFAR ResNet, the reference
 # Transformer, GPT-2 124M on a token corpus and the small LM on the bundled corpus.
-PROMISED = {"digits-mlp", "cifar10-resnet20", "numbers2words-seq2seq", "gpt2-124m",
-            "python-stdlib-gpt"}  # fmt: skip
+PROMISED = {
+    "digits-mlp",
+    "cifar10-resnet20",
+    "numbers2words-seq2seq",
+    "gpt2-124m",
+    "python-stdlib-gpt",
+}
 
 
 def test_every_recipe_states_its_result():
@@ -113,8 +118,9 @@ def test_every_recipes_smoke_form_runs(name, tmp_path):
     smoke = [flag(key, value) for key, value in recipe.smoke.items()]
     # A fresh process: a recipe's mesh (data=-1) takes the devices the machine has, one CPU
     # here, where this process's 8 would each hold GPT-2 small and its Adam state.
-    result = run_cli("--recipe", name, *smoke, *_stand_in_data(recipe, tmp_path), timeout=280,
-                     fresh=True)  # fmt: skip
+    result = run_cli(
+        "--recipe", name, *smoke, *_stand_in_data(recipe, tmp_path), timeout=280, fresh=True
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     first = result.stdout.splitlines()[0]  # what the recipe set, and what the smoke overrode
     assert first.startswith(f"jdp: recipe {name} sets ") and " steps=" in first, first
@@ -130,31 +136,44 @@ def test_a_recipe_of_your_own_and_bad_ones(tmp_path):
     bad = [
         ('[recipe]\ncommand = "x"\n', "states no metric, expected, wall, hardware, status"),
         (f'[recipe]\n{statement}\nstatus = "maybe"\n', "status 'maybe'; give measured or open"),
-        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nbatch = 3\n',
-         "[flags] sets batch, which no flag is"),
+        (
+            f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nbatch = 3\n',
+            "[flags] sets batch, which no flag is",
+        ),
         ("[recipe\n", "not TOML"),
         (f'[recipe]\n{statement}\nstatus = "open"\n', "no [flags] table"),
         # [flags] forgotten: its keys land in the table above, or outside any table.
-        (f'[recipe]\n{statement}\nstatus = "open"\nsteps = 7\n',
-         "[recipe] sets steps, a flag; put it under [flags]"),
-        (f'steps = 7\n[recipe]\n{statement}\nstatus = "open"\n[flags]\n',
-         "sets steps outside its tables"),
-        (f'[recipe]\n{statement}\nstatus = "open"\ncolour = "red"\n[flags]\n',
-         "[recipe] states 'colour'"),
+        (
+            f'[recipe]\n{statement}\nstatus = "open"\nsteps = 7\n',
+            "[recipe] sets steps, a flag; put it under [flags]",
+        ),
+        (
+            f'steps = 7\n[recipe]\n{statement}\nstatus = "open"\n[flags]\n',
+            "sets steps outside its tables",
+        ),
+        (
+            f'[recipe]\n{statement}\nstatus = "open"\ncolour = "red"\n[flags]\n',
+            "[recipe] states 'colour'",
+        ),
         (f'[recipe]\n{statement}\nstatus = "open"\n[flag]\nsteps = 7\n', "holds 'flag'"),
         # Each value as its flag takes it: no string for a number, no number for a mesh.
-        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nbatch_size = "64"\n',
-         '[flags] batch_size = "64" is not what --batch-size takes; give an integer'),
+        (
+            f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nbatch_size = "64"\n',
+            '[flags] batch_size = "64" is not what --batch-size takes; give an integer',
+        ),
         (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nsteps = 2.5\n', "give an integer"),
         (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nlr = "1e-3"\n', "give a number"),
-        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nmesh = 8\n',
-         "mesh = 8 is not what --mesh takes; give a string in quotes"),
-        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\ngrad_norm = 1\n',
-         "give true or false"),
+        (
+            f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nmesh = 8\n',
+            "mesh = 8 is not what --mesh takes; give a string in quotes",
+        ),
+        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\ngrad_norm = 1\n', "give true or false"),
         (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nsteps = true\n', "integer"),
-        (f'[recipe]\n{statement}\nstatus = "open"\n[flags]\n[smoke]\nprecision = "fp64"\n',
-         '[smoke] precision = "fp64" is not what --precision takes; give one of "fp32"'),
-    ]  # fmt: skip
+        (
+            f'[recipe]\n{statement}\nstatus = "open"\n[flags]\n[smoke]\nprecision = "fp64"\n',
+            '[smoke] precision = "fp64" is not what --precision takes; give one of "fp32"',
+        ),
+    ]
     for text, needle in bad:
         mine.write_text(text)
         with pytest.raises(UsageError) as error:
@@ -175,13 +194,17 @@ def test_the_command_line_wins_over_a_recipe_steps_over_its_epochs_included(tmp_
     # A recipe's own smoke form likewise: its steps turn its epochs off.
     mine = tmp_path / "mine.toml"
     statement = "\n".join(f'{key} = "x"' for key in STATEMENT if key != "status")
-    mine.write_text(f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nepochs = 90\n'
-                    "[smoke]\nsteps = 2\n")  # fmt: skip
+    mine.write_text(
+        f'[recipe]\n{statement}\nstatus = "open"\n[flags]\nepochs = 90\n[smoke]\nsteps = 2\n'
+    )
     assert (load_recipe(str(mine)).config(smoke=True).epochs, parse_flags([]).epochs) == (0, 0)
     assert load_recipe(str(mine)).config().epochs == 90
     # The run says so in its first line.
-    run = run_cli("--recipe", "digits-mlp", "--steps", "3", "--lr", "0.01", "--eval-every", "0",
-                  "--ckpt-dir", tmp_path / "run")  # fmt: skip
+    run = run_cli(
+        *"--recipe digits-mlp --steps 3 --lr 0.01 --eval-every 0".split(),
+        "--ckpt-dir",
+        tmp_path / "run",
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[0] == (
         "jdp: recipe digits-mlp sets mesh=data=8; the command line sets steps=3 lr=0.01 "
@@ -196,7 +219,11 @@ def test_rewriting_the_readme_rows_rewrites_the_recipes_they_check(tmp_path):
     mine.write_text(readme.synced_recipe(text, row, "2 x AMD EPYC"))
     recipe = load_recipe(str(mine))
     stated = {key: recipe.statement[key] for key in ("expected", "tolerance", "wall", "hardware")}
-    assert stated == {"expected": 0.97, "tolerance": 0.0112, "wall": "3.1 s",
-                      "hardware": "2 x AMD EPYC"}  # fmt: skip
+    assert stated == {
+        "expected": 0.97,
+        "tolerance": 0.0112,
+        "wall": "3.1 s",
+        "hardware": "2 x AMD EPYC",
+    }
     assert recipe.flags == load_recipe("digits-mlp").flags  # the rest as it was, comments too
     assert mine.read_text().count("#") == text.count("#")

@@ -33,11 +33,19 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("replay")
     x = _data(root / "data.npz")
     result = run_cli(
-        "--dataset", f"npz:{root / 'data.npz'}", "--model", "mlp", "--mesh", "data=2",
-        "--batch-size", BATCH, "--steps", "30", "--warmup-steps", "2", "--log-every", "1",
-        "--eval-every", "0", "--log-dir", root / "log", "--ckpt-dir", root / "ckpt",
-        "--ckpt-every", CKPT_EVERY, timeout=240,
-    )  # fmt: skip
+        "--dataset",
+        f"npz:{root / 'data.npz'}",
+        *"--model mlp --mesh data=2 --batch-size".split(),
+        BATCH,
+        *"--steps 30 --warmup-steps 2 --log-every 1 --eval-every 0".split(),
+        "--log-dir",
+        root / "log",
+        "--ckpt-dir",
+        root / "ckpt",
+        "--ckpt-every",
+        CKPT_EVERY,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return root, x
 
@@ -63,8 +71,7 @@ def test_replay_reproduces_the_step_and_names_the_corrupted_examples(run, tmp_pa
     root, x = run
     step, indices = _spiking_step()
     out = tmp_path / "out"
-    result = run_tool("jdp.replay", root / "log", "--step", step, "--out", out,
-                      "--top", "3")  # fmt: skip
+    result = run_tool("jdp.replay", root / "log", "--step", step, "--out", out, "--top", "3")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "step.json").read_text())
     logged = _logged(root / "log")
@@ -139,9 +146,14 @@ def test_bad_replays_are_one_line(run, tmp_path):
 @pytest.mark.timeout(500)
 def test_a_two_process_run_replays_on_two_processes_and_says_where_it_ran(tmp_path):
     launch = ["-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "2", "--"]
-    train = [sys.executable, "-m", "jdp.train", "--mesh", "data=-1", "--steps", "12",
-             "--log-every", "1", "--ckpt-every", "5", "--eval-every", "0",
-             "--log-dir", tmp_path / "log", "--ckpt-dir", tmp_path / "ckpt"]  # fmt: skip
+    train = [
+        sys.executable,
+        *"-m jdp.train --mesh data=-1 --steps 12 --log-every 1".split(),
+        *"--ckpt-every 5 --eval-every 0 --log-dir".split(),
+        tmp_path / "log",
+        "--ckpt-dir",
+        tmp_path / "ckpt",
+    ]
     assert run_python(*launch, *train, timeout=240).returncode == 0
     replay = [sys.executable, "-m", "jdp.replay", tmp_path / "log", "--step", 9]
     result = run_python(*launch, *replay, timeout=240)
@@ -149,8 +161,17 @@ def test_a_two_process_run_replays_on_two_processes_and_says_where_it_ran(tmp_pa
     assert "[0] jdp.replay: step 9 from checkpoint 5: loss" in result.stdout
     assert "the logged loss and batch of 4 steps reproduced bit for bit" in result.stdout
     # On 1 process of 8 devices the gradients sum in another order: one line says where.
-    alone = run_python("-m", "jdp.replay", tmp_path / "log", "--step", 9, "--out",
-                       tmp_path / "alone", devices=8, timeout=240)  # fmt: skip
+    alone = run_python(
+        "-m",
+        "jdp.replay",
+        tmp_path / "log",
+        "--step",
+        9,
+        "--out",
+        tmp_path / "alone",
+        devices=8,
+        timeout=240,
+    )
     assert alone.returncode == 1, alone.stderr[-3000:]
     assert alone.stderr.strip().endswith(
         "(the run ran on 4 cpu devices in 2 processes, this replay on 8 in 1: replay where "
@@ -163,13 +184,16 @@ def test_a_two_process_run_replays_on_two_processes_and_says_where_it_ran(tmp_pa
 def test_a_batchnorm_model_after_a_longer_resume_replays(tmp_path):
     """The cnn's BatchNorm averages over the data axis; the run was resumed with more
     --steps, which moved its schedule: replay takes the config that trained the step."""
-    flags = ["--model", "cnn", "--mesh", "data=2", "--batch-size", "32", "--warmup-steps", "2",
-             "--log-every", "1", "--eval-every", "0", "--ckpt-every", "5",
-             "--log-dir", tmp_path / "log", "--ckpt-dir", tmp_path / "ckpt"]  # fmt: skip
+    flags = [
+        *"--model cnn --mesh data=2 --batch-size 32 --warmup-steps 2".split(),
+        *"--log-every 1 --eval-every 0 --ckpt-every 5 --log-dir".split(),
+        tmp_path / "log",
+        "--ckpt-dir",
+        tmp_path / "ckpt",
+    ]
     assert run_cli(*flags, "--steps", "10", timeout=240).returncode == 0
     assert run_cli(*flags, "--steps", "20", timeout=240).returncode == 0
-    result = run_tool("jdp.replay", tmp_path / "log", "--step", 13, "--out",
-                      tmp_path / "out")  # fmt: skip
+    result = run_tool("jdp.replay", tmp_path / "log", "--step", 13, "--out", tmp_path / "out")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "step.json").read_text())
     assert summary["started_from"] == 10 and summary["checked_steps"] == [11, 12, 13]
@@ -183,18 +207,30 @@ def test_a_run_of_several_steps_per_call_replays_its_calls(run, tmp_path):
     (each call's last) bit for bit, and a step inside a call from the call's own
     metrics, the state before it from the call's first steps."""
     root, _ = run
-    flags = ["--dataset", f"npz:{root / 'data.npz'}", "--model", "mlp", "--mesh", "data=2",
-             "--batch-size", BATCH, "--steps", "16", "--warmup-steps", "2", "--log-every", "1",
-             "--eval-every", "0", "--ckpt-every", "8"]  # fmt: skip
+    flags = [
+        "--dataset",
+        f"npz:{root / 'data.npz'}",
+        *"--model mlp --mesh data=2 --batch-size".split(),
+        BATCH,
+        *"--steps 16 --warmup-steps 2 --log-every 1 --eval-every 0".split(),
+        *"--ckpt-every 8".split(),
+    ]
     for calls in (1, 4):
         where = tmp_path / str(calls)
-        result = run_cli(*flags, "--steps-per-call", calls, "--log-dir", where / "log",
-                         "--ckpt-dir", where / "ckpt", timeout=240)  # fmt: skip
+        result = run_cli(
+            *flags,
+            "--steps-per-call",
+            calls,
+            "--log-dir",
+            where / "log",
+            "--ckpt-dir",
+            where / "ckpt",
+            timeout=240,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
     single, scanned = _logged(tmp_path / "1" / "log"), _logged(tmp_path / "4" / "log")
     assert sorted(scanned) == [4, 8, 12, 16]  # a call logs its last step
-    result = run_tool("jdp.replay", tmp_path / "4" / "log", "--step", 14, "--out",
-                      tmp_path / "out")  # fmt: skip
+    result = run_tool("jdp.replay", tmp_path / "4" / "log", "--step", 14, "--out", tmp_path / "out")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "step.json").read_text())
     assert summary["started_from"] == 8 and summary["checked_steps"] == [12]
@@ -207,8 +243,12 @@ def test_a_run_of_several_steps_per_call_replays_its_calls(run, tmp_path):
 
 @pytest.mark.slow
 def test_a_diloco_run_is_refused_in_one_line(tmp_path):
-    result = run_cli("--mesh", "group=2,data=2", "--steps", "4", "--log-every", "1",
-                     "--eval-every", "0", "--log-dir", tmp_path, timeout=240)  # fmt: skip
+    result = run_cli(
+        *"--mesh group=2,data=2 --steps 4 --log-every 1 --eval-every 0".split(),
+        "--log-dir",
+        tmp_path,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     replay = run_tool("jdp.replay", tmp_path, "--step", 2)
     assert replay.returncode == 2

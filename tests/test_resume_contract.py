@@ -20,11 +20,14 @@ def test_raising_steps_keeps_the_warmup_jdp_cut_for_a_short_run(tmp_path, capsys
     console = jdp.Console(enabled=True, interactive=False)
     config = jdp.TrainConfig(mesh="data=2", steps=20, ckpt_dir=str(tmp_path))
     jdp.fit(config, console=console)
-    assert "jdp: --warmup-steps 40 is longer than the run's 20 steps; warming up over 2 " \
-        "steps (a tenth) instead" in _lines(capsys)  # fmt: skip
+    assert (
+        "jdp: --warmup-steps 40 is longer than the run's 20 steps; warming up over 2 "
+        "steps (a tenth) instead" in _lines(capsys)
+    )
     # The user never set the warmup: raising --steps continues the run, as the README says.
-    result = jdp.fit(jdp.TrainConfig(mesh="data=2", steps=40, ckpt_dir=str(tmp_path)),
-                     console=console)  # fmt: skip
+    result = jdp.fit(
+        jdp.TrainConfig(mesh="data=2", steps=40, ckpt_dir=str(tmp_path)), console=console
+    )
     lines = _lines(capsys)
     assert f"jdp: --warmup-steps 2, as the run in {tmp_path} started with" in lines
     assert any(line.startswith("jdp: resuming from step 20") for line in lines), lines
@@ -32,8 +35,10 @@ def test_raising_steps_keeps_the_warmup_jdp_cut_for_a_short_run(tmp_path, capsys
     assert read_record(step_directory(str(tmp_path))).config["warmup_steps"] == 2
     # A warmup the user chose is theirs: another one is refused, as any other setting.
     with pytest.raises(jdp.UsageError, match=r"--warmup-steps 5 \(was 2\)"):
-        jdp.fit(jdp.TrainConfig(mesh="data=2", steps=60, warmup_steps=5, ckpt_dir=str(tmp_path)),
-                console=console)  # fmt: skip
+        jdp.fit(
+            jdp.TrainConfig(mesh="data=2", steps=60, warmup_steps=5, ckpt_dir=str(tmp_path)),
+            console=console,
+        )
 
 
 def _npz(path, seed):
@@ -48,8 +53,12 @@ def test_a_resume_on_other_data_is_refused_unless_asked_for(tmp_path):
     from helpers import run_cli
 
     data, ckpt = tmp_path / "mine.npz", tmp_path / "run"
-    flags = ["--dataset", f"npz:{data}", "--mesh", "data=2", "--batch-size", "16",
-             "--warmup-steps", "2", "--ckpt-dir", str(ckpt)]  # fmt: skip
+    flags = [
+        "--dataset",
+        f"npz:{data}",
+        *"--mesh data=2 --batch-size 16 --warmup-steps 2 --ckpt-dir".split(),
+        str(ckpt),
+    ]
     _npz(data, seed=0)
     assert run_cli(*flags, "--steps", "10", timeout=180).returncode == 0
     _npz(data, seed=1)  # the same path, new contents
@@ -71,8 +80,9 @@ def test_fit_refuses_other_arrays_and_another_corpus(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 4)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
-    config = jdp.TrainConfig(mesh="data=2", steps=4, batch_size=16, warmup_steps=1,
-                             ckpt_dir=str(tmp_path / "arrays"))  # fmt: skip
+    config = jdp.TrainConfig(
+        mesh="data=2", steps=4, batch_size=16, warmup_steps=1, ckpt_dir=str(tmp_path / "arrays")
+    )
     jdp.fit(config, train=jdp.data.from_arrays(x, y), console=quiet)
     more = jdp.TrainConfig(**{**config.__dict__, "steps": 8})
     with pytest.raises(jdp.UsageError, match="holds a run trained on other data: the train"):
@@ -83,9 +93,17 @@ def test_fit_refuses_other_arrays_and_another_corpus(tmp_path):
     corpus.mkdir()
     np.save(corpus / "train.npy", rng.integers(0, 256, 5000).astype(np.uint16))
     np.save(corpus / "val.npy", rng.integers(0, 256, 1000).astype(np.uint16))
-    lm = jdp.TrainConfig(mesh="data=2", steps=2, batch_size=4, warmup_steps=1, model="gpt",
-                         dataset=f"tokens:{corpus}", vocab_size=256, seq_len=16,
-                         ckpt_dir=str(tmp_path / "lm"))  # fmt: skip
+    lm = jdp.TrainConfig(
+        mesh="data=2",
+        steps=2,
+        batch_size=4,
+        warmup_steps=1,
+        model="gpt",
+        dataset=f"tokens:{corpus}",
+        vocab_size=256,
+        seq_len=16,
+        ckpt_dir=str(tmp_path / "lm"),
+    )
     jdp.fit(lm, console=quiet)
     np.save(corpus / "train.npy", rng.integers(0, 256, 5000).astype(np.uint16))  # regenerated
     with pytest.raises(jdp.UsageError, match="holds a run trained on other data: the train"):
@@ -100,12 +118,19 @@ def test_a_run_saves_by_the_clock_and_a_kill_loses_at_most_that(tmp_path):
 
     from helpers import run_cli, subprocess_env
 
-    flags = ["--mesh", "data=2", "--steps", "1000000", "--ckpt-dir", str(tmp_path),
-             "--ckpt-every-minutes", "0.02"]  # fmt: skip
+    flags = [
+        *"--mesh data=2 --steps 1000000 --ckpt-dir".split(),
+        str(tmp_path),
+        "--ckpt-every-minutes",
+        "0.02",
+    ]
     run = subprocess.Popen(
-        [sys.executable, "-m", "jdp.train", *flags], env=subprocess_env(),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "jdp.train", *flags],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while len([name for name in os.listdir(tmp_path) if name.isdigit()]) < 2:
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()
@@ -124,11 +149,13 @@ def test_two_processes_save_by_the_clock_at_one_step(tmp_path):
     from helpers import run_python
 
     result = run_python(
-        "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "1", "--",
-        sys.executable, "-m", "jdp.train", "--mesh", "data=2", "--steps", "3000",
-        "--ckpt-dir", str(tmp_path), "--ckpt-every-minutes", "0.02", "--keep", "100",
+        *"-m jdp.launch --nproc 2 --devices-per-process 1 --".split(),
+        sys.executable,
+        *"-m jdp.train --mesh data=2 --steps 3000 --ckpt-dir".split(),
+        str(tmp_path),
+        *"--ckpt-every-minutes 0.02 --keep 100".split(),
         timeout=300,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     steps = sorted(int(name) for name in os.listdir(tmp_path) if name.isdigit())
     # Saved by the clock (agreed every 20 steps) before the end, then at the end.

@@ -290,8 +290,14 @@ def test_the_gradient_norm_when_asked_changes_no_parameter(mesh8, mesh1, backend
         results = []
         for grad_norm in (False, True):
             state = jdp.create_train_state(params, optimizer, mesh, model_state=model_state)
-            step = jdp.make_train_step(model.loss_fn, optimizer, mesh, backend=backend,
-                                       has_model_state=True, grad_norm=grad_norm)  # fmt: skip
+            step = jdp.make_train_step(
+                model.loss_fn,
+                optimizer,
+                mesh,
+                backend=backend,
+                has_model_state=True,
+                grad_norm=grad_norm,
+            )
             for _ in range(3):
                 state, metrics = step(state, batch)
             assert ("grad_norm" in metrics) == grad_norm
@@ -405,10 +411,15 @@ def test_the_step_makes_no_implicit_dtype_promotion(mesh8, backend, options):
     with jax.numpy_dtype_promotion("strict"):
         state = jdp.create_train_state(init_params(), optimizer, mesh8, precision=precision)
         step = jdp.make_train_step(
-            regression_loss, optimizer, mesh8, backend=backend, precision=precision,
-            accumulate=options.get("accumulate", 1), steps_per_call=calls,
+            regression_loss,
+            optimizer,
+            mesh8,
+            backend=backend,
+            precision=precision,
+            accumulate=options.get("accumulate", 1),
+            steps_per_call=calls,
             lr_schedule=optax.constant_schedule(0.05),
-        )  # fmt: skip
+        )
         batch = regression_data()
         if calls > 1:
             batch = jax.tree.map(lambda x: np.stack([x] * calls), batch)

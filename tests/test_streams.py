@@ -30,8 +30,9 @@ def _batches():  # a generator function: a fresh pass each call
 
 
 def _fit(train, mesh, **overrides):
-    config = jdp.TrainConfig(**({"mesh": mesh, "steps": 30, "batch_size": 32,
-                                 "warmup_steps": 2} | overrides))  # fmt: skip
+    config = jdp.TrainConfig(
+        **({"mesh": mesh, "steps": 30, "batch_size": 32, "warmup_steps": 2} | overrides)
+    )
     return jdp.fit(config, train=train, test=TEST, console=QUIET)
 
 
@@ -42,11 +43,17 @@ def _params(result):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "make",
-    [lambda: _batches, lambda: list(_batches()),
-     lambda: grain.MapDataset.source([{"image": X[i], "label": Y[i]} for i in range(len(X))])
-     .batch(32).to_iter_dataset()],
+    [
+        lambda: _batches,
+        lambda: list(_batches()),
+        lambda: (
+            grain.MapDataset.source([{"image": X[i], "label": Y[i]} for i in range(len(X))])
+            .batch(32)
+            .to_iter_dataset()
+        ),
+    ],
     ids=["generator-function", "list", "grain-iter-dataset"],
-)  # fmt: skip
+)
 def test_an_iterable_of_batches_trains_alike_on_8_devices_and_1(make):
     one = _fit(jdp.data.from_batches(make(), num_classes=2), "data=1")
     eight = _fit(jdp.data.from_batches(make(), num_classes=2), "data=8")
@@ -68,11 +75,11 @@ def test_indexable_sources_are_read_in_jdps_order_as_arrays_are():
         assert split.num_classes == 2
         got = _fit(split, "data=8")
         # The same examples in the same order: bitwise the run on the arrays.
-        for a, b in zip(jax.tree.leaves(_params(got)), jax.tree.leaves(_params(arrays)),
-                        strict=True):  # fmt: skip
+        for a, b in zip(
+            jax.tree.leaves(_params(got)), jax.tree.leaves(_params(arrays)), strict=True
+        ):
             np.testing.assert_array_equal(a, b)
-    assert_drift_within(_params(_fit(jdp.data.from_indexable(hugging), "data=1")),
-                        _params(arrays))  # fmt: skip
+    assert_drift_within(_params(_fit(jdp.data.from_indexable(hugging), "data=1")), _params(arrays))
 
 
 def test_streams_say_what_they_cannot_do():
@@ -80,8 +87,12 @@ def test_streams_say_what_they_cannot_do():
     with pytest.raises(jdp.UsageError, match=r"your batches have 32 rows and the global batch "):
         _fit(stream, "data=2", batch_size=64)
     with pytest.raises(jdp.UsageError, match=r"from_batches is for training; give the test"):
-        jdp.fit(jdp.TrainConfig(mesh="data=2", steps=2, batch_size=32), train=stream,
-                test=stream, console=QUIET)  # fmt: skip
+        jdp.fit(
+            jdp.TrainConfig(mesh="data=2", steps=2, batch_size=32),
+            train=stream,
+            test=stream,
+            console=QUIET,
+        )
     with pytest.raises(jdp.UsageError, match=r"--validation-fraction and --epochs need"):
         _fit(stream, "data=2", validation_fraction=0.1)
     once = jdp.data.from_batches(iter(list(_batches())), num_classes=2)
@@ -118,11 +129,20 @@ def test_a_killed_run_on_a_stream_resumes_to_the_unbroken_runs_result(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(RESUMABLE)
     run = [sys.executable, str(script)]
-    unbroken = subprocess.run([*run, str(tmp_path / "unbroken")], env=subprocess_env(),
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    unbroken = subprocess.run(
+        [*run, str(tmp_path / "unbroken")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert unbroken.returncode == 0, unbroken.stderr
-    killed = subprocess.Popen([*run, str(tmp_path / "killed")], env=subprocess_env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    killed = subprocess.Popen(
+        [*run, str(tmp_path / "killed")],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not (tmp_path / "killed").is_dir() or not [
         n for n in os.listdir(tmp_path / "killed") if n.isdigit() and int(n) >= 50
@@ -131,8 +151,13 @@ def test_a_killed_run_on_a_stream_resumes_to_the_unbroken_runs_result(tmp_path):
         time.sleep(0.05)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    resumed = subprocess.run([*run, str(tmp_path / "killed")], env=subprocess_env(),
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    resumed = subprocess.run(
+        [*run, str(tmp_path / "killed")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr
     ends = [jdp.load_params(str(tmp_path / name)) for name in ("unbroken", "killed")]
     for a, b in zip(jax.tree.leaves(ends[0]), jax.tree.leaves(ends[1]), strict=True):

@@ -13,5 +13,7 @@ def test_files_and_tests_come_costliest_cpu_first_with_their_sums():
         "| all | 3 | 36 | 12 | 1 |",
     ]
     assert [line.split("`")[1] for line in report[8:]] == [
-        "tests/b.py::three", "tests/a.py::one", "tests/a.py::two",
-    ]  # fmt: skip
+        "tests/b.py::three",
+        "tests/a.py::one",
+        "tests/a.py::two",
+    ]

@@ -56,8 +56,10 @@ def test_counts_are_the_parameter_trees_and_bytes_the_planners(mesh_spec, device
         assert found.param_bytes == sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
         plan = state_bytes(model, batch, dict(mesh.shape))
         assert found.per_device == {
-            "params": plan.params, "grads": plan.grads, "optimizer": plan.optimizer
-        }, name  # fmt: skip
+            "params": plan.params,
+            "grads": plan.grads,
+            "optimizer": plan.optimizer,
+        }, name
         assert found.flops_per_example > 0
         table = str(found)
         assert table.startswith(f"model: {found.parameters:,} parameters")

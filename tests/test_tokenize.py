@@ -147,8 +147,9 @@ def test_an_empty_document_after_a_full_shard_names_a_shard_on_disk(tmp_path):
     (tmp_path / "texts" / "a.txt").write_text("ab")
     (tmp_path / "texts" / "b.txt").write_text("")
     out = tmp_path / "tokens"
-    meta = tokenize(tmp_path / "texts", out, val_fraction=0, shard_tokens=2, workers=0,
-                    progress=False)  # fmt: skip
+    meta = tokenize(
+        tmp_path / "texts", out, val_fraction=0, shard_tokens=2, workers=0, progress=False
+    )
     assert meta["shards"]["train"] == 2 and meta["documents"]["train"] == 2
     assert [len(piece) for [(_, piece)] in _documents(out, tmp_path / "texts").values()] == [2, 0]
 
@@ -195,8 +196,9 @@ def test_workers_that_cannot_start_are_an_error_not_a_hang(corpus, tmp_path):
 
 def test_small_shards_hold_the_same_tokens_in_order(corpus, tmp_path):
     tokenize(corpus, tmp_path / "whole", val_fraction=0, workers=0, progress=False)
-    meta = tokenize(corpus, tmp_path / "small", val_fraction=0, workers=0, shard_tokens=100,
-                    progress=False)  # fmt: skip
+    meta = tokenize(
+        corpus, tmp_path / "small", val_fraction=0, workers=0, shard_tokens=100, progress=False
+    )
     files = sorted((tmp_path / "small").glob("corpus_train_*.bin"))
     assert len(files) == meta["shards"]["train"] == math.ceil(TOTAL / 100) > 1
     assert [shards.open_shard(str(file)).count for file in files[:-1]] == [100] * (len(files) - 1)
@@ -222,8 +224,16 @@ def test_one_document_gives_its_tail_to_validation(tmp_path):
 
 def test_the_command_line_says_what_it_wrote(corpus, tmp_path):
     out = tmp_path / "tokens"
-    result = run_python("-m", "jdp.data", "tokenize", corpus, "--out", out,
-                        "--val-fraction", "0.2", "--workers", "1", timeout=120)  # fmt: skip
+    result = run_python(
+        "-m",
+        "jdp.data",
+        "tokenize",
+        corpus,
+        "--out",
+        out,
+        *"--val-fraction 0.2 --workers 1".split(),
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     tokens = shards.read_meta(str(out))["tokens"]
     assert result.stdout == (
@@ -283,8 +293,14 @@ def test_an_empty_document_never_leaves_a_split_without_tokens(tmp_path):
     (tmp_path / "text" / "a.txt").write_text("some text to train on. " * 20)
     (tmp_path / "text" / "b.txt").write_text("")
     for seed in range(4):  # either document drawn first
-        meta = tokenize(tmp_path / "text", tmp_path / f"tokens{seed}", val_fraction=0.5,
-                        workers=0, progress=False, seed=seed)  # fmt: skip
+        meta = tokenize(
+            tmp_path / "text",
+            tmp_path / f"tokens{seed}",
+            val_fraction=0.5,
+            workers=0,
+            progress=False,
+            seed=seed,
+        )
         assert meta["tokens"]["train"] > 0 and meta["tokens"]["val"] > 0, meta
         assert meta["val_split"] == "tail" and meta["documents"]["val"] == 1, meta
     (tmp_path / "text" / "a.txt").write_text("")
@@ -297,8 +313,9 @@ def test_a_file_name_that_is_not_utf8_is_tokenized_and_listed_as_its_bytes(tmp_p
     odd = os.fsencode(tmp_path / "text") + b"/caf\xe9.txt"  # Latin-1's "café.txt"
     with open(odd, "w") as file:
         file.write("some text. " * 20)
-    meta = tokenize(tmp_path / "text", tmp_path / "tokens", val_fraction=0, workers=0,
-                    progress=False)  # fmt: skip
+    meta = tokenize(
+        tmp_path / "text", tmp_path / "tokens", val_fraction=0, workers=0, progress=False
+    )
     assert meta["tokens"]["train"] == 220
     assert odd in (tmp_path / "tokens" / "documents.tsv").read_bytes()
 

@@ -92,8 +92,11 @@ def test_a_glob_or_directory_is_one_corpus_split_by_file_name(tmp_path):
     assert [int(row[0]) for row in rows[::10]] == [0, 1, 2]  # a window never crosses files
     assert (rows == rows[:, :1]).all() and (validation.read(np.arange(5))["tokens"] == 9).all()
     assert [split_of(n) for n in ("train.bin", "val.bin", "x_valid.npy", "test.bin")] == [
-        "train", "validation", "validation", "test",
-    ]  # fmt: skip
+        "train",
+        "validation",
+        "validation",
+        "test",
+    ]
 
 
 def _one_line(error) -> str:
@@ -161,8 +164,11 @@ def test_a_shard_cut_short_under_a_run_and_a_wrong_dtype_are_one_line(tmp_path):
     split = from_tokens(tmp_path / "train.bin", seq_len=8, vocab_size=256)
     split.read(np.arange(len(split)))
     os.truncate(tmp_path / "train.bin", 3000)  # under its map: reading past the end is SIGBUS
-    with pytest.raises(jdp.UsageError, match=r"train.bin changed while the run read it \(9,024 "
-                       r"bytes when opened, now 3,000 bytes\)"):  # fmt: skip
+    with pytest.raises(
+        jdp.UsageError,
+        match=r"train.bin changed while the run read it \(9,024 "
+        r"bytes when opened, now 3,000 bytes\)",
+    ):
         split.read(np.arange(len(split)))
     # uint32 ids (little-endian) declared uint16: every second 16-bit word is a high half, 0.
     (tmp_path / "wide").mkdir()
@@ -180,19 +186,30 @@ def test_a_bad_token_met_mid_run_saves_the_state_before_it(tmp_path):
     (tmp_path / "corpus").mkdir()
     write_llmc(tmp_path / "corpus" / "c_train_000000.bin", tokens)
     run = tmp_path / "run"
-    flags = ["--model", "gpt", "--dataset", f"tokens:{tmp_path / 'corpus'}", "--steps", "40",
-             "--vocab-size", "256", "--seq-len", "8", "--batch-size", "8", "--warmup-steps",
-             "0", "--mesh", "data=2", "--ckpt-dir", run]  # fmt: skip
+    flags = [
+        *"--model gpt --dataset".split(),
+        f"tokens:{tmp_path / 'corpus'}",
+        *"--steps 40 --vocab-size 256 --seq-len 8 --batch-size 8".split(),
+        *"--warmup-steps 0 --mesh data=2 --ckpt-dir".split(),
+        run,
+    ]
     result = run_cli(*flags)
     assert result.returncode == 2, result.stderr
     line = result.stderr.strip().splitlines()[-1]
-    found = re.search(r"token 300 at token offset 517 .* \(met after step (\d+)\); that step's "
-                      r"state is saved in (.*)$", line)  # fmt: skip
+    found = re.search(
+        r"token 300 at token offset 517 .* \(met after step (\d+)\); that step's "
+        r"state is saved in (.*)$",
+        line,
+    )
     assert found and found[2] == str(run), line
     # Saved is the step just before the first batch that holds the bad token, in the order
     # a run of this seed reads (each step read alone: the run's reader reads in chunks).
-    reader = TrainReader(from_tokens(tmp_path / "corpus", seq_len=8, vocab_size=256),
-                         batch_size=8, seed=0, rows=slice(None))  # fmt: skip
+    reader = TrainReader(
+        from_tokens(tmp_path / "corpus", seq_len=8, vocab_size=256),
+        batch_size=8,
+        seed=0,
+        rows=slice(None),
+    )
     first_bad = next(step for step in range(40) if not _reads(reader, step))
     assert first_bad >= 1 and int(found[1]) == first_bad, (first_bad, line)
     assert jdp.checkpoint.read_record(run / found[1]).step == first_bad
@@ -228,9 +245,14 @@ def _fit(corpus, **fields):
         inputs=lambda batch: (batch["tokens"][:, :-1],),
     )
     config = jdp.TrainConfig(
-        dataset=f"tokens:{corpus}", seq_len=SEQ, batch_size=16, steps=12, warmup_steps=10,
-        log_every=1, **fields,
-    )  # fmt: skip
+        dataset=f"tokens:{corpus}",
+        seq_len=SEQ,
+        batch_size=16,
+        steps=12,
+        warmup_steps=10,
+        log_every=1,
+        **fields,
+    )
     return jdp.fit(config, model=model, console=jdp.Console(enabled=False))
 
 
@@ -279,8 +301,13 @@ def test_perplexity_is_the_exponential_of_the_mean_loss():
 
 @pytest.mark.slow
 def test_the_best_checkpoint_is_the_lowest_loss_and_bad_best_metrics_are_refused(corpus, tmp_path):
-    flags = ["--model", "gpt", "--dataset", f"tokens:{corpus}", "--seq-len", str(SEQ),
-             "--batch-size", "16", "--mesh", "data=2"]  # fmt: skip
+    flags = [
+        *"--model gpt --dataset".split(),
+        f"tokens:{corpus}",
+        "--seq-len",
+        str(SEQ),
+        *"--batch-size 16 --mesh data=2".split(),
+    ]
     for best, needle in (
         (
             "accuracy",
@@ -288,13 +315,23 @@ def test_the_best_checkpoint_is_the_lowest_loss_and_bad_best_metrics_are_refused
         ),
         ("test/loss", "in this run the val split picks the best checkpoint; name val/loss"),
     ):
-        result = run_cli(*flags, "--steps", "2", "--ckpt-dir", tmp_path / best.replace("/", "_"),
-                         "--best-metric", best)  # fmt: skip
+        result = run_cli(
+            *flags,
+            *"--steps 2 --ckpt-dir".split(),
+            tmp_path / best.replace("/", "_"),
+            "--best-metric",
+            best,
+        )
         assert result.returncode == 2, result.stderr
-        assert result.stderr.strip().splitlines() == [f"jdp.train: error: --best-metric {best}: "
-                                                       + needle], result.stderr  # fmt: skip
-    run = run_cli(*flags, "--steps", "40", "--eval-every", "10", "--ckpt-every", "10",
-                  "--keep", "1", "--lr", "0.03", "--ckpt-dir", tmp_path / "run")  # fmt: skip
+        assert result.stderr.strip().splitlines() == [
+            f"jdp.train: error: --best-metric {best}: " + needle
+        ], result.stderr
+    run = run_cli(
+        *flags,
+        *"--steps 40 --eval-every 10 --ckpt-every 10 --keep 1".split(),
+        *"--lr 0.03 --ckpt-dir".split(),
+        tmp_path / "run",
+    )
     assert run.returncode == 0, run.stderr
     losses = {
         int(m[1]): float(m[2]) for m in re.finditer(r"step (\d+): val_loss=([\d.]+)", run.stdout)
@@ -327,27 +364,46 @@ def test_the_cli_names_a_missing_vocabulary_and_dtype(tmp_path):
         f"jdp.train: error: the vocabulary size of {tmp_path} is not known; pass --vocab-size N "
         f'(or vocab_size=), or write {tmp_path / "tokens.json"} with {{"vocab_size": N}}'
     ]
-    result = run_cli("--model", "gpt", "--dataset", f"tokens:{tmp_path}", "--steps", "1",
-                     "--vocab-size", "500")  # fmt: skip
+    result = run_cli(
+        *"--model gpt --dataset".split(),
+        f"tokens:{tmp_path}",
+        *"--steps 1 --vocab-size 500".split(),
+    )
     assert result.returncode == 2 and "no llm.c header and no declared token dtype" in result.stderr
-    result = run_cli("--model", "mlp", "--dataset", f"tokens:{tmp_path}", "--vocab-size", "500",
-                     "--token-dtype", "uint16", "--steps", "1")  # fmt: skip
+    result = run_cli(
+        *"--model mlp --dataset".split(),
+        f"tokens:{tmp_path}",
+        *"--vocab-size 500 --token-dtype uint16 --steps 1".split(),
+    )
     assert result.returncode == 2 and "for it choose --model gpt" in result.stderr, result.stderr
 
 
-_KILL_RUN = ["--model", "gpt", "--seq-len", str(SEQ), "--batch-size", "16", "--mesh", "data=8",
-             "--steps", "20", "--ckpt-every", "5", "--warmup-steps", "5"]  # fmt: skip
+_KILL_RUN = [
+    *"--model gpt --seq-len".split(),
+    str(SEQ),
+    *"--batch-size 16 --mesh data=8 --steps 20 --ckpt-every 5".split(),
+    *"--warmup-steps 5".split(),
+]
 
 
 def _train(corpus, directory, *launch, log=True) -> subprocess.CompletedProcess:
     """`_KILL_RUN` on ``corpus`` into ``directory`` (its ``ckpt`` and, with ``log``, ``log``
     of every step's loss), under ``launch`` if given."""
-    command = [sys.executable, "-m", "jdp.train", *_KILL_RUN, "--dataset", f"tokens:{corpus}",
-               "--ckpt-dir", str(directory / "ckpt")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "jdp.train",
+        *_KILL_RUN,
+        "--dataset",
+        f"tokens:{corpus}",
+        "--ckpt-dir",
+        str(directory / "ckpt"),
+    ]
     if log:
         command += ["--log-dir", str(directory / "log"), "--log-every", "1"]
-    result = subprocess.run([*launch, *command], capture_output=True, text=True, timeout=300,
-                            env=subprocess_env())  # fmt: skip
+    result = subprocess.run(
+        [*launch, *command], capture_output=True, text=True, timeout=300, env=subprocess_env()
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return result
 
@@ -373,10 +429,19 @@ def whole(corpus, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.scheduled
 def test_sigkill_then_resume_on_token_data_is_bitwise_identical(corpus, whole, tmp_path):
-    command = [sys.executable, "-m", "jdp.train", *_KILL_RUN, "--dataset", f"tokens:{corpus}",
-               "--ckpt-dir", str(tmp_path / "ckpt")]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=subprocess_env())  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "jdp.train",
+        *_KILL_RUN,
+        "--dataset",
+        f"tokens:{corpus}",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+    ]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env()
+    )
     deadline = time.monotonic() + 180
     while not (tmp_path / "ckpt" / "10").exists():
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
@@ -392,8 +457,7 @@ def test_sigkill_then_resume_on_token_data_is_bitwise_identical(corpus, whole, t
 @pytest.mark.slow
 @pytest.mark.scheduled
 def test_two_processes_match_one_on_token_data(corpus, whole, tmp_path):
-    launcher = [sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "4",
-                "--"]  # fmt: skip
+    launcher = [sys.executable, *"-m jdp.launch --nproc 2 --devices-per-process 4 --".split()]
     _train(corpus, tmp_path, *launcher)
     single, double = _losses(whole), _losses(tmp_path)
     # Gloo sums the two processes' gradients in another order: the warmup's bound.
@@ -430,11 +494,14 @@ def test_python_stdlib_is_the_standard_librarys_text_and_decodes_back(tmp_path):
 @pytest.mark.slow
 def test_a_language_model_trains_on_python_stdlib_from_the_cli(tmp_path):
     result = run_cli(
-        "--model", "gpt", "--dataset", "python_stdlib", "--data-dir", tmp_path, "--seq-len", "64",
-        "--batch-size", "16", "--steps", "12", "--mesh", "data=2", "--log-dir", tmp_path / "log",
-        "--eval-batches", "4",  # not the whole val split: 19 of the run's 80 s
-        "--loss-chunks", "4",  # the logits a chunk at a time: the other gpt runs take them whole
-    )  # fmt: skip
+        *"--model gpt --dataset python_stdlib --data-dir".split(),
+        tmp_path,
+        *"--seq-len 64 --batch-size 16 --steps 12 --mesh data=2".split(),
+        "--log-dir",
+        tmp_path / "log",
+        # The logits a chunk at a time: the other gpt runs take them whole.
+        *"--eval-batches 4 --loss-chunks 4".split(),
+    )
     assert result.returncode == 0, result.stderr
     line = result.stdout.strip().splitlines()[-1]
     figures = dict(re.findall(r"(\w+(?:/s)?)=([\d.]+)", line))
@@ -455,12 +522,19 @@ def test_a_nanogpt_shape_optimizer_and_evaluation_are_flags(corpus, tmp_path):
     --end-lr from --decay-steps on."""
     from helpers import cli
 
-    run = cli("--model", "gpt", "--dataset", f"tokens:{corpus}", "--seq-len", str(SEQ),
-              "--layers", "2", "--heads", "2", "--width", "64", "--hidden", "96",
-              "--dropout", "0", "--eval-batches", "2", "--eval-every", "4", "--steps", "8",
-              "--batch-size", "8", "--mesh", "data=2", "--beta2", "0.95", "--end-lr", "1e-4",
-              "--decay-steps", "6", "--warmup-steps", "2", "--log-every", "1",
-              "--ckpt-dir", tmp_path / "run", "--log-dir", tmp_path / "run")  # fmt: skip
+    run = cli(
+        *"--model gpt --dataset".split(),
+        f"tokens:{corpus}",
+        "--seq-len",
+        str(SEQ),
+        *"--layers 2 --heads 2 --width 64 --hidden 96 --dropout 0".split(),
+        *"--eval-batches 2 --eval-every 4 --steps 8 --batch-size 8".split(),
+        *"--mesh data=2 --beta2 0.95 --end-lr 1e-4 --decay-steps 6".split(),
+        *"--warmup-steps 2 --log-every 1 --ckpt-dir".split(),
+        tmp_path / "run",
+        "--log-dir",
+        tmp_path / "run",
+    )
     assert run.returncode == 0, run.stderr
     loaded = jdp.load_model(str(tmp_path / "run"))
     shapes = jax.tree.map(np.shape, loaded.params)

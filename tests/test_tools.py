@@ -37,8 +37,10 @@ def test_a_tool_meets_bad_paths_with_one_line(made, tmp_path, slot):
 
 def test_an_os_error_is_a_line_naming_the_path_and_the_fix():
     full = OSError(errno.ENOSPC, "No space left on device", "/data/x")
-    assert os_line(full) == ("/data/x: No space left on device; free space there and run it "
-                             "again", 1)  # fmt: skip
+    assert os_line(full) == (
+        "/data/x: No space left on device; free space there and run it again",
+        1,
+    )
     odd = FileNotFoundError(errno.ENOENT, "No such file or directory", os.fsdecode(b"/d/\xff"))
     assert os_line(odd) == (r"/d/\xff: No such file or directory; give a path that exists", 2)
 
@@ -46,8 +48,11 @@ def test_an_os_error_is_a_line_naming_the_path_and_the_fix():
 def test_a_json_file_is_read_or_named_with_what_is_wrong(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"n_layer": 2,')
-    with pytest.raises(Exception, match=r"config.json is not a GPT-2 config: not JSON \(.* at "
-                       r"line 1, column 15\); give one"):  # fmt: skip
+    with pytest.raises(
+        Exception,
+        match=r"config.json is not a GPT-2 config: not JSON \(.* at "
+        r"line 1, column 15\); give one",
+    ):
         read_json(path, "a GPT-2 config", "give one")
 
 
@@ -113,9 +118,11 @@ def _changed_tensors(tensors):
     wte = tensors["wte.weight"]
     return [
         ({**tensors, "wte.weight": wte.astype(np.int32)}, "wte.weight holds int32 numbers"),
-        ({**tensors, "wte.weight": np.where(wte > 0, np.nan, wte).astype(wte.dtype)},
-         "the tensor wte.weight holds NaN or infinite numbers"),
-    ]  # fmt: skip
+        (
+            {**tensors, "wte.weight": np.where(wte > 0, np.nan, wte).astype(wte.dtype)},
+            "the tensor wte.weight holds NaN or infinite numbers",
+        ),
+    ]
 
 
 def test_hugging_face_files_no_gpt2_has_are_one_line(gpt2_files, tmp_path):
@@ -127,15 +134,19 @@ def test_hugging_face_files_no_gpt2_has_are_one_line(gpt2_files, tmp_path):
     from jdp.models.hf import from_hf
 
     config = json.loads((gpt2_files / "config.json").read_text())
-    tensors = {name.removeprefix("transformer."): value
-               for name, value in load_file(gpt2_files / "model.safetensors").items()}  # fmt: skip
+    tensors = {
+        name.removeprefix("transformer."): value
+        for name, value in load_file(gpt2_files / "model.safetensors").items()
+    }
     index = {"weight_map": {name: "model.safetensors" for name in tensors}}
     cases = [(c, tensors, None, needle) for c, needle in _changed_config(config)]
     cases += [(config, t, None, needle) for t, needle in _changed_tensors(tensors)]
-    cases += [(config, tensors, "{", "is not a safetensors index: not JSON"),
-              (config, tensors, {"weight_map": 3}, "weight_map is not tensor names to file"),
-              (config, tensors, {}, "is not a safetensors index: it has no 'weight_map'"),
-              (config, tensors, index, None)]  # fmt: skip
+    cases += [
+        (config, tensors, "{", "is not a safetensors index: not JSON"),
+        (config, tensors, {"weight_map": 3}, "weight_map is not tensor names to file"),
+        (config, tensors, {}, "is not a safetensors index: it has no 'weight_map'"),
+        (config, tensors, index, None),
+    ]
     for number, (config_, tensors_, index_, needle) in enumerate(cases):
         directory = tmp_path / str(number)
         directory.mkdir()
@@ -155,21 +166,34 @@ def test_hugging_face_files_no_gpt2_has_are_one_line(gpt2_files, tmp_path):
 @pytest.mark.parametrize(
     ("module", "argv", "needle"),
     [
-        ("jdp.train", ["--dataset", "images:IMAGES", "--image-size", "100000,100000"],
-         "--image-size 100000,100000: a process's 128 such crops of a batch are 3,576.3 GiB"),
-        ("jdp.data", ["pack", "IMAGES", "--out", "OUT", "--shard-mb", "nan"],
-         "--shard-mb nan: give a size above 0"),
-        ("jdp.data", ["tokenize", "TEXT", "--out", "OUT", "--workers", "-1"],
-         "--workers -1: give 0 or 1 (this process) or more"),
+        (
+            "jdp.train",
+            ["--dataset", "images:IMAGES", "--image-size", "100000,100000"],
+            "--image-size 100000,100000: a process's 128 such crops of a batch are 3,576.3 GiB",
+        ),
+        (
+            "jdp.data",
+            ["pack", "IMAGES", "--out", "OUT", "--shard-mb", "nan"],
+            "--shard-mb nan: give a size above 0",
+        ),
+        (
+            "jdp.data",
+            ["tokenize", "TEXT", "--out", "OUT", "--workers", "-1"],
+            "--workers -1: give 0 or 1 (this process) or more",
+        ),
         ("jdp.replay", ["LOGS", "--step", "1", "--top", "-1"], "--top -1: give how many"),
         ("jdp.bench", ["scaling", "--steps", "-5"], "--steps -5: give 1 or more"),
         ("jdp.bench", ["step", "--rounds", "0"], "--rounds 0: give 1 or more"),
         ("tools.faults", ["--kills", "-1"], "--kills -1: give 0 or more"),
     ],
-)  # fmt: skip
+)
 def test_numbers_out_of_range_are_one_line_before_any_work(made, tmp_path, module, argv, needle):
-    named = {"IMAGES": made / "images", "TEXT": made / "text", "LOGS": made / "logs",
-             "OUT": tmp_path / "out"}  # fmt: skip
+    named = {
+        "IMAGES": made / "images",
+        "TEXT": made / "text",
+        "LOGS": made / "logs",
+        "OUT": tmp_path / "out",
+    }
     code, err = run_main(module, *[named.get(arg, arg) for arg in argv])
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -22,8 +22,7 @@ from jdp.report.trackers import Guarded, check_trackers
 # MLflow's client on a local store warns of its own dependencies' deprecations (SQLAlchemy's).
 pytestmark = [pytest.mark.interop, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-FLAGS = ["--mesh", "data=1", "--warmup-steps", "4", "--log-every", "10", "--tracker",
-         "tensorboard,mlflow"]  # fmt: skip
+FLAGS = "--mesh data=1 --warmup-steps 4 --log-every 10 --tracker tensorboard,mlflow".split()
 SERVER_START = 120  # seconds: MLflow's server took 16 s to answer on the busy 2-core machine
 
 
@@ -38,12 +37,22 @@ def server(tmp_path):
     """``(uri, stop)``: an MLflow tracking server on 127.0.0.1, as a user starts one."""
     interop("mlflow", load=False)
     port = _free_port()
-    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port",
-               str(port), "--workers", "1", "--backend-store-uri",
-               f"sqlite:///{tmp_path / 'mlflow.db'}", "--default-artifact-root",
-               str(tmp_path / "artifacts")]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True, env=subprocess_env())  # fmt: skip
+    command = [
+        sys.executable,
+        *"-m mlflow server --host 127.0.0.1 --port".split(),
+        str(port),
+        *"--workers 1 --backend-store-uri".split(),
+        f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "--default-artifact-root",
+        str(tmp_path / "artifacts"),
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=subprocess_env(),
+    )
 
     def stop():
         if process.poll() is None:
@@ -131,8 +140,9 @@ def test_a_local_mlflow_store_gets_the_same(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_kept_mlflow_run_the_server_lacks_is_named_and_a_new_one_logged(tmp_path, monkeypatch,
-                                                                         capsys):  # fmt: skip
+def test_a_kept_mlflow_run_the_server_lacks_is_named_and_a_new_one_logged(
+    tmp_path, monkeypatch, capsys
+):
     """trackers.json naming a run of another server (or one deleted): one warning naming
     the file, then a new run kept there; not the tracker dropped on every resume."""
     interop("mlflow", load=False)
@@ -159,15 +169,21 @@ def test_the_server_killed_mid_run_is_one_warning_and_the_run_finishes(server, t
     # Long enough to go on after the server is gone: on the 2-core machine its first
     # metrics reached the server 35 s after the start (most of it the run's start), and
     # the steps left ran 26 s after the kill (30,000 steps took 113 s).
-    process = _run(uri, log_dir, "--steps", "8000", "--log-every", "5",
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    process = _run(
+        uri,
+        log_dir,
+        *"--steps 8000 --log-every 5".split(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     client = mlflow.MlflowClient(tracking_uri=uri)
     deadline = time.monotonic() + 180
     while True:  # until the run's first metrics reach the server
         assert process.poll() is None and time.monotonic() < deadline
         ids = log_dir / "trackers.json"
-        if ids.exists() and client.get_metric_history(json.loads(ids.read_text())["mlflow"],
-                                                      "train/loss"):  # fmt: skip
+        if ids.exists() and client.get_metric_history(
+            json.loads(ids.read_text())["mlflow"], "train/loss"
+        ):
             break
         time.sleep(0.2)
     stop()
@@ -225,16 +241,28 @@ def test_bad_tracker_settings_are_one_line(monkeypatch):
 def _wandb_records(run_dir) -> list[dict]:
     """The records of a W&B offline run, as W&B's own reader prints them."""
     wandb_cli = os.path.join(os.path.dirname(sys.executable), "wandb")
-    result = subprocess.run([wandb_cli, "leet", "inspect", "--json", str(run_dir)],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [wandb_cli, "leet", "inspect", "--json", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
 def _wandb_run(log_dir, *flags):
     env = subprocess_env() | {"WANDB_MODE": "offline", "WANDB_PROJECT": "tests"}
-    command = [sys.executable, "-m", "jdp.train", *FLAGS[:-1], "wandb", "--log-dir",
-               str(log_dir), *flags]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "jdp.train",
+        *FLAGS[:-1],
+        "wandb",
+        "--log-dir",
+        str(log_dir),
+        *flags,
+    ]
     return subprocess.run(command, env=env, text=True, capture_output=True, timeout=240)
 
 
@@ -247,8 +275,9 @@ def _check_wandb_history(records, log_dir, steps):
     for record in _records(log_dir):
         if record["step"] in steps:
             expected.setdefault(record["step"], {}).update(curves(record))
-    rows = {r["history"]["step"]["num"]: r["history"]["item"] for r in records
-            if r["type"] == "history"}  # fmt: skip
+    rows = {
+        r["history"]["step"]["num"]: r["history"]["item"] for r in records if r["type"] == "history"
+    }
     assert set(rows) == set(expected)
     for step, values in expected.items():
         logged = {name: value for name, value in rows[step].items() if not name.startswith("_")}
@@ -291,12 +320,29 @@ def test_wandb_offline_gets_the_runs_metrics_config_and_checkpoint(tmp_path):
 def test_wandb_online_without_a_key_is_one_warning_never_a_prompt(tmp_path):
     interop("wandb")
     env = {k: v for k, v in subprocess_env().items() if not k.startswith("WANDB_")}
-    command = [sys.executable, "-m", "jdp.train", *FLAGS[:-1], "wandb", "--log-dir",
-               str(tmp_path / "log"), "--steps", "20"]  # fmt: skip
-    result = subprocess.run(command, env=env | {"HOME": str(tmp_path)}, text=True,
-                            capture_output=True, timeout=240, stdin=subprocess.DEVNULL)  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "jdp.train",
+        *FLAGS[:-1],
+        "wandb",
+        "--log-dir",
+        str(tmp_path / "log"),
+        "--steps",
+        "20",
+    ]
+    result = subprocess.run(
+        command,
+        env=env | {"HOME": str(tmp_path)},
+        text=True,
+        capture_output=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "warning" in line]
-    assert warnings == ["jdp: warning: the wandb tracker failed (RuntimeError: no W&B API key: "
-                        "run wandb login, or set WANDB_MODE=offline); training goes on without "
-                        "it"]  # fmt: skip
+    assert warnings == [
+        "jdp: warning: the wandb tracker failed (RuntimeError: no W&B API key: "
+        "run wandb login, or set WANDB_MODE=offline); training goes on without "
+        "it"
+    ]

@@ -168,8 +168,9 @@ def test_one_process_stalled_writes_its_stacks_says_one_line_and_ends(tmp_path):
     clock.switch("input")
     watch.at(READING)
     watch.since -= 0.5  # half a second without progress, against a limit of 0.2
-    with Watchdog(watch, 0.2, str(tmp_path), on_stall=goodput.stalled, say=lines.append,
-                  end=ended.append):  # fmt: skip
+    with Watchdog(
+        watch, 0.2, str(tmp_path), on_stall=goodput.stalled, say=lines.append, end=ended.append
+    ):
         deadline = time.monotonic() + 30
         while not ended:
             assert time.monotonic() < deadline
@@ -250,8 +251,14 @@ def test_a_slow_compile_evaluation_and_save_are_not_stalls(tmp_path, monkeypatch
 
     monkeypatch.setattr(finite, "state_finite", slow_first_read)
     model = jdp.models.from_linen(_SlowToTrace(SLOW), jdp.models.classification())
-    config = jdp.TrainConfig(mesh="data=8", steps=12, warmup_steps=2, batch_size=64,
-                             ckpt_dir=str(tmp_path), stall_timeout=SHORT)  # fmt: skip
+    config = jdp.TrainConfig(
+        mesh="data=8",
+        steps=12,
+        warmup_steps=2,
+        batch_size=64,
+        ckpt_dir=str(tmp_path),
+        stall_timeout=SHORT,
+    )
     watching = []  # the watchdog's thread, seen from inside the run
 
     def look(progress):
@@ -270,8 +277,14 @@ def test_a_killed_loader_worker_is_one_line_after_saving_the_last_step(tmp_path)
             for child in multiprocessing.active_children():
                 os.kill(child.pid, signal.SIGKILL)
 
-    config = jdp.TrainConfig(mesh="data=8", steps=400, warmup_steps=2, batch_size=64,
-                             loader_workers=1, ckpt_dir=str(tmp_path))  # fmt: skip
+    config = jdp.TrainConfig(
+        mesh="data=8",
+        steps=400,
+        warmup_steps=2,
+        batch_size=64,
+        loader_workers=1,
+        ckpt_dir=str(tmp_path),
+    )
     with pytest.raises(LoaderError) as raised:
         jdp.fit(config, console=jdp.Console(enabled=False), callbacks=[kill_a_worker])
     line = str(raised.value)

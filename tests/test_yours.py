@@ -100,8 +100,13 @@ def test_numpy_arrays_with_their_own_names_train_through_fit_and_the_cli(tmp_pat
 
     # On the command line: a .npz file named as Keras's mnist.npz is.
     file = tmp_path / "digits.npz"
-    np.savez(file, x_train=images[train_rows], y_train=labels[train_rows],
-             x_test=images[test_rows], y_test=labels[test_rows])  # fmt: skip
+    np.savez(
+        file,
+        x_train=images[train_rows],
+        y_train=labels[train_rows],
+        x_test=images[test_rows],
+        y_test=labels[test_rows],
+    )
     _check_source(tmp_path, split(train_rows), split(test_rows), f"npz:{file}")
 
 
@@ -186,12 +191,15 @@ def test_a_per_example_function_draws_the_same_on_any_mesh(mesh8, mesh1):
 @pytest.mark.slow
 def test_a_validation_split_chooses_the_best_checkpoint_and_the_test_is_reported(tmp_path):
     images, labels, train_rows, test_rows = _digits()
-    train = jdp.data.from_arrays(images[train_rows], labels[train_rows],
-                                 transform=jdp.data.Transform(scale=16.0))  # fmt: skip
-    test = jdp.data.from_arrays(images[test_rows], labels[test_rows],
-                                transform=jdp.data.Transform(scale=16.0))  # fmt: skip
-    config = _config(validation_fraction=0.2, eval_every=10, ckpt_every=10, ckpt_dir=str(tmp_path),
-                     keep=1)  # fmt: skip
+    train = jdp.data.from_arrays(
+        images[train_rows], labels[train_rows], transform=jdp.data.Transform(scale=16.0)
+    )
+    test = jdp.data.from_arrays(
+        images[test_rows], labels[test_rows], transform=jdp.data.Transform(scale=16.0)
+    )
+    config = _config(
+        validation_fraction=0.2, eval_every=10, ckpt_every=10, ckpt_dir=str(tmp_path), keep=1
+    )
     result = _fit(config, train=train, test=test)
     kinds = [record["kind"] for record in result.history if record["kind"] != "train"]
     assert kinds == ["val", "val", "val", "val", "eval"]  # the test split once, at the end
@@ -212,10 +220,12 @@ def test_the_best_checkpoint_is_the_best_evaluation_between_saves(tmp_path):
     whichever steps the schedule saves. At lr 1.0 Adam overshoots: the validation
     accuracy peaks early (0.26 at step 12 here, 0.22 at the end)."""
     images, labels, train_rows, _ = _digits()
-    train = jdp.data.from_arrays(images[train_rows], labels[train_rows],
-                                 transform=jdp.data.Transform(scale=16.0))  # fmt: skip
-    config = _config(validation_fraction=0.2, eval_every=4, ckpt_every=40, lr=1.0,
-                     ckpt_dir=str(tmp_path), keep=1)  # fmt: skip
+    train = jdp.data.from_arrays(
+        images[train_rows], labels[train_rows], transform=jdp.data.Transform(scale=16.0)
+    )
+    config = _config(
+        validation_fraction=0.2, eval_every=4, ckpt_every=40, lr=1.0, ckpt_dir=str(tmp_path), keep=1
+    )
     result = _fit(config, train=train)
     accuracies = {r["step"]: r["accuracy"] for r in result.history if r["kind"] == "val"}
     best = max(accuracies, key=lambda step: (accuracies[step], -step))  # the first of ties
@@ -247,8 +257,11 @@ def test_an_optax_optimizer_of_ones_own_logs_its_lr_and_resumes_bitwise(tmp_path
     injected = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
     said = _fit(_config(steps=20, log_every=10), optimizer=injected)
     assert [r["lr"] for r in said.history if r["kind"] == "train"] == pytest.approx([0.1] * 2)
-    jax.tree.map(np.testing.assert_array_equal, said.state.params,
-                 _fit(_config(steps=20), optimizer=sgd).state.params)  # fmt: skip
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        said.state.params,
+        _fit(_config(steps=20), optimizer=sgd).state.params,
+    )
     with pytest.raises(jdp.UsageError, match=r"pass an Optax one as\s+jdp.fit"):
         jdp.TrainConfig(optimizer=sgd)
 
@@ -261,19 +274,29 @@ def test_a_batchnorm_model_comes_back_and_predicts_its_reported_accuracy(tmp_pat
     loaded = jdp.load_model(ckpt)
     assert "batch_stats" in loaded.model_state and loaded.step == 30
     test = jdp.load_split("digits", "test")
-    logits = jdp.predict(loaded.model, loaded.params, test, model_state=loaded.model_state,
-                         mesh=jdp.make_mesh("data=8"), batch_size=config.batch_size)  # fmt: skip
+    logits = jdp.predict(
+        loaded.model,
+        loaded.params,
+        test,
+        model_state=loaded.model_state,
+        mesh=jdp.make_mesh("data=8"),
+        batch_size=config.batch_size,
+    )
     assert logits.shape == (len(test), 10)
     accuracy = float(np.mean(np.argmax(logits, -1) == test.label))
     assert accuracy == result.test_accuracy  # exactly: the same programs, the same figure
     evaluated = run_cli("--eval-only", "--ckpt-dir", ckpt, "--mesh", "data=2", timeout=240)
     assert evaluated.returncode == 0, evaluated.stderr
-    assert float(_summary(evaluated)["test_accuracy"]) == pytest.approx(result.test_accuracy,
-                                                                         abs=5e-5)  # fmt: skip
+    assert float(_summary(evaluated)["test_accuracy"]) == pytest.approx(
+        result.test_accuracy, abs=5e-5
+    )
     # --init-from: a new run from these weights (fine-tuning), the optimizer fresh.
-    tuned = run_cli("--model", "resnet20", "--init-from", ckpt, "--steps", "2",
-                    "--warmup-steps", "0", "--lr", "1e-9", "--batch-size", "64",
-                    timeout=240)  # fmt: skip
+    tuned = run_cli(
+        *"--model resnet20 --init-from".split(),
+        ckpt,
+        *"--steps 2 --warmup-steps 0 --lr 1e-9 --batch-size 64".split(),
+        timeout=240,
+    )
     assert tuned.returncode == 0, tuned.stderr
     assert f"parameters and model state from {ckpt}" in tuned.stdout
     assert abs(float(_summary(tuned)["test_accuracy"]) - result.test_accuracy) < 0.02

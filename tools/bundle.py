@@ -93,8 +93,9 @@ def _target_flags(python: str, platform: str) -> list[str]:
     return flags
 
 
-def pip_closure(requirements: list[str], python: str, platform: str, have: dict[str, str],
-                built: str) -> dict[str, str]:  # fmt: skip
+def pip_closure(
+    requirements: list[str], python: str, platform: str, have: dict[str, str], built: str
+) -> dict[str, str]:
     """``{name: version}`` of every package ``requirements`` need on the target, by pip's
     resolver; the packages the target has are pinned at its versions (their local
     labels, ``+cu130``, dropped). A dependency published only as source (``promise``,
@@ -107,24 +108,40 @@ def pip_closure(requirements: list[str], python: str, platform: str, have: dict[
             report = os.path.join(scratch, "report.json")
             constraints = os.path.join(scratch, "constraints.txt")
             pathlib.Path(constraints).write_text("\n".join(pins) + "\n")
-            command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-                       "--quiet", "--report", report, "-c", constraints, "--find-links", built,
-                       "--target", os.path.join(scratch, "target"),
-                       *_target_flags(python, platform), *requirements]  # fmt: skip
+            command = [
+                sys.executable,
+                *"-m pip install --dry-run --ignore-installed --quiet".split(),
+                "--report",
+                report,
+                "-c",
+                constraints,
+                "--find-links",
+                built,
+                "--target",
+                os.path.join(scratch, "target"),
+                *_target_flags(python, platform),
+                *requirements,
+            ]
             done = subprocess.run(command, capture_output=True, text=True, timeout=900)
             if done.returncode != 0:
-                source_only = re.search(r"No matching distribution found for ([\w.-]+)",
-                                        done.stderr)  # fmt: skip
+                source_only = re.search(
+                    r"No matching distribution found for ([\w.-]+)", done.stderr
+                )
                 if source_only and build_pure_wheel(source_only.group(1), built):
                     continue
-                said = [line for line in done.stderr.splitlines()
-                        if line.strip() and not line.startswith("WARNING")]  # fmt: skip
+                said = [
+                    line
+                    for line in done.stderr.splitlines()
+                    if line.strip() and not line.startswith("WARNING")
+                ]
                 where = "with the target's versions pinned" if pinned else "for the target"
-                raise UsageError(f"pip could not resolve jdp's dependencies {where}: "
-                                 + " / ".join(said[-3:]))  # fmt: skip
+                raise UsageError(
+                    f"pip could not resolve jdp's dependencies {where}: " + " / ".join(said[-3:])
+                )
             installs = json.loads(pathlib.Path(report).read_text())["install"]
-        closure = {normalize(item["metadata"]["name"]): item["metadata"]["version"]
-                   for item in installs}  # fmt: skip
+        closure = {
+            normalize(item["metadata"]["name"]): item["metadata"]["version"] for item in installs
+        }
         if pinned:
             return closure
         pins = [f"{name}=={have[name].split('+')[0]}" for name in closure if have.get(name)]
@@ -155,8 +172,7 @@ def local_closure(requirements: list[str], python: str) -> dict[str, str]:
     package was asked with (``etils[epath]`` brings ``fsspec``); no network."""
     from packaging.requirements import Requirement
 
-    environment = {"python_version": ".".join(python.split(".")[:2]),
-                   "python_full_version": python}  # fmt: skip
+    environment = {"python_version": ".".join(python.split(".")[:2]), "python_full_version": python}
     closure: dict[str, str] = {}
     expanded: dict[str, set[str]] = {}  # each package's extras already followed
     pending = [(line, ("",)) for line in requirements]  # a requirement, its asker's extras
@@ -191,8 +207,9 @@ def lacking(closure: dict[str, str], have: dict[str, str]) -> dict[str, str]:
 def source_root() -> pathlib.Path:
     root = pathlib.Path(__file__).resolve().parents[1]
     if not (root / "pyproject.toml").is_file():
-        raise UsageError("tools.bundle builds jdp's wheel from its source: run it from a "
-                         "checkout of jdp")  # fmt: skip
+        raise UsageError(
+            "tools.bundle builds jdp's wheel from its source: run it from a checkout of jdp"
+        )
     return root
 
 
@@ -202,13 +219,21 @@ def write_bundle(directory: str, missing: dict[str, str], python: str, platform:
     os.makedirs(directory, exist_ok=True)
     present = {normalize(path.name.split("-")[0]) for path in pathlib.Path(directory).glob("*.whl")}
     missing = {name: version for name, version in missing.items() if name not in present}
-    build = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", directory,
-             str(source_root())]  # fmt: skip
+    build = [
+        sys.executable,
+        *"-m pip wheel --quiet --no-deps -w".split(),
+        directory,
+        str(source_root()),
+    ]
     subprocess.run(build, check=True, timeout=900)
     if missing:
-        download = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d",
-                    directory, *_target_flags(python, platform),
-                    *(f"{name}=={version}" for name, version in missing.items())]  # fmt: skip
+        download = [
+            sys.executable,
+            *"-m pip download --quiet --no-deps -d".split(),
+            directory,
+            *_target_flags(python, platform),
+            *(f"{name}=={version}" for name, version in missing.items()),
+        ]
         subprocess.run(download, check=True, timeout=900)
     files = sorted(pathlib.Path(directory).glob("*.whl"))
     return [f"  {path.name}  {path.stat().st_size / 1e6:.2f} MB" for path in files]
@@ -275,8 +300,10 @@ def run(args: argparse.Namespace) -> int:
     if not (args.bundle or args.resolve_only):
         raise UsageError("give DIR, the folder the wheels go into, or --resolve-only")
     if not args.have:
-        raise UsageError("--have FREEZE: the target's `pip freeze` or `pip list` output, saved "
-                         "to a file there (an empty file for a bare Python)")  # fmt: skip
+        raise UsageError(
+            "--have FREEZE: the target's `pip freeze` or `pip list` output, saved "
+            "to a file there (an empty file for a bare Python)"
+        )
     if not os.path.exists(args.have):
         raise UsageError(f"--have {args.have}: no such file")
     check_input_file(args.have, "--have")

@@ -46,8 +46,13 @@ def _env() -> dict[str, str]:
 def _train(*flags: str, timeout: float = 300) -> subprocess.CompletedProcess | None:
     """``python -m jdp.train FLAGS``; None when it did not end within ``timeout``."""
     try:
-        return subprocess.run([sys.executable, "-m", "jdp.train", *flags], capture_output=True,
-                              text=True, env=_env(), timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "jdp.train", *flags],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         return None
 
@@ -77,16 +82,20 @@ def data_faults(trials: int, seed: int, emit: Callable[[str], None]) -> Counter:
     with tempfile.TemporaryDirectory(prefix="jdp-data-faults-") as root:
         for trial in range(trials):
             fault = rng.choice(sorted(DATA_FAULTS))
-            arrays = {"x_train": np.random.default_rng(trial).normal(size=(64, 4)),
-                      "y_train": np.arange(64) % 3, "x_test": np.ones((16, 4)),
-                      "y_test": np.arange(16) % 3}  # fmt: skip
+            arrays = {
+                "x_train": np.random.default_rng(trial).normal(size=(64, 4)),
+                "y_train": np.arange(64) % 3,
+                "x_test": np.ones((16, 4)),
+                "y_test": np.arange(16) % 3,
+            }
             arrays["x_train"] = arrays["x_train"].astype(np.float32)
             arrays["x_test"] = arrays["x_test"].astype(np.float32)
             DATA_FAULTS[fault](arrays, rng)
             file = os.path.join(root, f"trial-{trial}.npz")
             np.savez(file, **arrays)
-            result = _train("--dataset", f"npz:{file}", *_RUN, "--steps", "20",
-                            timeout=HANG_SECONDS)  # fmt: skip
+            result = _train(
+                "--dataset", f"npz:{file}", *_RUN, "--steps", "20", timeout=HANG_SECONDS
+            )
             if result is None:
                 verdict = "hang"
             elif result.returncode == 2 and _one_error_line(result):
@@ -107,9 +116,13 @@ def _checkpoints(directory: str) -> list[int]:
 
 def _start_until_saved(flags: list[str], directory: str, rng: random.Random) -> subprocess.Popen:
     """A run started, once it has saved a checkpoint and then run a random while longer."""
-    process = subprocess.Popen([sys.executable, "-m", "jdp.train", *flags],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=_env())  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jdp.train", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     _until_saved(process, directory, rng)
     return process
 
@@ -208,10 +221,18 @@ def launcher_kills(trials: int, seed: int, emit: Callable[[str], None]) -> Count
     with tempfile.TemporaryDirectory(prefix="jdp-launcher-kills-") as root:
         for trial in range(trials):
             directory = os.path.join(root, f"trial-{trial}")
-            command = [sys.executable, "-m", "jdp.launch", "--nproc", "2",
-                       "--devices-per-process", "1", "--", sys.executable, "-m", "jdp.train",
-                       *_RUN, "--steps", str(LAUNCHER_STEPS), "--ckpt-every", "50",
-                       "--ckpt-dir", directory]  # fmt: skip
+            command = [
+                sys.executable,
+                *"-m jdp.launch --nproc 2 --devices-per-process 1 --".split(),
+                sys.executable,
+                "-m",
+                "jdp.train",
+                *_RUN,
+                "--steps",
+                str(LAUNCHER_STEPS),
+                *"--ckpt-every 50 --ckpt-dir".split(),
+                directory,
+            ]
             launcher, pids = _launch(command)
             _until_saved(launcher, directory, rng)
             launcher.send_signal(signal.SIGKILL)
@@ -221,8 +242,9 @@ def launcher_kills(trials: int, seed: int, emit: Callable[[str], None]) -> Count
             seconds = time.monotonic() - killed
             for pid in alive:
                 os.kill(pid, signal.SIGKILL)
-            finished = subprocess.run(command, capture_output=True, text=True, env=_env(),
-                                      timeout=600)  # fmt: skip
+            finished = subprocess.run(
+                command, capture_output=True, text=True, env=_env(), timeout=600
+            )
             if alive:
                 verdict = "orphaned"
             elif finished.returncode != 0 or _checkpoints(directory)[-1:] != [LAUNCHER_STEPS]:
@@ -230,14 +252,17 @@ def launcher_kills(trials: int, seed: int, emit: Callable[[str], None]) -> Count
             else:
                 verdict = "ended" if seconds <= LAUNCHER_GONE_SECONDS else "late"
             outcomes[verdict] += 1
-            emit(f"  launcher kill {trial + 1}: {verdict} (its processes gone {seconds:.1f} s "
-                 "after it)")  # fmt: skip
+            emit(
+                f"  launcher kill {trial + 1}: {verdict} (its processes gone {seconds:.1f} s "
+                "after it)"
+            )
     return outcomes
 
 
 def _launch(command: list[str]) -> tuple[subprocess.Popen, list[int]]:
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=_env())  # fmt: skip
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
+    )
     pids: list[int] = []
 
     def read() -> None:
@@ -270,10 +295,18 @@ def wrapped_stops(trials: int, seed: int, emit: Callable[[str], None]) -> Counte
     with tempfile.TemporaryDirectory(prefix="jdp-wrapped-stops-") as root:
         for trial in range(trials):
             directory = os.path.join(root, f"trial-{trial}")
-            command = [sys.executable, "-m", "jdp.launch", "--nproc", "2",
-                       "--devices-per-process", "1", "--", "sh", "-c", '"$@"; exit $?',
-                       "wrapper", sys.executable, "-m", "jdp.train", *_RUN, "--steps",
-                       "100000", "--ckpt-every", "50", "--ckpt-dir", directory]  # fmt: skip
+            command = [
+                sys.executable,
+                *"-m jdp.launch --nproc 2 --devices-per-process 1 -- sh -c".split(),
+                '"$@"; exit $?',
+                "wrapper",
+                sys.executable,
+                "-m",
+                "jdp.train",
+                *_RUN,
+                *"--steps 100000 --ckpt-every 50 --ckpt-dir".split(),
+                directory,
+            ]
             launcher, shells = _launch(command)
             _until_saved(launcher, directory, rng)
             before = _checkpoints(directory)
@@ -286,9 +319,15 @@ def wrapped_stops(trials: int, seed: int, emit: Callable[[str], None]) -> Counte
             left = in_groups(shells)
             for pid in left:
                 os.kill(pid, signal.SIGKILL)
-            verdict = ("hang" if code is None else "orphaned" if left else
-                       "saved" if code == 143 and _checkpoints(directory)[-1:] > before[-1:]
-                       else "lost")  # fmt: skip
+            verdict = (
+                "hang"
+                if code is None
+                else "orphaned"
+                if left
+                else "saved"
+                if code == 143 and _checkpoints(directory)[-1:] > before[-1:]
+                else "lost"
+            )
             outcomes[verdict] += 1
             emit(f"  wrapped stop {trial + 1}: {verdict}")
     return outcomes

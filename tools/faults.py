@@ -227,8 +227,9 @@ def bench_faults(
             what, trial, verdicts = _REPORTS[name]
             emit(f"{what}:")
             counts = trial(trials, seed, emit)
-            shown = " ".join(f"{verdict.replace(' ', '-')}={counts[verdict]}"
-                             for verdict in verdicts)  # fmt: skip
+            shown = " ".join(
+                f"{verdict.replace(' ', '-')}={counts[verdict]}" for verdict in verdicts
+            )
             emit(f"{name.replace('_', ' ')}: trials={trials} {shown}")
     for data_only, where in ((False, "anywhere in a checkpoint"), (True, "in its array data")):
         if flip_trials:
@@ -252,10 +253,13 @@ def run(args: argparse.Namespace) -> None:
     # read back here: on a CPU, simulated before JAX starts.
     setup_devices("data=8")
     on_line = lambda line: print(line, flush=True)  # noqa: E731
-    classes = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-               for flag, _, _ in NEW_CLASSES}  # fmt: skip
-    bench_faults(kill_trials=args.kills, flip_trials=args.flips, seed=args.seed,
-                 on_line=on_line, **classes)  # fmt: skip
+    classes = {
+        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+        for flag, _, _ in NEW_CLASSES
+    }
+    bench_faults(
+        kill_trials=args.kills, flip_trials=args.flips, seed=args.seed, on_line=on_line, **classes
+    )
 
 
 @command("tools.faults")

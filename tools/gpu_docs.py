@@ -60,9 +60,13 @@ def merge(paths: list[str], kind: str = "?") -> dict[str, Any]:
         for key in ("parts", "date", "command"):
             key_of(data, path, [key], *_WHAT)
         machine = data["parts"].get("machine", {})
-        run = {"file": path, "date": data["date"], "command": data["command"],
-               "kind": machine.get("kind", kind),
-               "versions": machine.get("versions", {})}  # fmt: skip
+        run = {
+            "file": path,
+            "date": data["date"],
+            "command": data["command"],
+            "kind": machine.get("kind", kind),
+            "versions": machine.get("versions", {}),
+        }
         merged["runs"].append(run)
         for part, result in data["parts"].items():
             earlier = merged["parts"].get(part)
@@ -76,8 +80,9 @@ def merge(paths: list[str], kind: str = "?") -> dict[str, Any]:
                 result[rows] = [row | {"run": run} for row in result[rows]]
                 if earlier and rows in earlier:
                     later = {key(row) for row in result[rows]}
-                    kept = [row for row in earlier[rows]
-                            if key(row) not in later and "error" not in row]  # fmt: skip
+                    kept = [
+                        row for row in earlier[rows] if key(row) not in later and "error" not in row
+                    ]
                     result[rows] = sorted(kept + result[rows], key=order)
                     result["skipped_for_budget"] = _still_skipped(part, earlier, result)
             merged["parts"][part] = result
@@ -198,14 +203,20 @@ def _device_section(merged: dict[str, Any]) -> list[str]:
     provenance = []
     for run in runs:
         v = run["versions"]
-        said = ", ".join(f"{k} {v[k]}" for k in ("jax", "jaxlib", "python", "driver", "cuda",
-                                                   "cudnn") if k in v)  # fmt: skip
+        said = ", ".join(
+            f"{k} {v[k]}" for k in ("jax", "jaxlib", "python", "driver", "cuda", "cudnn") if k in v
+        )
         parts = [p for p, r in merged["parts"].items() if r["run"] is run]
-        parts += [f"{p}'s {row.get('case') or _cell(row)}" for p, (_, rows, _) in ROWS.items()
-                  for row in merged["parts"].get(p, {}).get(rows, [])
-                  if row.get("run") is run and merged["parts"][p]["run"] is not run]  # fmt: skip
-        provenance.append(f"- {run['date']}, {run['kind']} ({said}): `{run['command']}`; "
-                          f"the parts {', '.join(parts) or 'none (replaced later)'}")  # fmt: skip
+        parts += [
+            f"{p}'s {row.get('case') or _cell(row)}"
+            for p, (_, rows, _) in ROWS.items()
+            for row in merged["parts"].get(p, {}).get(rows, [])
+            if row.get("run") is run and merged["parts"][p]["run"] is not run
+        ]
+        provenance.append(
+            f"- {run['date']}, {run['kind']} ({said}): `{run['command']}`; "
+            f"the parts {', '.join(parts) or 'none (replaced later)'}"
+        )
     return [
         *provenance,
         "",
@@ -231,14 +242,18 @@ def recipe_line(merged: dict[str, Any], part: str) -> str | None:
         if best is None:
             return None
         n = gpt_numbers(best)
-        said = (f"{n['jdp']:,.0f} tokens/s a device ({n['ratio']:.3f}x hand-written; "
-                f"{setting_text(best['setting'])}, "
-                f"{best['cell']['batch_size']} rows of {best['cell']['seq_len']}); "
-                f"{where}")  # fmt: skip
+        said = (
+            f"{n['jdp']:,.0f} tokens/s a device ({n['ratio']:.3f}x hand-written; "
+            f"{setting_text(best['setting'])}, "
+            f"{best['cell']['batch_size']} rows of {best['cell']['seq_len']}); "
+            f"{where}"
+        )
     else:
-        said = (f"{result['jdp']:,.0f} images/s a device (synthetic {result['px']} px, "
-                f"{result['rows']} rows, {result['ratio']:.3f}x hand-written); "
-                f"{where}")  # fmt: skip
+        said = (
+            f"{result['jdp']:,.0f} images/s a device (synthetic {result['px']} px, "
+            f"{result['rows']} rows, {result['ratio']:.3f}x hand-written); "
+            f"{where}"
+        )
     return f'throughput = "{said}"'
 
 
@@ -260,10 +275,12 @@ def readme_line(merged: dict[str, Any]) -> str:
     torchvision = resnet.get("peers", {}).get("torchvision", {})
     if "jdp_over_peer" in torchvision:
         vision = f", {torchvision['jdp_over_peer']:.3f}x torchvision's ({torchvision['rate']:,.0f})"
-    return (f"On one {run['kind']} (`python -m jdp.bench gpu`, {run['date']}): GPT-2 124M "
-            f"(T = 1024, bf16) at {n['jdp']:,.0f} tokens/s, {n['ratio']:.3f}x a hand-written "
-            f"step{mfu}{against}; ResNet-50 at {resnet['jdp']:,.0f} images/s{vision} "
-            "([performance](docs/performance.md#accelerator-figures)).")  # fmt: skip
+    return (
+        f"On one {run['kind']} (`python -m jdp.bench gpu`, {run['date']}): GPT-2 124M "
+        f"(T = 1024, bf16) at {n['jdp']:,.0f} tokens/s, {n['ratio']:.3f}x a hand-written "
+        f"step{mfu}{against}; ResNet-50 at {resnet['jdp']:,.0f} images/s{vision} "
+        "([performance](docs/performance.md#accelerator-figures))."
+    )
 
 
 def _between(text: str, begin: str, end: str, body: str, name: str) -> str:
@@ -278,9 +295,8 @@ def rewrite(groups: list[dict[str, Any]], root: pathlib.Path) -> dict[pathlib.Pa
     doc, readme, merged = root / DOC, root / README, groups[0]
     new = {
         doc: _between(doc.read_text(), BEGIN, END, section(groups, root), DOC),
-        readme: _between(readme.read_text(), README_BEGIN, README_END, readme_line(merged),
-                         README),
-    }  # fmt: skip
+        readme: _between(readme.read_text(), README_BEGIN, README_END, readme_line(merged), README),
+    }
     for name, part in RECIPES.items():
         path = root / "jdp" / "recipes" / f"{name}.toml"
         recipe = path.read_text()

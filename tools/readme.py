@@ -164,8 +164,12 @@ def run_command(command: str, *, flags: tuple[str, ...] = (), env=None) -> Print
         raise RuntimeError(f"{command} {' '.join(flags)} failed:\n{output}")
     last = found[-1]
     test_count = int(count.group("count").replace(",", "")) if count["split"] == "test" else 0
-    return Printed(last["accuracy"] or last["bits"], f"{int(last['rate']):,}",
-                   f"{float(last['wall']):.1f}", test_count)  # fmt: skip
+    return Printed(
+        last["accuracy"] or last["bits"],
+        f"{int(last['rate']):,}",
+        f"{float(last['wall']):.1f}",
+        test_count,
+    )
 
 
 def measure(row: Row) -> Row:
@@ -254,8 +258,11 @@ def _print_spread(rows: list[Row], chosen, text: str) -> str:
     print("| --- " * (len(VARIANTS) + 3) + "|", flush=True)
     for index in chosen:
         accuracies, limit = spread(rows[index])
-        print(f"| `{rows[index].command}` | {rows[index].accuracy} | "
-              f"{' | '.join(accuracies)} | ±{limit} |", flush=True)  # fmt: skip
+        print(
+            f"| `{rows[index].command}` | {rows[index].accuracy} | "
+            f"{' | '.join(accuracies)} | ±{limit} |",
+            flush=True,
+        )
         text = text.replace(
             rows[index].line(), dataclasses.replace(rows[index], tolerance=limit).line(), 1
         )
@@ -265,8 +272,12 @@ def _print_spread(rows: list[Row], chosen, text: str) -> str:
 def synced_recipe(text: str, row: Row, hardware: str) -> str:
     """A recipe file's text (`jdp.training.recipes`) stating ``row``'s figures: the
     expected value, its tolerance, the wall time and the hardware, comments kept."""
-    values = {"expected": row.accuracy, "tolerance": row.tolerance,
-              "wall": f'"{row.wall} s"', "hardware": f'"{hardware}"'}  # fmt: skip
+    values = {
+        "expected": row.accuracy,
+        "tolerance": row.tolerance,
+        "wall": f'"{row.wall} s"',
+        "hardware": f'"{hardware}"',
+    }
     head, tables = text.split("[flags]", 1) if "[flags]" in text else (text, None)
     for key, value in values.items():
         head = re.sub(rf"^{key} = [^#\n]*?(?=\s*(#|$))", f"{key} = {value}", head, flags=re.M)
@@ -305,8 +316,10 @@ def run(args: argparse.Namespace) -> int:
         with open(args.readme, "w") as file:
             file.write(rewrite(text, rows, measured, key))
         _sync_recipes(measured, key)
-        print(f"tools.readme: {len(chosen)} rows rewritten in {args.readme}, and the recipes "
-              "they check")  # fmt: skip
+        print(
+            f"tools.readme: {len(chosen)} rows rewritten in {args.readme}, and the recipes "
+            "they check"
+        )
     if args.check:
         exact = recorded_numerics(text) == key
         how = "exactly" if exact else "within each row's tolerance on another CPU"

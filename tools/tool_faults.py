@@ -34,45 +34,103 @@ _GPT = ["--model", "gpt", "--seq-len", "16"]
 # path (in_file, in_dir, out_dir, out_file), the sound input it stands for, and the bad
 # paths that are sound there and finish with 0 (why).
 SLOTS = {
-    "train --dataset npz:": ("jdp.train", [*TRAIN, "--dataset", "npz:{}"], "in_file",
-                             "arrays.npz", {}),
-    "train --dataset tokens:": ("jdp.train", [*TRAIN, *_GPT, "--dataset", "tokens:{}"],
-                                "in_dir", "corpus", {}),
-    "train --dataset images:": ("jdp.train", [*TRAIN, "--dataset", "images:{}",
-                                "--image-size", "8,8"], "in_dir", "images", {}),
+    "train --dataset npz:": (
+        "jdp.train",
+        [*TRAIN, "--dataset", "npz:{}"],
+        "in_file",
+        "arrays.npz",
+        {},
+    ),
+    "train --dataset tokens:": (
+        "jdp.train",
+        [*TRAIN, *_GPT, "--dataset", "tokens:{}"],
+        "in_dir",
+        "corpus",
+        {},
+    ),
+    "train --dataset images:": (
+        "jdp.train",
+        [*TRAIN, "--dataset", "images:{}", "--image-size", "8,8"],
+        "in_dir",
+        "images",
+        {},
+    ),
     "train --recipe": ("jdp.train", [*TRAIN, "--recipe", "{}"], "in_file", "recipe.toml", {}),
     "train --ckpt-dir": ("jdp.train", [*TRAIN, "--ckpt-dir", "{}"], "out_dir", None, {}),
     "train --log-dir": ("jdp.train", [*TRAIN, "--log-dir", "{}"], "out_dir", None, {}),
-    "train --init-from hf:": ("jdp.train", [*TRAIN, *_GPT, "--dataset", "tokens:CORPUS",
-                              "--init-from", "hf:{}"], "in_dir", "hf", {}),
-    "data tokenize FILE": ("jdp.data", ["tokenize", "{}", "--out", "OUT", "--workers", "1"],
-                           "in_file", "text/a.txt", {"cut short": "half a text is text"}),
-    "data tokenize --out": ("jdp.data", ["tokenize", "TEXT", "--out", "{}", "--workers", "1"],
-                            "out_dir", None, {}),
-    "data tokenize --tokenizer": ("jdp.data", ["tokenize", "TEXT", "--out", "OUT",
-                                  "--tokenizer", "{}"], "in_file", "text/a.txt", {}),
+    "train --init-from hf:": (
+        "jdp.train",
+        [*TRAIN, *_GPT, *"--dataset tokens:CORPUS --init-from".split(), "hf:{}"],
+        "in_dir",
+        "hf",
+        {},
+    ),
+    "data tokenize FILE": (
+        "jdp.data",
+        ["tokenize", "{}", *"--out OUT --workers 1".split()],
+        "in_file",
+        "text/a.txt",
+        {"cut short": "half a text is text"},
+    ),
+    "data tokenize --out": (
+        "jdp.data",
+        [*"tokenize TEXT --out".split(), "{}", "--workers", "1"],
+        "out_dir",
+        None,
+        {},
+    ),
+    "data tokenize --tokenizer": (
+        "jdp.data",
+        [*"tokenize TEXT --out OUT --tokenizer".split(), "{}"],
+        "in_file",
+        "text/a.txt",
+        {},
+    ),
     "data pack FOLDER": ("jdp.data", ["pack", "{}", "--out", "OUT"], "in_dir", "images", {}),
     "data pack --out": ("jdp.data", ["pack", "IMAGES", "--out", "{}"], "out_dir", None, {}),
-    "data prepare --data-dir": ("jdp.data", ["prepare", "digits", "--data-dir", "{}"],
-                                "out_dir", None, {}),
+    "data prepare --data-dir": (
+        "jdp.data",
+        ["prepare", "digits", "--data-dir", "{}"],
+        "out_dir",
+        None,
+        {},
+    ),
     "export CKPT_DIR": ("jdp.export", ["{}", "--to", "hf", "OUT"], "in_dir", "ckpt", {}),
     "export OUT": ("jdp.export", ["CKPT", "--to", "hf", "{}"], "out_dir", None, {}),
-    "sample CKPT_DIR": ("jdp.sample", ["{}", "--prompt", "one", "--max-new-tokens", "2"],
-                        "in_dir", "ckpt", {}),
-    "sample --tokenizer": ("jdp.sample", ["CKPT", "--prompt", "one", "--tokenizer", "{}"],
-                           "in_file", "text/a.txt", {}),
-    "replay RUN_DIR": ("jdp.replay", ["{}", "--step", "1", "--out", "OUT"], "in_dir", "logs",
-                       {}),
-    "replay --ckpt-dir": ("jdp.replay", ["LOGS", "--step", "1", "--ckpt-dir", "{}", "--out",
-                          "OUT"], "in_dir", "ckpt",
-                          {"empty": "no checkpoint: the run's steps are computed from its start"}),
+    "sample CKPT_DIR": (
+        "jdp.sample",
+        ["{}", "--prompt", "one", "--max-new-tokens", "2"],
+        "in_dir",
+        "ckpt",
+        {},
+    ),
+    "sample --tokenizer": (
+        "jdp.sample",
+        ["CKPT", "--prompt", "one", "--tokenizer", "{}"],
+        "in_file",
+        "text/a.txt",
+        {},
+    ),
+    "replay RUN_DIR": ("jdp.replay", ["{}", "--step", "1", "--out", "OUT"], "in_dir", "logs", {}),
+    "replay --ckpt-dir": (
+        "jdp.replay",
+        [*"LOGS --step 1 --ckpt-dir".split(), "{}", "--out", "OUT"],
+        "in_dir",
+        "ckpt",
+        {"empty": "no checkpoint: the run's steps are computed from its start"},
+    ),
     "replay --out": ("jdp.replay", ["LOGS", "--step", "1", "--out", "{}"], "out_dir", None, {}),
     "plot RUN_DIR": ("jdp.plot", ["{}", "--out", "OUT/c.png"], "in_dir", "logs", {}),
-    "plot --out": ("jdp.plot", ["LOGS", "--out", "{}"], "out_file", None,
-                   {"a loop of links": "matplotlib adds .png: it writes loop.png"}),
+    "plot --out": (
+        "jdp.plot",
+        ["LOGS", "--out", "{}"],
+        "out_file",
+        None,
+        {"a loop of links": "matplotlib adds .png: it writes loop.png"},
+    ),
     "launch COMMAND": ("jdp.launch", ["--nproc", "1", "--", "{}"], "in_file", "text/a.txt", {}),
     "tools.gpu_docs JSON": ("tools.gpu_docs", ["{}", "--check"], "in_file", "gpu.json", {}),
-}  # fmt: skip
+}
 
 
 def run_main(module: str, *argv) -> tuple[object, str]:
@@ -80,12 +138,16 @@ def run_main(module: str, *argv) -> tuple[object, str]:
     exception escaped) and stderr. stdout is strict UTF-8 and stderr escapes, as Python's
     own streams are, so a name a terminal cannot show fails here as it would there."""
     out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
-    err = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="backslashreplace",
-                           write_through=True)  # fmt: skip
+    err = io.TextIOWrapper(
+        io.BytesIO(), encoding="utf-8", errors="backslashreplace", write_through=True
+    )
     named = f"{module}.__main__" if module in ("jdp.data", "jdp.bench") else module
     main = importlib.import_module(named).main
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-            warnings.catch_warnings():  # fmt: skip
+    with (
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")
         try:
             code = main([os.fspath(arg) for arg in argv])
@@ -112,14 +174,26 @@ def make_inputs(root: Path) -> Path:
 
     # No validation split and a gpt of one narrow layer: the fewest programs to compile.
     corpus, ckpt = root / "corpus", root / "ckpt"
-    code, err = run_main("jdp.data", "tokenize", text, "--out", corpus, "--workers", "1",
-                         "--val-fraction", "0")  # fmt: skip
+    code, err = run_main(
+        "jdp.data", "tokenize", text, "--out", corpus, *"--workers 1 --val-fraction 0".split()
+    )
     if code != 0:
         raise RuntimeError(f"jdp.data tokenize could not make a sound input: {err}")
-    config = TrainConfig(mesh="data=1", steps=1, warmup_steps=0, model="gpt", layers=1,
-                         width=16, heads=2, dataset=f"tokens:{corpus}", seq_len=16,
-                         batch_size=8, ckpt_dir=str(ckpt), log_dir=str(root / "logs"),
-                         compile_cache="off")  # fmt: skip
+    config = TrainConfig(
+        mesh="data=1",
+        steps=1,
+        warmup_steps=0,
+        model="gpt",
+        layers=1,
+        width=16,
+        heads=2,
+        dataset=f"tokens:{corpus}",
+        seq_len=16,
+        batch_size=8,
+        ckpt_dir=str(ckpt),
+        log_dir=str(root / "logs"),
+        compile_cache="off",
+    )
     with contextlib.redirect_stdout(io.StringIO()):
         fit(config, console=Console(enabled=False))
     code, err = run_main("jdp.export", ckpt, "--to", "hf", root / "hf")
@@ -175,8 +249,14 @@ def bad_paths(made: Path, where: Path, kind: str, sound: str | None) -> dict[str
 def arguments(made: Path, where: Path, slot: str, path: Path) -> list[str]:
     """``SLOTS[slot]``'s arguments with the sound inputs, a new output in ``where`` and
     ``path`` in the bad path's place."""
-    named = {"CORPUS": made / "corpus", "TEXT": made / "text", "IMAGES": made / "images",
-             "CKPT": made / "ckpt", "LOGS": made / "logs", "OUT": where / "out"}  # fmt: skip
+    named = {
+        "CORPUS": made / "corpus",
+        "TEXT": made / "text",
+        "IMAGES": made / "images",
+        "CKPT": made / "ckpt",
+        "LOGS": made / "logs",
+        "OUT": where / "out",
+    }
     args = []
     for arg in SLOTS[slot][1]:  # the sound inputs' places first, then the bad path's
         for name, sound_path in named.items():
@@ -204,15 +284,24 @@ def tool_faults(trials: int, seed: int, emit: Callable[[str], None]) -> Counter:
             where.mkdir()
             slot = rng.choice(sorted(SLOTS))
             module, _, kind, sound, sound_there = SLOTS[slot]
-            bad = {k: v for k, v in bad_paths(made, where, kind, sound).items()
-                   if k not in sound_there}  # fmt: skip
+            bad = {
+                k: v for k, v in bad_paths(made, where, kind, sound).items() if k not in sound_there
+            }
             what = rng.choice(sorted(bad))
-            done = subprocess.run([sys.executable, "-m", module,
-                                   *arguments(made, where, slot, bad[what])],
-                                  capture_output=True, text=True, errors="backslashreplace",
-                                  timeout=300)  # fmt: skip
-            verdict = ("one line" if answered(done.returncode, done.stderr) else
-                       "traceback" if "Traceback" in done.stderr else "other")  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-m", module, *arguments(made, where, slot, bad[what])],
+                capture_output=True,
+                text=True,
+                errors="backslashreplace",
+                timeout=300,
+            )
+            verdict = (
+                "one line"
+                if answered(done.returncode, done.stderr)
+                else "traceback"
+                if "Traceback" in done.stderr
+                else "other"
+            )
             outcomes[verdict] += 1
             emit(f"  {slot} given {what}: {verdict}")
     return outcomes

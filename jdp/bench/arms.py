@@ -80,8 +80,15 @@ def hand_written_step(model: Model, optimizer: optax.GradientTransformation, mes
     return jax.jit(mapped, donate_argnums=(0, 1))
 
 
-def _update(model: Model, optimizer: optax.GradientTransformation, params, opt_state, batch,
-            average=lambda *averaged: averaged, vary=lambda params: params):  # fmt: skip
+def _update(
+    model: Model,
+    optimizer: optax.GradientTransformation,
+    params,
+    opt_state,
+    batch,
+    average=lambda *averaged: averaged,
+    vary=lambda params: params,
+):
     """The hand-written steps' gradient (of ``vary(params)``), ``average``, and update."""
 
     def loss_fn(params):
@@ -241,8 +248,17 @@ def kernels(compiled_text: str) -> int:
     """The launches in a compiled program's entry computation: its fusions, custom
     calls (cuBLAS, cuDNN), copies and collectives."""
     entry = compiled_text.split("\nENTRY ", 1)[-1].split("\n}\n", 1)[0]
-    launches = ("fusion(", "custom-call(", "copy(", "all-reduce(", "all-reduce-start(",
-                "dynamic-update-slice(", "scatter(", "while(", "conditional(")  # fmt: skip
+    launches = (
+        "fusion(",
+        "custom-call(",
+        "copy(",
+        "all-reduce(",
+        "all-reduce-start(",
+        "dynamic-update-slice(",
+        "scatter(",
+        "while(",
+        "conditional(",
+    )
     return sum(1 for line in entry.splitlines() if any(f" {op}" in line for op in launches))
 
 

@@ -71,10 +71,15 @@ def measure(args: argparse.Namespace) -> None:
     from jdp.training.loop import fit
 
     config = TrainConfig(
-        model="gpt", dataset=f"tokens:{args.dir}", seq_len=args.seq_len, mesh=args.mesh,
-        batch_size=args.batch_size, steps=args.steps, warmup_steps=args.steps // 10,
+        model="gpt",
+        dataset=f"tokens:{args.dir}",
+        seq_len=args.seq_len,
+        mesh=args.mesh,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        warmup_steps=args.steps // 10,
         eval_every=0,
-    )  # fmt: skip
+    )
     figures: dict = {"before": status()}
 
     def sample(progress) -> None:
@@ -84,8 +89,11 @@ def measure(args: argparse.Namespace) -> None:
         figures["most"] = max(figures.get("most", 0), now["VmRSS"])
 
     result = fit(config, console=Console(enabled=False), callbacks=[Callback(sample, every=1)])
-    figures |= {"after": status(), "input_wait": result.input_wait,
-                "tokens_per_sec": result.tokens_per_sec}  # fmt: skip
+    figures |= {
+        "after": status(),
+        "input_wait": result.input_wait,
+        "tokens_per_sec": result.tokens_per_sec,
+    }
     print(json.dumps(figures))
 
 
@@ -121,10 +129,18 @@ def run(args: argparse.Namespace) -> None:
 
 def _one_run(args: argparse.Namespace, directory: str, mesh: str) -> str:
     command = [
-        sys.executable, "-m", "jdp.bench", "corpus", "--measure", "--dir", directory,
-        "--mesh", mesh, "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-        "--steps", str(args.steps),
-    ]  # fmt: skip
+        sys.executable,
+        *"-m jdp.bench corpus --measure --dir".split(),
+        directory,
+        "--mesh",
+        mesh,
+        "--seq-len",
+        str(args.seq_len),
+        "--batch-size",
+        str(args.batch_size),
+        "--steps",
+        str(args.steps),
+    ]
     done = subprocess.run(
         command, capture_output=True, text=True, env=child_environment(), check=False
     )

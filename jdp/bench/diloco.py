@@ -67,15 +67,27 @@ def _in_process(config: TrainConfig) -> tuple[float, float]:
 def _two_processes(config: TrainConfig) -> tuple[float, float]:
     """The arm as ``jdp.launch --nproc 2`` runs it: its summary line's figures."""
     flags = [
-        "--mesh", config.mesh, "--model", config.model, "--dataset", config.dataset,
-        "--steps", str(config.steps), "--batch-size", str(config.batch_size),
-    ]  # fmt: skip
+        "--mesh",
+        config.mesh,
+        "--model",
+        config.model,
+        "--dataset",
+        config.dataset,
+        "--steps",
+        str(config.steps),
+        "--batch-size",
+        str(config.batch_size),
+    ]
     if config.sync_every:
         flags += ["--sync-every", str(config.sync_every)]
     command = [
-        sys.executable, "-m", "jdp.launch", "--nproc", "2", "--devices-per-process", "4", "--",
-        sys.executable, "-m", "jdp.train", *flags,
-    ]  # fmt: skip
+        sys.executable,
+        *"-m jdp.launch --nproc 2 --devices-per-process 4 --".split(),
+        sys.executable,
+        "-m",
+        "jdp.train",
+        *flags,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     match = _SUMMARY.search(result.stdout)
     if result.returncode or not match:
@@ -83,8 +95,14 @@ def _two_processes(config: TrainConfig) -> tuple[float, float]:
     return float(match.group("accuracy")), float(match.group("rate"))
 
 
-def bench_diloco(workloads: list[str], intervals: list[int], *, steps: int | None,
-                 processes: int, on_line: Callable[[str], None] = print) -> list[str]:  # fmt: skip
+def bench_diloco(
+    workloads: list[str],
+    intervals: list[int],
+    *,
+    steps: int | None,
+    processes: int,
+    on_line: Callable[[str], None] = print,
+) -> list[str]:
     """The table, one row per workload and arm, printed as each row is measured."""
     lines, emit = report_lines(on_line)
     train = _two_processes if processes == 2 else _in_process

@@ -102,12 +102,30 @@ class Sizes:
 # The smoke run computes in fp32: XLA:CPU compiles bf16 programs several times slower.
 # Its GPT-2 cell has `bench lm`'s small vocabulary of bytes: GPT-2's 50,257 made each of
 # its 20-odd steps 0.18 s with XLA's optimizations off.
-SMOKE = Sizes(matmul=256, gpt_size="small", seq_len=32, gpt_rows=4, gpt_rounds=2,
-              gpt_steps=1, gpt_precision="fp32", gpt_vocab=256, resnet_size="toy", resnet_px=32,
-              resnet_precision="fp32", resnet_rows=4, resnet_rounds=2, jpegs=8, jpeg_rows=4,
-              sweep_rows=16, sweep_rounds=2, round_seconds=0.01,
-              gpt_cells=1, sweep_cases=SWEEP_CASES[:1], correctness_steps=4,
-              smoke=True)  # fmt: skip
+SMOKE = Sizes(
+    matmul=256,
+    gpt_size="small",
+    seq_len=32,
+    gpt_rows=4,
+    gpt_rounds=2,
+    gpt_steps=1,
+    gpt_precision="fp32",
+    gpt_vocab=256,
+    resnet_size="toy",
+    resnet_px=32,
+    resnet_precision="fp32",
+    resnet_rows=4,
+    resnet_rounds=2,
+    jpegs=8,
+    jpeg_rows=4,
+    sweep_rows=16,
+    sweep_rounds=2,
+    round_seconds=0.01,
+    gpt_cells=1,
+    sweep_cases=SWEEP_CASES[:1],
+    correctness_steps=4,
+    smoke=True,
+)
 
 
 class Report:
@@ -119,8 +137,10 @@ class Report:
         self.data: dict[str, Any] = {
             "command": " ".join(["python -m jdp.bench gpu", *sys.argv[2:]]),
             "date": datetime.date.today().isoformat(),
-            "budget_s": budget, "smoke": smoke, "parts": {},
-        }  # fmt: skip
+            "budget_s": budget,
+            "smoke": smoke,
+            "parts": {},
+        }
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.started)
@@ -140,8 +160,9 @@ class Report:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=float, default=480.0, help="wall seconds for all parts")
     parser.add_argument("--out", default="jdp-gpu.json", help="the JSON file the parts land in")
-    parser.add_argument("--smoke", action="store_true",
-                        help="every part at toy sizes (on a CPU too), in seconds")  # fmt: skip
+    parser.add_argument(
+        "--smoke", action="store_true", help="every part at toy sizes (on a CPU too), in seconds"
+    )
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated, from these")
     parser.add_argument(
         "--gpt2-share",
@@ -252,8 +273,10 @@ def _picks(said: str) -> tuple[int, ...]:
     picks: list[int] = []
     for word in filter(None, (w.strip() for w in said.split(","))):
         if word not in {str(n) for n in range(1, len(GPT2_CELLS) + 1)} or int(word) in picks:
-            raise UsageError(f"--gpt2-cells: {word!r} is not a cell number from 1 to "
-                             f"{len(GPT2_CELLS)} named once")  # fmt: skip
+            raise UsageError(
+                f"--gpt2-cells: {word!r} is not a cell number from 1 to "
+                f"{len(GPT2_CELLS)} named once"
+            )
         picks.append(int(word))
     return tuple(picks)
 

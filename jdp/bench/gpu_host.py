@@ -63,9 +63,17 @@ def part_loader(sizes: Sizes, device_rate: float | None) -> dict[str, Any]:
         else:
             os.environ["JAX_PLATFORMS"] = platforms
     warm, timed = worker_window(workers, batches)
-    result = {"jpegs": len(blobs), "mean_kb": size / len(blobs) / 1e3, "decoders": decoders,
-              "per_core": one, "workers": workers, "with_workers": many,
-              "warm_batches": warm, "timed_batches": timed, "cores": os.cpu_count()}  # fmt: skip
+    result = {
+        "jpegs": len(blobs),
+        "mean_kb": size / len(blobs) / 1e3,
+        "decoders": decoders,
+        "per_core": one,
+        "workers": workers,
+        "with_workers": many,
+        "warm_batches": warm,
+        "timed_batches": timed,
+        "cores": os.cpu_count(),
+    }
     if device_rate:
         result["device_rate"] = device_rate
         result["cores_per_device"] = device_rate / one
@@ -89,8 +97,9 @@ def peer_spec(case, run, batch, smoke: bool) -> dict[str, Any]:
     }
 
 
-def part_sweep(sizes: Sizes, report: Report, end: float,
-               on_line: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+def part_sweep(
+    sizes: Sizes, report: Report, end: float, on_line: Callable[[str], None]
+) -> dict[str, Any]:
     from jdp.bench.arms import hand_loop, hand_written_step
     from jdp.bench.step import CASES, _params, case_run, first_batch
     from jdp.data.loader import on_host, places_ahead, train_batches
@@ -104,20 +113,27 @@ def part_sweep(sizes: Sizes, report: Report, end: float,
         run = case_run(CASES[name], "data=1", rows)
         stacked = case_run(CASES[name], "data=1", rows, steps_per_call=4)
         batch = first_batch(run, rows)
-        four = jax.device_put(jax.tree.map(lambda x: jnp.stack([x] * 4), batch),
-                              batch_sharded(run.mesh, stacked=True))  # fmt: skip
+        four = jax.device_put(
+            jax.tree.map(lambda x: jnp.stack([x] * 4), batch), batch_sharded(run.mesh, stacked=True)
+        )
         hand = hand_written_step(run.model, run.optimizer, run.mesh, kind="one-device")
-        arms = {"hand-written": hand_loop(hand, run, batch),
-                "jdp": jdp_loop(run.train_step, run, batch, run.optimizer),
-                "jdp, 4 steps per call": jdp_loop(stacked.train_step, run, four, run.optimizer,
-                                                  per_call=4)}  # fmt: skip
+        arms = {
+            "hand-written": hand_loop(hand, run, batch),
+            "jdp": jdp_loop(run.train_step, run, batch, run.optimizer),
+            "jdp, 4 steps per call": jdp_loop(
+                stacked.train_step, run, four, run.optimizer, per_call=4
+            ),
+        }
         if "sweep" in sizes.levers:
             arms |= lever_arms(run, stacked, batch, four)
         with contextlib.ExitStack() as stack:  # each step's batch as a run's loader gives it
-            for arm, split in (("fed from the host", on_host(run.train)),
-                               ("fed on the device", run.train)):  # fmt: skip
-                loader = train_batches(split, run.mesh, batch_size=rows, seed=0,
-                                       place=places_ahead(run.mesh))  # fmt: skip
+            for arm, split in (
+                ("fed from the host", on_host(run.train)),
+                ("fed on the device", run.train),
+            ):
+                loader = train_batches(
+                    split, run.mesh, batch_size=rows, seed=0, place=places_ahead(run.mesh)
+                )
                 loader = stack.enter_context(loader)
                 arms[arm] = jdp_loop(run.train_step, run, loader, run.optimizer)
             # The same MLP in PyTorch (the gpt case has no PyTorch arm of its own).
@@ -127,34 +143,49 @@ def part_sweep(sizes: Sizes, report: Report, end: float,
             spec = peer_spec(CASES[name], run, batch, sizes.smoke) if racing else {}
             racers = peers.racing(racing, lambda arm, spec=spec: spec)
             built, failed = stack.enter_context(racers)
-            rates = interleaved_rates(arms | built, rounds=sizes.sweep_rounds,
-                                      round_seconds=sizes.round_seconds, rows=rows)  # fmt: skip
+            rates = interleaved_rates(
+                arms | built,
+                rounds=sizes.sweep_rounds,
+                round_seconds=sizes.round_seconds,
+                rows=rows,
+            )
             raced = peers.results(built, failed, rates)
         ratios = ratios_to(rates, "hand-written")
-        results.append({"case": name, "params": _params(run), "rows": rows,
-                        "rates": {arm: statistics.median(r) for arm, r in rates.items()},
-                        "ratios": ratios, "overhead": _overheads(run, hand, batch)})  # fmt: skip
+        results.append(
+            {
+                "case": name,
+                "params": _params(run),
+                "rows": rows,
+                "rates": {arm: statistics.median(r) for arm, r in rates.items()},
+                "ratios": ratios,
+                "overhead": _overheads(run, hand, batch),
+            }
+        )
         if racing:
             results[-1]["peers"] = raced
         if "sweep" in sizes.levers:
             results[-1]["levers"] = {lever.name: lever.source for lever in LEVERS["sweep"]}
-        on_line(
-            f"  sweep {name} ({_params(run)}): hand-written "
-            f"{results[-1]['rates']['hand-written']:,.0f} examples/s; jdp "
-            f"{ratios['jdp']:.3f}x, 4 steps per call {ratios['jdp, 4 steps per call']:.3f}x, "
-            f"fed from the host {ratios['fed from the host']:.3f}x, fed on the device "
-            f"{ratios['fed on the device']:.3f}x"
-        )
-        if "sweep" in sizes.levers:
-            on_line(
-                "    levers: "
-                + ", ".join(
-                    f"{lever.name} {ratios[f'jdp, {lever.name}']:.3f}x" for lever in LEVERS["sweep"]
-                )
-            )
+        for line in _sweep_lines(results[-1], "sweep" in sizes.levers):
+            on_line(line)
         del run, stacked, arms
         gc.collect()
     return {"cases": results, "skipped_for_budget": skipped}
+
+
+def _sweep_lines(result: dict[str, Any], levers: bool) -> list[str]:
+    """What the sweep says of one cell as it ends: its rate and each arm's ratio."""
+    ratios = result["ratios"]
+    lines = [
+        f"  sweep {result['case']} ({result['params']}): hand-written "
+        f"{result['rates']['hand-written']:,.0f} examples/s; jdp "
+        f"{ratios['jdp']:.3f}x, 4 steps per call {ratios['jdp, 4 steps per call']:.3f}x, "
+        f"fed from the host {ratios['fed from the host']:.3f}x, fed on the device "
+        f"{ratios['fed on the device']:.3f}x"
+    ]
+    if levers:
+        each = (f"{lever.name} {ratios[f'jdp, {lever.name}']:.3f}x" for lever in LEVERS["sweep"])
+        lines.append("    levers: " + ", ".join(each))
+    return lines
 
 
 def _overheads(run, hand, batch) -> dict[str, Any]:
@@ -214,9 +245,18 @@ def correctness_losses(steps: int, nudges: tuple[bool, ...] = (False,)) -> list[
     from jdp.training.config import TrainConfig
     from jdp.training.run import build
 
-    config = TrainConfig(mesh="data=1", model="gpt", model_size="small",
-                         dataset="numbers2words", batch_size=16, precision="fp32",
-                         attention="xla", steps=steps, warmup_steps=2, lr=1e-3)  # fmt: skip
+    config = TrainConfig(
+        mesh="data=1",
+        model="gpt",
+        model_size="small",
+        dataset="numbers2words",
+        batch_size=16,
+        precision="fp32",
+        attention="xla",
+        steps=steps,
+        warmup_steps=2,
+        lr=1e-3,
+    )
     runs = []
     with jax.default_matmul_precision("highest"):
         run = build(config, Console(enabled=False))
@@ -271,6 +311,13 @@ def part_correctness(steps: int, reference: subprocess.Popen) -> dict[str, Any]:
     tolerance = [max(100 * abs(a - b), 64 * eps * abs(a)) for a, b in zip(cpu, nudged, strict=True)]
     differences = [abs(a - b) for a, b in zip(accelerator, cpu, strict=True)]
     within = all(d <= t for d, t in zip(differences, tolerance, strict=True))
-    return {"steps": steps, "accelerator": accelerator, "cpu": cpu, "cpu_nudged": nudged,
-            "tolerance": tolerance, "differences": differences, "within": within,
-            "worst": max(d / t for d, t in zip(differences, tolerance, strict=True))}  # fmt: skip
+    return {
+        "steps": steps,
+        "accelerator": accelerator,
+        "cpu": cpu,
+        "cpu_nudged": nudged,
+        "tolerance": tolerance,
+        "differences": differences,
+        "within": within,
+        "worst": max(d / t for d, t in zip(differences, tolerance, strict=True)),
+    }

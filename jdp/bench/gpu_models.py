@@ -71,8 +71,11 @@ RESNET_ROWS = 256  # NVIDIA's ResNet-50 mixed-precision batch per A100/H100
 def _versions() -> dict[str, str]:
     import jaxlib
 
-    found = {"python": platform.python_version(), "jax": jax.__version__,
-             "jaxlib": jaxlib.__version__}  # fmt: skip
+    found = {
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+    }
     try:  # private, and absent without CUDA: the versions are a courtesy
         from jax._src.lib import cuda_versions
 
@@ -106,10 +109,16 @@ def matmul_rate(n: int, repeats: int = 10) -> float:
 def part_machine(sizes: Sizes) -> dict[str, Any]:
     device = jax.devices()[0]
     rate = matmul_rate(sizes.matmul)
-    return {"platform": jax.default_backend(), "kind": device.device_kind,
-            "devices": jax.device_count(), "cores": os.cpu_count(),
-            "versions": _versions(), "matmul_n": sizes.matmul, "matmul_flops": rate,
-            "peak_flops": peak_flops(device.device_kind, "bf16")}  # fmt: skip
+    return {
+        "platform": jax.default_backend(),
+        "kind": device.device_kind,
+        "devices": jax.device_count(),
+        "cores": os.cpu_count(),
+        "versions": _versions(),
+        "matmul_n": sizes.matmul,
+        "matmul_flops": rate,
+        "peak_flops": peak_flops(device.device_kind, "bf16"),
+    }
 
 
 # --- 2. GPT-2 124M -----------------------------------------------------------------
@@ -142,26 +151,40 @@ def gpt_cells(smoke: bool = False, picks: tuple[int, ...] = ()) -> list[dict[str
     return cells
 
 
-def part_gpt2(sizes: Sizes, report: Report, share_end: float,
-              on_line: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+def part_gpt2(
+    sizes: Sizes, report: Report, share_end: float, on_line: Callable[[str], None]
+) -> dict[str, Any]:
     from jdp.bench import lm, lm_cell
 
     rows = gpt_rows(sizes)  # on one device: every part's mesh is data=1
     cells, skipped = [], []
     chosen = gpt_cells(sizes.smoke, sizes.gpt_picks)[: sizes.gpt_cells]
-    ran = {"cells": cells, "skipped_for_budget": skipped, "rows": rows,
-           "seq_len": sizes.seq_len, "size": sizes.gpt_size,
-           "precision": sizes.gpt_precision}  # fmt: skip
+    ran = {
+        "cells": cells,
+        "skipped_for_budget": skipped,
+        "rows": rows,
+        "seq_len": sizes.seq_len,
+        "size": sizes.gpt_size,
+        "precision": sizes.gpt_precision,
+    }
     for index, setting in enumerate(chosen):
         if index and report.elapsed() > share_end:
             skipped.append(setting)
             continue
         options = {key: value for key, value in setting.items() if key != "rows"}
         batch = max(1, int(rows * setting.get("rows", 1)))
-        cell = lm_cell.Cell(mesh="data=1", model_size=sizes.gpt_size, seq_len=sizes.seq_len,
-                       batch_size=batch, precision=sizes.gpt_precision,
-                       vocab_size=sizes.gpt_vocab or lm_cell.GPT2_VOCAB, data="",
-                       rounds=sizes.gpt_rounds, steps=sizes.gpt_steps, **options)  # fmt: skip
+        cell = lm_cell.Cell(
+            mesh="data=1",
+            model_size=sizes.gpt_size,
+            seq_len=sizes.seq_len,
+            batch_size=batch,
+            precision=sizes.gpt_precision,
+            vocab_size=sizes.gpt_vocab or lm_cell.GPT2_VOCAB,
+            data="",
+            rounds=sizes.gpt_rounds,
+            steps=sizes.gpt_steps,
+            **options,
+        )
         started = time.monotonic()
         module = lm.gpt_module(cell, cell.vocab_size)
         planning = gpu_plan.start(cell, module.vocab_size, jax.devices()[0].device_kind)
@@ -240,8 +263,7 @@ def gpt2_peer_spec(cell, sizes: Sizes) -> dict[str, Any]:
 # The smoke run's ResNet: ResNet-50's kinds of layers (the ImageNet stem, bottleneck
 # blocks, a strided stage's projection) with one narrow block in each of two stages,
 # to compile in seconds on a CPU (four stages took 2.7 s more of the smoke run).
-TOY_RESNET = {"stages": (1, 1), "widths": (8, 8), "bottleneck": True,
-              "imagenet_stem": True}  # fmt: skip
+TOY_RESNET = {"stages": (1, 1), "widths": (8, 8), "bottleneck": True, "imagenet_stem": True}
 
 
 def resnet_module(size: str):
@@ -261,9 +283,12 @@ def hand_written_resnet_step(module, optimizer, dtype, mesh):
 
     def loss(params, stats, batch):
         cast = jax.tree.map(lambda leaf: leaf.astype(dtype), params)
-        logits, updated = module.apply({"params": cast, "batch_stats": stats},
-                                       batch["image"].astype(dtype), train=True,
-                                       mutable=["batch_stats"])  # fmt: skip
+        logits, updated = module.apply(
+            {"params": cast, "batch_stats": stats},
+            batch["image"].astype(dtype),
+            train=True,
+            mutable=["batch_stats"],
+        )
         labels = batch["label"]
         value = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
         return value.mean(), updated["batch_stats"]
@@ -276,8 +301,9 @@ def hand_written_resnet_step(module, optimizer, dtype, mesh):
         return optax.apply_updates(params, updates), stats, opt_state, value
 
     whole, rows = PartitionSpec(), PartitionSpec(DATA_AXIS)
-    mapped = jax.shard_map(replica, mesh=mesh, in_specs=(whole, whole, whole, rows),
-                           out_specs=whole)  # fmt: skip
+    mapped = jax.shard_map(
+        replica, mesh=mesh, in_specs=(whole, whole, whole, rows), out_specs=whole
+    )
     return jax.jit(mapped, donate_argnums=(0, 1, 2))
 
 
@@ -291,16 +317,19 @@ def part_resnet50(sizes: Sizes) -> dict[str, Any]:
     mesh = make_mesh("data=1")
     rows, px = sizes.resnet_rows, sizes.resnet_px
     rng = np.random.default_rng(0)
-    host = {"image": rng.normal(size=(rows, px, px, 3)).astype(np.float32),
-            "label": rng.integers(0, 1000, rows).astype(np.int32)}  # fmt: skip
+    host = {
+        "image": rng.normal(size=(rows, px, px, 3)).astype(np.float32),
+        "label": rng.integers(0, 1000, rows).astype(np.int32),
+    }
     batch = shard_batch(host, mesh)
     module = resnet_module(sizes.resnet_size)
     model = from_linen(module, classification())
     params, model_state = jax.jit(model.init)(jax.random.key(0), batch)  # one program, not ops
     optimizer = optax.sgd(0.1, momentum=0.9)
     precision = make_precision(sizes.resnet_precision)
-    step = make_train_step(model.loss_fn, optimizer, mesh, has_aux=True, has_model_state=True,
-                           precision=precision)  # fmt: skip
+    step = make_train_step(
+        model.loss_fn, optimizer, mesh, has_aux=True, has_model_state=True, precision=precision
+    )
 
     def fresh_state():  # each jdp arm's own: the step donates it
         return create_train_state(
@@ -340,11 +369,17 @@ def part_resnet50(sizes: Sizes) -> dict[str, Any]:
         )
         raced = peers.results(built, failed, rates)
     count = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
-    result = {"rows": rows, "px": px, "size": sizes.resnet_size, "params": int(count),
-              "precision": sizes.resnet_precision,
-              "rates": rates, "jdp": statistics.median(rates["jdp"]),
-              "hand": statistics.median(rates["hand-written"]),
-              "ratio": ratios_to(rates, "hand-written")["jdp"]}  # fmt: skip
+    result = {
+        "rows": rows,
+        "px": px,
+        "size": sizes.resnet_size,
+        "params": int(count),
+        "precision": sizes.resnet_precision,
+        "rates": rates,
+        "jdp": statistics.median(rates["jdp"]),
+        "hand": statistics.median(rates["hand-written"]),
+        "ratio": ratios_to(rates, "hand-written")["jdp"],
+    }
     if racing:
         result["peers"] = raced
     if "resnet50" in sizes.levers:

@@ -21,13 +21,27 @@ def start(cell, vocab_size: int, kind: str) -> subprocess.Popen | None:
     """``python -m jdp.plan --json`` for ``cell`` (a `jdp.bench.lm_cell.Cell` on one
     device) and the accelerator named in ``kind``, running; None where it cannot start."""
     argv = [
-        sys.executable, "-m", "jdp.plan", "--json", "--model", "gpt",
-        "--model-size", cell.model_size, "--mesh", cell.mesh,
-        "--batch-size", str(cell.batch_size), "--seq-len", str(cell.seq_len),
-        "--vocab-size", str(vocab_size), "--precision", cell.precision or "fp32",
-        "--remat", cell.remat, "--attention", cell.attention,
-        "--loss-chunks", str(cell.loss_chunks), *(["--fp8"] if cell.fp8 else []),
-    ]  # fmt: skip
+        sys.executable,
+        *"-m jdp.plan --json --model gpt --model-size".split(),
+        cell.model_size,
+        "--mesh",
+        cell.mesh,
+        "--batch-size",
+        str(cell.batch_size),
+        "--seq-len",
+        str(cell.seq_len),
+        "--vocab-size",
+        str(vocab_size),
+        "--precision",
+        cell.precision or "fp32",
+        "--remat",
+        cell.remat,
+        "--attention",
+        cell.attention,
+        "--loss-chunks",
+        str(cell.loss_chunks),
+        *(["--fp8"] if cell.fp8 else []),
+    ]
     argv += ["--unroll-layers"] if cell.unroll else []
     device = next((name for key, name in KINDS.items() if key in kind), None)
     argv += ["--device", device] if device else []

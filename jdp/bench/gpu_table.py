@@ -23,10 +23,12 @@ def setting_text(setting: dict[str, Any]) -> str:
     layers = "unrolled" if setting["unroll"] else "scanned"
     compiler = compiler_text(setting)
     chunks = setting.get("loss_chunks", 1)
-    return (f"attention {setting['attention']}, remat {setting['remat']}, {layers}"
-            + (f", loss in {chunks} chunks" if chunks > 1 else "")
-            + (", FP8 products" if setting.get("fp8") else "")
-            + (f", {compiler}" if compiler else ""))  # fmt: skip
+    return (
+        f"attention {setting['attention']}, remat {setting['remat']}, {layers}"
+        + (f", loss in {chunks} chunks" if chunks > 1 else "")
+        + (", FP8 products" if setting.get("fp8") else "")
+        + (f", {compiler}" if compiler else "")
+    )
 
 
 def gpt_numbers(result: dict[str, Any]) -> dict[str, float]:
@@ -44,8 +46,10 @@ def gpt_line(result: dict[str, Any]) -> str:
     n = gpt_numbers(result)
     mfu = f", MFU {n['mfu']:.1%} (causal {n['mfu_causal']:.1%})" if "mfu" in n else ""
     check = "agree" if result["check"]["agree"] else "DISAGREE"
-    return (f"  gpt2 {setting_text(result['setting'])}: jdp {n['jdp']:,.0f} tokens/s, hand-written "
-            f"{n['hand']:,.0f}, {n['ratio']:.3f}x{mfu}; first losses {check}")  # fmt: skip
+    return (
+        f"  gpt2 {setting_text(result['setting'])}: jdp {n['jdp']:,.0f} tokens/s, hand-written "
+        f"{n['hand']:,.0f}, {n['ratio']:.3f}x{mfu}; first losses {check}"
+    )
 
 
 def table(data: dict[str, Any]) -> list[str]:
@@ -68,9 +72,12 @@ def _machine(machine: dict[str, Any]) -> list[str]:
         f"{machine['kind']} ({machine['platform']}), {machine['cores']} cores; JAX {v['jax']}, "
         f"jaxlib {v['jaxlib']}, Python {v['python']}" + (f", {extra}" if extra else ""),
         f"bf16 {machine['matmul_n']}-cube product: {machine['matmul_flops'] / 1e12:,.1f} TFLOP/s"
-        + (f" ({machine['matmul_flops'] / peak:.0%} of the data sheet's {peak / 1e12:,.0f})"
-           if peak else ""),
-    ]  # fmt: skip
+        + (
+            f" ({machine['matmul_flops'] / peak:.0%} of the data sheet's {peak / 1e12:,.0f})"
+            if peak
+            else ""
+        ),
+    ]
 
 
 def _gpt2(gpt: dict[str, Any]) -> list[str]:
@@ -84,8 +91,10 @@ def _gpt2(gpt: dict[str, Any]) -> list[str]:
         s = cell["setting"]
         layers = "unrolled" if s["unroll"] else "scanned"
         if "error" in cell:
-            lines.append(f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}  {cell['error'][:60]}"
-                         f"  {compiler_text(s)}")  # fmt: skip
+            lines.append(
+                f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}  {cell['error'][:60]}"
+                f"  {compiler_text(s)}"
+            )
             continue
         n = gpt_numbers(cell)
         mfu = f"{n['mfu']:>7.1%}{n['mfu_causal']:>8.1%}" if "mfu" in n else f"{'-':>7}{'-':>8}"
@@ -93,9 +102,11 @@ def _gpt2(gpt: dict[str, Any]) -> list[str]:
         if index == 0 and cell.get("peak_bytes"):
             memory = f"{cell['peak_bytes'] / 2**30:>7.1f}GB"
         rows = cell["cell"]["batch_size"]
-        lines.append(f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}{rows:>5}"
-                     f"{n['jdp']:>13,.0f}{n['hand']:>14,.0f}{n['ratio']:>7.3f}x{mfu}"
-                     f"{memory}  {compiler_text(s) or 'default'}")  # fmt: skip
+        lines.append(
+            f"  {s['attention']:<10}{s['remat']:<6}{layers:<10}{rows:>5}"
+            f"{n['jdp']:>13,.0f}{n['hand']:>14,.0f}{n['ratio']:>7.3f}x{mfu}"
+            f"{memory}  {compiler_text(s) or 'default'}"
+        )
         lines += [text for text in (gpu_plan.line(cell),) if text]
     for cell in gpt["cells"][:1]:  # the PyTorch peers race the first cell
         lines += peer_lines(cell.get("peers", {}), "tokens", cell)
@@ -154,31 +165,48 @@ def peer_lines(peers: dict[str, Any], unit: str, cell: dict[str, Any] | None = N
 def _loader(loader: dict[str, Any]) -> list[str]:
     need = ""
     if "device_rate" in loader:
-        need = (f"; one device at {loader['device_rate']:,.0f} images/s needs "
-                f"{loader['cores_per_device']:.1f} such cores")  # fmt: skip
+        need = (
+            f"; one device at {loader['device_rate']:,.0f} images/s needs "
+            f"{loader['cores_per_device']:.1f} such cores"
+        )
     # Runs before `worker_window` timed the workers from the first batch, while the
     # others were still starting: their figure is not the workers' rate.
-    when = ("" if "timed_batches" in loader else
-            " (timed from the first batch, the other workers still starting)")  # fmt: skip
-    return [f"JPEG loader ({loader['jpegs']} JPEGs of ImageNet's sizes, {loader['mean_kb']:.0f} "
-            f"KB): {loader['per_core']:,.0f} images/s on one core, "
-            f"{loader['with_workers']:,.0f} with {loader['workers']} workers{when}"
-            f"{need}"]  # fmt: skip
+    when = (
+        ""
+        if "timed_batches" in loader
+        else " (timed from the first batch, the other workers still starting)"
+    )
+    return [
+        f"JPEG loader ({loader['jpegs']} JPEGs of ImageNet's sizes, {loader['mean_kb']:.0f} "
+        f"KB): {loader['per_core']:,.0f} images/s on one core, "
+        f"{loader['with_workers']:,.0f} with {loader['workers']} workers{when}"
+        f"{need}"
+    ]
 
 
 def _sweep(sweep: dict[str, Any]) -> list[str]:
     lines = []
     for case in sweep["cases"]:
         r, o = case["ratios"], case.get("overhead")
-        where = (f"; kernels {o['hand-written']['kernels']} vs {o['jdp']['kernels']}, host "
-                 f"{o['hand-written']['dispatch_us']:.0f}{_scalars(o)} vs "
-                 f"{o['jdp']['dispatch_us']:.0f} us a call" if o else "")  # fmt: skip
-        fed = (f", fed from the host {r['fed from the host']:.3f}x, fed on the device "
-               f"{r['fed on the device']:.3f}x" if "fed on the device" in r else "")  # fmt: skip
-        lines.append(f"sweep {case['case']} ({case['params']}), {case['rows']} rows: "
-                     f"hand-written {case['rates']['hand-written']:,.0f} examples/s; jdp "
-                     f"{r['jdp']:.3f}x, 4 steps per call {r['jdp, 4 steps per call']:.3f}x"
-                     f"{fed}{where}")  # fmt: skip
+        where = (
+            f"; kernels {o['hand-written']['kernels']} vs {o['jdp']['kernels']}, host "
+            f"{o['hand-written']['dispatch_us']:.0f}{_scalars(o)} vs "
+            f"{o['jdp']['dispatch_us']:.0f} us a call"
+            if o
+            else ""
+        )
+        fed = (
+            f", fed from the host {r['fed from the host']:.3f}x, fed on the device "
+            f"{r['fed on the device']:.3f}x"
+            if "fed on the device" in r
+            else ""
+        )
+        lines.append(
+            f"sweep {case['case']} ({case['params']}), {case['rows']} rows: "
+            f"hand-written {case['rates']['hand-written']:,.0f} examples/s; jdp "
+            f"{r['jdp']:.3f}x, 4 steps per call {r['jdp, 4 steps per call']:.3f}x"
+            f"{fed}{where}"
+        )
         lines += lever_lines(case, r)
         lines += peer_lines(case.get("peers", {}), "examples")
     return lines
@@ -195,12 +223,20 @@ def _scalars(overhead: dict[str, Any]) -> str:
 
 
 def _correctness(check: dict[str, Any]) -> list[str]:
-    return [f"correctness: {check['steps']} steps of gpt small, fp32: "
-            f"{'within' if check['within'] else 'OUTSIDE'} the derived tolerance (worst step "
-            f"at {check['worst']:.2f} of it; last loss {check['accelerator'][-1]:.6f} here, "
-            f"{check['cpu'][-1]:.6f} on the CPU)"]  # fmt: skip
+    return [
+        f"correctness: {check['steps']} steps of gpt small, fp32: "
+        f"{'within' if check['within'] else 'OUTSIDE'} the derived tolerance (worst step "
+        f"at {check['worst']:.2f} of it; last loss {check['accelerator'][-1]:.6f} here, "
+        f"{check['cpu'][-1]:.6f} on the CPU)"
+    ]
 
 
 # Each part's lines, in the order the parts run.
-LINES = {"machine": _machine, "gpt2": _gpt2, "resnet50": _resnet50, "loader": _loader,
-         "sweep": _sweep, "correctness": _correctness}  # fmt: skip
+LINES = {
+    "machine": _machine,
+    "gpt2": _gpt2,
+    "resnet50": _resnet50,
+    "loader": _loader,
+    "sweep": _sweep,
+    "correctness": _correctness,
+}

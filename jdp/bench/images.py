@@ -124,11 +124,17 @@ def bench_images(args) -> list[str]:
             split, batch_size=args.batch_size, workers=args.workers, batches=args.batches
         )
         config = TrainConfig(
-            model="resnet50", model_size=args.model_size, dataset=f"images:{root}",
-            mesh=args.mesh, batch_size=args.batch_size, steps=args.steps,
-            warmup_steps=1, eval_every=0, loader_workers=args.workers,
+            model="resnet50",
+            model_size=args.model_size,
+            dataset=f"images:{root}",
+            mesh=args.mesh,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            warmup_steps=1,
+            eval_every=0,
+            loader_workers=args.workers,
             precision="bf16",
-        )  # fmt: skip
+        )
         result = fit(config, console=Console(enabled=False))
     finally:
         if args.dir is None:

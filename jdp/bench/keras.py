@@ -93,8 +93,9 @@ def run(args) -> int | None:
     if args.keras_run:
         print(json.dumps(keras_run(args.steps, args.batch_size)))
         return 0
-    bench_keras(args.steps, args.rounds, args.batch_size,
-                on_line=lambda line: print(line, flush=True))  # fmt: skip
+    bench_keras(
+        args.steps, args.rounds, args.batch_size, on_line=lambda line: print(line, flush=True)
+    )
     return 0
 
 
@@ -111,8 +112,9 @@ def check_keras() -> None:
         )
 
 
-def bench_keras(steps: int, rounds: int, batch_size: int, *,
-                on_line: Callable[[str], None] = print) -> list[str]:  # fmt: skip
+def bench_keras(
+    steps: int, rounds: int, batch_size: int, *, on_line: Callable[[str], None] = print
+) -> list[str]:
     """The rounds, each a Keras run, a jdp run and a run of jdp's step alone, and the
     medians; returns the lines."""
     lines, emit = report_lines(on_line)
@@ -134,9 +136,11 @@ def bench_keras(steps: int, rounds: int, batch_size: int, *,
                 f"step to the end of the last; Keras {keras['keras']} (JAX backend), JAX "
                 f"{keras['jax']}"
             )
-            emit(f"  {'round':<8}{'keras ex/s':>12}{'jdp ex/s':>12}{'host ex/s':>12}"
-                 f"{'step ex/s':>12}{'jdp / keras':>13}{'jdp / step':>12}"
-                 f"{'host / step':>13}")  # fmt: skip
+            emit(
+                f"  {'round':<8}{'keras ex/s':>12}{'jdp ex/s':>12}{'host ex/s':>12}"
+                f"{'step ex/s':>12}{'jdp / keras':>13}{'jdp / step':>12}"
+                f"{'host / step':>13}"
+            )
         emit(_round_line(str(round_ + 1), {arm: values[-1] for arm, values in rates.items()}))
     medians = {arm: statistics.median(values) for arm, values in rates.items()}
     ratios = {  # the median of the rounds' own ratios
@@ -148,9 +152,11 @@ def bench_keras(steps: int, rounds: int, batch_size: int, *,
     emit(_round_line("median", medians, ratios))
     loops = [_loop_process(steps, batch_size) for _ in range(rounds)]
     wall, cpu = (statistics.median(loop[key] for loop in loops) for key in ("wall_us", "cpu_us"))
-    emit(f"  fit's loop alone (its step replaced by one that returns at once; input, actions "
-         f"and ledger as run): {wall:.1f} us a step, {cpu:.1f} us of its thread's CPU "
-         f"(median of {rounds} runs)")  # fmt: skip
+    emit(
+        f"  fit's loop alone (its step replaced by one that returns at once; input, actions "
+        f"and ledger as run): {wall:.1f} us a step, {cpu:.1f} us of its thread's CPU "
+        f"(median of {rounds} runs)"
+    )
     return lines
 
 
@@ -193,15 +199,27 @@ def _run(command: list[str], what: str) -> str:
 
 
 def _keras_process(steps: int, batch_size: int) -> dict[str, Any]:
-    command = [sys.executable, "-m", "jdp.bench", "keras", "--keras-run", "--steps", str(steps),
-               "--batch-size", str(batch_size)]  # fmt: skip
+    command = [
+        sys.executable,
+        *"-m jdp.bench keras --keras-run --steps".split(),
+        str(steps),
+        "--batch-size",
+        str(batch_size),
+    ]
     return json.loads(_run(command, "Keras").strip().splitlines()[-1])
 
 
 def _jdp_process(steps: int, batch_size: int, on_device: str = "auto") -> float:
     """The examples/s of ``python -m jdp.train --mesh data=1``'s summary line."""
-    command = [sys.executable, "-m", "jdp.train", "--mesh", "data=1", "--steps", str(steps),
-               "--batch-size", str(batch_size), "--data-on-device", on_device]  # fmt: skip
+    command = [
+        sys.executable,
+        *"-m jdp.train --mesh data=1 --steps".split(),
+        str(steps),
+        "--batch-size",
+        str(batch_size),
+        "--data-on-device",
+        on_device,
+    ]
     out = _run(command, "jdp")
     found = _SUMMARY_RATE.search(out)
     if found is None:
@@ -210,14 +228,24 @@ def _jdp_process(steps: int, batch_size: int, on_device: str = "auto") -> float:
 
 
 def _step_process(steps: int, batch_size: int) -> float:
-    command = [sys.executable, "-m", "jdp.bench", "keras", "--step-run", "--steps", str(steps),
-               "--batch-size", str(batch_size)]  # fmt: skip
+    command = [
+        sys.executable,
+        *"-m jdp.bench keras --step-run --steps".split(),
+        str(steps),
+        "--batch-size",
+        str(batch_size),
+    ]
     return json.loads(_run(command, "step").strip().splitlines()[-1])["examples_per_sec"]
 
 
 def _loop_process(steps: int, batch_size: int) -> dict[str, float]:
-    command = [sys.executable, "-m", "jdp.bench", "keras", "--loop-run", "--steps", str(steps),
-               "--batch-size", str(batch_size)]  # fmt: skip
+    command = [
+        sys.executable,
+        *"-m jdp.bench keras --loop-run --steps".split(),
+        str(steps),
+        "--batch-size",
+        str(batch_size),
+    ]
     return json.loads(_run(command, "loop").strip().splitlines()[-1])
 
 
@@ -231,8 +259,9 @@ def step_run(steps: int, batch_size: int) -> float:
     from jdp.training.config import TrainConfig
     from jdp.training.run import build
 
-    run = build(TrainConfig(mesh="data=1", steps=steps, batch_size=batch_size),
-                Console(enabled=False))  # fmt: skip
+    run = build(
+        TrainConfig(mesh="data=1", steps=steps, batch_size=batch_size), Console(enabled=False)
+    )
     loop = jdp_loop(run.train_step, run, first_batch(run, batch_size), run.optimizer)
     loop(1)  # compiles, and runs the first step
     started = time.perf_counter()
@@ -275,8 +304,11 @@ def loop_run(steps: int, batch_size: int) -> dict[str, float]:
 
     jdp.training.loop.build = instant
     try:
-        jdp.fit(TrainConfig(mesh="data=1", steps=steps, batch_size=batch_size),
-                console=Console(enabled=False), callbacks=[clock])  # fmt: skip
+        jdp.fit(
+            TrainConfig(mesh="data=1", steps=steps, batch_size=batch_size),
+            console=Console(enabled=False),
+            callbacks=[clock],
+        )
     finally:
         jdp.training.loop.build = build
     (wall_0, cpu_0), (wall_1, cpu_1) = clocks[1], clocks[steps]
@@ -314,25 +346,31 @@ def keras_run(steps: int, batch_size: int) -> dict[str, Any]:
     from jdp.training.optimizer import peak_lr
 
     keras.utils.set_random_seed(config.seed)
-    model = keras.Sequential([
-        keras.Input(shape=x.shape[1:]),
-        keras.layers.Flatten(),
-        keras.layers.Dense(512, activation="relu", kernel_initializer="lecun_normal"),
-        keras.layers.Dense(classes, kernel_initializer="lecun_normal"),
-    ])  # fmt: skip
+    model = keras.Sequential(
+        [
+            keras.Input(shape=x.shape[1:]),
+            keras.layers.Flatten(),
+            keras.layers.Dense(512, activation="relu", kernel_initializer="lecun_normal"),
+            keras.layers.Dense(classes, kernel_initializer="lecun_normal"),
+        ]
+    )
     schedule = keras.optimizers.schedules.CosineDecay(
         # Keras wants a decay of one step at least; a run all warmup never reaches it.
-        0.0, max(1, steps - config.warmup_steps), alpha=0.0, warmup_target=peak_lr(config),
+        0.0,
+        max(1, steps - config.warmup_steps),
+        alpha=0.0,
+        warmup_target=peak_lr(config),
         warmup_steps=config.warmup_steps,
-    )  # fmt: skip
+    )
     model.compile(
         optimizer=keras.optimizers.Adam(schedule, epsilon=1e-8),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
     clock = _steady_clock(keras, jax, steps)
-    history = model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
-                        callbacks=[clock])  # fmt: skip
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[clock]
+    )
     return {
         "examples_per_sec": (steps - 1) * batch_size / clock.seconds,
         "loss": history.history["loss"][-1],

@@ -73,14 +73,18 @@ def trace(loop: Callable[[int], None], steps: int, directory: str) -> dict[str, 
         raise RuntimeError(f"the trace in {folder} wrote {len(paths)} .xplane.pb files, not 1")
     kernels, busy, devices = device_kernels(ProfileData.from_file(str(paths[0])))
     per = steps * max(devices, 1)
-    return {"steps": steps, "devices": devices, "wall_ms": 1e3 * wall / steps,
-            "busy_ms": busy / 1e6 / per,
-            "kernels": {name: [count / per, ns / 1e6 / per]
-                        for name, (count, ns) in kernels.items()}}  # fmt: skip
+    return {
+        "steps": steps,
+        "devices": devices,
+        "wall_ms": 1e3 * wall / steps,
+        "busy_ms": busy / 1e6 / per,
+        "kernels": {name: [count / per, ns / 1e6 / per] for name, (count, ns) in kernels.items()},
+    }
 
 
-def trace_arms(arms: dict[str, Callable[[int], None]], steps: int, directory: str
-               ) -> dict[str, Any]:  # fmt: skip
+def trace_arms(
+    arms: dict[str, Callable[[int], None]], steps: int, directory: str
+) -> dict[str, Any]:
     """`trace` of each arm, in ``directory/ARM``; a trace that fails is its arm's
     ``{"error": ...}``, so that a cell's measured figures stand without it."""
     traced: dict[str, Any] = {}
@@ -96,22 +100,27 @@ def compare(traced: dict[str, dict[str, Any]]) -> list[str]:
     """Lines for two arms' traces (`trace`'s, by arm name): each arm's wall, busy and
     kernel time a step; the kernels both run (same name, same launches a step) and
     their time in each; then each arm's own kernels, the longest first."""
-    failed = [f"kernels {arm}: {result['error']}" for arm, result in traced.items()
-              if "error" in result]  # fmt: skip
+    failed = [
+        f"kernels {arm}: {result['error']}" for arm, result in traced.items() if "error" in result
+    ]
     if failed:
         return failed
     (a, first), (b, second) = traced.items()
     ka, kb = first["kernels"], second["kernels"]
     if not ka and not kb:
-        return ["kernels: none in the trace (a CPU's XLA names none; on a GPU, its tracer "
-                "did not start)"]  # fmt: skip
+        return [
+            "kernels: none in the trace (a CPU's XLA names none; on a GPU, its tracer "
+            "did not start)"
+        ]
     lines = []
     for arm, result in traced.items():
         total = sum(ms for _, ms in result["kernels"].values())
         launches = sum(count for count, _ in result["kernels"].values())
-        lines.append(f"kernels {arm}: {result['wall_ms']:.3f} ms a step; a device "
-                     f"busy {result['busy_ms']:.3f} ms, {launches:.0f} kernels "
-                     f"taking {total:.3f} ms")  # fmt: skip
+        lines.append(
+            f"kernels {arm}: {result['wall_ms']:.3f} ms a step; a device "
+            f"busy {result['busy_ms']:.3f} ms, {launches:.0f} kernels "
+            f"taking {total:.3f} ms"
+        )
     both = [name for name in ka if name in kb and ka[name][0] == kb[name][0]]
     in_a, in_b = sum(ka[n][1] for n in both), sum(kb[n][1] for n in both)
     ratio = f"{in_a / in_b:.3f}x" if in_b else "-"
@@ -120,8 +129,9 @@ def compare(traced: dict[str, dict[str, Any]]) -> list[str]:
         only = sorted((n for n in own if n not in both), key=lambda n: -own[n][1])
         for name in only[:SHOWN]:
             elsewhere = f"; {other[name][0]:g} in {b if arm == a else a}" if name in other else ""
-            lines.append(f"  {arm} alone: {own[name][1]:8.3f} ms  {own[name][0]:g}x  "
-                         f"{name[:90]}{elsewhere}")  # fmt: skip
+            lines.append(
+                f"  {arm} alone: {own[name][1]:8.3f} ms  {own[name][0]:g}x  {name[:90]}{elsewhere}"
+            )
         rest = sum(own[n][1] for n in only[SHOWN:])
         if rest:
             lines.append(f"  {arm} alone: {rest:8.3f} ms  in {len(only) - SHOWN} more kernels")

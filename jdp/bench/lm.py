@@ -70,13 +70,25 @@ def synthetic_corpus(directory: str, cell: Cell) -> str:
 def jdp_run(cell: Cell, dataset: str) -> Run:
     """jdp's run, as ``python -m jdp.train`` builds it from the same flags."""
     config = TrainConfig(
-        mesh=cell.mesh, model="gpt", model_size=cell.model_size, dataset=dataset,
-        seq_len=cell.seq_len, vocab_size=cell.vocab_size, batch_size=cell.batch_size,
-        remat=cell.remat, attention=cell.attention, precision=cell.precision,
-        optimizer="adamw", lr=LR, schedule="constant", warmup_steps=0,
-        weight_decay=WEIGHT_DECAY, unroll_layers=cell.unroll, loss_chunks=cell.loss_chunks,
+        mesh=cell.mesh,
+        model="gpt",
+        model_size=cell.model_size,
+        dataset=dataset,
+        seq_len=cell.seq_len,
+        vocab_size=cell.vocab_size,
+        batch_size=cell.batch_size,
+        remat=cell.remat,
+        attention=cell.attention,
+        precision=cell.precision,
+        optimizer="adamw",
+        lr=LR,
+        schedule="constant",
+        warmup_steps=0,
+        weight_decay=WEIGHT_DECAY,
+        unroll_layers=cell.unroll,
+        loss_chunks=cell.loss_chunks,
         fp8=cell.fp8,
-    )  # fmt: skip
+    )
     return build(config, Console(enabled=False))
 
 
@@ -84,13 +96,19 @@ def gpt_module(cell: Cell, vocab_size: int) -> GPT:
     """`GPT` at the cell's size, its vocabulary padded as the published sizes pad it."""
     multiple = VOCAB_MULTIPLE if cell.model_size in LM_SIZES else 1
     options = dict(MODELS["gpt"].sizes[cell.model_size], max_len=cell.seq_len)
-    return GPT(vocab_size=-(-vocab_size // multiple) * multiple, remat=cell.remat,
-               attention=cell.attention, unroll=cell.unroll, fp8=cell.fp8,
-               **options)  # fmt: skip
+    return GPT(
+        vocab_size=-(-vocab_size // multiple) * multiple,
+        remat=cell.remat,
+        attention=cell.attention,
+        unroll=cell.unroll,
+        fp8=cell.fp8,
+        **options,
+    )
 
 
-def first_losses(run: Run, step, hand: HandWritten, params, tokens, dtype
-                 ) -> tuple[dict[str, Any], dict[str, float]]:  # fmt: skip
+def first_losses(
+    run: Run, step, hand: HandWritten, params, tokens, dtype
+) -> tuple[dict[str, Any], dict[str, float]]:
     """Both arms' loss in their first step, from the same parameters on the same batch,
     and the tolerance within which they must agree; and each arm's seconds in that
     first call (trace, lower, compile and one step).
@@ -111,12 +129,21 @@ def first_losses(run: Run, step, hand: HandWritten, params, tokens, dtype
     first_s["hand-written"] = time.perf_counter() - started
     # The draws reuse the step's program (its loss is the first step's): a program of
     # the loss alone was one more compile a cell.
-    draws = [float(hand.step(jax.tree.map(jnp.copy, params), hand.start(params),
-                             hand.key(seed), tokens)[3]) for seed in range(8)]  # fmt: skip
-    tolerance = max(5 * math.sqrt(2) * statistics.stdev(draws),
-                    float(jnp.finfo(dtype).eps) * abs(hand_loss))  # fmt: skip
-    check = {"jdp": jdp, "hand-written": hand_loss, "tolerance": tolerance,
-             "agree": abs(jdp - hand_loss) <= tolerance}  # fmt: skip
+    draws = [
+        float(
+            hand.step(jax.tree.map(jnp.copy, params), hand.start(params), hand.key(seed), tokens)[3]
+        )
+        for seed in range(8)
+    ]
+    tolerance = max(
+        5 * math.sqrt(2) * statistics.stdev(draws), float(jnp.finfo(dtype).eps) * abs(hand_loss)
+    )
+    check = {
+        "jdp": jdp,
+        "hand-written": hand_loss,
+        "tolerance": tolerance,
+        "agree": abs(jdp - hand_loss) <= tolerance,
+    }
     return check, first_s
 
 
@@ -136,8 +163,9 @@ def _measure_cell(cell: Cell, peers: dict[str, Callable[[int], None]]) -> dict[s
         run = jdp_run(cell, cell.data or synthetic_corpus(scratch, cell))
         tokens = first_batch(run, cell.batch_size)["tokens"]
     module = gpt_module(cell, run.train.vocab_size)
-    hand = hand_written_lm_step(module, run.mesh, PRECISIONS[cell.precision], lr=LR,
-                                weight_decay=WEIGHT_DECAY, b1=B1, b2=B2)  # fmt: skip
+    hand = hand_written_lm_step(
+        module, run.mesh, PRECISIONS[cell.precision], lr=LR, weight_decay=WEIGHT_DECAY, b1=B1, b2=B2
+    )
     init_rng, _ = jax.random.split(jax.random.key(run.config.seed))  # as jdp's run splits it
     params = hand.init(init_rng, tokens[:1])
     step = run.train_step
@@ -153,30 +181,50 @@ def _measure_cell(cell: Cell, peers: dict[str, Callable[[int], None]]) -> dict[s
         "hand-written": _on_cpu_time(hand_lm_loop(hand, params, tokens), cpu, "hand-written"),
         "jdp": _on_cpu_time(jdp_loop(step, run, batch, run.optimizer), cpu, "jdp"),
     }
-    rates = interleaved_rates(arms | peers, rounds=cell.rounds, round_seconds=0.0,
-                              rows=cell.batch_size * cell.seq_len, multiple=cell.steps)  # fmt: skip
+    rates = interleaved_rates(
+        arms | peers,
+        rounds=cell.rounds,
+        round_seconds=0.0,
+        rows=cell.batch_size * cell.seq_len,
+        multiple=cell.steps,
+    )
     # The first two calls of each arm settle (`interleaved_rates`).
     cpu_ms = {arm: 1e3 * statistics.median(cpu[arm][2:]) / cell.steps for arm in ARMS}
     # Compile time: the first call's seconds less one steady step's (each arm's program
     # is compiled once, by that call; the loops then reuse it).
     tokens_per_step = cell.batch_size * cell.seq_len
-    compile_s = {arm: max(0.0, first_s[arm] - tokens_per_step / statistics.median(rates[arm]))
-                 for arm in ARMS}  # fmt: skip
+    compile_s = {
+        arm: max(0.0, first_s[arm] - tokens_per_step / statistics.median(rates[arm]))
+        for arm in ARMS
+    }
     count = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
-    per_token = flops_per_token(count, layers=module.layers, width=module.width,
-                                seq_len=cell.seq_len, max_len=module.max_len)  # fmt: skip
+    per_token = flops_per_token(
+        count,
+        layers=module.layers,
+        width=module.width,
+        seq_len=cell.seq_len,
+        max_len=module.max_len,
+    )
     kind = jax.devices()[0].device_kind
     traced = kernels.trace_arms(arms, PROFILE_STEPS, cell.profile) if cell.profile else {}
     return {"kernels": traced} | {
-        "cell": dataclasses.asdict(cell), "kind": kind, "devices": run.mesh.devices.size,
-        "params": int(count), "vocab": module.vocab_size, "flops_per_token": per_token,
-        "peak": peak_flops(kind, cell.precision), "compile_s": compile_s,
-        "check": check | {"same_params": same}, "rates": rates, "cpu_ms": cpu_ms,
-    }  # fmt: skip
+        "cell": dataclasses.asdict(cell),
+        "kind": kind,
+        "devices": run.mesh.devices.size,
+        "params": int(count),
+        "vocab": module.vocab_size,
+        "flops_per_token": per_token,
+        "peak": peak_flops(kind, cell.precision),
+        "compile_s": compile_s,
+        "check": check | {"same_params": same},
+        "rates": rates,
+        "cpu_ms": cpu_ms,
+    }
 
 
-def _on_cpu_time(loop: Callable[[int], None], seconds: dict[str, list[float]], arm: str
-                 ) -> Callable[[int], None]:  # fmt: skip
+def _on_cpu_time(
+    loop: Callable[[int], None], seconds: dict[str, list[float]], arm: str
+) -> Callable[[int], None]:
     """``loop`` that also appends the CPU seconds this process spent in each call (every
     thread's: on a CPU the devices' work, on an accelerator the host's) to ``seconds[arm]``.
 
@@ -195,11 +243,20 @@ def _cell_in_own_process(
     args: argparse.Namespace, mesh: str, remat: str, attention: str
 ) -> dict[str, Any]:
     """`measure_cell`'s result, from ``python -m jdp.bench lm --cell`` started for it."""
-    flags = {"--mesh": mesh, "--remat": remat, "--attention": attention,
-             "--model-size": args.model_size, "--seq-len": args.seq_len,
-             "--batch-size": args.batch_size, "--precision": args.precision,
-             "--vocab-size": args.vocab_size, "--data": args.data, "--rounds": args.rounds,
-             "--steps": args.steps, "--profile": args.profile}  # fmt: skip
+    flags = {
+        "--mesh": mesh,
+        "--remat": remat,
+        "--attention": attention,
+        "--model-size": args.model_size,
+        "--seq-len": args.seq_len,
+        "--batch-size": args.batch_size,
+        "--precision": args.precision,
+        "--vocab-size": args.vocab_size,
+        "--data": args.data,
+        "--rounds": args.rounds,
+        "--steps": args.steps,
+        "--profile": args.profile,
+    }
     command = [sys.executable, "-m", "jdp.bench", "lm", "--cell"]
     command += [part for flag, value in flags.items() if value for part in (flag, str(value))]
     name = f"the cell --mesh {mesh} --remat {remat} --attention {attention}"

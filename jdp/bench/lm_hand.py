@@ -33,8 +33,16 @@ class HandWritten(NamedTuple):
     key: Callable[[int], Any]
 
 
-def hand_written_lm_step(module: GPT, mesh: Mesh, compute_dtype: Any, *, lr: float,
-                         weight_decay: float, b1: float, b2: float) -> HandWritten:  # fmt: skip
+def hand_written_lm_step(
+    module: GPT,
+    mesh: Mesh,
+    compute_dtype: Any,
+    *,
+    lr: float,
+    weight_decay: float,
+    b1: float,
+    b2: float,
+) -> HandWritten:
     """The step one writes for ``module`` with JAX and Optax alone, in nanoGPT's structure.
 
     AdamW at a constant ``lr``, decaying the weight matrices and embeddings (nanoGPT's
@@ -57,9 +65,12 @@ def hand_written_lm_step(module: GPT, mesh: Mesh, compute_dtype: Any, *, lr: flo
         )
 
     optimizer = optax.adamw(
-        optax.constant_schedule(lr), b1=b1, b2=b2, weight_decay=weight_decay,
+        optax.constant_schedule(lr),
+        b1=b1,
+        b2=b2,
+        weight_decay=weight_decay,
         mask=decayed,
-    )  # fmt: skip
+    )
 
     def loss(params, tokens, key):
         params = jax.tree.map(lambda leaf: leaf.astype(compute_dtype), params)
@@ -80,13 +91,17 @@ def hand_written_lm_step(module: GPT, mesh: Mesh, compute_dtype: Any, *, lr: flo
     whole = NamedSharding(mesh, PartitionSpec())
     rows = NamedSharding(mesh, PartitionSpec("data"))  # the mesh's replica axis
     return HandWritten(
-        jax.jit(step, in_shardings=(whole, whole, whole, rows), out_shardings=whole,
-                donate_argnums=(0, 1, 2)),
+        jax.jit(
+            step,
+            in_shardings=(whole, whole, whole, rows),
+            out_shardings=whole,
+            donate_argnums=(0, 1, 2),
+        ),
         jax.jit(init, out_shardings=whole),
         jax.jit(optimizer.init, out_shardings=whole),
         optimizer,
         jax.jit(jax.random.key, out_shardings=whole),
-    )  # fmt: skip
+    )
 
 
 def hand_lm_loop(hand: HandWritten, params, tokens) -> Callable[[int], None]:

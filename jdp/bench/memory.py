@@ -33,9 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unroll-layers", action="store_true", help="gpt: a loop, not a scan")
     parser.add_argument("--loss-chunks", type=int, default=1, help="gpt: the logits in chunks")
     parser.add_argument(
-        "--meshes", default=MESHES,
+        "--meshes",
+        default=MESHES,
         help="comma-separated; ';' for ',' inside a mesh, +zero1 for --shard-optimizer",
-    )  # fmt: skip
+    )
 
 
 def _mib(nbytes: float) -> str:
@@ -45,10 +46,16 @@ def _mib(nbytes: float) -> str:
 def run(args: argparse.Namespace) -> None:
     meshes = [item.replace(";", ",").partition("+") for item in names(args.meshes)]
     setup_devices(f"data={max(math.prod(mesh_sizes(spec).values()) for spec, _, _ in meshes)}")
-    model, batch = build_model(args.model, args.model_size, vocab=args.vocab_size,
-                               seq_len=args.seq_len, image=(32, 32, 3), remat=args.remat,
-                               unroll=args.unroll_layers,
-                               loss_chunks=args.loss_chunks)  # fmt: skip
+    model, batch = build_model(
+        args.model,
+        args.model_size,
+        vocab=args.vocab_size,
+        seq_len=args.seq_len,
+        image=(32, 32, 3),
+        remat=args.remat,
+        unroll=args.unroll_layers,
+        loss_chunks=args.loss_chunks,
+    )
     layers = "unrolled" if args.unroll_layers else "scanned"
     chunks = f", loss in {args.loss_chunks} chunks" if args.loss_chunks > 1 else ""
     print(
@@ -57,16 +64,19 @@ def run(args: argparse.Namespace) -> None:
         + (f" x {args.seq_len} tokens" if {"source", "tokens"} & set(batch) else "")
         + ", fp32, AdamW; MiB per device"
     )
-    print("| mesh | params | optimizer | params + optimizer | vs first | compiled arguments "
-          "| temporaries | collectives (bytes per device per step) | compile s |")  # fmt: skip
+    print(
+        "| mesh | params | optimizer | params + optimizer | vs first | compiled arguments "
+        "| temporaries | collectives (bytes per device per step) | compile s |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     first = None
     for spec, _, zero in meshes:
         zero1 = zero == "zero1"
         plan = state_bytes(model, batch, mesh_sizes(spec), shard_optimizer=zero1)
         started = time.perf_counter()  # lowering and compiling the step, from shapes
-        compiled_figures(plan, model, batch, args.batch_size, precision="fp32",
-                         shard_optimizer=zero1)  # fmt: skip
+        compiled_figures(
+            plan, model, batch, args.batch_size, precision="fp32", shard_optimizer=zero1
+        )
         seconds = time.perf_counter() - started
         held = plan.params + plan.optimizer
         first = first or held

@@ -106,11 +106,20 @@ def multihost_worker(case: str, *, batch_size: int, seconds: float, out: str) ->
 
 def _launch_worker(nproc: int, case: str, *, batch_size: int, seconds: float, out: str) -> dict:
     command = [
-        sys.executable, "-m", "jdp.launch", "--nproc", str(nproc),
-        "--devices-per-process", "1", "--",
-        sys.executable, "-m", "jdp.bench", "multihost-worker", "--out", out, "--case", case,
-        "--batch-size", str(batch_size), "--seconds", str(seconds),
-    ]  # fmt: skip
+        sys.executable,
+        *"-m jdp.launch --nproc".split(),
+        str(nproc),
+        *"--devices-per-process 1 --".split(),
+        sys.executable,
+        *"-m jdp.bench multihost-worker --out".split(),
+        out,
+        "--case",
+        case,
+        "--batch-size",
+        str(batch_size),
+        "--seconds",
+        str(seconds),
+    ]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _, errors = launcher.communicate(timeout=900)

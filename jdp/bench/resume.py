@@ -48,13 +48,16 @@ def run(args) -> int | None:
     return 0
 
 
-def bench_resume(models: list[str], rounds: int, *,
-                 on_line: Callable[[str], None] = print) -> list[str]:  # fmt: skip
+def bench_resume(
+    models: list[str], rounds: int, *, on_line: Callable[[str], None] = print
+) -> list[str]:
     """The table, a row per model: seconds to the first step of a resume, cached and not."""
     lines, emit = report_lines(on_line)
-    emit(f"jdp.bench resume: seconds from a resumed run's start to its first step, its "
-         f"programs read from CKPT_DIR/{DIRNAME} or compiled (--compile-cache off); "
-         f"median of {rounds} rounds, each run a process on one CPU device")  # fmt: skip
+    emit(
+        f"jdp.bench resume: seconds from a resumed run's start to its first step, its "
+        f"programs read from CKPT_DIR/{DIRNAME} or compiled (--compile-cache off); "
+        f"median of {rounds} rounds, each run a process on one CPU device"
+    )
     emit(f"  {'model':<12}{'cached s':>10}{'compiling s':>13}{'ratio':>8}  read")
     with tempfile.TemporaryDirectory(prefix="jdp-bench-resume-") as scratch:
         for model in models:
@@ -76,15 +79,23 @@ def bench_resume(models: list[str], rounds: int, *,
                     if arm == "cached":
                         said = line.partition("(")[2].partition(" read")[0] or "nothing"
             cached, compiling = (statistics.median(seconds[arm]) for arm in seconds)
-            emit(f"  {model:<12}{cached:>10.1f}{compiling:>13.1f}{compiling / cached:>7.2f}x"
-                 f"  {said}")  # fmt: skip
+            emit(
+                f"  {model:<12}{cached:>10.1f}{compiling:>13.1f}{compiling / cached:>7.2f}x  {said}"
+            )
     return lines
 
 
 def _command(model: str, ckpt_dir: str) -> list[str]:
-    return [sys.executable, "-m", "jdp.train", "--model", model, "--dataset",
-            DATASETS.get(model, "digits"), "--mesh", "data=1", "--steps", "4",
-            "--ckpt-every", "2", "--warmup-steps", "1", "--ckpt-dir", ckpt_dir]  # fmt: skip
+    return [
+        sys.executable,
+        *"-m jdp.train --model".split(),
+        model,
+        "--dataset",
+        DATASETS.get(model, "digits"),
+        *"--mesh data=1 --steps 4 --ckpt-every 2 --warmup-steps 1".split(),
+        "--ckpt-dir",
+        ckpt_dir,
+    ]
 
 
 def _environment() -> dict[str, str]:
@@ -99,8 +110,13 @@ def _environment() -> dict[str, str]:
 def _setup(model: str, ckpt_dir: str) -> None:
     """A run of ``model`` stopped at step 2: its checkpoint and its compilation cache."""
     try:
-        result = subprocess.run(_command(model, ckpt_dir), capture_output=True, text=True,
-                                timeout=4 * RUN_TIMEOUT, env=_environment())  # fmt: skip
+        result = subprocess.run(
+            _command(model, ckpt_dir),
+            capture_output=True,
+            text=True,
+            timeout=4 * RUN_TIMEOUT,
+            env=_environment(),
+        )
     except subprocess.TimeoutExpired:
         raise UsageError(f"the first run of {model} took over {4 * RUN_TIMEOUT} s") from None
     if result.returncode != 0:
@@ -112,8 +128,9 @@ def _setup(model: str, ckpt_dir: str) -> None:
 def _first_step(command: list[str]) -> tuple[float, str]:
     """Seconds from starting ``command`` to its first-call line, and the line."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, env=_environment())  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_environment()
+    )
     try:
         for line in process.stdout:
             if line.startswith(FIRST_CALL):

@@ -88,9 +88,13 @@ def check_cases(cases: Sequence[str]) -> None:
 def case_run(case: Case, mesh: str, batch_size: int, **overrides: Any) -> Run:
     """The run of one case on one mesh (devices must already be set up)."""
     config = TrainConfig(
-        mesh=mesh, model=case.model, model_size=case.model_size, dataset=case.dataset,
-        batch_size=batch_size, **overrides,
-    )  # fmt: skip
+        mesh=mesh,
+        model=case.model,
+        model_size=case.model_size,
+        dataset=case.dataset,
+        batch_size=batch_size,
+        **overrides,
+    )
     if case.hidden is None:
         return build(config, Console(enabled=False))
     from jdp.data.splits import load_split
@@ -147,9 +151,13 @@ def bench_step(
     lines, emit = report_lines(on_line)
     for index, (name, mesh) in enumerate(itertools.product(cases, meshes)):
         kind, row = _cell_in_own_process(
-            name, mesh, batch_size=batch_size, rounds=rounds, round_seconds=round_seconds,
+            name,
+            mesh,
+            batch_size=batch_size,
+            rounds=rounds,
+            round_seconds=round_seconds,
             grad_norm=grad_norm,
-        )  # fmt: skip
+        )
         if index == 0:
             emit(
                 f"jdp.bench step: global batch {batch_size}, adam, {rounds} interleaved rounds "
@@ -177,14 +185,24 @@ AHEAD = 16
 CELL_TIMEOUT = 1800
 
 
-def _cell_in_own_process(name: str, mesh: str, *, batch_size: int, rounds: int,
-                         round_seconds: float, grad_norm: bool) -> tuple[str, str]:  # fmt: skip
+def _cell_in_own_process(
+    name: str, mesh: str, *, batch_size: int, rounds: int, round_seconds: float, grad_norm: bool
+) -> tuple[str, str]:
     """``(device kind, row)`` of one cell, measured by ``python -m jdp.bench step --cell``."""
     command = [
-        sys.executable, "-m", "jdp.bench", "step", "--cell", "--cases", name, "--meshes", mesh,
-        "--batch-size", str(batch_size), "--rounds", str(rounds),
-        "--round-seconds", str(round_seconds), *(["--grad-norm"] if grad_norm else []),
-    ]  # fmt: skip
+        sys.executable,
+        *"-m jdp.bench step --cell --cases".split(),
+        name,
+        "--meshes",
+        mesh,
+        "--batch-size",
+        str(batch_size),
+        "--rounds",
+        str(rounds),
+        "--round-seconds",
+        str(round_seconds),
+        *(["--grad-norm"] if grad_norm else []),
+    ]
     try:  # a cell takes seconds to about a minute; a hung one must not hang the sweep
         result = subprocess.run(command, capture_output=True, text=True, timeout=CELL_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -201,8 +219,15 @@ def _cell_in_own_process(name: str, mesh: str, *, batch_size: int, rounds: int,
     return cell["kind"], cell["row"]
 
 
-def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_seconds: float,
-                 grad_norm: bool = False) -> tuple[str, str]:  # fmt: skip
+def measure_cell(
+    name: str,
+    mesh: str,
+    *,
+    batch_size: int,
+    rounds: int,
+    round_seconds: float,
+    grad_norm: bool = False,
+) -> tuple[str, str]:
     """``(device kind, row)``: one case on one mesh, in this process, which must not have
     started JAX (its devices are set up for ``mesh``).
 
@@ -229,16 +254,24 @@ def measure_cell(name: str, mesh: str, *, batch_size: int, rounds: int, round_se
     best = max(hand, key=lambda name: statistics.median(pilot[name]))
     again = hand_written_step(run.model, optimizer, run.mesh, kind=best)
     host = on_host(run.train)
-    with train_batches(run.train, run.mesh, batch_size=batch_size, seed=0,
-                       place=places_ahead(run.mesh)) as loader:  # fmt: skip
+    with train_batches(
+        run.train, run.mesh, batch_size=batch_size, seed=0, place=places_ahead(run.mesh)
+    ) as loader:
         made = [next(loader) for _ in range(AHEAD)]
     with contextlib.ExitStack() as stack:
         fed = {  # the jit step given each step's batch as a run's loader makes it
-            arm: jdp_loop(run.train_step, run, stack.enter_context(
-                train_batches(split, run.mesh, batch_size=batch_size, seed=0,
-                              place=places_ahead(run.mesh))), optimizer)
+            arm: jdp_loop(
+                run.train_step,
+                run,
+                stack.enter_context(
+                    train_batches(
+                        split, run.mesh, batch_size=batch_size, seed=0, place=places_ahead(run.mesh)
+                    )
+                ),
+                optimizer,
+            )
             for arm, split in (("device", run.train), ("host", host))
-        }  # fmt: skip
+        }
         arms = {
             best: hand[best],
             "again": hand_loop(again, run, batch),
@@ -315,9 +348,13 @@ def run(args) -> None:
     if args.cell:
         (name,), (mesh,) = names(args.cases), names(args.meshes)
         kind, row = measure_cell(
-            name, mesh, batch_size=args.batch_size, rounds=args.rounds,
-            round_seconds=args.round_seconds, grad_norm=args.grad_norm,
-        )  # fmt: skip
+            name,
+            mesh,
+            batch_size=args.batch_size,
+            rounds=args.rounds,
+            round_seconds=args.round_seconds,
+            grad_norm=args.grad_norm,
+        )
         print(json.dumps({"kind": kind, "row": row, "devices": jax.device_count()}))
         return
     bench_step(

@@ -177,9 +177,13 @@ class Checkpointer:
             for name, (shape, dtype) in _leaf_names(state).items()
         }
         meta = Record(
-            step, loader_step, config=dict(config or {}), arrays=arrays,
-            metrics=dict(metrics or {}), ledger=dict(ledger or {}),
-        ).to_json()  # fmt: skip
+            step,
+            loader_step,
+            config=dict(config or {}),
+            arrays=arrays,
+            metrics=dict(metrics or {}),
+            ledger=dict(ledger or {}),
+        ).to_json()
         record = _PendingRecord(meta)
         if not self._async:  # the commit happens inside the save: the digests go first
             record.start(state)

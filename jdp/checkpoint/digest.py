@@ -83,8 +83,10 @@ def start_digests(tree: Any) -> tuple[list[str], jax.Array]:
         # One copy is the whole of each: hash it on one device, not once per replica;
         # the last one, since Orbax copies a checkpoint's arrays from the first and
         # would wait behind the hashing there.
-        copies = [leaf.addressable_shards[-1].data if hasattr(leaf, "sharding") else leaf
-                  for leaf in leaves]  # fmt: skip
+        copies = [
+            leaf.addressable_shards[-1].data if hasattr(leaf, "sharding") else leaf
+            for leaf in leaves
+        ]
         device = next((c.device for c in copies if hasattr(c, "device")), None)
         leaves = jax.device_put(copies, device) if device is not None else copies
     return [leaf_name(path) for path, _ in flat], _sums_jit(leaves)

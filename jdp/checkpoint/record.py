@@ -70,10 +70,13 @@ class Record:
         """How many DiLoCo groups the checkpoint's state trained (0 without groups),
         read from its arrays' shapes, whatever the recorded config says."""
         return next(
-            (array["shape"][0] for name, array in self.arrays.items()
-             if name.startswith(GROUPS_PREFIX)),
+            (
+                array["shape"][0]
+                for name, array in self.arrays.items()
+                if name.startswith(GROUPS_PREFIX)
+            ),
             0,
-        )  # fmt: skip
+        )
 
     @property
     def run(self) -> RunSettings:

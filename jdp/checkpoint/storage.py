@@ -219,8 +219,9 @@ def warn(text: str) -> None:
         print(f"jdp: warning: {text}", file=sys.stderr, flush=True)
 
 
-def _manager(directory: str, keep: int, best: tuple[str | None, str], async_save: bool
-             ) -> ocp.CheckpointManager:  # fmt: skip
+def _manager(
+    directory: str, keep: int, best: tuple[str | None, str], async_save: bool
+) -> ocp.CheckpointManager:
     """Orbax's manager of the directory: retention (the latest ``keep`` and the best by
     ``best``, a metric and ``max`` or ``min``), async saves, the two items' handlers."""
     policies = [ocp.checkpoint_managers.LatestN(keep)]

@@ -55,8 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         packed = pack(args.folder, args.out, shard_bytes=int(args.shard_mb * 2**20))
         for split, facts in packed.items():
             megabytes = facts["bytes"] / 2**20
-            print(f"jdp.data: {split or 'images'}: {facts['count']:,} images, "
-                  f"{megabytes:,.1f} MB in {facts['shards']} shard(s)")  # fmt: skip
+            print(
+                f"jdp.data: {split or 'images'}: {facts['count']:,} images, "
+                f"{megabytes:,.1f} MB in {facts['shards']} shard(s)"
+            )
         print(f"jdp.data: packed into {args.out}; train with --dataset images:{args.out}")
         return 0
     if args.command == "tokenize":

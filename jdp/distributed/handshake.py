@@ -123,8 +123,9 @@ def _drop_departed(arrived: dict[int, socket.socket]) -> None:
             del arrived[index]
 
 
-def _admit(connection: socket.socket, cluster: Cluster, arrived: dict, settings: Settings
-           ) -> str | None:  # fmt: skip
+def _admit(
+    connection: socket.socket, cluster: Cluster, arrived: dict, settings: Settings
+) -> str | None:
     """Reads one process's hello and keeps its connection; returns what is wrong, if anything."""
     connection.settimeout(5)
     try:
@@ -160,8 +161,9 @@ def _admit(connection: socket.socket, cluster: Cluster, arrived: dict, settings:
 
 def _differences(index: int, theirs: Settings, settings: Settings) -> str | None:
     """The flags on which process ``index`` differs from process 0, as one line."""
-    differ = sorted(name for name in settings.keys() | theirs.keys()
-                    if settings.get(name) != theirs.get(name))  # fmt: skip
+    differ = sorted(
+        name for name in settings.keys() | theirs.keys() if settings.get(name) != theirs.get(name)
+    )
     if not differ:
         return None
     shown = "; ".join(

@@ -210,8 +210,10 @@ class DirectoryLock:
         except OSError:
             now = None
         if now is None or (self._folder is not None and not _same_file(now, self._folder)):
-            raise UsageError(f"{gone}; nothing more is saved there: restore it, or resume "
-                             "from another --ckpt-dir")  # fmt: skip
+            raise UsageError(
+                f"{gone}; nothing more is saved there: restore it, or resume "
+                "from another --ckpt-dir"
+            )
         try:
             mine = _same_file(os.stat(self.path), self._handle.fileno())
         except FileNotFoundError:  # deleted: written again, this run still holding it
@@ -239,8 +241,11 @@ class DirectoryLock:
         handle.flush()
         self._handle.close()
         self._handle = handle
-        print(f"jdp: {self.path} was deleted under this run; written again", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"jdp: {self.path} was deleted under this run; written again",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def token(self) -> str | None:
         """The token the lock file holds now (what another process of the run checks)."""
@@ -279,8 +284,9 @@ def held(directory: str, flag: str) -> Iterator[None]:
         except UsageError as error:
             problem = error
     if not all_ok(problem is None):
-        raise problem or UsageError(f"process 0 could not take {flag} {directory}; its error "
-                                    "says why")  # fmt: skip
+        raise problem or UsageError(
+            f"process 0 could not take {flag} {directory}; its error says why"
+        )
     try:
         yield
     finally:

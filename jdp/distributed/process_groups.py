@@ -10,8 +10,21 @@ import subprocess
 from collections.abc import Collection, Iterator
 
 # Commands that run another and pass on its exit code: a stop goes through them.
-_WRAPPERS = {b"sh", b"bash", b"dash", b"zsh", b"ksh", b"env", b"nice", b"nohup", b"stdbuf",
-             b"ionice", b"taskset", b"numactl", b"time"}  # fmt: skip
+_WRAPPERS = {
+    b"sh",
+    b"bash",
+    b"dash",
+    b"zsh",
+    b"ksh",
+    b"env",
+    b"nice",
+    b"nohup",
+    b"stdbuf",
+    b"ionice",
+    b"taskset",
+    b"numactl",
+    b"time",
+}
 
 
 def terminate(child: subprocess.Popen) -> list[int]:
@@ -22,8 +35,11 @@ def terminate(child: subprocess.Popen) -> list[int]:
     pids, below = [], [child.pid]
     while below:
         pid = below.pop()
-        inner = [member for member, (parent, _) in members.items()
-                 if parent == pid and not _loader_worker(member)]  # fmt: skip
+        inner = [
+            member
+            for member, (parent, _) in members.items()
+            if parent == pid and not _loader_worker(member)
+        ]
         if members.get(pid, (0, b""))[1] in _WRAPPERS and inner:
             below += inner
         elif pid in members or child.poll() is None:  # no /proc: the process itself
@@ -49,8 +65,11 @@ def left_behind(child: subprocess.Popen, signalled: Collection[int]) -> list[int
 def _members(child: subprocess.Popen) -> dict[int, tuple[int, bytes]]:
     """The live processes (not zombies) of ``child``'s process group: each one's parent and
     command name; none where there is no ``/proc``."""
-    return {pid: (parent, name) for pid, name, state, parent, group in _processes()
-            if state != b"Z" and group == child.pid}  # fmt: skip
+    return {
+        pid: (parent, name)
+        for pid, name, state, parent, group in _processes()
+        if state != b"Z" and group == child.pid
+    }
 
 
 def in_groups(groups: Collection[int]) -> list[int]:

@@ -112,9 +112,13 @@ class Watchdog:
         if self.processes > 1:  # the others stop watching: this one will not move again
             self.watch.at(FINISHED)
             mark = dataclasses.asdict(self.watch.mark(self.process))
-            _quietly(lambda: self.client.key_value_set(
-                f"{_KEY}/mark/{self.process}", json.dumps({**mark, "at": time.time()}),
-                allow_overwrite=True))  # fmt: skip
+            _quietly(
+                lambda: self.client.key_value_set(
+                    f"{_KEY}/mark/{self.process}",
+                    json.dumps({**mark, "at": time.time()}),
+                    allow_overwrite=True,
+                )
+            )
 
     def _run(self) -> None:
         last = time.monotonic()
@@ -172,9 +176,11 @@ class Watchdog:
         the marks show one (the first to see it declares it for every process)."""
         client, now = self.client, time.time()
         try:
-            client.key_value_set(f"{_KEY}/mark/{self.process}",
-                                 json.dumps({**dataclasses.asdict(mark), "at": now}),
-                                 allow_overwrite=True)  # fmt: skip
+            client.key_value_set(
+                f"{_KEY}/mark/{self.process}",
+                json.dumps({**dataclasses.asdict(mark), "at": now}),
+                allow_overwrite=True,
+            )
             declared = client.key_value_try_get(f"{_KEY}/stalled")
         except Exception:
             declared = None

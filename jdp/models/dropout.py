@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 
 
-def row_masks(key: jax.Array, rows: jax.Array | None, shape: tuple[int, ...], keep: float
-              ) -> jax.Array:  # fmt: skip
+def row_masks(
+    key: jax.Array, rows: jax.Array | None, shape: tuple[int, ...], keep: float
+) -> jax.Array:
     """Which entries of an array of ``shape`` to keep, each with probability ``keep``:
     row ``i`` drawn from ``fold_in(key, rows[i])`` (``rows`` None: ``0, 1, ...``)."""
     if rows is None:
@@ -34,8 +35,9 @@ class RowDropout(nn.Module):
     rate: float
 
     @nn.compact
-    def __call__(self, x: jax.Array, rows: jax.Array | None = None, *, deterministic: bool
-                 ) -> jax.Array:  # fmt: skip
+    def __call__(
+        self, x: jax.Array, rows: jax.Array | None = None, *, deterministic: bool
+    ) -> jax.Array:
         if deterministic or self.rate == 0:
             return x
         keep = 1.0 - self.rate

@@ -120,8 +120,7 @@ def generate(
         epsilon=module.epsilon,
     )
     # The temperature is an argument, not a constant: another one reuses the program.
-    parts = _continue(module, params, prompt.astype(jnp.int32), keys,
-                      np.float32(temperature), spec)  # fmt: skip
+    parts = _continue(module, params, prompt.astype(jnp.int32), keys, np.float32(temperature), spec)
     tokens = jnp.concatenate([part[0] for part in parts], axis=1)
     if not with_logits:
         return tokens
@@ -134,14 +133,18 @@ def _continue(module: GPT, stacked, prompt, keys, temperature, spec: _Spec) -> l
     context, parts = module.max_len, []
     cached = max(0, min(spec.new_tokens, context - prompt.shape[1]))  # what the cache holds
     if cached:
-        parts.append(_decode(stacked, prompt, keys[:cached], temperature,
-                             spec._replace(new_tokens=cached)))  # fmt: skip
+        parts.append(
+            _decode(stacked, prompt, keys[:cached], temperature, spec._replace(new_tokens=cached))
+        )
     if cached < spec.new_tokens:  # past the context: a window of the last max_len tokens
         so_far = jnp.concatenate([prompt, *(part[0] for part in parts)], axis=1)
         window = spec._replace(new_tokens=spec.new_tokens - cached)
         scanned = module.clone(unroll=False)  # the stacked layers, whichever layout came
-        parts.append(_window_decode(scanned, stacked, so_far[:, -context:], keys[cached:],
-                                    temperature, window))  # fmt: skip
+        parts.append(
+            _window_decode(
+                scanned, stacked, so_far[:, -context:], keys[cached:], temperature, window
+            )
+        )
     return parts
 
 

@@ -136,8 +136,10 @@ def _check_numbers(path: str, config: Mapping) -> None:
         if not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1:
             raise UsageError(f"{path}: {key} {config[key]!r} is not a positive whole number")
     if config["n_embd"] % config["n_head"]:
-        raise UsageError(f"{path}: n_head {config['n_head']} does not divide n_embd "
-                         f"{config['n_embd']}; each head takes an equal share")  # fmt: skip
+        raise UsageError(
+            f"{path}: n_head {config['n_head']} does not divide n_embd "
+            f"{config['n_embd']}; each head takes an equal share"
+        )
     for key, default, low in (("layer_norm_epsilon", 1e-5, "(0"), ("resid_pdrop", 0.1, "[0")):
         value = config.get(key, default)
         number = isinstance(value, int | float) and not isinstance(value, bool)
@@ -158,8 +160,10 @@ def read_weights(directory: str, architecture: Mapping) -> dict:
             raise UsageError(f"{directory}: the tensor {name} is missing")
         value = named[name]
         if not np.issubdtype(value.dtype, np.floating) and value.dtype.name != "bfloat16":
-            raise UsageError(f"{directory}: the tensor {name} holds {value.dtype} numbers; "
-                             "GPT-2's weights are floating point")  # fmt: skip
+            raise UsageError(
+                f"{directory}: the tensor {name} holds {value.dtype} numbers; "
+                "GPT-2's weights are floating point"
+            )
         if value.shape != expected[name]:
             raise UsageError(
                 f"{directory}: the tensor {name} is {value.shape}, and config.json makes it "
@@ -167,8 +171,10 @@ def read_weights(directory: str, architecture: Mapping) -> dict:
             )
         value = np.asarray(value, np.float32)
         if not np.isfinite(value).all():  # else the loss is NaN at step 1, blamed on the data
-            raise UsageError(f"{directory}: the tensor {name} holds NaN or infinite numbers; "
-                             "these weights cannot be trained from")  # fmt: skip
+            raise UsageError(
+                f"{directory}: the tensor {name} holds NaN or infinite numbers; "
+                "these weights cannot be trained from"
+            )
         taken.add(name)
         return value
 
@@ -210,16 +216,26 @@ def _check_rest(directory: str, named: Mapping, taken: set) -> None:
 
 def _expected_shapes(architecture: Mapping) -> dict[str, tuple[int, ...]]:
     vocab, width, hidden = architecture["vocab_size"], architecture["width"], architecture["hidden"]
-    shapes = {"wte.weight": (vocab, width), "wpe.weight": (architecture["max_len"], width),
-              "ln_f.weight": (width,), "ln_f.bias": (width,)}  # fmt: skip
+    shapes = {
+        "wte.weight": (vocab, width),
+        "wpe.weight": (architecture["max_len"], width),
+        "ln_f.weight": (width,),
+        "ln_f.bias": (width,),
+    }
     per_layer = {
-        "ln_1.weight": (width,), "ln_1.bias": (width,), "ln_2.weight": (width,),
-        "ln_2.bias": (width,), "attn.c_attn.weight": (width, 3 * width),
-        "attn.c_attn.bias": (3 * width,), "attn.c_proj.weight": (width, width),
-        "attn.c_proj.bias": (width,), "mlp.c_fc.weight": (width, hidden),
-        "mlp.c_fc.bias": (hidden,), "mlp.c_proj.weight": (hidden, width),
+        "ln_1.weight": (width,),
+        "ln_1.bias": (width,),
+        "ln_2.weight": (width,),
+        "ln_2.bias": (width,),
+        "attn.c_attn.weight": (width, 3 * width),
+        "attn.c_attn.bias": (3 * width,),
+        "attn.c_proj.weight": (width, width),
+        "attn.c_proj.bias": (width,),
+        "mlp.c_fc.weight": (width, hidden),
+        "mlp.c_fc.bias": (hidden,),
+        "mlp.c_proj.weight": (hidden, width),
         "mlp.c_proj.bias": (width,),
-    }  # fmt: skip
+    }
     for layer in range(architecture["layers"]):
         shapes.update({f"h.{layer}.{name}": shape for name, shape in per_layer.items()})
     return shapes
@@ -245,8 +261,13 @@ def _get(tree: Mapping, path: tuple[str, ...]):
 def _read_tensors(directory: str) -> dict[str, np.ndarray]:
     index = os.path.join(directory, INDEX_FILE)
     if os.path.exists(index):
-        weight_map = key_of(read_json(index, "a safetensors index", _SAVED_BY), index,
-                            ["weight_map"], "a safetensors index", _SAVED_BY)  # fmt: skip
+        weight_map = key_of(
+            read_json(index, "a safetensors index", _SAVED_BY),
+            index,
+            ["weight_map"],
+            "a safetensors index",
+            _SAVED_BY,
+        )
         if not isinstance(weight_map, dict) or not all(
             isinstance(name, str) and os.sep not in name for name in weight_map.values()
         ):
@@ -289,15 +310,20 @@ def special_tokens(directory: str) -> dict[str, int | None]:
             config = json.load(file)
     except (OSError, ValueError):
         config = {}
-    return {key: config.get(key) if isinstance(config.get(key), int) else None
-            for key in SPECIAL_TOKENS}  # fmt: skip
+    return {
+        key: config.get(key) if isinstance(config.get(key), int) else None for key in SPECIAL_TOKENS
+    }
 
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id")
 
 
-def write_hf(directory: str | os.PathLike, module: GPT, params: Mapping,
-             special: Mapping[str, int | None] | None = None) -> None:  # fmt: skip
+def write_hf(
+    directory: str | os.PathLike,
+    module: GPT,
+    params: Mapping,
+    special: Mapping[str, int | None] | None = None,
+) -> None:
     """Writes `GPT` ``module``'s ``params`` (scanned layers; host or device arrays)
     as a ``transformers`` GPT-2 directory: ``config.json`` (``special``: its
     ``bos_token_id`` and ``eos_token_id``) and ``model.safetensors``."""

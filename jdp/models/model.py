@@ -69,8 +69,9 @@ class Model:
     # drawn per example of the global batch (`jdp.models.dropout`), the same on any mesh.
     row_keys: bool = False
 
-    def init_on_mesh(self, rng: jax.Array, batch: Batch, mesh: Mesh, *,
-                     rules: Rules | None = None) -> tuple[Any, Any, Any]:  # fmt: skip
+    def init_on_mesh(
+        self, rng: jax.Array, batch: Batch, mesh: Mesh, *, rules: Rules | None = None
+    ) -> tuple[Any, Any, Any]:
         """``(params, model_state, param_specs)``: the parameters made on ``mesh`` in their
         layout (`jdp.param_specs` from the model's logical axis names and ``rules``),
         each device computing only its shards; the model state replicated. Pass

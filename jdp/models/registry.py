@@ -165,11 +165,21 @@ def gpt_shape(settings: Mapping[str, Any]) -> dict[str, Any]:
     return shape | ({"dropout": settings["dropout"]} if settings.get("dropout") is not None else {})
 
 
-def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat: str = "none",
-              attention: str = "auto", unroll: bool = False,
-              architecture: Mapping[str, Any] | None = None,
-              label_smoothing: float = 0.0, loss_chunks: int = 1,
-              shape: Mapping[str, Any] | None = None, fp8: bool = False) -> Model:  # fmt: skip
+def get_model(
+    name: str,
+    split,
+    size: str = "small",
+    *,
+    seq_len: int = 0,
+    remat: str = "none",
+    attention: str = "auto",
+    unroll: bool = False,
+    architecture: Mapping[str, Any] | None = None,
+    label_smoothing: float = 0.0,
+    loss_chunks: int = 1,
+    shape: Mapping[str, Any] | None = None,
+    fp8: bool = False,
+) -> Model:
     """The built-in model ``name`` at ``size``, shaped for ``split`` (classes or vocabulary).
 
     ``seq_len`` sets the positions ``gpt`` has (``--seq-len``; a token corpus's
@@ -211,13 +221,15 @@ def get_model(name: str, split, size: str = "small", *, seq_len: int = 0, remat:
             inputs=getattr(split, "normalize", None) or split.input_key,  # uint8 images' too
         )
     if label_smoothing:
-        raise UsageError(f"--label-smoothing is for the image classifiers; {name} predicts "
-                         "tokens: leave it out")  # fmt: skip
+        raise UsageError(
+            f"--label-smoothing is for the image classifiers; {name} predicts tokens: leave it out"
+        )
     options["attention"] = attention
     if name != "gpt":
         module = builtin.module(vocab_size=len(split.vocab), **options)
-        return from_linen(module, sequence(), inputs=lambda b: (b["source"], b["target"][:, :-1]),
-                          rows_arg="rows")  # fmt: skip
+        return from_linen(
+            module, sequence(), inputs=lambda b: (b["source"], b["target"][:, :-1]), rows_arg="rows"
+        )
     options["max_len"] = seq_len or getattr(split, "seq_len", 0) or options["max_len"]
     options.update(remat=remat, unroll=unroll, fp8=fp8)
     if loss_chunks > 1:
@@ -268,14 +280,18 @@ def _checked_shape(name: str, shape: Mapping[str, Any], options: dict, *, loaded
         raise UsageError(f"{', '.join(map(_flag, shape))} shape the gpt; --model is {name}")
     fixed = sorted(set(shape) & {*GPT_SHAPE, "bias"})
     if loaded and fixed:
-        raise UsageError(f"{', '.join(map(_flag, fixed))}: the loaded weights set the gpt's shape; "
-                         "drop them (--dropout may change)")  # fmt: skip
+        raise UsageError(
+            f"{', '.join(map(_flag, fixed))}: the loaded weights set the gpt's shape; "
+            "drop them (--dropout may change)"
+        )
     if "width" in shape and "hidden" not in shape:
         shape = {**shape, "hidden": 4 * shape["width"]}
     width, heads = shape.get("width", options["width"]), shape.get("heads", options["heads"])
     if width % heads:
-        raise UsageError(f"a width of {width} does not split into {heads} heads; give a "
-                         "--width that --heads divides")  # fmt: skip
+        raise UsageError(
+            f"a width of {width} does not split into {heads} heads; give a "
+            "--width that --heads divides"
+        )
     return dict(shape)
 
 
@@ -292,8 +308,11 @@ def _loaded_gpt(split, architecture: Mapping[str, Any], options: dict) -> Model:
             f"the data's vocabulary is {vocab} tokens and the loaded model's "
             f"{architecture['vocab_size']}; tokenize the data with the model's tokenizer"
         )
-    window = split.seq_len if split.kind == "text" else (
-        split.source.shape[1] + split.target.shape[1] - 1)  # fmt: skip
+    window = (
+        split.seq_len
+        if split.kind == "text"
+        else (split.source.shape[1] + split.target.shape[1] - 1)
+    )
     if window > architecture["max_len"]:
         raise UsageError(
             f"the data's windows are {window} tokens and the loaded model has "
@@ -327,8 +346,13 @@ def _lm_flops(module: GPT):
             rows, window = batch["tokens"].shape
             seq_len = window - 1
         parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
-        per_token = flops_per_token(parameters, layers=module.layers, width=module.width,
-                                    seq_len=seq_len, max_len=module.max_len)  # fmt: skip
+        per_token = flops_per_token(
+            parameters,
+            layers=module.layers,
+            width=module.width,
+            seq_len=seq_len,
+            max_len=module.max_len,
+        )
         return per_token * rows * seq_len
 
     return flops

@@ -30,9 +30,12 @@ from jdp.models.names import dense, norm_inits
 def _batch_norm(*, train: bool, scale=nn.initializers.ones) -> nn.BatchNorm:
     """BatchNorm over the channels; in training, its statistics averaged over ``data``
     (the global batch's)."""
-    return nn.BatchNorm(use_running_average=not train, momentum=0.9,
-                        axis_name=DATA_AXIS if train else None,
-                        **norm_inits("conv_out", scale))  # fmt: skip
+    return nn.BatchNorm(
+        use_running_average=not train,
+        momentum=0.9,
+        axis_name=DATA_AXIS if train else None,
+        **norm_inits("conv_out", scale),
+    )
 
 
 class BasicBlock(nn.Module):

@@ -69,9 +69,15 @@ class Summary:
         return "\n".join(lines)
 
 
-def summary(model: Model, batch: Any, mesh: Mesh | None = None, *,
-            optimizer: optax.GradientTransformation | None = None, rules: Rules | None = None,
-            shard_optimizer: bool = False) -> Summary:  # fmt: skip
+def summary(
+    model: Model,
+    batch: Any,
+    mesh: Mesh | None = None,
+    *,
+    optimizer: optax.GradientTransformation | None = None,
+    rules: Rules | None = None,
+    shard_optimizer: bool = False,
+) -> Summary:
     """A model's parameters by module, their bytes on ``mesh`` and its FLOPs per example.
 
     Args:
@@ -97,10 +103,11 @@ def summary(model: Model, batch: Any, mesh: Mesh | None = None, *,
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     count = sum(leaf.size for _, leaf in leaves)
     found = Summary(
-        modules=_modules(leaves), parameters=count,
+        modules=_modules(leaves),
+        parameters=count,
         param_bytes=sum(leaf.size * leaf.dtype.itemsize for _, leaf in leaves),
         flops_per_example=model_flops(model, params, model_state, one),
-    )  # fmt: skip
+    )
     if mesh is None:
         return found
     names = model.names(jax.random.key(0), one) if model.names else None
@@ -120,8 +127,9 @@ def _modules(leaves) -> tuple[Module, ...]:
     """The leaves grouped by the module that holds them (the path but its last name)."""
     groups: dict[str, list] = {}
     for path, leaf in leaves:
-        names = [str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
-                 for key in path]  # fmt: skip
+        names = [
+            str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path
+        ]
         module = "/".join(names[:-1]) or "(top)"
         groups.setdefault(module, []).append((names[-1], tuple(leaf.shape), str(leaf.dtype)))
     return tuple(

@@ -122,9 +122,12 @@ class Block(nn.Module):
         x = x + attend(0, normed, normed, causal=causal, key_mask=mask, query_mask=mask)
         if memory is not None:
             x = x + attend(
-                1, layer_norm(self.epsilon, bias=self.bias)(x), memory, key_mask=memory_mask,
+                1,
+                layer_norm(self.epsilon, bias=self.bias)(x),
+                memory,
+                key_mask=memory_mask,
                 query_mask=target_mask,
-            )  # fmt: skip
+            )
         feed = FeedForward(self.hidden, self.dropout, self.bias, self.fp8)
         return x + feed(layer_norm(self.epsilon, bias=self.bias)(x), train=train, rows=rows)
 
@@ -250,8 +253,9 @@ class GPT(nn.Module):
         rows = jnp.arange(tokens.shape[0]) if rows is None else rows
         layer = CausalLayer
         if not self.unroll:  # FSDP gathers a layer's parameters inside the scan's body
-            layer = nn.map_variables(layer, "params", trans_in_fn=gather_layer, init=True,
-                                     mutable=True)  # fmt: skip
+            layer = nn.map_variables(
+                layer, "params", trans_in_fn=gather_layer, init=True, mutable=True
+            )
         if self.remat in REMAT_POLICIES:
             # Inside a scan XLA cannot merge the recomputation back into the forward pass.
             layer = nn.remat(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=self.unroll)

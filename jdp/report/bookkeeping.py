@@ -64,5 +64,8 @@ def _set_aside(said: str, path: str) -> None:
         where = f"set aside as {aside}"
     except OSError as error:
         where = f"left where it is ({error.strerror})"
-    print(f"jdp: warning: {said}; {where}, and the run goes on without it",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"jdp: warning: {said}; {where}, and the run goes on without it",
+        file=sys.stderr,
+        flush=True,
+    )

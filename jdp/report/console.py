@@ -81,8 +81,9 @@ class Console:
         self._postfixed = -_BAR_SECONDS  # the bar's first advance shows its postfix
         self._next_log = start + max(1, round((total - start) * _LOG_FRACTION))
         if self.enabled and self._interactive:
-            self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
-                             leave=False)  # fmt: skip
+            self._bar = tqdm(
+                total=total, initial=start, unit="step", dynamic_ncols=True, leave=False
+            )
 
     def shows(self, steps: int) -> bool:
         """Whether advancing by ``steps`` now would show its postfix: a progress line is

@@ -31,8 +31,18 @@ from typing import Any
 
 from jdp.report.bookkeeping import read_or_set_aside
 
-PARTS = ("startup", "compile", "step", "recomputed", "input", "checkpoint", "evaluate",
-         "other", "stalled", "restart")  # fmt: skip
+PARTS = (
+    "startup",
+    "compile",
+    "step",
+    "recomputed",
+    "input",
+    "checkpoint",
+    "evaluate",
+    "other",
+    "stalled",
+    "restart",
+)
 FILE = "goodput.json"
 # Seconds between the writes of a live attempt's parts (each a small file renamed into place).
 WRITE_EVERY = 2.0
@@ -106,8 +116,9 @@ class Goodput:
     ``finish(how)`` writes them and returns the run's accounting (`summarize`).
     """
 
-    def __init__(self, clock: Clock, directory: str | None, *, every: int = 0,
-                 enabled: bool = True):  # fmt: skip
+    def __init__(
+        self, clock: Clock, directory: str | None, *, every: int = 0, enabled: bool = True
+    ):
         self.clock, self.enabled, self.every = clock, enabled, every
         self.path = os.path.join(directory, FILE) if directory and enabled else None
         self.before: list[dict[str, Any]] = []
@@ -121,8 +132,12 @@ class Goodput:
         if step == 0 and self.before and self.before[-1].get("ended") == "finished":
             self.before = []  # a new run from scratch in a finished run's directory
         self.redo_until = max([attempt["last_step"] for attempt in self.before] + [0])
-        self.attempt = {"started": self.clock.started, "start_step": step, "last_step": step,
-                        "recomputed_steps": 0}  # fmt: skip
+        self.attempt = {
+            "started": self.clock.started,
+            "start_step": step,
+            "last_step": step,
+            "recomputed_steps": 0,
+        }
 
     def progress(self, step: int) -> None:
         last, self.attempt["last_step"] = self.attempt["last_step"], step
@@ -211,8 +226,9 @@ def summarize(attempts: list[Mapping[str, Any]]) -> dict[str, Any]:
 
 def describe(summary: Mapping[str, Any]) -> str:
     """``goodput 91.2% of 63.0s: step 57.4s, compile 2.1s, ...`` (the parts that took time)."""
-    parts = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in summary["parts"].items()
-                      if seconds >= 0.05)  # fmt: skip
+    parts = ", ".join(
+        f"{name} {seconds:.1f}s" for name, seconds in summary["parts"].items() if seconds >= 0.05
+    )
     redone = summary["recomputed_steps"]
     again = f"; {redone} steps computed again" if redone else ""
     return f"goodput {summary['goodput']:.1%} of {summary['wall']:.1f}s: {parts}{again}"

@@ -227,8 +227,10 @@ def _fetch(records: list[Mapping[str, Any]]) -> list[dict[str, float]]:
     for index, value in enumerate(flat):
         if isinstance(value, jax.Array):
             by_dtype.setdefault(value.dtype, []).append((index, value.addressable_data(0)))
-    host = [None if isinstance(value, jax.Array) else value if isinstance(value, str)
-            else float(value) for value in flat]  # fmt: skip
+    host = [
+        None if isinstance(value, jax.Array) else value if isinstance(value, str) else float(value)
+        for value in flat
+    ]
     for entries in by_dtype.values():
         zero = jnp.zeros((), entries[0][1].dtype, device=entries[0][1].device)
         for start in range(0, len(entries), _FETCH_CHUNK):

@@ -101,8 +101,9 @@ def model_flops(model, params: Any, model_state: Any, batch: Any) -> float:
     return 3.0 * forward_flops(forward, params, model_state, batch)
 
 
-def step_flops(lowered: jax.stages.Lowered, devices: int, *, per_step_loops: int = 0
-               ) -> float | None:  # fmt: skip
+def step_flops(
+    lowered: jax.stages.Lowered, devices: int, *, per_step_loops: int = 0
+) -> float | None:
     """Hardware FLOPs of one step on all devices, from XLA's cost analysis of the step,
     or None when the step loops.
 

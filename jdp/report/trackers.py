@@ -58,8 +58,9 @@ def check_trackers(setting: str, log_dir: str | None) -> None:
         )
     trackers = [name for name in names if TRACKERS[name]]
     if trackers and not log_dir:
-        raise UsageError(f"--tracker {','.join(trackers)} logs a run directory's metrics: "
-                         "add --log-dir DIR")  # fmt: skip
+        raise UsageError(
+            f"--tracker {','.join(trackers)} logs a run directory's metrics: add --log-dir DIR"
+        )
     for name in trackers:
         if importlib.util.find_spec(TRACKERS[name]) is None:
             raise UsageError(f"--tracker {name} needs {name}: pip install 'jdp[{name}]'")
@@ -97,8 +98,12 @@ class Guarded:
 def _warn(name: str, error: Exception) -> None:
     text = str(error).strip().splitlines()
     said = text[0][:200] if text else "no message"
-    print(f"jdp: warning: the {name} tracker failed ({type(error).__name__}: {said}); "
-          "training goes on without it", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"jdp: warning: the {name} tracker failed ({type(error).__name__}: {said}); "
+        "training goes on without it",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def open_writers(log_dir: str, trackers: Sequence[str] = ("tensorboard",)) -> list[Writer]:
@@ -146,15 +151,20 @@ class MlflowTracker:
                 if error.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
                     raise  # the server failing: the tracker's one warning (`Guarded`)
                 reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-                print(f"jdp: warning: the MLflow run {self.run_id} that "
-                      f"{os.path.join(log_dir, _IDS)} names is not on this tracking server "
-                      f"({reason}); logging to a new run", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"jdp: warning: the MLflow run {self.run_id} that "
+                    f"{os.path.join(log_dir, _IDS)} names is not on this tracking server "
+                    f"({reason}); logging to a new run",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self.run_id, self.resumed = None, False
         if self.run_id is None:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "jdp")
             experiment = self.client.get_experiment_by_name(name)
-            experiment_id = (experiment.experiment_id if experiment
-                             else self.client.create_experiment(name))  # fmt: skip
+            experiment_id = (
+                experiment.experiment_id if experiment else self.client.create_experiment(name)
+            )
             run_name = os.path.basename(os.path.abspath(log_dir))
             self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
             _keep_run_id(log_dir, "mlflow", self.run_id)
@@ -221,8 +231,11 @@ class WandbTracker:
         self.run.config.update({**config, **facts}, allow_val_change=True)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        values = {key: float(value) for key, value in curves(record).items()
-                  if value is not None and not isinstance(value, str)}  # fmt: skip
+        values = {
+            key: float(value)
+            for key, value in curves(record).items()
+            if value is not None and not isinstance(value, str)
+        }
         self.run.log(values, step=record["step"])
 
     def tag(self, name: str, value: str) -> None:

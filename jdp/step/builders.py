@@ -36,12 +36,21 @@ from jdp.step.lean import Lean
 from jdp.step.sharded import _compile_sharded, _sharded_eval, _sharded_train
 
 
-def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, mesh: Mesh, *,
-                    backend: Backend = "jit", has_aux: bool = False,
-                    has_model_state: bool = False, precision: Precision | None = None,
-                    accumulate: int = 1, lr_schedule: optax.Schedule | None = None,
-                    steps_per_call: int = 1, skip_nonfinite: bool = False,
-                    grad_norm: bool = False) -> CompiledStep:  # fmt: skip
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    backend: Backend = "jit",
+    has_aux: bool = False,
+    has_model_state: bool = False,
+    precision: Precision | None = None,
+    accumulate: int = 1,
+    lr_schedule: optax.Schedule | None = None,
+    steps_per_call: int = 1,
+    skip_nonfinite: bool = False,
+    grad_norm: bool = False,
+) -> CompiledStep:
     """Builds a data-parallel train step: ``state, metrics = step(state, batch)``.
 
     Each replica computes the gradient of ``loss_fn`` on its rows of the global
@@ -97,25 +106,41 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, me
     _check_backend(backend, mesh)
     _check_counts(accumulate, steps_per_call)
     way, steps = _way(mesh), steps_per_call
-    options = dict(precision=precision or Precision(), accumulate=accumulate,
-                   lr_schedule=lr_schedule, skip_nonfinite=skip_nonfinite,
-                   grad_norm=grad_norm, row_keys=wants_row_keys(loss_fn))  # fmt: skip
+    options = dict(
+        precision=precision or Precision(),
+        accumulate=accumulate,
+        lr_schedule=lr_schedule,
+        skip_nonfinite=skip_nonfinite,
+        grad_norm=grad_norm,
+        row_keys=wants_row_keys(loss_fn),
+    )
     loss = replica.loss_with_state(loss_fn, has_aux=has_aux, has_model_state=has_model_state)
     loss = _axes_named(loss, mesh)
     sharded = _sharded_train(loss, optimizer, mesh, steps, **options)
     if way == "sharded":
         return _compile_sharded(sharded, mesh, outputs=2, donate_state=True, steps=steps)
     one_step = replica.train_step(
-        loss, optimizer, local_grads=backend == "jit", replicas=data_size(mesh),
-        pack_leaf_bytes=pack_leaf_bytes(mesh), axes=batch_axes(mesh), **options,
-    )  # fmt: skip
+        loss,
+        optimizer,
+        local_grads=backend == "jit",
+        replicas=data_size(mesh),
+        pack_leaf_bytes=pack_leaf_bytes(mesh),
+        axes=batch_axes(mesh),
+        **options,
+    )
     if way == "groups":
         return compile_groups(group_maths.inner_step(one_step, steps=steps), mesh, steps=steps)
     scanned = lambda state, batches: lax.scan(one_step, state, batches)  # noqa: E731
     return _compile(
-        scanned if steps > 1 else one_step, mesh, backend, outputs=2, donate_state=True,
-        steps=steps, sharded=sharded if backend == "jit" else None, lean=Lean.of(**options),
-    )  # fmt: skip
+        scanned if steps > 1 else one_step,
+        mesh,
+        backend,
+        outputs=2,
+        donate_state=True,
+        steps=steps,
+        sharded=sharded if backend == "jit" else None,
+        lean=Lean.of(**options),
+    )
 
 
 def _axes_named(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
@@ -188,17 +213,24 @@ def make_eval_step(
     )
     if way == "groups":  # the synchronised parameters, replicated: no layout to follow
         compiled = _compile(
-            replica_eval.eval_step(metrics, batch_axes(mesh)), mesh, backend, outputs=1,
+            replica_eval.eval_step(metrics, batch_axes(mesh)),
+            mesh,
+            backend,
+            outputs=1,
             donate_state=False,
-        )  # fmt: skip
+        )
         return synchronised_eval(compiled)
     sharded = _sharded_eval(replica_eval.eval_step(metrics, manual_axes(mesh)), mesh)
     if way == "sharded":
         return _compile_sharded(sharded, mesh, outputs=1, donate_state=False)
     return _compile(
-        replica_eval.eval_step(metrics, batch_axes(mesh)), mesh, backend, outputs=1,
-        donate_state=False, sharded=sharded if backend == "jit" else None,
-    )  # fmt: skip
+        replica_eval.eval_step(metrics, batch_axes(mesh)),
+        mesh,
+        backend,
+        outputs=1,
+        donate_state=False,
+        sharded=sharded if backend == "jit" else None,
+    )
 
 
 def _way(mesh: Mesh) -> str:

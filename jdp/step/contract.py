@@ -133,9 +133,15 @@ def check_rows(batch: Any, replicas: int, *, batch_axis: int, steps: int) -> Non
             )
 
 
-def as_step(program: Callable[..., Any], replicas: int, *, batch_axis: int, steps: int,
-            outputs: int, sharded: Callable[..., Any] | None = None
-            ) -> Callable[..., Any]:  # fmt: skip
+def as_step(
+    program: Callable[..., Any],
+    replicas: int,
+    *,
+    batch_axis: int,
+    steps: int,
+    outputs: int,
+    sharded: Callable[..., Any] | None = None,
+) -> Callable[..., Any]:
     """A step's call of its compiled ``program``, for every way of compiling.
 
     ``sharded``, when given, runs instead for a state whose `Placement` says

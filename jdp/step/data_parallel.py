@@ -79,9 +79,13 @@ def _compile(
                 sharded, mesh, outputs=outputs, donate_state=donate_state, steps=steps
             )
         program = as_step(
-            jitted, replicas, batch_axis=batch_axis, steps=steps, outputs=outputs,
+            jitted,
+            replicas,
+            batch_axis=batch_axis,
+            steps=steps,
+            outputs=outputs,
             sharded=layouts and layouts.unbounded,
-        )  # fmt: skip
+        )
         lower = _lower_by_placement(jitted.lower, layouts)
         if lean is not None:
             program, lower = _lean(replica_fn, mesh, lean, program, lower, steps=steps)
@@ -146,8 +150,9 @@ def _lean(
     return call, lean_lower(programs, whole_lower, lean=lean)
 
 
-def _lower_by_placement(lower: Callable[..., Any], layouts: CompiledStep | None
-                        ) -> Callable[..., Any]:  # fmt: skip
+def _lower_by_placement(
+    lower: Callable[..., Any], layouts: CompiledStep | None
+) -> Callable[..., Any]:
     """``lower`` for a replicated state, ``layouts``' for one whose `Placement` says
     ``"sharded"``."""
     if layouts is None:

@@ -85,9 +85,11 @@ def compile_groups(group_fn: Callable[..., Any], mesh: Mesh, *, steps: int) -> C
         _groups_given(state)
         rest, trained, every_group = jitted(_step_count(state), state.groups, batch)
         updated = rest.replace(
-            params=state.params, opt_state=state.opt_state, model_state=state.model_state,
+            params=state.params,
+            opt_state=state.opt_state,
+            model_state=state.model_state,
             groups=trained,
-        )  # fmt: skip
+        )
         return updated, first(jax.tree.map(lambda x: x.addressable_data(0), every_group))
 
     program = as_step(inner, slices, batch_axis=batch_axis, steps=steps, outputs=2)

@@ -81,8 +81,9 @@ def _compile_sharded(
     return CompiledStep(bounded(program, witness), program, lower, None, batch_in)
 
 
-def _over_replicas(fn: Callable[..., Any], mesh: Mesh, *, out_axes: Any = None
-                   ) -> Callable[..., Any]:  # fmt: skip
+def _over_replicas(
+    fn: Callable[..., Any], mesh: Mesh, *, out_axes: Any = None
+) -> Callable[..., Any]:
     """``fn(state, batch)`` mapped over the ``data`` replicas for a state XLA partitions:
     a ``vmap`` that names the ``data`` axis, over the batch's rows in ``data`` blocks
     (the leading axis split over ``data``, each block's rows over ``fsdp``). Its
@@ -140,8 +141,9 @@ def _gathered(param_shardings: Any) -> tuple[Any, Any]:
     return {**whole, SCANNED_LAYERS: stacked}, layer
 
 
-def _sharded_train(loss: LossFn, optimizer: optax.GradientTransformation, mesh: Mesh,
-                   steps: int, **options: Any):  # fmt: skip
+def _sharded_train(
+    loss: LossFn, optimizer: optax.GradientTransformation, mesh: Mesh, steps: int, **options: Any
+):
     """``make_fn`` for `_compile_sharded`: the gradient half mapped over the replicas
     (`_over_replicas`: each replica's rows, one all-reduce over ``data``), with each
     parameter gathered over ``fsdp`` where it is used (after the cast to the compute
@@ -152,10 +154,16 @@ def _sharded_train(loss: LossFn, optimizer: optax.GradientTransformation, mesh: 
         gathered, layer = _gathered(param_shardings)
         layer = layer or (None, None)
         parts = replica.train_step_parts(
-            loss, optimizer, local_grads=False, replicas=None, pack_leaf_bytes=0,
-            axes=(DATA_AXIS,), gather=lambda p: lax.with_sharding_constraint(p, gathered),
-            reduce_grads=False, **options,
-        )  # fmt: skip
+            loss,
+            optimizer,
+            local_grads=False,
+            replicas=None,
+            pack_leaf_bytes=0,
+            axes=(DATA_AXIS,),
+            gather=lambda p: lax.with_sharding_constraint(p, gathered),
+            reduce_grads=False,
+            **options,
+        )
         gradients = _over_replicas(parts.gradients, mesh, out_axes=(0, None, None))
         replicas = data_size(mesh)
         # Each replica's gradient laid out as its parameter, the replicas over ``data``:

@@ -108,8 +108,10 @@ def compile_cache(setting: str, ckpt_dir: str | None) -> Iterator[None]:
         ) from None
     if directory is not None:
         _drop_changed(directory)
-    before = (jax.config.jax_compilation_cache_dir,
-              jax.config.jax_persistent_cache_min_compile_time_secs)  # fmt: skip
+    before = (
+        jax.config.jax_compilation_cache_dir,
+        jax.config.jax_persistent_cache_min_compile_time_secs,
+    )
     _use(directory, MIN_COMPILE_SECONDS if directory else before[1])
     try:
         yield
@@ -140,9 +142,13 @@ def _drop_changed(directory: str) -> None:
                 os.remove(path)
                 changed.append(name)
     if changed:
-        print(f"jdp: warning: {len(changed)} compiled program(s) in {directory} changed since "
-              f"a run wrote them ({', '.join(changed[:2])}{', ...' * (len(changed) > 2)}); "
-              "removed, to be compiled again", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"jdp: warning: {len(changed)} compiled program(s) in {directory} changed since "
+            f"a run wrote them ({', '.join(changed[:2])}{', ...' * (len(changed) > 2)}); "
+            "removed, to be compiled again",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _record(directory: str) -> None:
@@ -154,8 +160,10 @@ def _record(directory: str) -> None:
             signature = _signature(os.path.join(directory, name))
             known = recorded.get(name)
             same = known is not None and known[0] == signature  # not read again
-            entries[name] = [signature, known[1] if same else
-                             _digest(os.path.join(directory, name))]  # fmt: skip
+            entries[name] = [
+                signature,
+                known[1] if same else _digest(os.path.join(directory, name)),
+            ]
     scratch = f"{path}.{os.getpid()}.tmp"  # runs sharing the cache write their own
     with open(scratch, "w") as file:
         json.dump(entries, file)

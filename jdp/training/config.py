@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jdp.errors import UsageError
 from jdp.mesh_spec import MeshSpec
 from jdp.training import choices, config_checks
 from jdp.training.sections import (
@@ -78,8 +79,9 @@ class TrainConfig:
         "small (trains in minutes on a CPU) or standard (published); gpt also 124m, 350m, "
         "774m (GPT-2's) and 1.3b (GPT-3 XL's), their vocabulary padded to a multiple of 128",
     )
-    label_smoothing: float = _flag(MODEL, 0.0, "a built-in image classifier's loss on labels "
-                                   "smoothed by this much (0: none)")  # fmt: skip
+    label_smoothing: float = _flag(
+        MODEL, 0.0, "a built-in image classifier's loss on labels smoothed by this much (0: none)"
+    )
     unroll_layers: bool = _flag(
         MODEL,
         False,
@@ -92,8 +94,9 @@ class TrainConfig:
     width: int = _flag(MODEL, 0, "gpt: the model width, nanoGPT's n_embd (0: the size's)")
     hidden: int = _flag(MODEL, 0, "gpt: the feed-forward's hidden units (0: the size's)")
     bias: bool = _flag(MODEL, True, "gpt: biases in dense layers, LayerNorms (nanoGPT: --no-bias)")
-    dropout: float | None = _flag(MODEL, None, "gpt: the dropout rate (empty: the size's, "
-                                  "0.1; nanoGPT pretrains with 0)")  # fmt: skip
+    dropout: float | None = _flag(
+        MODEL, None, "gpt: the dropout rate (empty: the size's, 0.1; nanoGPT pretrains with 0)"
+    )
     dataset: str = _flag(
         DATA,
         "digits",
@@ -105,19 +108,28 @@ class TrainConfig:
         "or tokens:PATH (a token corpus: llm.c shards, raw .bin or .npy; a file, directory "
         "or glob, its val and test files by name)",
     )
-    image_size: str = _flag(DATA, "", "H,W: resize folder:PATH's images (of several sizes), "
-                            "images:PATH's crops (default 224,224)")  # fmt: skip
+    image_size: str = _flag(
+        DATA,
+        "",
+        "H,W: resize folder:PATH's images (of several sizes), "
+        "images:PATH's crops (default 224,224)",
+    )
     seq_len: int = _flag(
         DATA,
         0,
         "tokens a language model reads at once: a token corpus's window, and the gpt model's "
         "positions (0: the model's own, 256 for gpt small, 1024 for standard)",
     )
-    vocab_size: int = _flag(DATA, 0, "a token corpus's vocabulary size (0: from the "
-                            "tokens.json beside it)")  # fmt: skip
-    token_dtype: choices.TokenDtype = _flag(DATA, "", "the ids of raw .bin token files (no llm.c "
-                                    "header): uint16, uint32 or int32 (default: from "
-                                    "tokens.json; never guessed)")  # fmt: skip
+    vocab_size: int = _flag(
+        DATA, 0, "a token corpus's vocabulary size (0: from the tokens.json beside it)"
+    )
+    token_dtype: choices.TokenDtype = _flag(
+        DATA,
+        "",
+        "the ids of raw .bin token files (no llm.c "
+        "header): uint16, uint32 or int32 (default: from "
+        "tokens.json; never guessed)",
+    )
     validation_fraction: float = _flag(
         DATA,
         0.0,
@@ -128,14 +140,23 @@ class TrainConfig:
         INPUT, None, "TFDS data directory (default: $TFDS_DATA_DIR or ~/tensorflow_datasets)"
     )
     batch_size: int = _flag(DATA, 128, "global batch size, split over the data axis")
-    loader_workers: int = _flag(INPUT, 0, "Grain worker processes that load and augment "
-                                "batches (0: a thread of this process)")  # fmt: skip
-    prefetch: int = _flag(INPUT, 2, "batches (with --steps-per-call, calls' stacked batches) "
-                          "placed on the devices ahead")  # fmt: skip
+    loader_workers: int = _flag(
+        INPUT,
+        0,
+        "Grain worker processes that load and augment batches (0: a thread of this process)",
+    )
+    prefetch: int = _flag(
+        INPUT,
+        2,
+        "batches (with --steps-per-call, calls' stacked batches) placed on the devices ahead",
+    )
     data_on_device: choices.DataOnDevice = _flag(
-        INPUT, "auto", "place the splits on every device once and gather each step's rows "
+        INPUT,
+        "auto",
+        "place the splits on every device once and gather each step's rows "
         "there, the same batches without a host read (auto: when they fit in a quarter of "
-        "a device's memory left by the model, and no --loader-workers)")  # fmt: skip
+        "a device's memory left by the model, and no --loader-workers)",
+    )
     steps: int = _flag(LENGTH, 400, "number of training steps")
     epochs: int = _flag(
         LENGTH, 0, "train for this many passes over the training split instead of --steps (0: off)"
@@ -229,16 +250,20 @@ class TrainConfig:
         "evaluate every N steps, on the validation split when the run has one "
         "(a language model's corpus does), else the test split (0: only at the end)",
     )
-    eval_batches: int = _flag(EVALUATION, 0, "read the first N batches of each split an "
-                              "evaluation reads (nanoGPT's eval_iters; 0: all)")  # fmt: skip
+    eval_batches: int = _flag(
+        EVALUATION,
+        0,
+        "read the first N batches of each split an evaluation reads (nanoGPT's eval_iters; 0: all)",
+    )
     ckpt_dir: str | None = _flag(
         CHECKPOINTS, None, "directory of Orbax checkpoints; a run resumes from the latest one in it"
     )
     ckpt_every: int = _flag(
         CHECKPOINTS, 0, "save every N steps (0: only at the end and when preempted)"
     )
-    ckpt_every_minutes: float = _flag(CHECKPOINTS, 10.0, "also save once this many minutes "
-                                      "passed since the last save (0: off)")  # fmt: skip
+    ckpt_every_minutes: float = _flag(
+        CHECKPOINTS, 10.0, "also save once this many minutes passed since the last save (0: off)"
+    )
     keep: int = _flag(
         CHECKPOINTS, 3, "latest checkpoints to keep (the best by --best-metric is kept too)"
     )
@@ -265,8 +290,11 @@ class TrainConfig:
         "where every checkpoint in --ckpt-dir is damaged (set aside as "
         "damaged-STEP-TIME), train from step 0 in it; refused otherwise",
     )
-    allow_new_data: bool = _flag(CHECKPOINTS, False, "resume on training data other than "
-                                 "the checkpoints recorded (refused otherwise)")  # fmt: skip
+    allow_new_data: bool = _flag(
+        CHECKPOINTS,
+        False,
+        "resume on training data other than the checkpoints recorded (refused otherwise)",
+    )
     init_from: str | None = _flag(
         LENGTH,
         None,
@@ -294,8 +322,11 @@ class TrainConfig:
         "where --log-dir's metrics also go: "
         "tensorboard, mlflow (MLFLOW_TRACKING_URI), wandb (WANDB_MODE), comma-separated, or none",
     )
-    summary: bool = _flag(OBSERVABILITY, False, "print the model's parameters, bytes per "
-                          "device and FLOPs per example first (jdp.summary)")  # fmt: skip
+    summary: bool = _flag(
+        OBSERVABILITY,
+        False,
+        "print the model's parameters, bytes per device and FLOPs per example first (jdp.summary)",
+    )
     grad_norm: bool = _flag(
         OBSERVABILITY,
         False,
@@ -317,25 +348,40 @@ class TrainConfig:
         PROCESS, None, "multi-process run: this process, 0..N-1 (or $JDP_PROCESS_ID)"
     )
     startup_timeout: float = _flag(PROCESS, 300.0, "seconds to wait for every process to start")
-    compile_cache: str = _flag(PROCESS, "auto", "directory of JAX's compilation cache, where a "
-                               "resumed run reads its compiled steps back: auto (in --ckpt-dir, "
-                               "when given), DIR or off")  # fmt: skip
+    compile_cache: str = _flag(
+        PROCESS,
+        "auto",
+        "directory of JAX's compilation cache, where a "
+        "resumed run reads its compiled steps back: auto (in --ckpt-dir, "
+        "when given), DIR or off",
+    )
     heartbeat_timeout: float = _flag(
         HEALTH, 60.0, "seconds after which a silent process counts as lost and the run stops"
     )
-    stall_timeout: float = _flag(HEALTH, 600.0, "seconds without progress (4x evaluating or "
-        "saving; compiling never counts) before a run ends stalled, exit 75 (0: off)")  # fmt: skip
+    stall_timeout: float = _flag(
+        HEALTH,
+        600.0,
+        "seconds without progress (4x evaluating or "
+        "saving; compiling never counts) before a run ends stalled, exit 75 (0: off)",
+    )
     check_replicas_every: int = _flag(
         HEALTH, 0, "compare a checksum of the parameters on every device every N steps (0: off)"
     )
-    data_ledger: choices.DataLedger = _flag(HEALTH, "indices", "digests of the global batches, in "
-                                    "metrics.jsonl and the checkpoints and checked as they are "
-                                    "read: indices, bytes (of the rows too) or off")  # fmt: skip
+    data_ledger: choices.DataLedger = _flag(
+        HEALTH,
+        "indices",
+        "digests of the global batches, in "
+        "metrics.jsonl and the checkpoints and checked as they are "
+        "read: indices, bytes (of the rows too) or off",
+    )
     early_stop_patience: int = _flag(
         EVALUATION, 0, "stop when --early-stop-metric has not improved for N evaluations (0: off)"
     )
-    early_stop_metric: choices.EarlyStopMetric = _flag(EVALUATION, "loss", "test metric for "
-        "--early-stop-patience: loss (lower wins) or accuracy (higher)")  # fmt: skip
+    early_stop_metric: choices.EarlyStopMetric = _flag(
+        EVALUATION,
+        "loss",
+        "test metric for --early-stop-patience: loss (lower wins) or accuracy (higher)",
+    )
 
     @property
     def model_label(self) -> str:
@@ -360,8 +406,21 @@ class TrainConfig:
 
     @property
     def profile_window(self) -> tuple[int, int] | None:
-        """``--profile-steps A:B`` as ``(A, B)``, or None (`config_checks.profile_window`)."""
-        return config_checks.profile_window(self)
+        """``--profile-steps A:B`` as ``(A, B)``, or None; UsageError for a malformed one."""
+        if not self.profile_steps:
+            return None
+        first, _, last = self.profile_steps.partition(":")
+        if not (first.isdigit() and last.isdigit()) or not 1 <= int(first) <= int(last):
+            raise UsageError(
+                f"--profile-steps {self.profile_steps!r}: write FIRST:LAST steps, e.g. 10:15"
+            )
+        if int(last) > self.steps:
+            raise UsageError(
+                f"--profile-steps {self.profile_steps} ends after --steps {self.steps}"
+            )
+        if self.log_dir is None:
+            raise UsageError("--profile-steps needs --log-dir DIR (the trace goes in DIR/profile)")
+        return int(first), int(last)
 
     def shared_settings(self) -> dict:
         """The flags every process of a run must agree on: all but where each one runs."""
@@ -378,11 +437,18 @@ class TrainConfig:
         return shape | ({"dropout": self.dropout} if self.dropout is not None else {})
 
     def resume_conflicts(self, saved: dict, recorded: dict | None = None) -> list[str]:
-        """Flags whose values differ from the run that wrote a checkpoint, as ``--flag X (was Y)``
-        (`config_checks.resume_conflicts`)."""
+        """The settings of ``recorded`` (this run's, as checkpoints record them, by default
+        its fields: what the user brought in place of fields is recorded as theirs) that
+        differ from ``saved`` (the run that wrote a checkpoint), as ``--flag X (was Y)``. A
+        resumed run may change where and how it runs (`TOPOLOGY_FIELDS`: mesh, backend,
+        loader, checkpointing), never what it computes."""
         recorded = dataclasses.asdict(self) if recorded is None else recorded
-        fields = {field.name for field in dataclasses.fields(self)} | {"lr_schedule"}
-        return config_checks.resume_conflicts(saved, recorded, fields - TOPOLOGY_FIELDS)
+        compared = {field.name for field in dataclasses.fields(self)} | {"lr_schedule"}
+        return [
+            f"--{name.replace('_', '-')} {value} (was {saved[name]})"
+            for name, value in recorded.items()
+            if name in compared - TOPOLOGY_FIELDS and name in saved and saved[name] != value
+        ]
 
 
 def fields_of(*, section: Section | None = None, **holds: bool) -> tuple[str, ...]:

@@ -300,8 +300,10 @@ def _check_model_options(config) -> None:
         if given and config.model != "gpt":
             raise UsageError(f"{flag} is for --model gpt; drop it for --model {config.model}")
     if config.attention == "cudnn" and config.precision == "fp32":
-        raise UsageError("--attention cudnn is cuDNN's fused kernel, which takes bf16 or fp16; "
-                         "add --precision bf16, or use --attention auto or xla")  # fmt: skip
+        raise UsageError(
+            "--attention cudnn is cuDNN's fused kernel, which takes bf16 or fp16; "
+            "add --precision bf16, or use --attention auto or xla"
+        )
     if config.dropout is not None and not 0 <= config.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1), got {config.dropout}")
     if config.loss_chunks < 1:
@@ -342,34 +344,3 @@ def _host_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
-
-
-def profile_window(config) -> tuple[int, int] | None:
-    """``--profile-steps A:B`` as ``(A, B)``, or None; UsageError for a malformed one."""
-    if not config.profile_steps:
-        return None
-    first, _, last = config.profile_steps.partition(":")
-    if not (first.isdigit() and last.isdigit()) or not 1 <= int(first) <= int(last):
-        raise UsageError(
-            f"--profile-steps {config.profile_steps!r}: write FIRST:LAST steps, e.g. 10:15"
-        )
-    if int(last) > config.steps:
-        raise UsageError(
-            f"--profile-steps {config.profile_steps} ends after --steps {config.steps}"
-        )
-    if config.log_dir is None:
-        raise UsageError("--profile-steps needs --log-dir DIR (the trace goes in DIR/profile)")
-    return int(first), int(last)
-
-
-def resume_conflicts(saved: dict, recorded: dict, compared: set[str]) -> list[str]:
-    """The ``compared`` settings of ``recorded`` (this run's, as checkpoints record them:
-    what the user brought in place of fields is recorded as theirs) that differ from
-    ``saved`` (the run that wrote a checkpoint), as ``--flag X (was Y)``. A resumed run
-    may change where and how it runs (mesh, backend, loader, checkpointing), never what
-    it computes."""
-    return [
-        f"--{name.replace('_', '-')} {value} (was {saved[name]})"
-        for name, value in recorded.items()
-        if name in compared and name in saved and saved[name] != value
-    ]

@@ -87,9 +87,15 @@ class GuardFinite(PeriodicAction):
     look at the data before the learning rate.
     """
 
-    def __init__(self, *, every: int, skipping: bool, max_skipped_fraction: float,
-                 ckpt_dir: str | None,
-                 inputs: Callable[[int], Mapping[str, np.ndarray]] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        every: int,
+        skipping: bool,
+        max_skipped_fraction: float,
+        ckpt_dir: str | None,
+        inputs: Callable[[int], Mapping[str, np.ndarray]] | None = None,
+    ):
         super().__init__(every, at_end=True)
         self.skipping, self.max_skipped_fraction = skipping, max_skipped_fraction
         self.ckpt_dir, self.inputs = ckpt_dir, inputs
@@ -167,9 +173,11 @@ class GuardFinite(PeriodicAction):
         when they were not finite before it, the data when a batch since the start holds a
         value that is not finite."""
         if not self._started_finite:
-            return (f"{name} is {value} at step {step}: the parameters themselves are not "
-                    f"finite (the initial or imported weights, before step "
-                    f"{self._started + 1}); {self._kept}")  # fmt: skip
+            return (
+                f"{name} is {value} at step {step}: the parameters themselves are not "
+                f"finite (the initial or imported weights, before step "
+                f"{self._started + 1}); {self._kept}"
+            )
         for taken in range(self._started, step) if self.inputs is not None else ():
             batch = self.inputs(taken)
             for key, array in batch.items():

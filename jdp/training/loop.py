@@ -101,14 +101,21 @@ def fit(
         return _fit(config, console, yours, callbacks, started, clock)
 
 
-def _fit(config: TrainConfig, console: Console, yours: Yours, callbacks: Sequence[Action],
-         started: float, clock: Clock) -> FitResult:  # fmt: skip
+def _fit(
+    config: TrainConfig,
+    console: Console,
+    yours: Yours,
+    callbacks: Sequence[Action],
+    started: float,
+    clock: Clock,
+) -> FitResult:
     if config.eval_only:
         return evaluate_only(config, console, yours, started)
     run = build(config, console, yours)
     config = run.config  # resolved: --epochs as steps, a clamped warmup
-    goodput = Goodput(clock, config.log_dir, every=config.log_every,
-                      enabled=jax.process_index() == 0)  # fmt: skip
+    goodput = Goodput(
+        clock, config.log_dir, every=config.log_every, enabled=jax.process_index() == 0
+    )
     with contextlib.ExitStack() as stack:
         state, start, checkpoints, ledger = run.state, 0, None, {}
         stack.enter_context(log_dir_lock(config))
@@ -125,8 +132,9 @@ def _fit(config: TrainConfig, console: Console, yours: Yours, callbacks: Sequenc
             run = choose_steps_per_call(run, state, start, console)
             config = run.config
         goodput.start(start)
-        progress, timer, history = _train(run, state, start, ledger, stack, console,
-                                          checkpoints, callbacks, goodput)  # fmt: skip
+        progress, timer, history = _train(
+            run, state, start, ledger, stack, console, checkpoints, callbacks, goodput
+        )
         clock.switch("other")  # closing the loader, the metric files, the checkpointer
     accounting = goodput.finish("finished" if progress.finish else "preempted")
     if config.log_dir and jax.process_index() == 0:
@@ -136,8 +144,7 @@ def _fit(config: TrainConfig, console: Console, yours: Yours, callbacks: Sequenc
     return finished(run, progress, timer, started, start, history, accounting)
 
 
-def _your_data(train: Split | None, validation: Split | None, test: Split | None
-               ) -> Data | None:  # fmt: skip
+def _your_data(train: Split | None, validation: Split | None, test: Split | None) -> Data | None:
     if train is not None:
         return Data(train, validation, test)
     if validation is not None or test is not None:
@@ -145,9 +152,17 @@ def _your_data(train: Split | None, validation: Split | None, test: Split | None
     return None
 
 
-def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: contextlib.ExitStack,
-           console: Console, checkpoints: Checkpointer | None, callbacks: Sequence[Action],
-           goodput: Goodput) -> tuple[Progress, SteadyTimer, list]:  # fmt: skip
+def _train(
+    run: Run,
+    state: TrainState,
+    start: int,
+    ledger: dict,
+    stack: contextlib.ExitStack,
+    console: Console,
+    checkpoints: Checkpointer | None,
+    callbacks: Sequence[Action],
+    goodput: Goodput,
+) -> tuple[Progress, SteadyTimer, list]:
     """The loop from step ``start``: a call of the train step, then the actions, until
     the last step or a stop; then the actions once more, at the end, unless the stop
     skips it (preemption). ``ledger``: the data ledger through ``start``, as its
@@ -157,8 +172,9 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
     batches = stack.enter_context(_train_loader(config, run, start))
     logger = stack.enter_context(metric_logger(config, tokens_per_example(run)))
     ledger = data_ledger(config, run, batches, start, ledger)
-    actions = actions_for(config, run, stack, console, logger, batches, checkpoints, callbacks,
-                          ledger)  # fmt: skip
+    actions = actions_for(
+        config, run, stack, console, logger, batches, checkpoints, callbacks, ledger
+    )
     progress = Progress(step=start, steps=config.steps, state=state)
     if run.schedule is not None and not lr_in_step(config):
         progress._lr_at = logged_lr(run.schedule, int(state.loss_scale.skipped))
@@ -187,8 +203,7 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
             preemption.now(progress, stop)
             break
         watch.started(step, COMPILING if first else STEPPING)
-        clock.switch("compile" if first else
-                     "recomputed" if step <= goodput.redo_until else "step")  # fmt: skip
+        clock.switch("compile" if first else "recomputed" if step <= goodput.redo_until else "step")
         if first and config.log_dir and jax.process_index() == 0:
             lowered = run.train_step.lower(progress.state, batch)
             describe_run(config, run, logger, lowered, console)
@@ -212,21 +227,33 @@ def _train(run: Run, state: TrainState, start: int, ledger: dict, stack: context
         console.line(f"jdp: {progress.stop_reason}; stopping at step {progress.step}")
     progress.final = True
     _call_each(actions, progress, clock, watch, phases)
-    if checkpoints is not None:  # the final checkpoint's path, for the trackers
-        clock.switch("checkpoint")
-        watch.at(SAVING)
-        checkpoints.wait()
-        clock.switch("other")
-        if saved := checkpoints.steps():
-            logger.tag("jdp.checkpoint", os.path.join(os.path.abspath(checkpoints.directory),
-                                                      str(saved[-1])))  # fmt: skip
+    if checkpoints is not None:
+        _tag_last_checkpoint(checkpoints, clock, watch, logger)
     if run.sync_step is not None and run.model.update is not None:
         run.model.update(progress.state.params, progress.state.model_state)  # synced at end
     return progress, timer, logger.history
 
 
-def _call_each(actions: Sequence[Action], progress: Progress, clock: Clock, watch: Watch,
-               phases: dict[int, tuple[str, str]], *, starting: bool = False) -> None:  # fmt: skip
+def _tag_last_checkpoint(checkpoints: Checkpointer, clock, watch, logger) -> None:
+    """Waits for the last save and tags the run with its path, for the trackers."""
+    clock.switch("checkpoint")
+    watch.at(SAVING)
+    checkpoints.wait()
+    clock.switch("other")
+    if saved := checkpoints.steps():
+        path = os.path.join(os.path.abspath(checkpoints.directory), str(saved[-1]))
+        logger.tag("jdp.checkpoint", path)
+
+
+def _call_each(
+    actions: Sequence[Action],
+    progress: Progress,
+    clock: Clock,
+    watch: Watch,
+    phases: dict[int, tuple[str, str]],
+    *,
+    starting: bool = False,
+) -> None:
     """Each action in turn, its time given to its part of the goodput ledger (``part``:
     a checkpoint's, an evaluation's) or to the step's, and its phase to the watch
     (``starting``: before the first call, the loop's own actions' is compiling)."""
@@ -246,8 +273,10 @@ def _quiet_through(actions: Sequence[Action], progress: Progress) -> int:
     """The last step through which none of the actions that say when they are quiet
     (`jdp.actions.PeriodicAction.quiet_through`) needs a call: a fast step's loop pays
     for its actions only at the steps they run."""
-    return min((action.quiet_through(progress) for action in actions
-                if hasattr(action, "quiet_through")), default=NEVER)  # fmt: skip
+    return min(
+        (action.quiet_through(progress) for action in actions if hasattr(action, "quiet_through")),
+        default=NEVER,
+    )
 
 
 def _train_loader(config: TrainConfig, run: Run, start: int):

@@ -76,8 +76,7 @@ def describe_optimizer(optimizer) -> str:
     return f"{type(optimizer).__name__}({where})" if where else type(optimizer).__name__
 
 
-def say_where_it_runs(config: TrainConfig, console: Console, cluster: Cluster,
-                      mesh: Mesh) -> None:  # fmt: skip
+def say_where_it_runs(config: TrainConfig, console: Console, cluster: Cluster, mesh: Mesh) -> None:
     """The run's processes, when it has several; simulated devices, when there is no
     accelerator."""
     devices = mesh.devices.size
@@ -92,8 +91,15 @@ def say_where_it_runs(config: TrainConfig, console: Console, cluster: Cluster,
         )
 
 
-def say_what_was_built(config: TrainConfig, console: Console, mesh: Mesh, model: str,
-                       dataset: str, data: Data, yours: Yours) -> None:  # fmt: skip
+def say_what_was_built(
+    config: TrainConfig,
+    console: Console,
+    mesh: Mesh,
+    model: str,
+    dataset: str,
+    data: Data,
+    yours: Yours,
+) -> None:
     """The model on the data, the mesh and the batch; DiLoCo's groups; the optimizer."""
     per_replica = config.batch_size // batch_split(mesh)
     sizes = " / ".join(
@@ -151,8 +157,9 @@ def _groups_by_process(mesh: Mesh) -> str:
     )
 
 
-def say_layout(config: TrainConfig, console: Console, mesh: Mesh, specs: Any, *,
-               named: bool) -> None:  # fmt: skip
+def say_layout(
+    config: TrainConfig, console: Console, mesh: Mesh, specs: Any, *, named: bool
+) -> None:
     """Where the parameters went, when the mesh or --shard-optimizer splits anything."""
     if not (is_sharded(mesh) or config.shard_optimizer):
         return

@@ -32,8 +32,15 @@ def mnist_mlp() -> TrainConfig:
     """The TensorFlow data-parallelism tutorials' workload: Dense(512) and Dense(10) on
     MNIST, Keras's Adam (1e-3, constant), global batch 64, 10 epochs of 937 full
     batches, evaluated each epoch (needs MNIST through TFDS: a download)."""
-    return TrainConfig(dataset="mnist", batch_size=64, steps=9370, eval_every=937, lr=1e-3,
-                       schedule="constant", warmup_steps=0)  # fmt: skip
+    return TrainConfig(
+        dataset="mnist",
+        batch_size=64,
+        steps=9370,
+        eval_every=937,
+        lr=1e-3,
+        schedule="constant",
+        warmup_steps=0,
+    )
 
 
 def numbers2words_seq2seq() -> TrainConfig:

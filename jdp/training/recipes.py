@@ -95,8 +95,9 @@ def recipe_line(recipe: Recipe, given: dict[str, Any]) -> str:
 def recipe_names() -> list[str]:
     """The recipes jdp ships, by name."""
     folder = importlib.resources.files("jdp") / "recipes"
-    return sorted(entry.name[: -len(".toml")] for entry in folder.iterdir()
-                  if entry.name.endswith(".toml"))  # fmt: skip
+    return sorted(
+        entry.name[: -len(".toml")] for entry in folder.iterdir() if entry.name.endswith(".toml")
+    )
 
 
 def load_recipe(name: str) -> Recipe:

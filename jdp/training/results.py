@@ -131,8 +131,9 @@ class FitResult:
 
 def _headline(metrics: dict[str, float]) -> str | None:
     """An evaluation's main figure besides its loss."""
-    return next((name for name in ("accuracy", "bits_per_byte", "perplexity") if name in metrics),
-                None)  # fmt: skip
+    return next(
+        (name for name in ("accuracy", "bits_per_byte", "perplexity") if name in metrics), None
+    )
 
 
 class SteadyTimer:
@@ -154,10 +155,16 @@ class SteadyTimer:
             jax.block_until_ready(metrics)  # compilation ends here; throughput counts from now
             self.started, self.waited_before = time.perf_counter(), self.loader.wait_seconds
             programs, saved = reads()  # since the run began: its set-up's programs too
-            cached = (f" ({programs} program{'s' * (programs > 1)} read from the compilation "
-                      f"cache, {saved:.1f}s of compiling saved)" if programs else "")  # fmt: skip
-            self.console.line(f"jdp: compiled and ran the first call in "
-                              f"{self.started - self._created:.1f}s{cached}")  # fmt: skip
+            cached = (
+                f" ({programs} program{'s' * (programs > 1)} read from the compilation "
+                f"cache, {saved:.1f}s of compiling saved)"
+                if programs
+                else ""
+            )
+            self.console.line(
+                f"jdp: compiled and ran the first call in "
+                f"{self.started - self._created:.1f}s{cached}"
+            )
 
     def stop(self) -> None:
         if self.calls > 1:
@@ -166,8 +173,15 @@ class SteadyTimer:
             self.waited = self.loader.wait_seconds - self.waited_before
 
 
-def finished(run: Run, progress: Progress, timer: SteadyTimer, started: float, start: int,
-             history: list, goodput: dict | None = None) -> FitResult:  # fmt: skip
+def finished(
+    run: Run,
+    progress: Progress,
+    timer: SteadyTimer,
+    started: float,
+    start: int,
+    history: list,
+    goodput: dict | None = None,
+) -> FitResult:
     config, last = run.config, progress.metrics
     tested = progress.tested or {}
     validated = progress.evaluated if progress.evaluated is not progress.tested else None
@@ -212,8 +226,7 @@ def stopped(progress: Progress, started: float) -> FitResult:
     )
 
 
-def evaluate_only(config: TrainConfig, console: Console, yours: Yours, started: float
-                   ) -> FitResult:  # fmt: skip
+def evaluate_only(config: TrainConfig, console: Console, yours: Yours, started: float) -> FitResult:
     """``--eval-only``: the latest checkpoint of ``--ckpt-dir``, evaluated as its run would."""
     saved = latest_record(config.ckpt_dir).config
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
@@ -222,9 +235,12 @@ def evaluate_only(config: TrainConfig, console: Console, yours: Yours, started: 
     made_with = {
         name: value
         for name, value in saved.items()
-        if name in fields and name not in TOPOLOGY_FIELDS and value != "yours"
-        and not str(value).startswith("yours") and name != "init_from"
-    }  # fmt: skip
+        if name in fields
+        and name not in TOPOLOGY_FIELDS
+        and value != "yours"
+        and not str(value).startswith("yours")
+        and name != "init_from"
+    }
     config = dataclasses.replace(config, **made_with, ckpt_dir=config.ckpt_dir)
     run = build(config, console, yours, architecture=RunSettings(saved).architecture or None)
     like = (run.state.params, run.state.model_state)
@@ -233,8 +249,9 @@ def evaluate_only(config: TrainConfig, console: Console, yours: Yours, started: 
     return evaluated(run, state, record.step, console, started)
 
 
-def evaluated(run: Run, state: TrainState, step: int, console: Console, started: float
-               ) -> FitResult:  # fmt: skip
+def evaluated(
+    run: Run, state: TrainState, step: int, console: Console, started: float
+) -> FitResult:
     """The result of evaluating ``state`` (a checkpoint) without training."""
     config = run.config
     if run.model.update is not None:  # an NNX module gets the checkpoint's values

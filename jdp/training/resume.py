@@ -16,8 +16,13 @@ from jdp.training.config import TrainConfig
 from jdp.training.optimizer import config_optimizer
 
 
-def resume(config: TrainConfig, checkpoints: Checkpointer, state: TrainState, console: Console,
-           recorded: dict | None = None) -> tuple[TrainState, int, dict]:  # fmt: skip
+def resume(
+    config: TrainConfig,
+    checkpoints: Checkpointer,
+    state: TrainState,
+    console: Console,
+    recorded: dict | None = None,
+) -> tuple[TrainState, int, dict]:
     """The state and first step to continue from, and the data ledger through that step
     (`jdp.data.splits.ledger`): a restored checkpoint's, or the fresh ones (and {}).
     ``recorded``: the run's settings as its checkpoints record them."""
@@ -114,8 +119,9 @@ def _same_groups(state: TrainState, record: Record, mesh: str, directory: str) -
         )
 
 
-def _say_how_steps_changed(config: TrainConfig, saved: dict, start: int, directory: str,
-                           console: Console) -> None:  # fmt: skip
+def _say_how_steps_changed(
+    config: TrainConfig, saved: dict, start: int, directory: str, console: Console
+) -> None:
     """A resumed run may train longer than the run that saved; the schedule's horizon moves."""
     before = RunSettings(saved).steps or config.steps
     if before == config.steps:

@@ -101,9 +101,12 @@ def load_data(config: TrainConfig, given: Data | None = None) -> Data:
         )
         data = Data(splits["train"], splits["validation"], splits["test"])
     else:
-        data = Data(*(load_named(config.dataset, split, config.data_dir,
-                                 image_size=image_hw(config))
-                      for split in ("train", "validation", "test")))  # fmt: skip
+        data = Data(
+            *(
+                load_named(config.dataset, split, config.data_dir, image_size=image_hw(config))
+                for split in ("train", "validation", "test")
+            )
+        )
     for name, split in (("validation", data.validation), ("test", data.test)):
         if isinstance(split, BatchStream):
             raise UsageError(
@@ -112,8 +115,10 @@ def load_data(config: TrainConfig, given: Data | None = None) -> Data:
             )
     streamed = isinstance(data.train, BatchStream)
     if streamed and (config.validation_fraction or config.epochs):
-        raise UsageError("--validation-fraction and --epochs need a training split of known "
-                         "size; with batches of your own give validation= and --steps")  # fmt: skip
+        raise UsageError(
+            "--validation-fraction and --epochs need a training split of known "
+            "size; with batches of your own give validation= and --steps"
+        )
     if config.validation_fraction:
         if data.validation is not None:
             raise UsageError(
@@ -141,8 +146,9 @@ def _held_out(config: TrainConfig, train: Split) -> tuple[Split, Split]:
     return rest, validation
 
 
-def resolve(config: TrainConfig, train_examples: int, console: Console, *,
-            own_optimizer: bool) -> TrainConfig:  # fmt: skip
+def resolve(
+    config: TrainConfig, train_examples: int, console: Console, *, own_optimizer: bool
+) -> TrainConfig:
     """``--epochs`` as steps; the default warmup clamped to a tenth of a shorter run, with a
     line each (a warmup you chose longer than the run is refused by the schedule). A run
     resumed with the default warmup keeps the one jdp chose when it started (`_warmup_kept`):
@@ -186,9 +192,15 @@ def _warmup_kept(config: TrainConfig) -> int | None:
     return saved.chosen_warmup
 
 
-def recorded_config(config: TrainConfig, yours: Yours, train: Split, *,
-                    chose_warmup: bool = False, fingerprints: dict | None = None,
-                    architecture: dict | None = None) -> dict:  # fmt: skip
+def recorded_config(
+    config: TrainConfig,
+    yours: Yours,
+    train: Split,
+    *,
+    chose_warmup: bool = False,
+    fingerprints: dict | None = None,
+    architecture: dict | None = None,
+) -> dict:
     """The config as checkpoints and run files record it: what the user brought is named
     ``yours`` and the config fields it replaced are left out, never logged as if used."""
     recorded = dataclasses.asdict(config)
@@ -227,8 +239,13 @@ def fingerprints(config: TrainConfig, data: Data) -> dict[str, str]:
 _OPTIMIZER_FIELDS = fields_of(section=OPTIMIZER)
 
 
-def build(config: TrainConfig, console: Console, yours: Yours | None = None, *,
-          architecture: dict | None = None) -> Run:  # fmt: skip
+def build(
+    config: TrainConfig,
+    console: Console,
+    yours: Yours | None = None,
+    *,
+    architecture: dict | None = None,
+) -> Run:
     """Sets up devices, mesh, data, model, optimizer and steps; says what it built.
 
     ``yours`` brings a model, data or an optimizer in place of the config's (see `fit`);
@@ -264,26 +281,32 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None, *,
     sample = EvalReader(train, batch_size=1, rows=slice(None))(0)
     rules = parse_rules(config.axis_rules)
     params, model_state, specs = model.init_on_mesh(init_rng, sample, mesh, rules=rules)
-    if yours.optimizer is not None:
-        optimizer, schedule = yours.optimizer, yours.lr_schedule
-        if isinstance(schedule, int | float):
-            schedule = optax.constant_schedule(float(schedule))
-    else:
-        schedule, optimizer = config_optimizer(config)
+    schedule, optimizer = _optimizer(config, yours)
     precision = make_precision(config.precision, reduce=config.reduce_dtype)
     if config.init_from:  # before the optimizer's state is made from the parameters
         params, model_state = _initial(config.init_from, params, model_state, architecture)
         console.line(f"jdp: parameters and model state from {config.init_from}")
     outer = _outer(config, mesh)
     state = create_train_state(
-        params, optimizer, mesh, rng=train_rng, model_state=model_state, precision=precision,
-        outer=outer, param_specs=None if outer else specs,
+        params,
+        optimizer,
+        mesh,
+        rng=train_rng,
+        model_state=model_state,
+        precision=precision,
+        outer=outer,
+        param_specs=None if outer else specs,
         shard_optimizer=config.shard_optimizer,
-    )  # fmt: skip
+    )
     splits = dict(train=train, validation=validation, test=test)
-    train, validation, test = place(config.data_on_device, splits, mesh, say=console.line,
-                                    state_bytes=state_bytes(state),
-                                    workers=config.loader_workers).values()  # fmt: skip
+    train, validation, test = place(
+        config.data_on_device,
+        splits,
+        mesh,
+        say=console.line,
+        state_bytes=state_bytes(state),
+        workers=config.loader_workers,
+    ).values()
     step_for = step_maker(config, model, optimizer, mesh, precision, schedule)
     train_step = step_for(built_calls(config))
     eval_step = make_eval_step(model.metrics_fn, mesh, backend=config.backend, has_model_state=True)
@@ -295,18 +318,54 @@ def build(config: TrainConfig, console: Console, yours: Yours | None = None, *,
     )
     say_layout(config, console, mesh, specs, named=model.names is not None)
     if config.summary:
-        console.line(str(summary(model, sample, mesh, optimizer=optimizer, rules=rules,
-                                 shard_optimizer=config.shard_optimizer)))  # fmt: skip
-    return Run(config, mesh, train, test, model, state, train_step, eval_step, schedule,
-               optimizer, validation,
-               recorded_config(config, yours, train,
-                               chose_warmup=config.warmup_steps != given.warmup_steps,
-                               fingerprints=fingerprints(config, data), architecture=architecture),
-               sync_step, step_for)  # fmt: skip
+        table = summary(
+            model,
+            sample,
+            mesh,
+            optimizer=optimizer,
+            rules=rules,
+            shard_optimizer=config.shard_optimizer,
+        )
+        console.line(str(table))
+    return Run(
+        config,
+        mesh,
+        train,
+        test,
+        model,
+        state,
+        train_step,
+        eval_step,
+        schedule,
+        optimizer,
+        validation,
+        recorded_config(
+            config,
+            yours,
+            train,
+            chose_warmup=config.warmup_steps != given.warmup_steps,
+            fingerprints=fingerprints(config, data),
+            architecture=architecture,
+        ),
+        sync_step,
+        step_for,
+    )
 
 
-def _checked_data(config: TrainConfig, yours: Yours, architecture: dict | None
-                  ) -> tuple[Data | None, dict | None, UsageError | None]:  # fmt: skip
+def _optimizer(config: TrainConfig, yours: Yours) -> tuple:
+    """(the learning-rate schedule, the optimizer): yours where you gave one, a constant
+    rate where you gave a number, else the config's."""
+    if yours.optimizer is None:
+        return config_optimizer(config)
+    schedule = yours.lr_schedule
+    if isinstance(schedule, int | float):
+        schedule = optax.constant_schedule(float(schedule))
+    return schedule, yours.optimizer
+
+
+def _checked_data(
+    config: TrainConfig, yours: Yours, architecture: dict | None
+) -> tuple[Data | None, dict | None, UsageError | None]:
     """The run's data and gpt's shape where weights set it, checked against the model
     before the processes join (a process that cannot read its data stops every
     process at start-up, not a collective's timeout later); or the problem."""

@@ -156,11 +156,23 @@ class Evaluate(PeriodicAction):
     part = "evaluate"  # of the goodput ledger (`jdp.report.goodput`)
     phase = EVALUATING  # for the stall watchdog (`jdp.distributed.watchdog`)
 
-    def __init__(self, eval_step, split: Split, mesh, *, batch_size: int, every: int,
-                 console: Console, logger: MetricLogger, prefix: str = "test",
-                 chooses: bool = True, derived=None,
-                 keep: Callable[[Progress], str] | None = None,
-                 stop_nonfinite: bool = True, batches: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        eval_step,
+        split: Split,
+        mesh,
+        *,
+        batch_size: int,
+        every: int,
+        console: Console,
+        logger: MetricLogger,
+        prefix: str = "test",
+        chooses: bool = True,
+        derived=None,
+        keep: Callable[[Progress], str] | None = None,
+        stop_nonfinite: bool = True,
+        batches: int = 0,
+    ):
         super().__init__(every, at_end=True)
         self.batches = batches  # the first that many of the split (0: all)
         self.eval_step, self.split, self.mesh, self.batch_size = eval_step, split, mesh, batch_size
@@ -174,8 +186,9 @@ class Evaluate(PeriodicAction):
 
     def run(self, progress: Progress) -> None:
         try:
-            batches = eval_batches(self.split, self.mesh, batch_size=self.batch_size,
-                                   batches=self.batches)  # fmt: skip
+            batches = eval_batches(
+                self.split, self.mesh, batch_size=self.batch_size, batches=self.batches
+            )
             result = evaluate(self.eval_step, progress.state, batches)
         except Exception as error:
             kept = self._kept(progress)
@@ -239,10 +252,19 @@ class Checkpoint(PeriodicAction):
     part = "checkpoint"  # of the goodput ledger (`jdp.report.goodput`)
     phase = SAVING  # for the stall watchdog (`jdp.distributed.watchdog`)
 
-    def __init__(self, checkpointer: Checkpointer, loader, *, every: int, config: Mapping,
-                 skipping: bool, minutes: float = 0.0, ledger: Ledger | None = None,
-                 best: tuple[str, str] | None = None,
-                 best_so_far: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        loader,
+        *,
+        every: int,
+        config: Mapping,
+        skipping: bool,
+        minutes: float = 0.0,
+        ledger: Ledger | None = None,
+        best: tuple[str, str] | None = None,
+        best_so_far: float | None = None,
+    ):
         super().__init__(every, at_end=True)
         self.best, self._best_value, self._seen = best, best_so_far, None
         self.checkpointer, self.loader, self.config = checkpointer, loader, dict(config)

@@ -25,8 +25,14 @@ class StopOnPreemption:
 
     phase = SAVING  # for the stall watchdog: its pass may save (`jdp.distributed.watchdog`)
 
-    def __init__(self, preemption: Preemption, *, steps_per_call: int,
-                 checkpoint: Checkpoint | None, ckpt_dir: str | None):  # fmt: skip
+    def __init__(
+        self,
+        preemption: Preemption,
+        *,
+        steps_per_call: int,
+        checkpoint: Checkpoint | None,
+        ckpt_dir: str | None,
+    ):
         self.preemption, self.steps_per_call = preemption, steps_per_call
         self.checkpoint, self.ckpt_dir = checkpoint, ckpt_dir
         self._stall: str | None = None
@@ -65,16 +71,22 @@ class StopOnPreemption:
         if isinstance(why, UsageError):  # its line ends with its own fix
             where = f"{why} (met after step {progress.step})"
         if jax.process_count() > 1:  # a save needs every process; the others are in the step
-            raise error(f"{where}; not saved (a save needs every process): the last complete "
-                        "checkpoint is where a rerun resumes") from why  # fmt: skip
+            raise error(
+                f"{where}; not saved (a save needs every process): the last complete "
+                "checkpoint is where a rerun resumes"
+            ) from why
         if self.checkpoint is None or not progress.ran:
-            kept = ("nothing saved (no --ckpt-dir)" if self.checkpoint is None else
-                    "no step ran since the last checkpoint, which a rerun resumes")  # fmt: skip
+            kept = (
+                "nothing saved (no --ckpt-dir)"
+                if self.checkpoint is None
+                else "no step ran since the last checkpoint, which a rerun resumes"
+            )
             raise error(f"{where}; {kept}") from why
         self.checkpoint.save_now(progress)
         resume = "" if error is UsageError else ": run the same command to resume"
-        raise error(f"{where}; that step's state is saved in {os.path.abspath(self.ckpt_dir)}"
-                    f"{resume}") from why  # fmt: skip
+        raise error(
+            f"{where}; that step's state is saved in {os.path.abspath(self.ckpt_dir)}{resume}"
+        ) from why
 
     def _save_and_stop(self, progress: Progress, what: str) -> None:
         where = f"{what} at step {progress.step}"
@@ -83,8 +95,10 @@ class StopOnPreemption:
             saved = f"checkpoint saved in {os.path.abspath(self.ckpt_dir)}"
             progress.stop(f"{where}; {saved}; run the same command to resume", finish=False)
         elif self.checkpoint is not None:
-            progress.stop(f"{where}; no step ran since the last checkpoint, which the same "
-                          "command resumes", finish=False)  # fmt: skip
+            progress.stop(
+                f"{where}; no step ran since the last checkpoint, which the same command resumes",
+                finish=False,
+            )
         else:
             progress.stop(f"{where}; stopped without saving (no --ckpt-dir)", finish=False)
 

@@ -131,21 +131,34 @@ def eval_metric_names(run: Run) -> set[str] | None:
     return names
 
 
-def data_ledger(config: TrainConfig, run: Run, batches: Loader, start: int,
-                base: dict) -> Ledger | None:  # fmt: skip
+def data_ledger(
+    config: TrainConfig, run: Run, batches: Loader, start: int, base: dict
+) -> Ledger | None:
     """The run's data ledger (`jdp.data.splits.ledger`), continuing ``base`` (a checkpoint's);
     None with ``--data-ledger off`` or your own stream of batches (no indices)."""
     if config.data_ledger == "off" or isinstance(run.train, BatchStream):
         return None
-    return Ledger(batches, rows=process_rows(run.mesh, config.batch_size), start=start, base=base,
-                  with_bytes=config.data_ledger == "bytes",
-                  timeout=config.heartbeat_timeout)  # fmt: skip
+    return Ledger(
+        batches,
+        rows=process_rows(run.mesh, config.batch_size),
+        start=start,
+        base=base,
+        with_bytes=config.data_ledger == "bytes",
+        timeout=config.heartbeat_timeout,
+    )
 
 
-def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, console: Console,
-                logger: MetricLogger, batches: Loader, checkpoints: Checkpointer | None,
-                callbacks: Sequence[Action], ledger: Ledger | None = None
-                ) -> list[Action]:  # fmt: skip
+def actions_for(
+    config: TrainConfig,
+    run: Run,
+    stack: contextlib.ExitStack,
+    console: Console,
+    logger: MetricLogger,
+    batches: Loader,
+    checkpoints: Checkpointer | None,
+    callbacks: Sequence[Action],
+    ledger: Ledger | None = None,
+) -> list[Action]:
     """The run's actions in the order they are called after each call of the step."""
     actions: list[Action] = [Synchronize(run.sync_step)] if run.sync_step else []
     actions += [
@@ -161,11 +174,17 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
     if checkpoints is not None:
         chosen = run.recorded.get("best_checkpoint")
         best = (chosen["metric"], chosen["mode"]) if chosen else None
-        checkpoint = Checkpoint(checkpoints, batches, every=config.ckpt_every,
-                                config=run.recorded, skipping=skipping,
-                                minutes=config.ckpt_every_minutes, ledger=ledger, best=best,
-                                best_so_far=best and best_recorded(checkpoints.directory,
-                                                                   *best))  # fmt: skip
+        checkpoint = Checkpoint(
+            checkpoints,
+            batches,
+            every=config.ckpt_every,
+            config=run.recorded,
+            skipping=skipping,
+            minutes=config.ckpt_every_minutes,
+            ledger=ledger,
+            best=best,
+            best_so_far=best and best_recorded(checkpoints.directory, *best),
+        )
     keep = checkpoint.keep if checkpoint is not None else None
     actions.extend(evaluations(run, console, logger, every=config.eval_every, keep=keep))
     if config.early_stop_patience:
@@ -179,13 +198,21 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
     actions.extend(callbacks)
     if config.nan_policy != "ignore":
         # The batches again, read on the host, for the guard to name bad inputs with.
-        inputs = TrainReader(run.train, batch_size=config.batch_size, seed=config.seed,
-                             rows=process_rows(run.mesh, config.batch_size))  # fmt: skip
+        inputs = TrainReader(
+            run.train,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            rows=process_rows(run.mesh, config.batch_size),
+        )
         actions.append(
-            GuardFinite(every=DISPLAY_EVERY, skipping=skipping,
-                        max_skipped_fraction=config.max_skipped_fraction, ckpt_dir=config.ckpt_dir,
-                        inputs=inputs)
-        )  # fmt: skip
+            GuardFinite(
+                every=DISPLAY_EVERY,
+                skipping=skipping,
+                max_skipped_fraction=config.max_skipped_fraction,
+                ckpt_dir=config.ckpt_dir,
+                inputs=inputs,
+            )
+        )
     if checkpoint is not None:
         actions.append(checkpoint)
     actions.append(CheckReplicas(config.check_replicas_every))
@@ -193,21 +220,29 @@ def actions_for(config: TrainConfig, run: Run, stack: contextlib.ExitStack, cons
     # never mid-step; several processes agree on the step through JAX's runtime.
     preemption = stack.enter_context(Preemption())
     actions.append(
-        StopOnPreemption(preemption, steps_per_call=config.steps_per_call,
-                         checkpoint=checkpoint, ckpt_dir=config.ckpt_dir)
-    )  # fmt: skip
+        StopOnPreemption(
+            preemption,
+            steps_per_call=config.steps_per_call,
+            checkpoint=checkpoint,
+            ckpt_dir=config.ckpt_dir,
+        )
+    )
     return actions
 
 
-def evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int,
-                keep=None) -> list:  # fmt: skip
+def evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int, keep=None) -> list:
     """With a validation split, it every ``every`` steps and the test split at the end only;
     without one, the test split every ``every`` steps. Both at the end. ``keep`` saves the
     state when an evaluation fails (`Checkpoint.keep`)."""
-    kwargs = dict(batch_size=run.config.batch_size, console=console, logger=logger,
-                  derived=run.model.objective.derived, keep=keep,
-                  stop_nonfinite=run.config.nan_policy != "ignore",
-                  batches=run.config.eval_batches)  # fmt: skip
+    kwargs = dict(
+        batch_size=run.config.batch_size,
+        console=console,
+        logger=logger,
+        derived=run.model.objective.derived,
+        keep=keep,
+        stop_nonfinite=run.config.nan_policy != "ignore",
+        batches=run.config.eval_batches,
+    )
     evaluations = []
     if run.validation is not None:
         evaluations.append(
@@ -216,9 +251,15 @@ def evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int,
     if run.test is not None:
         chooses = run.validation is None
         evaluations.append(
-            Evaluate(run.eval_step, run.test, run.mesh, every=every if chooses else 0,
-                     chooses=chooses, **kwargs)
-        )  # fmt: skip
+            Evaluate(
+                run.eval_step,
+                run.test,
+                run.mesh,
+                every=every if chooses else 0,
+                chooses=chooses,
+                **kwargs,
+            )
+        )
     return evaluations
 
 
@@ -250,8 +291,9 @@ def stall_watch(config: TrainConfig, start: int, goodput: Goodput):
         yield watch
 
 
-def action_phases(actions: Sequence[Action], callbacks: Sequence[Action]
-                  ) -> dict[int, tuple[str, str]]:  # fmt: skip
+def action_phases(
+    actions: Sequence[Action], callbacks: Sequence[Action]
+) -> dict[int, tuple[str, str]]:
     """Each action's phase for the stall watchdog (by ``id``): the one it names (``phase``:
     an evaluation's, a save's), a callback's with its name, else the loop's actions'."""
     yours = {id(callback) for callback in callbacks}

@@ -252,8 +252,10 @@ def _files(builder, split: str) -> tuple | None:
             stats = [(entry.name, entry.stat()) for entry in entries if f"-{split}." in entry.name]
     except OSError:
         return None
-    files = sorted((name, stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns)
-                   for name, stat in stats)  # fmt: skip
+    files = sorted(
+        (name, stat.st_size, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns)
+        for name, stat in stats
+    )
     return tuple(files) or None
 
 

@@ -36,9 +36,14 @@ def is_corpus(dataset: str) -> bool:
     return dataset in CORPORA or dataset.startswith(TOKENS_PREFIX)
 
 
-def load_corpus(dataset: str, *, seq_len: int, data_dir: str | None = None,
-                vocab_size: int | None = None, dtype: str | None = None
-                ) -> dict[str, TokenSplit | None]:  # fmt: skip
+def load_corpus(
+    dataset: str,
+    *,
+    seq_len: int,
+    data_dir: str | None = None,
+    vocab_size: int | None = None,
+    dtype: str | None = None,
+) -> dict[str, TokenSplit | None]:
     """The splits of ``--dataset`` (``python_stdlib`` or ``tokens:PATH``), None where absent.
 
     Raises:
@@ -88,8 +93,15 @@ def prepare_stdlib(data_dir: str | None = None) -> str:
     try:
         # Bytes need no encoding: in this process, 0.4 s (worker processes take longer
         # to start, and need a main guard in the script that trains).
-        meta = tokenize(files, scratch, tokenizer="bytes", val_fraction=0.01, name=STDLIB,
-                        workers=0, progress=False)  # fmt: skip
+        meta = tokenize(
+            files,
+            scratch,
+            tokenizer="bytes",
+            val_fraction=0.01,
+            name=STDLIB,
+            workers=0,
+            progress=False,
+        )
         source = f"the standard library of Python {platform.python_version()}"
         write_meta(scratch, meta | {"source": source, "licence": LICENCE})
         os.chmod(scratch, 0o755)  # mkdtemp's is the owner's only; a data directory is shared

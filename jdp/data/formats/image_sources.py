@@ -74,8 +74,10 @@ def from_images(
                 f"not the {meta['count']} it was packed with; pack it again"
             )
         if len(labels) and not 0 <= labels.min() <= labels.max() < len(found):
-            raise UsageError(f"{root}'s labels.npy holds labels outside its {len(found)} "
-                             "classes; pack the images again")  # fmt: skip
+            raise UsageError(
+                f"{root}'s labels.npy holds labels outside its {len(found)} "
+                "classes; pack the images again"
+            )
         return ImageSplit(store, labels, len(found), transform, found)
     files, labels, classes = _tree(root, classes)
     names = [file[len(root) :].lstrip(os.sep) for file in files]
@@ -84,9 +86,14 @@ def from_images(
     )
 
 
-def from_tfds_images(name_or_builder, split: str = "train", *, data_dir: str | None = None,
-                     image_size: tuple[int, int] = (224, 224),
-                     transform: ImageTransform | None = None) -> ImageSplit:  # fmt: skip
+def from_tfds_images(
+    name_or_builder,
+    split: str = "train",
+    *,
+    data_dir: str | None = None,
+    image_size: tuple[int, int] = (224, 224),
+    transform: ImageTransform | None = None,
+) -> ImageSplit:
     """A prepared TFDS dataset's images streamed: its image feature's encoded bytes read
     per batch (never decoded by TFDS, never all in memory), its class label with them.
 
@@ -103,8 +110,10 @@ def from_tfds_images(name_or_builder, split: str = "train", *, data_dir: str | N
     image_key = streamed_image_key(features)
     labels = [key for key in features if type(features[key]).__name__ == "ClassLabel"]
     if image_key is None or len(labels) != 1:
-        raise UsageError(f"{builder.name} is not a dataset of images of many sizes and one "
-                         "class label; read it with jdp.data.from_tfds")  # fmt: skip
+        raise UsageError(
+            f"{builder.name} is not a dataset of images of many sizes and one "
+            "class label; read it with jdp.data.from_tfds"
+        )
     classes = tuple(features[labels[0]].names)
     store = TfdsStore(builder, split, image_key, labels[0])
     transform = transform or ImageTransform(size=tuple(image_size))
@@ -123,8 +132,9 @@ def streamed_image_key(features) -> str | None:
 
 
 def _tree(root: str, classes) -> tuple[list[str], list[int], tuple[str, ...]]:
-    return class_tree(root, classes, what="a folder of class folders or one python -m "
-                      "jdp.data pack wrote")  # fmt: skip
+    return class_tree(
+        root, classes, what="a folder of class folders or one python -m jdp.data pack wrote"
+    )
 
 
 def class_files(root: str, classes: tuple[str, ...]) -> tuple[list[str], list[int]]:
@@ -141,8 +151,11 @@ def class_files(root: str, classes: tuple[str, ...]) -> tuple[list[str], list[in
         with os.scandir(folder) as entries:  # a file's kind without a stat of its own
             kinds = {entry.name: entry.is_file() for entry in entries}
         images = sorted(file for file in kinds if file.lower().endswith(IMAGE_SUFFIXES))
-        others += [os.path.join(folder, file) for file in kinds
-                   if file not in images and not file.startswith(".")]  # fmt: skip
+        others += [
+            os.path.join(folder, file)
+            for file in kinds
+            if file not in images and not file.startswith(".")
+        ]
         if not images:
             raise UsageError(
                 f"class folder {shown(folder)} has no images (looked for "
@@ -157,14 +170,19 @@ def class_files(root: str, classes: tuple[str, ...]) -> tuple[list[str], list[in
         labels += [label] * len(images)
     if others:
         count = f"{len(others):,} file{'s' * (len(others) != 1)}"
-        print(f"jdp: warning: left out {count} of {shown(root)}'s class folders "
-              f"that are not images by their names ({shown(min(others))}, ...; jdp reads "
-              f"{', '.join(IMAGE_SUFFIXES)})", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"jdp: warning: left out {count} of {shown(root)}'s class folders "
+            f"that are not images by their names ({shown(min(others))}, ...; jdp reads "
+            f"{', '.join(IMAGE_SUFFIXES)})",
+            file=sys.stderr,
+            flush=True,
+        )
     return files, labels
 
 
-def class_tree(root: str, classes, *, what: str = "a folder of class folders"
-               ) -> tuple[list[str], list[int], tuple[str, ...]]:  # fmt: skip
+def class_tree(
+    root: str, classes, *, what: str = "a folder of class folders"
+) -> tuple[list[str], list[int], tuple[str, ...]]:
     """The image files of a class-folder tree, their labels and the classes (sorted
     subfolders, or ``classes``: the training split's, which must hold every class folder
     here); UsageError for a missing folder, no class folders, or no images. ``what`` is
@@ -175,8 +193,10 @@ def class_tree(root: str, classes, *, what: str = "a folder of class folders"
         )
     found = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
     if any(name.endswith(".array_record") for name in os.listdir(root)):  # no images.json
-        raise UsageError(f"{shown(root)} is a pack that is not complete (its {PACKED_META} is "
-                         "written last: the packer stopped); pack the images again")  # fmt: skip
+        raise UsageError(
+            f"{shown(root)} is a pack that is not complete (its {PACKED_META} is "
+            "written last: the packer stopped); pack the images again"
+        )
     visible = {name for name in found if not name.startswith(".")}  # not .ipynb_checkpoints
     if classes is not None and (extra := sorted(visible - set(classes))):
         raise UsageError(
@@ -251,8 +271,9 @@ def _pack_split(source: str, out: str, classes, shard_bytes: int) -> dict:
         try:
             header_size(data)
         except (OSError, ValueError, SyntaxError) as error:
-            raise UsageError(f"cannot read image {file} ({why_unreadable(error)}); remove or "
-                             "replace it") from None  # fmt: skip
+            raise UsageError(
+                f"cannot read image {file} ({why_unreadable(error)}); remove or replace it"
+            ) from None
         if writer is None or (size and size + len(data) > shard_bytes):
             if writer is not None:
                 writer.close()

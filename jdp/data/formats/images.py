@@ -329,8 +329,10 @@ class ImageSplit:
         if self.labels is None:
             encoded[:], labels = self.store.read_with_labels(records)
             if len(labels) and not 0 <= labels.min() <= labels.max() < self.num_classes:
-                raise UsageError(f"a label of this batch is outside the {self.num_classes} "
-                                 "classes; prepare the dataset again")  # fmt: skip
+                raise UsageError(
+                    f"a label of this batch is outside the {self.num_classes} "
+                    "classes; prepare the dataset again"
+                )
         else:
             encoded[:], labels = self.store.read(records), self.labels[indices]
         for record, data in zip(records, encoded, strict=True):  # named here, not mid-decode
@@ -338,10 +340,13 @@ class ImageSplit:
                 image_size(data)
             except (OSError, ValueError, SyntaxError) as error:
                 where, why = self.store.describe(int(record)), why_unreadable(error)
-                raise UsageError(f"cannot read image {where} ({why}); remove or replace it") \
-                    from None  # fmt: skip
-        encoded[:] = [_Encoded(data, self.store.describe(int(record)))
-                      for record, data in zip(records, encoded, strict=True)]  # fmt: skip
+                raise UsageError(
+                    f"cannot read image {where} ({why}); remove or replace it"
+                ) from None
+        encoded[:] = [
+            _Encoded(data, self.store.describe(int(record)))
+            for record, data in zip(records, encoded, strict=True)
+        ]
         return {"image": encoded, "label": labels}
 
     def take(self, indices: np.ndarray) -> ImageSplit:

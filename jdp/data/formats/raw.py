@@ -45,8 +45,9 @@ def read_inputs(inputs: Any, facts: Mapping) -> np.ndarray:
     if recorded is None:
         return examples
     mean, std = recorded.get("mean"), recorded.get("std")
-    transform = Transform(scale=recorded["scale"], mean=tuple(mean) if mean else None,
-                          std=tuple(std) if std else None)  # fmt: skip
+    transform = Transform(
+        scale=recorded["scale"], mean=tuple(mean) if mean else None, std=tuple(std) if std else None
+    )
     return transform(examples)
 
 
@@ -83,5 +84,6 @@ def _center_crops(paths: list, shape: tuple[int, ...], center: float) -> np.ndar
     try:
         return transform(encoded)
     except (OSError, ValueError) as error:
-        raise UsageError(f"cannot read an image of {', '.join(map(str, paths))} ({error})") \
-            from None  # fmt: skip
+        raise UsageError(
+            f"cannot read an image of {', '.join(map(str, paths))} ({error})"
+        ) from None

@@ -203,8 +203,10 @@ def _check_not_wider(path: str, dtype: np.dtype, count: int) -> None:
         return
     words = np.fromfile(path, "<u2", count=min(count, 1 << 16))
     if not words[1::2].any() and words[0::2].any():
-        raise UsageError(f"{path}: every second of its uint16 tokens is 0, as the high halves "
-                         "of uint32 tokens are; declare its dtype uint32")  # fmt: skip
+        raise UsageError(
+            f"{path}: every second of its uint16 tokens is 0, as the high halves "
+            "of uint32 tokens are; declare its dtype uint32"
+        )
 
 
 def _llmc_shard(path: str, head: np.ndarray, size: int) -> Shard:

@@ -220,8 +220,10 @@ def _texts(pool, workers: int, files: list[str], inputs: list) -> tuple[list[str
     found = [(path, size) for path, size in zip(files, texts, strict=True) if size is not None]
     if not any(size for _, size in found):  # none, or only empty ones
         named, other = ", ".join(map(os.fspath, inputs)), len(files) - len(found)
-        raise UsageError(f"no UTF-8 text files in {named} ({other} other files, {len(found)} "
-                         "empty); give files of text, or directories of them")  # fmt: skip
+        raise UsageError(
+            f"no UTF-8 text files in {named} ({other} other files, {len(found)} "
+            "empty); give files of text, or directories of them"
+        )
     return [path for path, _ in found], [size for _, size in found]
 
 
@@ -360,7 +362,11 @@ def _reporting(encoded: Iterator, sizes: list[int], enabled: bool) -> Iterator:
             bar.update(size)
         elif enabled and percent // 10 > shown:
             shown = percent // 10
-            print(f"tokenize: {percent}% ({done:,} of {total:,} bytes, {count:,} of "
-                  f"{len(sizes):,} documents)", file=stream, flush=True)  # fmt: skip
+            print(
+                f"tokenize: {percent}% ({done:,} of {total:,} bytes, {count:,} of "
+                f"{len(sizes):,} documents)",
+                file=stream,
+                flush=True,
+            )
     if bar is not None:
         bar.close()

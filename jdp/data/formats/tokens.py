@@ -165,8 +165,13 @@ def _no_dtype_given_to_a_header(given: str | None, shards: tuple[Shard, ...]) ->
             )
 
 
-def corpus(path: str | os.PathLike, *, seq_len: int, vocab_size: int | None = None,
-           dtype: str | None = None) -> dict[str, TokenSplit | None]:  # fmt: skip
+def corpus(
+    path: str | os.PathLike,
+    *,
+    seq_len: int,
+    vocab_size: int | None = None,
+    dtype: str | None = None,
+) -> dict[str, TokenSplit | None]:
     """Every split of the corpus at ``path`` (None for a split it has no files of)."""
     files, directory = _files(os.fspath(path))
     meta = read_meta(directory)
@@ -184,9 +189,11 @@ def corpus(path: str | os.PathLike, *, seq_len: int, vocab_size: int | None = No
         # llm.c's GPT-2 shards (version 1) hold GPT-2's tokens: llm.c reads them so.
         vocab_size = GPT2_VOCAB
         if jax.process_index() == 0:  # one line for the run, not one per process
-            print(f"jdp: {os.fspath(path)}: llm.c's GPT-2 shards (version 1), so GPT-2's "
-                  f"vocabulary of {GPT2_VOCAB:,} tokens; --vocab-size N says "
-                  "otherwise")  # fmt: skip
+            print(
+                f"jdp: {os.fspath(path)}: llm.c's GPT-2 shards (version 1), so GPT-2's "
+                f"vocabulary of {GPT2_VOCAB:,} tokens; --vocab-size N says "
+                "otherwise"
+            )
     if not vocab_size:
         raise UsageError(
             f"the vocabulary size of {os.fspath(path)} is not known; pass --vocab-size N (or "
@@ -206,8 +213,11 @@ def corpus(path: str | os.PathLike, *, seq_len: int, vocab_size: int | None = No
             )
             if not len(split):
                 held = sum(shard.count for shard in shards)
-                fix = ("tokenize the text again with a split that holds text" if not held
-                       else "use a shorter --seq-len")  # fmt: skip
+                fix = (
+                    "tokenize the text again with a split that holds text"
+                    if not held
+                    else "use a shorter --seq-len"
+                )
                 raise UsageError(
                     f"the {name} files of {os.fspath(path)} hold {held:,} tokens, fewer than "
                     f"--seq-len + 1 = {seq_len + 1} in one file; {fix}"

@@ -208,12 +208,21 @@ class EvalIndexReader(EvalReader):
     def __call__(self, number: int) -> dict[str, np.ndarray]:
         indices = np.arange(number * self.batch_size, (number + 1) * self.batch_size)
         real = indices < len(self.split)
-        return {ROWS: np.where(real, indices, 0)[self.rows].astype(np.int32),
-                MASK_KEY: real[self.rows].astype(np.float32)}  # fmt: skip
+        return {
+            ROWS: np.where(real, indices, 0)[self.rows].astype(np.int32),
+            MASK_KEY: real[self.rows].astype(np.float32),
+        }
 
 
-def place(mode: str, splits: dict, mesh: Mesh, *, state_bytes: int, workers: int = 0,
-          say: Callable[[str], None] = print) -> dict:  # fmt: skip
+def place(
+    mode: str,
+    splits: dict,
+    mesh: Mesh,
+    *,
+    state_bytes: int,
+    workers: int = 0,
+    say: Callable[[str], None] = print,
+) -> dict:
     """The splits (``{name: split or None}``, training first) with those that go on the
     devices as `OnDevice`; ``say`` is given the line that says what ``mode`` chose (none
     for ``off``).
@@ -233,8 +242,10 @@ def place(mode: str, splits: dict, mesh: Mesh, *, state_bytes: int, workers: int
     memory = device_bytes(mesh)
     if memory is None:  # an accelerator that keeps no statistics
         if mode == "auto":
-            say("jdp: data on the host (this device's memory cannot be read; "
-                "--data-on-device on places it)")  # fmt: skip
+            say(
+                "jdp: data on the host (this device's memory cannot be read; "
+                "--data-on-device on places it)"
+            )
             return splits
         memory = 2**62
     left = memory - 2 * state_bytes
@@ -248,9 +259,11 @@ def place(mode: str, splits: dict, mesh: Mesh, *, state_bytes: int, workers: int
         size = None if reason else _size(split)
         if reason is None and total + size > room:
             with_others = " with the splits before it" if total else ""
-            reason = (f"{_mb(total + size)}{with_others}, and a device has "
-                      f"{_mb(room)} for data ({_mb(memory)}, less 2 x {_mb(state_bytes)} of "
-                      f"training state{'' if mode == 'on' else f', times {SHARE:g}'})")  # fmt: skip
+            reason = (
+                f"{_mb(total + size)}{with_others}, and a device has "
+                f"{_mb(room)} for data ({_mb(memory)}, less 2 x {_mb(state_bytes)} of "
+                f"training state{'' if mode == 'on' else f', times {SHARE:g}'})"
+            )
         if reason is not None:
             if mode == "on":
                 raise UsageError(
@@ -262,10 +275,12 @@ def place(mode: str, splits: dict, mesh: Mesh, *, state_bytes: int, workers: int
                 return splits
             break
         chosen[name], total = size, total + size
-    placed = {name: OnDevice(split, mesh) if name in chosen else split
-              for name, split in splits.items()}  # fmt: skip
-    said = ", ".join(f"{name} {len(given[name]):,} examples ({_mb(size)})"
-                     for name, size in chosen.items())  # fmt: skip
+    placed = {
+        name: OnDevice(split, mesh) if name in chosen else split for name, split in splits.items()
+    }
+    said = ", ".join(
+        f"{name} {len(given[name]):,} examples ({_mb(size)})" for name, size in chosen.items()
+    )
     rest = [name for name in given if name not in chosen]
     host = f"; {', '.join(rest)} on the host" if rest else ""
     unused = "; --loader-workers unused" if workers else ""

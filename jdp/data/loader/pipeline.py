@@ -85,8 +85,10 @@ class Loader(Iterator[dict]):
             )
         if stream is not None:  # your batches, in your order (jdp.data.loader.streams)
             if workers or steps_per_item > 1 or chunk > 1:
-                raise UsageError("a stream of batches is read in this process, a batch a "
-                                 "step: no --loader-workers or --steps-per-call")  # fmt: skip
+                raise UsageError(
+                    "a stream of batches is read in this process, a batch a "
+                    "step: no --loader-workers or --steps-per-call"
+                )
             host = stream
         elif steps_per_item > 1 or chunk > 1:
             if stop is not None or not isinstance(reader, TrainReader):
@@ -321,11 +323,20 @@ def train_batches(
     """
     check_train_batch(split, batch_size)
     if isinstance(split, BatchStream):
-        rows = stream_rows(split, start=start_step, batch_size=batch_size,
-                           rows=process_rows(mesh, batch_size))  # fmt: skip
-        return Loader(None, mesh, start=start_step, stop=None, workers=workers,
-                      prefetch=prefetch, steps_per_item=steps_per_call, place=place,
-                      stream=rows)  # fmt: skip
+        rows = stream_rows(
+            split, start=start_step, batch_size=batch_size, rows=process_rows(mesh, batch_size)
+        )
+        return Loader(
+            None,
+            mesh,
+            start=start_step,
+            stop=None,
+            workers=workers,
+            prefetch=prefetch,
+            steps_per_item=steps_per_call,
+            place=place,
+            stream=rows,
+        )
     on_device = isinstance(split, OnDevice)
     workers = 0 if on_device else workers  # nothing to read on the host
     reader = (IndexReader if on_device else TrainReader)(
@@ -359,8 +370,11 @@ def places_ahead(mesh: Mesh) -> bool:
     programs all-reduce, and a NumPy argument would be split on the loop's path.
     """
     devices = mesh.devices.flat
-    return not (jax.process_count() == 1 and mesh.devices.size == 1
-                and all(device.platform == "cpu" for device in devices))  # fmt: skip
+    return not (
+        jax.process_count() == 1
+        and mesh.devices.size == 1
+        and all(device.platform == "cpu" for device in devices)
+    )
 
 
 def _chunk_steps(reader: TrainReader, step: int, steps: int | None) -> int:
@@ -378,8 +392,9 @@ def _chunk_steps(reader: TrainReader, step: int, steps: int | None) -> int:
     return max(1, min(most, CHUNK_BYTES // max(1, nbytes)))
 
 
-def eval_batches(split: Split, mesh: Mesh, *, batch_size: int, prefetch: int = 2,
-                 batches: int = 0) -> Loader:  # fmt: skip
+def eval_batches(
+    split: Split, mesh: Mesh, *, batch_size: int, prefetch: int = 2, batches: int = 0
+) -> Loader:
     """The split once, in order, as global batches with a ``mask``; the last is padded.
     ``batches``: the first that many only (0: all).
 
@@ -394,5 +409,6 @@ def eval_batches(split: Split, mesh: Mesh, *, batch_size: int, prefetch: int = 2
         split, batch_size=batch_size, rows=process_rows(mesh, batch_size)
     )
     stop = min(len(reader), batches) if batches else len(reader)
-    return Loader(reader, mesh, start=0, stop=stop, prefetch=prefetch,
-                  device=split if on_device else None)  # fmt: skip
+    return Loader(
+        reader, mesh, start=0, stop=stop, prefetch=prefetch, device=split if on_device else None
+    )

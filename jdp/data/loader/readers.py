@@ -76,8 +76,9 @@ class TrainReader:
     `jdp.data.splits.ledger.LEDGER_KEY`, for the loader to take out (`jdp.data.splits.ledger`).
     """
 
-    def __init__(self, split: Split, *, batch_size: int, seed: int, rows: slice,
-                 ledger: str = "off"):  # fmt: skip
+    def __init__(
+        self, split: Split, *, batch_size: int, seed: int, rows: slice, ledger: str = "off"
+    ):
         self.split, self.batch_size, self.seed, self.rows = split, batch_size, seed, rows
         self.ledger = ledger
 
@@ -107,8 +108,13 @@ class TrainReader:
         batch = self.split.read(indices.reshape(-1))
         marks = None
         if self.ledger != "off":  # over the rows as read, before any augmentation
-            marks = ledger_marks(first + 1, size, self.rows, stream.reshape(count, size),
-                                 batch if self.ledger == "bytes" else None)  # fmt: skip
+            marks = ledger_marks(
+                first + 1,
+                size,
+                self.rows,
+                stream.reshape(count, size),
+                batch if self.ledger == "bytes" else None,
+            )
         transform = self.split.transform
         if transform is not None:  # token sequences have nothing to preprocess
             augmentation = None

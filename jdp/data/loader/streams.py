@@ -61,9 +61,14 @@ class IndexedSplit:
         return {key: np.stack([np.asarray(e[key]) for e in examples]) for key in examples[0]}
 
 
-def from_indexable(source: Any, *, input_key: str = "image", label_key: str | None = "label",
-                   num_classes: int | None = None, transform: Transform | None = None
-                   ) -> IndexedSplit:  # fmt: skip
+def from_indexable(
+    source: Any,
+    *,
+    input_key: str = "image",
+    label_key: str | None = "label",
+    num_classes: int | None = None,
+    transform: Transform | None = None,
+) -> IndexedSplit:
     """A split of ``source[i]`` (a dict per example) for ``i`` below ``len(source)``, read
     in jdp's order with all a split's guarantees.
 
@@ -130,9 +135,14 @@ class BatchStream:
         return len(next(iter(self.first().values())))  # at least a batch: never empty
 
 
-def from_batches(source: Iterable | Callable[[], Iterable], *, input_key: str = "image",
-                 label_key: str | None = "label", num_classes: int | None = None,
-                 transform: Transform | None = None) -> BatchStream:  # fmt: skip
+def from_batches(
+    source: Iterable | Callable[[], Iterable],
+    *,
+    input_key: str = "image",
+    label_key: str | None = "label",
+    num_classes: int | None = None,
+    transform: Transform | None = None,
+) -> BatchStream:
     """A training split of your own batches, in your order (see the module for what a
     resume promises): each item a dict of arrays (NumPy, or anything ``np.asarray``
     reads: a ``tf.Tensor``, a CPU ``torch.Tensor``) of one global batch.
@@ -162,13 +172,16 @@ def as_arrays(item: Any, number: int) -> dict[str, np.ndarray]:
     arrays = {str(key): np.asarray(value) for key, value in item.items()}
     rows = {len(value) if value.ndim else -1 for value in arrays.values()}
     if len(rows) != 1 or -1 in rows:
-        raise UsageError(f"batch {number}'s arrays differ in rows or are scalars; give one "
-                         "row per example in each")  # fmt: skip
+        raise UsageError(
+            f"batch {number}'s arrays differ in rows or are scalars; give one "
+            "row per example in each"
+        )
     return arrays
 
 
-def stream_rows(stream: BatchStream, *, start: int, batch_size: int, rows: slice
-                ) -> Iterator[dict[str, np.ndarray]]:  # fmt: skip
+def stream_rows(
+    stream: BatchStream, *, start: int, batch_size: int, rows: slice
+) -> Iterator[dict[str, np.ndarray]]:
     """This process's rows of each batch from batch ``start`` on (the ones before read and
     passed over), preprocessed; UsageError for a batch of another size."""
     for number, batch in enumerate(stream.passes()):
@@ -180,8 +193,9 @@ def stream_rows(stream: BatchStream, *, start: int, batch_size: int, rows: slice
             )
         if number < start:
             continue
-        check_batch(f"batch {number + 1} of the stream", batch, stream.label_key,
-                    stream.num_classes)  # fmt: skip
+        check_batch(
+            f"batch {number + 1} of the stream", batch, stream.label_key, stream.num_classes
+        )
         batch = {key: value[rows] for key, value in batch.items()}
         if stream.transform is not None:
             batch[stream.input_key] = stream.transform(batch[stream.input_key])

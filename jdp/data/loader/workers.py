@@ -70,8 +70,9 @@ def worker_died(error: BaseException) -> LoaderError | None:
         return None
     code = int(found.group(1))
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    return LoaderError(f"a loader worker process died ({how}; running out of memory is a "
-                       "common cause)")  # fmt: skip
+    return LoaderError(
+        f"a loader worker process died ({how}; running out of memory is a common cause)"
+    )
 
 
 def _allow_grain_workers() -> None:

@@ -55,8 +55,9 @@ def check_splits(splits: Mapping[str, object | None]) -> None:
             _check_shapes(name, arrays, reference)
 
 
-def check_batch(name: str, arrays: Mapping[str, np.ndarray], label_key: str | None,
-                classes: int | None) -> None:  # fmt: skip
+def check_batch(
+    name: str, arrays: Mapping[str, np.ndarray], label_key: str | None, classes: int | None
+) -> None:
     """One batch's labels and float inputs, as `check_splits` checks a split's (a batch of
     a stream, read as training goes: ``name`` says which)."""
     _check_labels(name, arrays.get(label_key) if label_key else None, classes)
@@ -140,8 +141,9 @@ def _check_finite(name: str, key: str, array: np.ndarray) -> None:
         )
 
 
-def _check_shapes(name: str, arrays: Mapping[str, np.ndarray],
-                  reference: Mapping[str, np.ndarray]) -> None:  # fmt: skip
+def _check_shapes(
+    name: str, arrays: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]
+) -> None:
     for key, array in arrays.items():
         if key not in reference:
             continue

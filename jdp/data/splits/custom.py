@@ -294,8 +294,13 @@ def from_npz(path: str | os.PathLike, split: str = "train") -> ArraySplit | None
     return None if found is None else from_arrays(**found)
 
 
-def load_named(dataset: str, split: str, data_dir: str | None = None, *,
-               image_size: tuple[int, int] | None = None):  # fmt: skip
+def load_named(
+    dataset: str,
+    split: str,
+    data_dir: str | None = None,
+    *,
+    image_size: tuple[int, int] | None = None,
+):
     """``--dataset``'s ``split``: a built-in dataset, ``tfds:NAME``, ``folder:PATH`` or
     ``npz:FILE``.
 
@@ -317,8 +322,9 @@ def load_named(dataset: str, split: str, data_dir: str | None = None, *,
     if dataset.startswith(FOLDER_PREFIX):
         return _folder_split(dataset[len(FOLDER_PREFIX) :], split, image_size)
     if dataset.startswith(IMAGES_PREFIX):  # streamed, at --image-size (224 by default)
-        return _folder_split(dataset[len(IMAGES_PREFIX) :], split, image_size or (224, 224),
-                             opener=from_images)  # fmt: skip
+        return _folder_split(
+            dataset[len(IMAGES_PREFIX) :], split, image_size or (224, 224), opener=from_images
+        )
     if dataset.startswith(NPZ_PREFIX):
         found = from_npz(dataset[len(NPZ_PREFIX) :], split)
         if found is None and split != "validation":
@@ -339,8 +345,9 @@ def _tfds_validation(name: str, data_dir: str | None):
     return from_tfds(name, "validation", data_dir=data_dir)
 
 
-def _folder_split(root: str, split: str, image_size: tuple[int, int] | None = None,
-                  opener: Callable = from_folder):  # fmt: skip
+def _folder_split(
+    root: str, split: str, image_size: tuple[int, int] | None = None, opener: Callable = from_folder
+):
     """``split`` of a tree of splits, or of one class tree (a seeded fifth as ``test``),
     opened by ``from_folder`` (decoded into memory) or ``from_images`` (streamed)."""
     parts = {part: os.path.join(root, part) for part in ("train", "test", "validation")}

@@ -42,8 +42,13 @@ BATCH_BYTES, TOTAL_BYTES = "batch_bytes_digest", "data_ledger_bytes"
 MARKS = 4
 
 _MASK = (1 << 64) - 1
-_MIX = (np.uint64(30), np.uint64(0xBF58476D1CE4E5B9), np.uint64(27),
-        np.uint64(0x94D049BB133111EB), np.uint64(31))  # fmt: skip
+_MIX = (
+    np.uint64(30),
+    np.uint64(0xBF58476D1CE4E5B9),
+    np.uint64(27),
+    np.uint64(0x94D049BB133111EB),
+    np.uint64(31),
+)
 _PLACE = np.uint64(0x9E3779B97F4A7C15)  # keeps place 0's hash from being mix(0) = 0
 
 
@@ -59,8 +64,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def step_digests(first: int, batch_size: int, places: np.ndarray, values: np.ndarray
-                 ) -> np.ndarray:  # fmt: skip
+def step_digests(first: int, batch_size: int, places: np.ndarray, values: np.ndarray) -> np.ndarray:
     """The digests of steps ``first, first + 1, ...`` (1-based) over rows at ``places``
     of their global batches with ``values`` (example indices or bytes hashes)
     ``(steps, rows)``: each step's sum of ``mix(mix(place in the run's stream) ^ value)``."""
@@ -80,16 +84,23 @@ def bytes_hashes(batch: Mapping[str, np.ndarray], rows: int) -> np.ndarray:
         else:
             flat = [row.tobytes() for row in np.ascontiguousarray(array).reshape(rows, -1)]
         column = np.array(
-            [int.from_bytes(hashlib.blake2b(row, digest_size=8).digest(), "little")
-             for row in flat],
+            [
+                int.from_bytes(hashlib.blake2b(row, digest_size=8).digest(), "little")
+                for row in flat
+            ],
             np.uint64,
-        )  # fmt: skip
+        )
         hashes = _mix(hashes ^ column)
     return hashes
 
 
-def marks(first: int, batch_size: int, rows: slice, stream: np.ndarray,
-          batch: Mapping[str, np.ndarray] | None) -> np.ndarray:  # fmt: skip
+def marks(
+    first: int,
+    batch_size: int,
+    rows: slice,
+    stream: np.ndarray,
+    batch: Mapping[str, np.ndarray] | None,
+) -> np.ndarray:
     """What a reader attaches to each step's host batch, ``(steps, MARKS)`` uint64: for
     steps ``first ..`` (1-based) of the global batches ``stream`` ``(steps, batch)``,
     the digest of this process's ``rows`` of each, of their bytes (with ``batch``, the
@@ -130,8 +141,16 @@ class Ledger:
         timeout: seconds to wait for the other processes' sums.
     """
 
-    def __init__(self, loader, *, rows: slice, start: int, base: Mapping | None,
-                 with_bytes: bool, timeout: float = 300.0):  # fmt: skip
+    def __init__(
+        self,
+        loader,
+        *,
+        rows: slice,
+        start: int,
+        base: Mapping | None,
+        with_bytes: bool,
+        timeout: float = 300.0,
+    ):
         self.loader, self.start, self.with_bytes = loader, start, with_bytes
         self.rows, self.timeout = (rows.start, rows.stop), timeout
         base = dict(base or {}) if (base or {}).get("step") == start else {}
@@ -152,9 +171,11 @@ class Ledger:
             return self._at[1]
         previous = self._at[0] if self._at is not None else None
         reports = _exchange(step, self._report(step), self.timeout, forget=previous)
-        problems = [f"process {number}: {report['problem']}" if len(reports) > 1 else
-                    report["problem"] for number, report in enumerate(reports)
-                    if report["problem"]]  # fmt: skip
+        problems = [
+            f"process {number}: {report['problem']}" if len(reports) > 1 else report["problem"]
+            for number, report in enumerate(reports)
+            if report["problem"]
+        ]
         distinct = {tuple(report["rows"]): report for report in reports}.values()
         batch, batch_bytes, rows, rows_bytes = (
             sum(report[key][column] for report in distinct) & _MASK
@@ -170,8 +191,10 @@ class Ledger:
             )
         values = {BATCH: hex64(batch), TOTAL: hex64(rows + self._base[0])}
         if self.with_bytes:
-            values |= {BATCH_BYTES: hex64(batch_bytes),
-                       TOTAL_BYTES: hex64(rows_bytes + self._base[1])}  # fmt: skip
+            values |= {
+                BATCH_BYTES: hex64(batch_bytes),
+                TOTAL_BYTES: hex64(rows_bytes + self._base[1]),
+            }
         self._at = (step, values)
         return values
 
@@ -184,16 +207,25 @@ class Ledger:
         want = self.start * steps * (steps + 1) // 2 + steps * (steps + 1) * (2 * steps + 1) // 6
         problem = None
         if count != steps or last[3] != step or order != want:
-            problem = (f"the loader gave {count} batches since step {self.start}, not those "
-                       f"steps in order; the last was step {last[3]}'s")  # fmt: skip
+            problem = (
+                f"the loader gave {count} batches since step {self.start}, not those "
+                f"steps in order; the last was step {last[3]}'s"
+            )
         return {"rows": self.rows, "last": list(last), "total": total, "problem": problem}
 
     def record(self, step: int) -> dict[str, object]:
         """What a checkpoint of ``step`` records: the ledger through it."""
         values = self.at(step)
-        return {"step": step, "since": self.since, "indices": values[TOTAL],
-                **({"bytes": values[TOTAL_BYTES], "bytes_since": self.bytes_since}
-                   if self.with_bytes else {})}  # fmt: skip
+        return {
+            "step": step,
+            "since": self.since,
+            "indices": values[TOTAL],
+            **(
+                {"bytes": values[TOTAL_BYTES], "bytes_since": self.bytes_since}
+                if self.with_bytes
+                else {}
+            ),
+        }
 
 
 def _exchange(step: int, report: dict, timeout: float, *, forget: int | None) -> list[dict]:
