@@ -20,7 +20,7 @@ class StopOnPreemption:
     """On SIGTERM or SIGINT (every process agreeing): save, then stop without the end.
 
     Asked after every call: with several processes, JAX's sync point wants a
-    counter that rises by one per call.
+    counter that rises by one at a time, the steps of the call.
     """
 
     phase = SAVING  # for the stall watchdog: its pass may save (`jdp.distributed.watchdog`)
@@ -29,11 +29,10 @@ class StopOnPreemption:
         self,
         preemption: Preemption,
         *,
-        steps_per_call: int,
         checkpoint: Checkpoint | None,
         ckpt_dir: str | None,
     ):
-        self.preemption, self.steps_per_call = preemption, steps_per_call
+        self.preemption = preemption
         self.checkpoint, self.ckpt_dir = checkpoint, ckpt_dir
         self._stall: str | None = None
 
@@ -45,7 +44,11 @@ class StopOnPreemption:
     def __call__(self, progress: Progress) -> bool:
         if progress.final or not progress.ran:
             return False
-        if not self.preemption.reached(progress.step // self.steps_per_call):
+        # Each step of the call counts once, in order: JAX's sync point (the processes'
+        # furthest count, plus one) is then a step, which a count of calls could pass by
+        # while the processes agree (calls of 20 steps missed it 3 times in 4).
+        first = progress.step - progress.ran + 1
+        if not any([self.preemption.reached(step) for step in range(first, progress.step + 1)]):
             return False
         self._save_and_stop(progress, f"jdp.train: {self.preemption.signal_name}")
         return True

@@ -219,14 +219,7 @@ def actions_for(
     # Always asked: a signal ends the run at a step boundary (saving when it can),
     # never mid-step; several processes agree on the step through JAX's runtime.
     preemption = stack.enter_context(Preemption())
-    actions.append(
-        StopOnPreemption(
-            preemption,
-            steps_per_call=config.steps_per_call,
-            checkpoint=checkpoint,
-            ckpt_dir=config.ckpt_dir,
-        )
-    )
+    actions.append(StopOnPreemption(preemption, checkpoint=checkpoint, ckpt_dir=config.ckpt_dir))
     return actions
 
 
