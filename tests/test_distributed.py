@@ -298,6 +298,25 @@ def test_sigterm_to_the_launcher_saves_and_one_process_resumes(tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_stops_two_processes_at_20_steps_a_call(tmp_path):
+    """JAX's sync point counts steps, not calls: a count of calls, which the processes
+    passed by while they agreed on one, let 3 runs in 4 train on to the end."""
+    launcher = _train(
+        *"--steps 400 --steps-per-call 20 --ckpt-dir".split(),
+        str(tmp_path),
+        nproc=2,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    code, text, errors, _ = _interrupt_mid_run(
+        launcher, lambda err: launcher.send_signal(signal.SIGTERM)
+    )
+    assert code == 143, text[-2000:] + errors[-2000:]
+    stopped = re.search(r"^\[0\] jdp\.train: .* at step (\d+); checkpoint saved", text, re.M)
+    assert stopped and int(stopped.group(1)) % 20 == 0 and int(stopped.group(1)) < 400, text
+
+
+@pytest.mark.slow
 def test_checkpoints_move_between_one_and_two_processes(single, tmp_path):
     # Two processes continue a one-process run from step 60 ...
     two = tmp_path / "two"
@@ -636,6 +655,16 @@ def test_the_launcher_drops_the_collectives_connection_lines_even_interleaved():
     assert [connection.drops(line + "\n") for line in dropped + kept] == [True] * 5 + [False] * 3
 
 
+# jdp.train where a call of several steps always pays back its compile, as in a long run.
+_PAYING = (
+    "import sys\n"
+    "from jdp.training import calls\n"
+    "calls.saving = lambda host_us, steps, remaining: float('inf')\n"
+    "from jdp.train import main\n"
+    "sys.exit(main(sys.argv[sys.argv.index('jdp.train') + 1 :]))\n"
+)
+
+
 @pytest.mark.slow
 def test_auto_steps_per_call_on_two_processes_is_their_run_at_one(tmp_path):
     """Process 0's timings choose for both (each process checks the call, all agreeing);
@@ -643,12 +672,12 @@ def test_auto_steps_per_call_on_two_processes_is_their_run_at_one(tmp_path):
     runs, said = {}, {}
     for calls in ("auto", "1"):
         log = tmp_path / calls
-        result = _train(
-            "--steps-per-call", calls, "--log-dir", str(log), "--log-every", "20", nproc=2
-        )
+        flags = ["--steps-per-call", calls, "--log-dir", str(log), "--log-every", "20"]
+        result = _train(*flags, nproc=2, wrapper=[sys.executable, "-c", _PAYING])
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         figures = re.search(r"train_loss=\S+ test_loss=\S+ test_accuracy=\S+", result.stdout)
         runs[calls], said[calls] = (_logged(log, "loss"), figures.group(0)), result.stdout
-    assert re.search(r"^\[0\] jdp: --steps-per-call auto: \d+ steps? a call", said["auto"], re.M)
+    chosen = r"^\[0\] jdp: --steps-per-call auto: (\d+) steps a call .*bitwise"
+    assert re.search(chosen, said["auto"], re.M), said["auto"]
     assert "--steps-per-call auto" not in said["1"]
     assert runs["auto"] == runs["1"]

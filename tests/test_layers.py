@@ -53,7 +53,7 @@ MODULE_LINES, FUNCTION_LINES = 400, 80
 FIT_LINES = 60  # the loop a reader reads first
 OVER_TODAY: dict[str, int] = {
     # TrainConfig: a field per flag in its sections, and the values read from them.
-    "jdp/training/config.py": 471,
+    "jdp/training/config.py": 472,
     # The run built in the order each part needs the last; messages, parts and the
     # config's optimizer are apart.
     "jdp/training/run.py": 438,

@@ -153,9 +153,16 @@ def _finished(parts: dict, examples_per_sec: float = 1e4):
         (
             {"startup": 1.0, "step": 9.0},
             1e5,
+            {"steps_per_call": 1},
+            "training steps of 1.28 ms each, short enough that the host's dispatch of each "
+            "call is a share of them: --steps-per-call auto chooses",
+        ),
+        (
+            {"startup": 1.0, "step": 9.0},
+            1e5,
             {},
             "training steps of 1.28 ms each, short enough that the host's dispatch of each "
-            "call is a share of them: --steps-per-call auto",
+            "call is a share of them (--steps-per-call auto's line says how many",
         ),
         (
             {"startup": 1.0, "step": 9.0},

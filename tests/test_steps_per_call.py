@@ -3,13 +3,26 @@
 
 import dataclasses
 import re
+import signal
+import subprocess
+import sys
+import time
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import pytest
 from closeness import assert_drift_within
-from helpers import init_params, regression_data, regression_loss, run_cli
+from helpers import (
+    assert_bitwise_equal,
+    init_params,
+    regression_data,
+    regression_loss,
+    run_cli,
+    saved_arrays,
+    subprocess_env,
+)
 
 import jdp
 
@@ -143,13 +156,26 @@ def test_auto_takes_the_smallest_call_that_leaves_the_host_under_its_share():
     assert steps_for_share(10.0, 100.0, 20) == 4  # 10 / (10 + 90 k) < 3% from k = 4
 
 
+def _paying(monkeypatch, steps=None):
+    """Every call of several steps pays back its compile (``saving``), as in a long run;
+    with ``steps``, the host's share asks for that many."""
+    from jdp.training import calls
+
+    monkeypatch.setattr(calls, "saving", lambda host_us, steps, remaining: float("inf"))
+    if steps is not None:
+        monkeypatch.setattr(calls, "steps_for_share", lambda host, call, longest: steps)
+
+
 @pytest.mark.parametrize("spec", ["data=1", "data=8"])
-def test_auto_is_bitwise_the_run_at_one_step_a_call(devices, spec, capsys):
-    config = jdp.TrainConfig(mesh=spec, steps=40, warmup_steps=4, log_every=10, eval_every=20)
+def test_auto_is_bitwise_the_run_at_one_step_a_call(devices, spec, monkeypatch, capsys):
+    _paying(monkeypatch, steps=10)  # the longest call the periods allow
+    config = jdp.TrainConfig(
+        mesh=spec, steps=40, warmup_steps=4, log_every=10, eval_every=20, steps_per_call=1
+    )
     auto = jdp.fit(dataclasses.replace(config, steps_per_call="auto"), console=jdp.Console())
-    line = r"--steps-per-call auto: (\d+) steps? a call \((.+)\)"
-    said = re.search(line, capsys.readouterr().out)
-    assert said and 10 % int(said.group(1)) == 0, said
+    said = capsys.readouterr().out
+    assert "--steps-per-call auto: 10 steps a call (the host took" in said, said
+    assert "a call of 10 is bitwise 10 single steps here" in said
     single = jdp.fit(config, console=jdp.Console(enabled=False))
     jax.tree.map(np.testing.assert_array_equal, auto.state.params, single.state.params)
     assert [r["loss"] for r in auto.history] == [r["loss"] for r in single.history]
@@ -159,9 +185,7 @@ def test_auto_is_bitwise_the_run_at_one_step_a_call(devices, spec, capsys):
 def test_auto_keeps_one_step_a_call_where_a_call_rounds_otherwise(devices, monkeypatch, capsys):
     # The cnn's convolutions compile otherwise inside XLA:CPU's loop: a call of 2 steps is
     # not bitwise 2 single steps, which auto checks and says, keeping one step a call.
-    from jdp.training import calls
-
-    monkeypatch.setattr(calls, "steps_for_share", lambda host, call, longest: 2)
+    _paying(monkeypatch, steps=2)
     config = jdp.TrainConfig(
         mesh="data=1", model="cnn", steps=4, steps_per_call="auto", log_every=2, eval_every=0
     )
@@ -169,6 +193,60 @@ def test_auto_keeps_one_step_a_call_where_a_call_rounds_otherwise(devices, monke
     out = capsys.readouterr().out
     assert "--steps-per-call auto: 1 step a call (the host took" in out
     assert "a call of 2 steps rounds otherwise than 2 single steps with this model here" in out
+    assert result.steps == 4
+
+
+def test_auto_keeps_one_step_a_call_where_the_run_is_too_short_to_pay_for_another_compile(
+    devices, monkeypatch, capsys
+):
+    """The default: a run as short as the README's (400 steps) would save less host time
+    than compiling a call of several steps takes, so it builds and checks none."""
+    from jdp.training import calls
+
+    monkeypatch.setattr(calls, "steps_for_share", lambda host, call, longest: 10)
+    built = []
+    monkeypatch.setattr(calls, "same_bits", lambda run, state, batches: built.append(batches))
+    result = jdp.fit(jdp.TrainConfig(mesh="data=8", steps=40, log_every=10), console=jdp.Console())
+    said = capsys.readouterr().out
+    assert re.search(
+        r"--steps-per-call auto: 1 step a call \(the host took \d+% of a one-step call, \d+ of "
+        r"\d+ us; \d+ steps a call would save \d+\.\d\d s over the run's 40 steps, less than "
+        r"compiling it takes \(~\d\.\d\d s\)\)",
+        said,
+    ), said
+    assert result.steps == 40 and built == []
+
+
+def test_a_short_run_saves_less_than_a_compile_and_a_long_one_more():
+    from jdp.training.calls import saving
+
+    # 600 us of the host's a call, 4 steps a call: 450 us saved a step.
+    assert saving(600.0, 4, 400) == pytest.approx(0.18)  # under the ~0.5 s of a compile
+    assert saving(600.0, 4, 20_000) == pytest.approx(9.0)
+    assert saving(600.0, 1, 20_000) == 0.0
+
+
+def test_your_callbacks_periods_bound_the_call_and_a_plain_function_keeps_one():
+    from jdp.actions import Callback, EarlyStopping
+    from jdp.training.calls import callback_periods, longest_call
+
+    config = jdp.TrainConfig(steps=400, log_every=20, eval_every=200, ckpt_every=0)
+    every_5 = Callback(lambda progress: None, every=5)
+    assert callback_periods([every_5, Callback(print)]) == [5, 0]
+    assert longest_call(config, 0, callback_periods([every_5])) == 5
+    assert callback_periods([lambda progress: False]) is None  # called after every call
+    assert callback_periods([EarlyStopping(patience=2)]) is None  # rules of its own
+
+
+def test_your_stream_of_batches_keeps_one_step_a_call_untimed(devices, capsys):
+    split = jdp.load_split("digits", "train")
+    batches = [
+        {"image": split.image[i : i + 64], "label": split.label[i : i + 64]} for i in (0, 64)
+    ]
+    config = jdp.TrainConfig(mesh="data=8", steps=4, log_every=2, eval_every=0, batch_size=64)
+    result = jdp.fit(config, train=jdp.data.from_batches(batches), console=jdp.Console())
+    out = capsys.readouterr().out
+    assert "--steps-per-call auto: 1 step a call (your stream of batches is read once" in out
     assert result.steps == 4
 
 
@@ -189,3 +267,110 @@ def test_auto_on_the_command_line_and_a_bad_value_in_one_line():
     refused = run_cli("--steps-per-call", "many")
     assert refused.returncode == 2
     assert "--steps-per-call: invalid" in refused.stderr and len(refused.stderr.splitlines()) == 1
+
+
+class _DenseNet(nn.Module):
+    """Dense, BatchNorm over the global batch, dropout: what a call must carry from step to
+    step besides the parameters (statistics, each step's draw)."""
+
+    @nn.compact
+    def __call__(self, x, *, train=False):
+        x = nn.Dense(16)(x.reshape(x.shape[0], -1))
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.8, axis_name="data")(x)
+        x = nn.Dropout(0.3, deterministic=not train)(nn.relu(x))
+        return nn.Dense(10)(x)
+
+
+def _dense_run(mesh, steps_per_call, batches, precision, accumulate):
+    model = jdp.models.from_linen(_DenseNet(), jdp.models.classification())
+    optimizer = optax.adam(1e-2)
+    params, model_state = jax.jit(model.init)(jax.random.key(0), batches[0])
+    state = jdp.create_train_state(
+        params,
+        optimizer,
+        mesh,
+        model_state=model_state,
+        rng=jax.random.key(1),
+        precision=jdp.make_precision(precision),
+    )
+    step = jdp.make_train_step(
+        model.loss_fn,
+        optimizer,
+        mesh,
+        has_model_state=True,
+        precision=jdp.make_precision(precision),
+        accumulate=accumulate,
+        steps_per_call=steps_per_call,
+    )
+    losses = []
+    for first in range(0, len(batches), steps_per_call):
+        calls = batches[first : first + steps_per_call]
+        batch = (
+            jax.tree.map(lambda *leaves: np.stack(leaves), *calls)
+            if steps_per_call > 1
+            else calls[0]
+        )
+        state, metrics = step(state, jdp.shard_batch(batch, mesh, stacked=steps_per_call > 1))
+        losses += np.atleast_1d(jax.device_get(metrics["loss"])).tolist()
+    return jax.device_get((state.params, state.model_state, state.loss_scale)), losses
+
+
+@pytest.mark.parametrize(
+    ("spec", "precision", "accumulate"), [("data=1", "fp32", 1), ("data=8", "fp16", 2)]
+)
+def test_k_steps_a_call_are_bitwise_with_batchnorm_dropout_fp16_and_accumulation(
+    devices, spec, precision, accumulate
+):
+    """Where XLA compiles the step alike inside its loop (dense layers), a call of K steps
+    is bitwise K single steps: BatchNorm's statistics, dropout's draws, fp16's loss scale
+    and accumulated micro-batches included; K = 3 and 4 over 12 steps."""
+    split = jdp.load_split("digits", "train")
+    batches = [
+        {"image": split.image[i * 32 : (i + 1) * 32], "label": split.label[i * 32 : (i + 1) * 32]}
+        for i in range(12)
+    ]
+    mesh = jdp.make_mesh(spec)
+    single, single_losses = _dense_run(mesh, 1, batches, precision, accumulate)
+    for k in (3, 4):
+        scanned, losses = _dense_run(mesh, k, batches, precision, accumulate)
+        jax.tree.map(np.testing.assert_array_equal, scanned, single)
+        assert losses == single_losses
+
+
+# Long enough on 8 simulated devices for a kill to land between the first save and the
+# last: the 38k MLP steps in about a millisecond.
+_KILLED = "--mesh data=8 --steps 2400 --ckpt-every 240 --eval-every 0 --log-every 240"
+
+
+def _killed_run(ckpt_dir, *flags):
+    command = [sys.executable, "-m", "jdp.train", *_KILLED.split(), "--ckpt-dir", str(ckpt_dir)]
+    return [*command, *flags]
+
+
+@pytest.mark.slow
+def test_a_run_at_4_steps_a_call_killed_and_resumed_is_bitwise_the_run_at_1(tmp_path):
+    single = subprocess.run(
+        _killed_run(tmp_path / "single", "--steps-per-call", "1"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=subprocess_env(),
+    )
+    assert single.returncode == 0, single.stderr
+    flags = _killed_run(tmp_path / "killed", "--steps-per-call", "4")
+    process = subprocess.Popen(flags, stdout=subprocess.DEVNULL, env=subprocess_env())
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "killed" / "240").is_dir():
+        assert process.poll() is None and time.monotonic() < deadline, "no save to kill after"
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(timeout=60) == -signal.SIGKILL, "the run ended before it was killed"
+    assert not (tmp_path / "killed" / "2400").exists()
+    resumed = subprocess.run(
+        flags, capture_output=True, text=True, timeout=240, env=subprocess_env()
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert re.search(r"^jdp: resuming from step \d+ in ", resumed.stdout, re.M)
+    assert_bitwise_equal(
+        saved_arrays(tmp_path / "killed", 2400), saved_arrays(tmp_path / "single", 2400)
+    )

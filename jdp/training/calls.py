@@ -3,8 +3,10 @@
 A call of one small step leaves the device idle while the host dispatches the next
 one; a call of K steps, scanned on the device, pays that once per K. The run times a
 few one-step calls on a copy of its state, takes the smallest K that brings the
-host's share of a call under `HOST_SHARE`, and keeps it only where a call of K steps
-is bitwise K single steps (it computes both from a copy of the state over the run's
+host's share of a call under `HOST_SHARE`, and keeps it only where the host's time it
+saves over the run's steps is more than compiling the call takes (a short run keeps
+one step a call, compiling nothing more) and a call of K steps is bitwise K single
+steps (it computes both from a copy of the state over the run's
 first K batches): otherwise one step a call, so that ``auto`` never changes a number.
 K divides every period at which an action runs (``--log-every``, ``--eval-every``,
 ``--ckpt-every``, ``--check-replicas-every``, the profile's window), the steps and the
@@ -17,13 +19,14 @@ import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdp.data.loader import places_ahead, state_bytes, train_batches
+from jdp.actions import PeriodicAction
+from jdp.data.loader import BatchStream, places_ahead, state_bytes, train_batches
 from jdp.distributed.agree import all_ok, from_process_0
 from jdp.mesh import GROUP_AXIS
 from jdp.report.console import Console
@@ -41,15 +44,31 @@ TIMED_CALLS = 8
 MOST_STATE_BYTES = 1 << 30
 
 
-def longest_call(config: TrainConfig, start: int) -> int:
+def longest_call(config: TrainConfig, start: int, periods: Sequence[int] = ()) -> int:
     """The most steps a call may hold: the greatest common divisor of the periods at which
-    an action runs, the steps and ``start`` (no call crosses one), at most `MOST_STEPS`."""
-    periods = [config.steps, start, config.log_every, config.eval_every]
+    an action runs (the config's, and ``periods``: your callbacks'), the steps and
+    ``start`` (no call crosses one), at most `MOST_STEPS`."""
+    periods = [*periods, config.steps, start, config.log_every, config.eval_every]
     periods += [config.ckpt_every, config.check_replicas_every]
     if config.profile_window:
         first, last = config.profile_window
         periods += [first - 1, last]
     return max(k for k in range(1, MOST_STEPS + 1) if math.gcd(*periods) % k == 0)
+
+
+def callback_periods(callbacks: Sequence) -> list[int] | None:
+    """The periods of ``callbacks`` (`PeriodicAction`'s ``every``), or None where one has
+    rules of its own (any callable, or a `PeriodicAction` with its own ``due`` or call)."""
+    periods = []
+    for callback in callbacks:
+        kind = type(callback)
+        if not isinstance(callback, PeriodicAction) or (kind.due, kind.__call__) != (
+            PeriodicAction.due,
+            PeriodicAction.__call__,
+        ):
+            return None
+        periods.append(callback.every)
+    return periods
 
 
 def steps_for_share(host_us: float, call_us: float, longest: int) -> int:
@@ -63,12 +82,20 @@ def steps_for_share(host_us: float, call_us: float, longest: int) -> int:
     return longest
 
 
-def choose_steps_per_call(run: Run, state: TrainState, start: int, console: Console) -> Run:
+def choose_steps_per_call(
+    run: Run, state: TrainState, start: int, console: Console, callbacks: Sequence = ()
+) -> Run:
     """``run`` with ``--steps-per-call auto`` resolved to a number of steps (the run's
-    config, recorded config and train step), saying which and why in one line."""
-    config, longest = run.config, longest_call(run.config, start)
+    config, recorded config and train step), saying which and why in one line.
+    ``callbacks``: your actions, whose periods no call crosses."""
+    config, periods = run.config, callback_periods(callbacks)
+    longest = longest_call(config, start, periods or ())
     if config.mesh_spec.has(GROUP_AXIS):
         steps, why = 1, "DiLoCo's groups keep one step a call"
+    elif periods is None:
+        steps, why = 1, "a callback that is not a periodic action (jdp.actions) sees every step"
+    elif isinstance(run.train, BatchStream):
+        steps, why = 1, "your stream of batches is read once, in its order: not timed"
     elif longest == 1:
         steps, why = 1, "the steps, the start and the actions' periods leave no longer call"
     elif (held := state_bytes(state)) > MOST_STATE_BYTES:
@@ -97,11 +124,20 @@ def _timed_choice(run: Run, state: TrainState, start: int, longest: int) -> tupl
         place=places_ahead(run.mesh),
     )
     with loader as batches:
-        host_us, call_us = _one_step_call(run.train_step, state, next(batches))
+        first_s, host_us, call_us = _one_step_call(run.train_step, state, next(batches))
         share = host_us / call_us
         timed = f"the host took {share:.0%} of a one-step call, {host_us:.0f} of {call_us:.0f} us"
-        # Process 0 decides, before any process checks the call (a check all processes make).
-        steps = from_process_0([steps_for_share(host_us, call_us, longest)])[0]
+        steps = steps_for_share(host_us, call_us, longest)
+        saved_s = saving(host_us, steps, config.steps - start)
+        if steps > 1 and saved_s < first_s:
+            timed += (
+                f"; {steps} steps a call would save {saved_s:.2f} s over the run's "
+                f"{config.steps - start} steps, less than compiling it takes (~{first_s:.2f} s)"
+            )
+            steps = 1
+        # Process 0 decides (and says why), before any process checks the call (a check
+        # all processes make).
+        steps = from_process_0([steps])[0]
         if steps == 1:
             return 1, timed
         made = [next(batches) for _ in range(steps)]
@@ -113,11 +149,21 @@ def _timed_choice(run: Run, state: TrainState, start: int, longest: int) -> tupl
     return steps, f"{timed}; a call of {steps} is bitwise {steps} single steps here"
 
 
-def _one_step_call(step: Callable, state: TrainState, batch) -> tuple[float, float]:
-    """``(host us, call us)``: the median of `TIMED_CALLS` one-step calls on a copy of
-    ``state``, each waited for: the host's time until the call returns, and the whole."""
-    copy = jax.tree.map(jnp.copy, state)
-    copy, _ = jax.block_until_ready(step(copy, batch))  # compiles
+def saving(host_us: float, steps: int, remaining: int) -> float:
+    """The seconds ``steps`` steps a call save over ``remaining`` steps: the host's time
+    of a call, paid once every ``steps`` steps instead of every step."""
+    return remaining * host_us * 1e-6 * (1 - 1 / steps)
+
+
+def _one_step_call(step: Callable, state: TrainState, batch) -> tuple[float, float, float]:
+    """``(first s, host us, call us)``: the first one-step call on a copy of ``state``
+    (it compiles, as a call of several steps would: the run's own first call finds the
+    program compiled), then the median of `TIMED_CALLS` more, each waited for: the
+    host's time until the call returns, and the whole."""
+    copy = _copy(state)
+    started = time.perf_counter()
+    copy, _ = jax.block_until_ready(step(copy, batch))
+    first = time.perf_counter() - started
     host, whole = [], []
     for _ in range(TIMED_CALLS):
         started = time.perf_counter()
@@ -125,14 +171,14 @@ def _one_step_call(step: Callable, state: TrainState, batch) -> tuple[float, flo
         host.append(time.perf_counter() - started)
         copy, _ = jax.block_until_ready(out)
         whole.append(time.perf_counter() - started)
-    return 1e6 * statistics.median(host), 1e6 * statistics.median(whole)
+    return first, 1e6 * statistics.median(host), 1e6 * statistics.median(whole)
 
 
 def same_bits(run: Run, state: TrainState, batches: list) -> bool:
     """Whether one call of ``len(batches)`` steps gives bitwise the state and losses of as
     many one-step calls, from copies of ``state`` (every process agreeing)."""
     steps = len(batches)
-    single, losses = jax.tree.map(jnp.copy, state), []
+    single, losses = _copy(state), []
     for batch in batches:
         single, metrics = run.train_step(single, batch)
         losses.append(metrics["loss"])
@@ -141,9 +187,15 @@ def same_bits(run: Run, state: TrainState, batches: list) -> bool:
         lambda *made: jax.tree.map(lambda *leaves: jnp.stack(leaves), *made),
         out_shardings=scanned_step.batch_sharding,
     )
-    scanned, metrics = scanned_step(jax.tree.map(jnp.copy, state), stack(*batches))
+    scanned, metrics = scanned_step(_copy(state), stack(*batches))
     same = _held(single) == _held(scanned) and _held(losses) == _held(list(metrics["loss"]))
     return all_ok(same)
+
+
+def _copy(tree):
+    """A copy of ``tree``'s arrays in buffers of their own, in place (a call may donate it):
+    a transfer, with no program to compile for each array's shape, as `jnp.copy` has."""
+    return jax.tree.map(lambda leaf: jax.device_put(leaf, leaf.sharding, may_alias=False), tree)
 
 
 def _held(tree) -> list[bytes]:

@@ -197,8 +197,9 @@ class TrainConfig:
     accumulate: int = _flag(STEP, 1, "micro-batches per update (gradient accumulation)")
     steps_per_call: int | choices.Auto = _flag(
         LAYOUT,
-        1,
-        "optimizer steps per compiled call, scanned on the device; auto: the run's choice",
+        "auto",
+        "optimizer steps per compiled call, scanned on the device (auto: the run chooses, "
+        "bitwise one step a call; a number forces it)",
         shown=STEP.name,
     )
     precision: choices.PrecisionName = _flag(

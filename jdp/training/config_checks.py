@@ -223,7 +223,7 @@ def _check_groups(config) -> None:
             f"{config.resolved_sync_every}: evaluation uses the synchronised parameters, which "
             "change only when the groups synchronise"
         )
-    if config.resolved_sync_every % config.steps_per_call:
+    if config.steps_per_call != "auto" and config.resolved_sync_every % config.steps_per_call:
         raise UsageError(
             f"--sync-every {config.resolved_sync_every} is not a multiple of --steps-per-call "
             f"{config.steps_per_call}: the groups synchronise between calls"

@@ -55,10 +55,12 @@ def _limited(config: TrainConfig, result: FitResult, most: str) -> str:
         what, fix = PARTS.get(most, (most, ""))
         return f"most of it went to {what}" + (f": {fix}" if fix else "")
     step = config.batch_size / result.examples_per_sec if result.examples_per_sec > 0 else 0.0
-    if config.steps_per_call == 1 and 0 < step < SHORT_STEP_SECONDS:
-        return (
+    if config.steps_per_call in (1, "auto") and 0 < step < SHORT_STEP_SECONDS:
+        short = (
             f"most of it went to training steps of {step * 1e3:.2f} ms each, short enough that "
-            "the host's dispatch of each call is a share of them: --steps-per-call auto "
-            "chooses how many steps one call scans"
+            "the host's dispatch of each call is a share of them"
         )
+        if config.steps_per_call == "auto":  # it said what it chose, and why
+            return f"{short} (--steps-per-call auto's line says how many steps a call it chose)"
+        return f"{short}: --steps-per-call auto chooses how many steps one call scans"
     return "most of it went to training steps, the model's own compute"

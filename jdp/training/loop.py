@@ -129,8 +129,10 @@ def _fit(
                 )
                 return evaluated(run, state, start, console, started)
         if config.steps_per_call == "auto":  # from the step it starts at
-            run = choose_steps_per_call(run, state, start, console)
+            before = clock.switch("compile")  # the one-step call's compile, the K-step's
+            run = choose_steps_per_call(run, state, start, console, callbacks)
             config = run.config
+            clock.switch(before)
         goodput.start(start)
         progress, timer, history = _train(
             run, state, start, ledger, stack, console, checkpoints, callbacks, goodput
