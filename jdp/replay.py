@@ -31,18 +31,22 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jdp.checkpoint import Checkpointer, Record, read_record
 from jdp.checkpoint.record import RunSettings
-from jdp.data.loader import TrainReader, global_batch_indices, places_ahead, train_batches
+from jdp.data.loader import (
+    calls_from,
+    places_ahead,
+    train_batches,
+)
 from jdp.data.splits import BATCH, TOTAL, Ledger
 from jdp.errors import UsageError
-from jdp.mesh import DATA_AXIS, GROUP_AXIS
+from jdp.mesh import GROUP_AXIS
+from jdp.replay_step import diagnose, norm, write
 from jdp.report.console import Console
 from jdp.report.writers import check_writable
-from jdp.rngs import RowKey, step_key
 from jdp.tool import command
+from jdp.training.calls import call_periods
 from jdp.training.config import TrainConfig
 from jdp.training.run import Run, build
 from jdp.training.wiring import data_ledger
@@ -93,14 +97,10 @@ def replay(
     state, start, base = _restore(run, step)
     if start >= step:  # a checkpoint's loader position past its step: not one to replay from
         raise UsageError(f"the checkpoint before step {step} resumes at step {start}")
-    calls = config.steps_per_call  # the run's calls: replayed as it made them
-    if start % calls:
-        raise UsageError(
-            f"the checkpoint before step {step} is at step {start}, inside a "
-            f"call of the run's {calls} steps; replay a run resumed at a call's end"
-        )
-    checked, place = [], places_ahead(run.mesh)
-    end = start + -(-(step - start) // calls) * calls  # the end of the call holding the step
+    calls, periods = config.steps_per_call, call_periods(config)
+    plan = list(calls_from(start, step, calls, periods))  # the run's, through `step`'s
+    end = sum(plan[-1])
+    checked, place, steps = [], places_ahead(run.mesh), {calls: run.train_step}
     loader = train_batches(
         run.train,
         run.mesh,
@@ -111,28 +111,31 @@ def replay(
         ledger=config.data_ledger,
         steps=end - start,
         steps_per_call=calls,
+        periods=periods,
     )
     with loader as batches:
         ledger = data_ledger(config, run, batches, start, base)
-        for first in range(start, step, calls):
+        for first, ran in plan:  # replayed as the run made them
             batch = next(batches)
-            if first + calls >= step:  # the call holding the step: before and after it
+            if first + ran >= step:  # the call holding the step: before and after it
                 inside = step - first
                 before = _first_steps(run, state, batch, inside - 1)
-                seen = _diagnose(run, before, _one_step(batch, inside - 1, calls))
-                after = None if inside == calls else _first_steps(run, state, batch, inside)
+                seen = diagnose(run, before, _one_step(batch, inside - 1, ran))
+                after = None if inside == ran else _first_steps(run, state, batch, inside)
                 before = jax.tree.map(jnp.copy, before.params)
-            state, metrics = run.train_step(state, batch)
+            if ran not in steps:  # a gap up to a period, closed by single steps
+                steps[ran] = run.step_for(ran)
+            state, metrics = steps[ran](state, batch)
             losses = np.atleast_1d(jax.device_get(metrics["loss"]))
-            numbers = range(first + 1, min(first + calls, step) + 1)  # none past the step
+            numbers = range(first + 1, min(first + ran, step) + 1)  # none past the step
             for number, value in zip(numbers, losses[: len(numbers)], strict=True):
                 if number in logged:
                     _check(number, float(value), logged[number], ledger, where)
                     checked.append(number)
     after = state.params if after is None else after.params
-    updates = jax.tree.map(lambda new, old: _norm(new - old), after, before)
+    updates = jax.tree.map(lambda new, old: norm(new - old), after, before)
     loss = float(losses[inside - 1])
-    largest = _write(out, run, step, loss, seen, updates, start, checked, top)
+    largest = write(out, run, step, loss, seen, updates, start, checked, top)
     return Replayed(step, loss, checked, start, largest, out)
 
 
@@ -286,6 +289,11 @@ def _check(step: int, loss: float, record: dict, ledger: Ledger | None, where: s
             )
 
 
+def _one_step(batch, index: int, calls: int):
+    """Step ``index``'s batch of a call's ``batch`` (stacked when ``calls`` > 1)."""
+    return batch if calls == 1 else jax.tree.map(lambda x: x[index], batch)
+
+
 def _first_steps(run: Run, state, stacked, count: int):
     """The state after the first ``count`` steps of a call of the run's (``stacked``, its
     batches), from a copy of ``state``: the steps scanned as the run's call scans them
@@ -298,106 +306,6 @@ def _first_steps(run: Run, state, stacked, count: int):
         out_shardings=step.batch_sharding,
     )
     return step(jax.tree.map(jnp.copy, state), first(stacked))[0]
-
-
-def _one_step(batch, index: int, calls: int):
-    """Step ``index``'s batch of a call's ``batch`` (stacked when ``calls`` > 1)."""
-    return batch if calls == 1 else jax.tree.map(lambda x: x[index], batch)
-
-
-def _norm(x: jax.Array) -> jax.Array:
-    return jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32))))
-
-
-def _diagnose(run: Run, state, batch) -> tuple[np.ndarray, dict]:
-    """Per-example losses and each parameter's gradient norm on the global batch."""
-    model = run.model
-
-    def diagnose(params, model_state, batch, rng):
-        def losses(params):
-            outputs, _ = model.apply(params, model_state, batch, train=True, rng=rng)
-            per_example = model.objective.loss(outputs, batch).astype(jnp.float32)
-            return per_example.mean(), per_example
-
-        (_, per_example), grads = jax.value_and_grad(losses, has_aux=True)(params)
-        return per_example, grads
-
-    def whole_batch(params, model_state, batch, rng):
-        # BatchNorm averages over the data axis in training: one "replica" holding the
-        # whole global batch binds it (its mean is the identity).
-        one = jax.vmap(diagnose, in_axes=(None, None, 0, None), axis_name=DATA_AXIS)
-        per_example, grads = one(params, model_state, batch, rng)
-        return per_example[0], jax.tree.map(lambda g: _norm(g[0]), grads)
-
-    replicated = NamedSharding(run.mesh, PartitionSpec())
-    # The step's rng as one replica holding the whole global batch gets it.
-    key = step_key(state)
-    rng = RowKey(key, jnp.int32(0)) if run.model.row_keys else jax.random.fold_in(key, 0)
-    stacked = jax.tree.map(lambda x: x[None], batch)
-    per_example, norms = jax.jit(whole_batch, out_shardings=replicated)(
-        state.params, state.model_state, stacked, rng
-    )
-    host = lambda x: np.asarray(x.addressable_data(0))  # noqa: E731 (replicated everywhere)
-    return host(per_example), jax.tree.map(host, norms)
-
-
-def _names(tree) -> dict[str, float]:
-    """``{"Dense_0/kernel": value, ...}`` for a tree of scalars."""
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {
-        "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path): float(
-            np.asarray(value.addressable_data(0) if isinstance(value, jax.Array) else value)
-        )
-        for path, value in flat
-    }
-
-
-def _write(
-    out: str,
-    run: Run,
-    step: int,
-    loss: float,
-    seen,
-    updates,
-    start: int,
-    checked: list[int],
-    top: int,
-) -> list[tuple[int, float]]:
-    """Writes ``step.json`` and ``batch.npz`` in ``out`` (process 0); the examples with the
-    ``top`` largest losses."""
-    config, (per_example, grads) = run.config, seen
-    indices = global_batch_indices(config.seed, step - 1, config.batch_size, len(run.train))
-    order = np.argsort(-per_example, kind="stable")
-    largest = [(int(indices[row]), float(per_example[row])) for row in order[:top]]
-    if jax.process_index() != 0:
-        return largest
-    os.makedirs(out, exist_ok=True)
-    batch = TrainReader(
-        run.train, batch_size=config.batch_size, seed=config.seed, rows=slice(None)
-    )(step - 1)
-    np.savez(
-        os.path.join(out, "batch.npz"),
-        index=indices,
-        loss=per_example,
-        **{f"batch.{name}": value for name, value in batch.items()},
-    )
-    grad_norms = _names(grads)
-    summary = {
-        "step": step,
-        "loss": loss,
-        "started_from": start,
-        "checked_steps": checked,
-        "grad_norm": float(np.sqrt(sum(v * v for v in grad_norms.values()))),
-        "grad_norms": grad_norms,
-        "update_norms": _names(updates),
-        "largest_losses": [
-            {"index": index, "row": int(row), "loss": value}
-            for (index, value), row in zip(largest, order, strict=False)
-        ],
-    }
-    with open(os.path.join(out, "step.json"), "w") as file:
-        json.dump(summary, file, indent=1)
-    return largest
 
 
 @command("jdp.replay")

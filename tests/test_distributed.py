@@ -670,9 +670,10 @@ _PAYING = (
 @pytest.mark.slow
 def test_auto_steps_per_call_on_two_processes_is_their_run_at_one(tmp_path):
     """Process 0's timings choose for both (each process checks the call, all agreeing);
-    the two processes' run is bitwise their run at one step a call."""
+    the two processes' run is bitwise their run at one step a call, as is their run at a
+    forced 8 steps a call, whose calls single steps close up to every 20th step."""
     runs, said = {}, {}
-    for calls in ("auto", "1"):
+    for calls in ("auto", "1", "8"):
         log = tmp_path / calls
         flags = ["--steps-per-call", calls, "--log-dir", str(log), "--log-every", "20"]
         result = _train(*flags, nproc=2, wrapper=[sys.executable, "-c", _PAYING])
@@ -682,4 +683,4 @@ def test_auto_steps_per_call_on_two_processes_is_their_run_at_one(tmp_path):
     chosen = r"^\[0\] jdp: --steps-per-call auto: (\d+) steps a call .*bitwise"
     assert re.search(chosen, said["auto"], re.M), said["auto"]
     assert "--steps-per-call auto" not in said["1"]
-    assert runs["auto"] == runs["1"]
+    assert runs["auto"] == runs["1"] == runs["8"]

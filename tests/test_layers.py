@@ -43,6 +43,7 @@ LAYERS = {
     "train": "tools", "plan": "tools", "plan_costs": "tools", "plan_stand_ins": "tools",
     "launch": "tools", "plot": "tools",
     "bench": "tools", "sample": "tools", "export": "tools", "on_ray": "tools", "replay": "tools",
+    "replay_step": "tools",
     "data.__main__": "tools", "": "tools",
 }  # fmt: skip
 # Units that read in one sitting: a module of at most 400 lines, a function of at most
@@ -61,10 +62,6 @@ OVER_TODAY: dict[str, int] = {
     # The public builders: their docstrings are the contract (the bodies are 38 and 42).
     "jdp/step/builders.py::make_train_step": 105,
     "jdp/state.py::create_train_state": 97,
-    # One tool: the run found again, its steps replayed and checked, step N written.
-    "jdp/replay.py": 454,
-    # The Grain pipeline: training's and evaluation's batches of one order.
-    "jdp/data/loader/pipeline.py": 414,
     # GPT-2's names both ways: reading and writing share the one table of names.
     "jdp/models/hf.py": 411,
     # One comparison: jdp's run and Keras's fit on the same batches, each in its process.

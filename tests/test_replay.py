@@ -203,24 +203,23 @@ def test_a_batchnorm_model_after_a_longer_resume_replays(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_a_run_of_several_steps_per_call_replays_its_calls(run, tmp_path):
-    """A run scanning 4 steps a call replays call by call as it ran: its logged steps
-    (each call's last) bit for bit, and a step inside a call from the call's own
-    metrics, the state before it from the call's first steps."""
+    """A run scanning 4 steps a call, closing its calls' gaps to the periods (log every 6,
+    save every 8) with single steps, replays call by call as it ran: its logged steps
+    bit for bit, a step inside a call from the call's own metrics, the state before it
+    from the call's first steps, and a single step of a gap."""
     root, _ = run
     flags = [
         "--dataset",
         f"npz:{root / 'data.npz'}",
         *"--model mlp --mesh data=2 --batch-size".split(),
         BATCH,
-        *"--steps 16 --warmup-steps 2 --log-every 1 --eval-every 0".split(),
-        *"--ckpt-every 8".split(),
+        *"--steps 16 --warmup-steps 2 --eval-every 0 --ckpt-every 8".split(),
     ]
-    for calls in (1, 4):
+    for calls, every in ((1, 1), (4, 6)):
         where = tmp_path / str(calls)
         result = run_cli(
             *flags,
-            "--steps-per-call",
-            calls,
+            *f"--steps-per-call {calls} --log-every {every}".split(),
             "--log-dir",
             where / "log",
             "--ckpt-dir",
@@ -229,16 +228,18 @@ def test_a_run_of_several_steps_per_call_replays_its_calls(run, tmp_path):
         )
         assert result.returncode == 0, result.stderr[-3000:]
     single, scanned = _logged(tmp_path / "1" / "log"), _logged(tmp_path / "4" / "log")
-    assert sorted(scanned) == [4, 8, 12, 16]  # a call logs its last step
-    result = run_tool("jdp.replay", tmp_path / "4" / "log", "--step", 14, "--out", tmp_path / "out")
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((tmp_path / "out" / "step.json").read_text())
-    assert summary["started_from"] == 8 and summary["checked_steps"] == [12]
-    # The MLP's scanned steps are bitwise its single steps: step 14, inside a call, is the
-    # single-step run's logged loss, as are the calls' last steps.
-    assert summary["loss"] == single[14]["loss"]
+    assert sorted(scanned) == [6, 12]  # calls 1-4, 5, 6, 7, 8, 9-12, 13-16
+    # The MLP's scanned steps are bitwise its single steps: a step inside a call, or
+    # one of a gap, is the single-step run's logged loss, as are the logged steps.
     assert all(scanned[step]["loss"] == single[step]["loss"] for step in scanned)
-    assert all(norm > 0 for norm in summary["update_norms"].values())
+    for step, start, checked in ((14, 8, [12]), (7, 0, [6])):
+        out = tmp_path / f"out-{step}"
+        result = run_tool("jdp.replay", tmp_path / "4" / "log", "--step", step, "--out", out)
+        assert result.returncode == 0, result.stderr[-3000:]
+        summary = json.loads((out / "step.json").read_text())
+        assert summary["started_from"] == start and summary["checked_steps"] == checked
+        assert summary["loss"] == single[step]["loss"]
+        assert all(norm > 0 for norm in summary["update_norms"].values())
 
 
 @pytest.mark.slow

@@ -88,6 +88,81 @@ def test_loader_stacks_consecutive_steps(mesh8):
             )
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+def test_loader_closes_a_gap_before_a_period_with_single_steps(mesh8, on_device):
+    # 4 steps a call, periods 5 and 6, from step 2: calls of 4 where no multiple of a
+    # period comes sooner, single steps up to it; read in chunks of several calls
+    # (steps=None), on the host or gathered on the devices.
+    from jdp.data.loader import call_steps, on_host
+    from jdp.data.loader.on_device import on_devices
+
+    split = jdp.load_split("digits", "train")
+    if on_device:
+        split = on_devices(split, mesh8)
+    with jdp.train_batches(on_host(split), mesh8, batch_size=64, seed=3, start_step=2) as single:
+        singles = [jax.device_get(next(single)) for _ in range(20)]
+    plan, step = [], 2
+    while step < 20:
+        plan.append(call_steps(step, 4, (5, 6)))
+        step += plan[-1]
+    assert plan == [1] * 4 + [4] + [1] * 10  # steps 3..6 | 7..10 | 11..20
+    with jdp.train_batches(
+        split, mesh8, batch_size=64, seed=3, start_step=2, steps_per_call=4, periods=(5, 6)
+    ) as planned:
+        first = 0
+        for ran in plan:
+            call = jax.device_get(next(planned))
+            for key in ("image", "label"):
+                want = (
+                    singles[first][key]
+                    if ran == 1
+                    else np.stack([b[key] for b in singles[first : first + ran]])
+                )
+                np.testing.assert_array_equal(call[key], want)
+            first += ran
+        assert planned.position == 20
+
+
+def test_a_forced_call_stops_at_every_period_bitwise_the_run_at_one(devices, tmp_path):
+    """4 steps a call with periods it does not divide (log every 5, evaluate every 6, save
+    every 10, 26 steps): single steps close each call's gap to a period, so every logged
+    step, evaluation and save is the run at 1's, bitwise, and so is a run resumed from
+    the save at step 10."""
+    import shutil
+
+    def run(steps_per_call, name):
+        config = jdp.TrainConfig(
+            mesh="data=8",
+            steps=26,
+            warmup_steps=4,
+            log_every=5,
+            eval_every=6,
+            ckpt_every=10,
+            keep=10,
+            ckpt_dir=str(tmp_path / name),
+            steps_per_call=steps_per_call,
+        )
+        return jdp.fit(config, console=jdp.Console(enabled=False))
+
+    def logged(result):
+        return [(r["step"], r.get("loss"), r.get("lr"), r.get("test_loss")) for r in result.history]
+
+    single, forced = run(1, "single"), run(4, "forced")
+    assert [record[0] for record in logged(single)] == [5, 6, 10, 12, 15, 18, 20, 24, 25, 26]
+    assert logged(forced) == logged(single)
+    assert_bitwise_equal(
+        saved_arrays(tmp_path / "forced", 10), saved_arrays(tmp_path / "single", 10)
+    )
+    jax.tree.map(np.testing.assert_array_equal, forced.state.params, single.state.params)
+    for later in (path for path in (tmp_path / "forced").iterdir() if path.name.isdigit()):
+        if int(later.name) > 10:  # the saves after step 10's, the best's among them
+            shutil.rmtree(later)
+    resumed = run(4, "forced")
+    assert logged(resumed) == logged(single)[3:]  # from step 12 on: resumed at 10
+    jax.tree.map(np.testing.assert_array_equal, resumed.state.params, single.state.params)
+    assert resumed.test_accuracy == single.test_accuracy
+
+
 def _cli(*flags):
     return run_cli("--mesh", "data=8", "--steps", "80", *flags)
 
@@ -97,15 +172,14 @@ def test_cli_steps_per_call_prints_the_same_run():
     import re
 
     summary = re.compile(r"train_loss=(\S+) test_loss=(\S+) test_accuracy=(\S+)")
-    single = _cli("--eval-every", "40")
-    several = _cli("--eval-every", "40", "--steps-per-call", "8")
+    # Evaluations every 30 steps, which 8 does not divide: single steps close the gaps.
+    single = _cli("--eval-every", "30")
+    several = _cli("--eval-every", "30", "--steps-per-call", "8")
     assert single.returncode == 0 and several.returncode == 0, several.stderr
     assert summary.search(several.stdout).groups() == summary.search(single.stdout).groups()
-    assert "step 40: test_loss=" in several.stdout
-
-    refused = _cli("--eval-every", "30", "--steps-per-call", "8")
-    assert refused.returncode == 2
-    assert "--eval-every 30 is not a multiple of --steps-per-call 8" in refused.stderr
+    evaluations = re.compile(r"^step \d+: test_loss=.*$", re.M)
+    assert evaluations.findall(several.stdout) == evaluations.findall(single.stdout)
+    assert "step 30: test_loss=" in several.stdout
 
 
 def test_flops_per_step_do_not_grow_with_steps_per_call(mesh8):

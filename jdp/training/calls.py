@@ -11,6 +11,8 @@ first K batches): otherwise one step a call, so that ``auto`` never changes a nu
 K divides every period at which an action runs (``--log-every``, ``--eval-every``,
 ``--ckpt-every``, ``--check-replicas-every``, the profile's window), the steps and the
 step the run starts from, so no call crosses one. Process 0's timings decide for all.
+A K forced by ``--steps-per-call K`` need not divide them: single steps close a call's
+gap up to a period (`call_periods`, `jdp.data.loader.call_steps`).
 """
 
 from __future__ import annotations
@@ -44,15 +46,23 @@ TIMED_CALLS = 8
 MOST_STATE_BYTES = 1 << 30
 
 
-def longest_call(config: TrainConfig, start: int, periods: Sequence[int] = ()) -> int:
-    """The most steps a call may hold: the greatest common divisor of the periods at which
-    an action runs (the config's, and ``periods``: your callbacks'), the steps and
-    ``start`` (no call crosses one), at most `MOST_STEPS`."""
-    periods = [*periods, config.steps, start, config.log_every, config.eval_every]
-    periods += [config.ckpt_every, config.check_replicas_every]
+def call_periods(config: TrainConfig) -> list[int]:
+    """The periods at whose multiples the run acts between calls (``--steps``,
+    ``--log-every``, ``--eval-every``, ``--ckpt-every``, ``--check-replicas-every``, the
+    profile's window): no call crosses one (`jdp.data.loader.call_steps`)."""
+    periods = [config.steps, config.log_every, config.eval_every, config.ckpt_every]
+    periods.append(config.check_replicas_every)
     if config.profile_window:
         first, last = config.profile_window
         periods += [first - 1, last]
+    return [period for period in periods if period > 0]
+
+
+def longest_call(config: TrainConfig, start: int, periods: Sequence[int] = ()) -> int:
+    """The most steps a call may hold where every call holds as many: the greatest common
+    divisor of the run's `call_periods`, ``periods`` (your callbacks') and ``start``, at
+    most `MOST_STEPS`."""
+    periods = [*periods, *call_periods(config), start]
     return max(k for k in range(1, MOST_STEPS + 1) if math.gcd(*periods) % k == 0)
 
 

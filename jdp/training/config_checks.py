@@ -147,32 +147,10 @@ def _check_numbers(config) -> None:
 
 
 def _check_steps_per_call(config) -> None:
-    calls = config.steps_per_call
-    if calls == "auto":  # the run chooses a number that divides every period
-        return
-    if calls < 1:
+    """A number of steps a call need not divide the periods: single steps close a call's
+    gap up to one (`jdp.data.loader.call_steps`)."""
+    if config.steps_per_call != "auto" and config.steps_per_call < 1:
         raise UsageError("--steps-per-call must be at least 1")
-    if calls == 1:
-        return
-    periodic = {
-        "steps": config.steps,
-        "eval-every": config.eval_every,
-        "ckpt-every": config.ckpt_every,
-        "check-replicas-every": config.check_replicas_every,
-    }
-    for flag, value in periodic.items():
-        if value % calls:
-            raise UsageError(
-                f"--{flag} {value} is not a multiple of --steps-per-call {calls}: a run "
-                f"evaluates and saves between calls; use a multiple of {calls}"
-            )
-    if config.profile_window:
-        first, last = config.profile_window
-        if (first - 1) % calls or last % calls:
-            raise UsageError(
-                f"--profile-steps {config.profile_steps} must cover whole calls of "
-                f"--steps-per-call {calls}, e.g. {calls + 1}:{2 * calls}"
-            )
 
 
 def _check_layout(config) -> None:

@@ -12,7 +12,7 @@ import optax
 
 from jdp.actions import NEVER, Action, Progress
 from jdp.checkpoint import Checkpointer
-from jdp.data.loader import places_ahead, train_batches
+from jdp.data.loader import calls_from, places_ahead, train_batches
 from jdp.data.splits import Split
 from jdp.distributed.marks import (
     ACTIONS,
@@ -29,7 +29,7 @@ from jdp.report.console import Console
 from jdp.report.goodput import Clock, Goodput
 from jdp.report.run_info import record_goodput
 from jdp.state import TrainState
-from jdp.training.calls import choose_steps_per_call
+from jdp.training.calls import call_periods, choose_steps_per_call
 from jdp.training.compile_cache import compile_cache
 from jdp.training.config import TrainConfig
 from jdp.training.messages import describe_run
@@ -171,7 +171,9 @@ def _train(
     checkpoint kept it; ``goodput`` is given each moment's part. Returns the progress,
     the steady loop's timer and the records logged."""
     config, calls = run.config, run.config.steps_per_call  # steps per call of the step
-    batches = stack.enter_context(_train_loader(config, run, start))
+    periods = call_periods(config)  # single steps close a call's gap up to one (forced K)
+    steps: dict = {}  # the step's call by the steps it runs (K, and 1 closing a gap), as met
+    batches = stack.enter_context(_train_loader(config, run, start, periods))
     logger = stack.enter_context(metric_logger(config, tokens_per_example(run)))
     ledger = data_ledger(config, run, batches, start, ledger)
     actions = actions_for(
@@ -192,25 +194,23 @@ def _train(
     _call_each(actions, progress, clock, watch, phases, starting=True)
     console.start_progress(config.steps, start)
     timer = SteadyTimer(batches, console)
-    for step in range(start + calls, config.steps + 1, calls):
-        first = step == start + calls
+    for step, ran in calls_from(start, config.steps, calls, periods):
+        step, first, fresh = step + ran, step == start, ran not in steps
+        if fresh:  # a call that compiles: the first, and a forced K's first gap
+            steps[ran] = run.train_step if ran == calls else run.step_for(ran)
+            timer.compiling()
         clock.switch("input")
         watch.at(STARTING if first else READING)
-        try:
-            batch = next(batches)
-        except (Interrupted, LoaderError, UsageError) as stop:  # the last step's state is whole
-            if isinstance(stop, UsageError) and first:  # bad data before any step: only its line
-                raise
-            watch.at(SAVING)
-            preemption.now(progress, stop)
+        if (batch := _next_batch(batches, progress, preemption, watch, first=first)) is None:
             break
-        watch.started(step, COMPILING if first else STEPPING)
-        clock.switch("compile" if first else "recomputed" if step <= goodput.redo_until else "step")
+        watch.started(step, COMPILING if first or fresh else STEPPING)
+        redone = step <= goodput.redo_until
+        clock.switch("compile" if first or fresh else "recomputed" if redone else "step")
         if first and config.log_dir and jax.process_index() == 0:
-            lowered = run.train_step.lower(progress.state, batch)
-            describe_run(config, run, logger, lowered, console)
-        progress.after_call(step, calls, *run.train_step(progress.state, batch))
-        timer.after_call(progress.call_metrics)
+            lowered = steps[ran].lower(progress.state, batch)
+            describe_run(config, run, logger, lowered, console, scanned=ran > 1)
+        progress.after_call(step, ran, *steps[ran](progress.state, batch))
+        timer.after_call(progress.call_metrics, ran)
         if step > quiet:
             _call_each(actions, progress, clock, watch, phases)
             quiet = _quiet_through(actions, progress)
@@ -234,6 +234,20 @@ def _train(
     if run.sync_step is not None and run.model.update is not None:
         run.model.update(progress.state.params, progress.state.model_state)  # synced at end
     return progress, timer, logger.history
+
+
+def _next_batch(batches, progress: Progress, preemption: StopOnPreemption, watch, *, first: bool):
+    """The call's batch, or None where reading it stopped the run (a signal, a loader that
+    cannot go on, bad data: the last step's state is whole, and saved first); bad data
+    before the ``first`` call raises, its line alone."""
+    try:
+        return next(batches)
+    except (Interrupted, LoaderError, UsageError) as stop:
+        if isinstance(stop, UsageError) and first:
+            raise
+        watch.at(SAVING)
+        preemption.now(progress, stop)
+        return None
 
 
 def _tag_last_checkpoint(checkpoints: Checkpointer, clock, watch, logger) -> None:
@@ -281,7 +295,7 @@ def _quiet_through(actions: Sequence[Action], progress: Progress) -> int:
     )
 
 
-def _train_loader(config: TrainConfig, run: Run, start: int):
+def _train_loader(config: TrainConfig, run: Run, start: int, periods: list[int]):
     return train_batches(
         run.train,
         run.mesh,
@@ -294,4 +308,5 @@ def _train_loader(config: TrainConfig, run: Run, start: int):
         place=places_ahead(run.mesh),
         ledger=config.data_ledger,
         steps=config.steps - start,
+        periods=periods,
     )

@@ -33,13 +33,16 @@ def describe_run(
     logger: MetricLogger,
     lowered: jax.stages.Lowered,
     console: Console,
+    *,
+    scanned: bool,
 ) -> None:
     """The model's FLOPs per step and the peak MFU is measured against; XLA's count of
-    the hardware's FLOPs; the run directory's facts."""
+    the hardware's FLOPs in ``lowered``, the first call's program (``scanned``: of
+    several steps, a loop whose body is one step); the run directory's facts."""
     devices = run.mesh.devices.size
     kind = run.mesh.devices.flat[0].device_kind
     flops = config.batch_size * example_flops(run)
-    hardware = step_flops(lowered, devices, per_step_loops=int(config.steps_per_call > 1))
+    hardware = step_flops(lowered, devices, per_step_loops=int(scanned))
     peak = peak_flops(kind, config.precision)
     logger.throughput = dataclasses.replace(
         logger.throughput, flops_per_step=flops, peak_flops=peak * devices if peak else None

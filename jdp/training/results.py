@@ -138,20 +138,33 @@ def _headline(metrics: dict[str, float]) -> str | None:
 
 class SteadyTimer:
     """Wall time and input wait of the steady loop: from the end of the first call to the
-    end of the last, both waited for (so examples/s counts steps done, not dispatched).
-    It says when the first call starts compiling, and how long compiling and the call
-    took."""
+    end of the last, both waited for (so examples/s counts steps done, not dispatched),
+    less any later call that compiled (`compiling`). It says when the first call starts
+    compiling, and how long compiling and the call took."""
 
     def __init__(self, loader, console: Console):
         self.loader, self.calls, self.console = loader, 0, console
         self.started, self.waited_before, self.seconds, self.waited = 0.0, 0.0, 0.0, 0.0
+        self.untimed_steps, self._untimed, self._compiling = 0, 0.0, None
         console.line("jdp: compiling the train step")
         self._created = time.perf_counter()
         self._last = None  # the last call's metrics
 
-    def after_call(self, metrics) -> None:
+    def compiling(self) -> None:
+        """Before a call that compiles a program (a gap's single step): untimed."""
+        if self.calls:
+            jax.block_until_ready(self._last)
+            self._compiling = time.perf_counter()
+
+    def after_call(self, metrics, steps: int) -> None:
+        """After each call, its ``metrics`` and the ``steps`` it ran."""
         self.calls, self._last = self.calls + 1, metrics
+        if self._compiling is not None:
+            jax.block_until_ready(metrics)
+            self._untimed += time.perf_counter() - self._compiling
+            self.untimed_steps, self._compiling = self.untimed_steps + steps, None
         if self.calls == 1:
+            self.untimed_steps = steps
             jax.block_until_ready(metrics)  # compilation ends here; throughput counts from now
             self.started, self.waited_before = time.perf_counter(), self.loader.wait_seconds
             programs, saved = reads()  # since the run began: its set-up's programs too
@@ -169,7 +182,7 @@ class SteadyTimer:
     def stop(self) -> None:
         if self.calls > 1:
             jax.block_until_ready(self._last)  # the calls still in flight (two at most)
-            self.seconds = time.perf_counter() - self.started
+            self.seconds = time.perf_counter() - self.started - self._untimed
             self.waited = self.loader.wait_seconds - self.waited_before
 
 
@@ -185,7 +198,7 @@ def finished(
     config, last = run.config, progress.metrics
     tested = progress.tested or {}
     validated = progress.evaluated if progress.evaluated is not progress.tested else None
-    timed = progress.step - start - config.steps_per_call  # the steps after the first call
+    timed = progress.step - start - timer.untimed_steps  # the steps after the first call
     nan = float("nan")
     rate = timed * config.batch_size / timer.seconds if timer.seconds else 0.0
     window = tokens_per_example(run)

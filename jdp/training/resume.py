@@ -52,11 +52,6 @@ def resume(
     state, record = restored[0], Record.read(restored[1])
     start = record.loader_step
     _say_how_steps_changed(config, record.config, start, checkpoints.directory, console)
-    if config.steps_per_call != "auto" and start % config.steps_per_call:
-        raise UsageError(
-            f"{checkpoints.directory} holds step {start}, not a multiple of --steps-per-call "
-            f"{config.steps_per_call}; resume with a --steps-per-call that divides {start}"
-        )
     console.line(f"jdp: resuming from step {record.step} in {checkpoints.directory}")
     return state, start, record.ledger
 

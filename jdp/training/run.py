@@ -154,9 +154,7 @@ def resolve(
     resumed with the default warmup keeps the one jdp chose when it started (`_warmup_kept`):
     raising ``--steps`` continues the run, the warmup it went through unchanged."""
     if config.epochs:
-        calls = built_calls(config)
         steps = math.ceil(config.epochs * train_examples / config.batch_size)
-        steps = calls * math.ceil(steps / calls)
         console.line(
             f"jdp: --epochs {config.epochs} of {train_examples} examples at batch "
             f"{config.batch_size} = {steps} steps"

@@ -25,6 +25,8 @@ __getattr__, __dir__, __all__ = lazy.attach(
         "jdp.data.loader.readers": (
             "EvalReader",
             "TrainReader",
+            "call_steps",
+            "calls_from",
             "global_batch_indices",
         ),
         "jdp.data.loader.streams": ("BatchStream",),

@@ -32,7 +32,7 @@ from jdp.data.loader.streams import BatchStream
 from jdp.data.splits.ledger import LEDGER_KEY
 from jdp.data.splits.ledger import marks as ledger_marks
 from jdp.errors import UsageError
-from jdp.mesh import MASK_KEY, batch_sharded, device_bytes, replicated
+from jdp.mesh import MASK_KEY, batch_sharded, device_bytes, replicated, shard_batch
 
 MODES = ("auto", "on", "off")
 # `auto` gives the splits at most this share of the memory a device has left once the
@@ -103,6 +103,20 @@ class OnDevice:
                 out_shardings=batch_sharded(self.mesh, stacked=stacked),
             )
         return self._gathers[key](self.arrays, item)
+
+    def gathered(self, item, *, stacked: bool = False):
+        """A host index batch (or a chunk's list of them) -> its batch (list) gathered on
+        the devices: a chunk's indices stack into one transfer (`jax.device_put`'s Python
+        cost is per leaf)."""
+        if not isinstance(item, list):
+            return self.gather(shard_batch(item, self.mesh, stacked=stacked), stacked=stacked)
+        if stacked:  # calls of several steps: their steps in a row, gathered a call apiece
+            steps = len(next(iter(item[0].values())))
+            item = {key: np.concatenate([batch[key] for batch in item]) for key in item[0]}
+            placed = shard_batch(item, self.mesh, stacked=True)
+            return self.gather(placed, stacked=True, chunk=True, group=steps)
+        item = {key: np.stack([batch[key] for batch in item]) for key in item[0]}
+        return self.gather(shard_batch(item, self.mesh, stacked=True), chunk=True)
 
 
 def on_host(split):

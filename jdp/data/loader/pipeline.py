@@ -19,17 +19,22 @@ import collections
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from jdp.data.loader.on_device import EvalIndexReader, IndexReader, OnDevice
-from jdp.data.loader.readers import ChunkedReader, EvalReader, StackedReader, TrainReader
+from jdp.data.loader.readers import (
+    ChunkedReader,
+    EvalReader,
+    Singles,
+    StackedReader,
+    TrainReader,
+)
 from jdp.data.loader.streams import BatchStream, stream_rows
 from jdp.data.loader.workers import host_batches, worker_died
-from jdp.data.splits.ledger import LEDGER_KEY, MARKS
+from jdp.data.splits.ledger import take_marks
 from jdp.data.splits.sources import Split
 from jdp.errors import UsageError
 from jdp.mesh import process_rows, shard_batch
@@ -55,7 +60,9 @@ class Loader(Iterator[dict]):
     stop its thread and workers. ``position`` is the index of the next batch, the
     whole state a resumed run needs; ``wait_seconds`` is the time callers spent
     blocked waiting for a batch. ``steps_per_item`` stacks that many steps'
-    batches into one item; ``chunk`` has a `TrainReader` read, preprocess and
+    batches into one item, except where a multiple of one of ``periods`` falls
+    inside one: the steps up to it are an item each (`jdp.data.loader.readers.call_steps`,
+    as the run's calls are); ``chunk`` has a `TrainReader` read, preprocess and
     place that many steps' batches at once, yielded one by one. ``prefetch``
     counts items (or chunks) placed ahead. ``place=False`` yields the host's
     NumPy batches, for a step that places them itself (`places_ahead`). ``stream``,
@@ -77,6 +84,7 @@ class Loader(Iterator[dict]):
         place: bool = True,
         stream: Iterable[dict] | None = None,
         device: OnDevice | None = None,
+        periods: Sequence[int] = (),
     ):
         if workers < 0 or prefetch < 1 or steps_per_item < 1:
             raise UsageError(
@@ -97,7 +105,9 @@ class Loader(Iterator[dict]):
                     "a TrainReader's endless training stream only"
                 )
             if steps_per_item > 1:
-                reader = StackedReader(reader, steps=steps_per_item, start=start, calls=chunk)
+                reader = StackedReader(
+                    reader, steps=steps_per_item, start=start, calls=chunk, periods=periods
+                )
             else:
                 reader = ChunkedReader(reader, steps=chunk, start=start)
             host = host_batches(reader, start=0, stop=None, workers=workers)
@@ -131,13 +141,16 @@ class Loader(Iterator[dict]):
         try:
             iterator = iter(host)
             for item in iterator:
-                marks = _take_marks(item)
-                stacked = self._steps_per_item > 1
+                marks = take_marks(item)
+                stacked = self._steps_per_item > 1 and not isinstance(item, Singles)
+                steps = self._steps_per_item if stacked else 1
+                if isinstance(item, Singles):  # a plain list, which JAX's trees walk
+                    item = list(item)
                 if self._device:  # the indices placed (a chunk's stacked); the rows gathered there
-                    item = _gathered(self._device, item, self._mesh, stacked=stacked)
+                    item = self._device.gathered(item, stacked=stacked)
                 elif self._place:  # a chunk (a list of batches) is placed in one transfer call
                     item = shard_batch(item, self._mesh, stacked=stacked)
-                if not self._put((item, marks)):
+                if not self._put((item, marks, steps)):
                     return
             self._put(_END)
         except BaseException as error:  # handed to the consumer, raised there
@@ -160,7 +173,7 @@ class Loader(Iterator[dict]):
             raise StopIteration
         waited = time.perf_counter()
         if self._chunk:
-            item, marks = self._chunk.popleft()
+            item, marks, steps = self._chunk.popleft()
         else:
             self._wait()
             item = self._ready.popleft()
@@ -171,12 +184,13 @@ class Loader(Iterator[dict]):
             if isinstance(item, BaseException):
                 self.close()
                 raise worker_died(item) or item
-            item, marks = item
+            item, marks, steps = item
             if isinstance(item, list):  # a chunk of batches
-                self._chunk.extend(zip(item, marks or [None] * len(item), strict=True))
-                item, marks = self._chunk.popleft()
+                marks = marks or [None] * len(item)
+                self._chunk.extend(zip(item, marks, [steps] * len(item), strict=True))
+                item, marks, steps = self._chunk.popleft()
         self.wait_seconds += time.perf_counter() - waited
-        self.position += self._steps_per_item
+        self.position += steps
         if marks is not None:  # the digests of the step (or steps) just given, summed when asked
             self._marks_given.append(marks)
             if len(self._marks_given) >= MARKS_HELD:
@@ -233,32 +247,7 @@ class Loader(Iterator[dict]):
 _ASK_EVERY, _CLOSE_SECONDS = 0.25, 5.0
 
 
-def _take_marks(item):
-    """The ledger's marks (`jdp.data.splits.ledger`) taken out of a host item, as Python ints
-    (cheaper to add on the loop's path than NumPy's): a list of its step's (or stacked
-    steps') marks; for a chunk, a list of them; None without."""
-    if isinstance(item, list):
-        marks = [_take_marks(batch) for batch in item]
-        return None if marks[0] is None else marks
-    marks = item.pop(LEDGER_KEY, None)
-    return None if marks is None else marks.reshape(-1, MARKS).tolist()
-
-
 _MASK64 = (1 << 64) - 1
-
-
-def _gathered(device: OnDevice, item, mesh: Mesh, *, stacked: bool):
-    """An index batch (or a chunk's list of them) -> its batch (list) gathered on the devices:
-    a chunk's indices stack into one transfer (`jax.device_put`'s Python cost is per leaf)."""
-    if not isinstance(item, list):
-        return device.gather(shard_batch(item, mesh, stacked=stacked), stacked=stacked)
-    if stacked:  # calls of several steps: their steps in a row, gathered a call apiece
-        steps = len(next(iter(item[0].values())))
-        item = {key: np.concatenate([batch[key] for batch in item]) for key in item[0]}
-        placed = shard_batch(item, mesh, stacked=True)
-        return device.gather(placed, stacked=True, chunk=True, group=steps)
-    item = {key: np.stack([batch[key] for batch in item]) for key in item[0]}
-    return device.gather(shard_batch(item, mesh, stacked=True), chunk=True)
 
 
 def check_train_batch(split: Split, batch_size: int) -> None:
@@ -291,6 +280,7 @@ def train_batches(
     place: bool = True,
     ledger: str = "off",
     steps: int | None = None,
+    periods: Sequence[int] = (),
 ) -> Loader:
     """Global training batches (sharded on ``data``) from ``start_step`` on, forever.
 
@@ -304,6 +294,9 @@ def train_batches(
         prefetch: global batches placed on the devices ahead of the step.
         steps_per_call: yield this many consecutive steps' batches stacked on a
             leading axis, for a step built with the same ``steps_per_call``.
+        periods: the steps at whose multiples a run acts between calls: where one
+            falls inside a stack, the steps up to it come one batch each
+            (`jdp.data.loader.readers.call_steps`).
         place: False yields the host's NumPy batches, which a train step's call
             places itself (where `places_ahead` says that costs the host less).
         steps: the batches a run will take (None: not known); chunks of steps made at
@@ -322,39 +315,32 @@ def train_batches(
         ((128, 8, 8, 1), (128,))
     """
     check_train_batch(split, batch_size)
-    if isinstance(split, BatchStream):
-        rows = stream_rows(
-            split, start=start_step, batch_size=batch_size, rows=process_rows(mesh, batch_size)
-        )
-        return Loader(
-            None,
-            mesh,
-            start=start_step,
-            stop=None,
-            workers=workers,
-            prefetch=prefetch,
-            steps_per_item=steps_per_call,
-            place=place,
-            stream=rows,
-        )
+    shared = {
+        "start": start_step,
+        "stop": None,
+        "workers": workers,
+        "prefetch": prefetch,
+        "steps_per_item": steps_per_call,
+        "place": place,
+    }
+    if isinstance(split, BatchStream):  # your batches, in your order
+        rows = process_rows(mesh, batch_size)
+        stream = stream_rows(split, start=start_step, batch_size=batch_size, rows=rows)
+        return Loader(None, mesh, stream=stream, **shared)
     on_device = isinstance(split, OnDevice)
-    workers = 0 if on_device else workers  # nothing to read on the host
+    shared["workers"] = workers = 0 if on_device else workers  # nothing to read on the host
     reader = (IndexReader if on_device else TrainReader)(
         split, batch_size=batch_size, seed=seed, rows=process_rows(mesh, batch_size), ledger=ledger
     )
     return Loader(
         reader,
         mesh,
-        start=start_step,
-        stop=None,
-        workers=workers,
-        prefetch=prefetch,
-        steps_per_item=steps_per_call,
         # Chunks are for the loader's own thread, whose per-batch cost they save;
         # Grain workers pay that cost in other processes.
         chunk=1 if workers else max(1, _chunk_steps(reader, start_step, steps) // steps_per_call),
-        place=place,
         device=split if on_device else None,
+        periods=periods,
+        **shared,
     )
 
 

@@ -14,7 +14,7 @@ NumPy arrays), so Grain can run them in worker processes.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -155,14 +155,18 @@ class ChunkedReader:
         self._bad: UsageError | None = None
 
     def __call__(self, call: int) -> list[dict[str, np.ndarray]]:
+        return self.read(self.start + call * self.steps, self.steps)
+
+    def read(self, first: int, count: int) -> list[dict[str, np.ndarray]]:
+        """The batches of steps ``first .. first + count - 1``; those before bad data, which
+        the next read raises."""
         if self._bad is not None:
             raise self._bad
-        first = self.start + call * self.steps
         try:
-            return self.reader.steps(first, self.steps)
+            return self.reader.steps(first, count)
         except UsageError:
             good = []
-            for step in range(first, first + self.steps):
+            for step in range(first, first + count):
                 try:
                     good += self.reader.steps(step, 1)
                 except UsageError as bad:
@@ -198,23 +202,77 @@ class EvalReader:
         return batch
 
 
-class StackedReader:
-    """Call ``i`` -> the batches of steps ``start + i*steps .. + steps - 1``, stacked on axis 0;
-    with ``calls`` > 1, the list of that many calls' stacks, read at once (a chunk). Bad
-    data gives the whole calls before it, then raises at the next read."""
+def call_steps(step: int, steps: int, periods: Sequence[int] = ()) -> int:
+    """The steps of the call after ``step`` in a run of ``steps`` steps a call: all of them,
+    unless a multiple of one of ``periods`` (where the run acts between calls) comes
+    sooner; then one, and single steps close the gap up to it."""
+    ahead = min(((step // period + 1) * period - step for period in periods), default=steps)
+    return steps if ahead >= steps else 1
 
-    def __init__(self, reader: TrainReader, *, steps: int, start: int, calls: int = 1):
+
+def calls_from(
+    start: int, stop: int, steps: int, periods: Sequence[int] = ()
+) -> Iterator[tuple[int, int]]:
+    """``(first step, steps)`` of each call from step ``start`` until one reaches ``stop``,
+    as `call_steps` makes them (the step after ``first`` is the call's first)."""
+    while start < stop:
+        ran = call_steps(start, steps, periods)
+        yield start, ran
+        start += ran
+
+
+class Singles(list):
+    """A chunk's batches of one step a call each (`StackedReader`), not stacks of several."""
+
+
+class StackedReader:
+    """Chunk ``i`` -> its calls' batches, ``steps`` steps a call stacked on axis 0, from step
+    ``start``: with ``calls`` > 1, the list of up to that many calls' stacks, read at once.
+
+    Where a multiple of one of ``periods`` falls inside a call, the steps up to it are
+    calls of one step (`call_steps`): a chunk of them is `Singles`, the batches
+    unstacked (a chunk holds calls of one length). Bad data gives the whole calls
+    before it, then raises at the next read."""
+
+    def __init__(
+        self,
+        reader: TrainReader,
+        *,
+        steps: int,
+        start: int,
+        calls: int = 1,
+        periods: Sequence[int] = (),
+    ):
         self.chunks = ChunkedReader(reader, steps=steps * calls, start=start)
         self.steps, self.calls = steps, calls
+        self.periods = tuple(period for period in periods if period > 0)
+        self._firsts = [start]  # the first step of each chunk planned so far
+
+    def _plan(self, first: int) -> tuple[int, int]:
+        """``(calls, steps a call)`` of the chunk from step ``first``."""
+        length = call_steps(first, self.steps, self.periods)
+        calls = 1
+        while calls < self.calls:
+            if call_steps(first + calls * length, self.steps, self.periods) != length:
+                break
+            calls += 1
+        return calls, length
 
     def __call__(self, call: int) -> dict[str, np.ndarray] | list[dict[str, np.ndarray]]:
-        batches, steps = self.chunks(call), self.steps
-        whole = len(batches) // steps
+        while len(self._firsts) <= call:  # chunks are read in order: each planned once
+            calls, length = self._plan(self._firsts[-1])
+            self._firsts.append(self._firsts[-1] + calls * length)
+        first = self._firsts[call]
+        calls, length = self._plan(first)
+        batches = self.chunks.read(first, calls * length)
+        whole = len(batches) // length
         if not whole:  # bad data inside the first call: its error
-            return self.chunks(call + 1)
+            return self.chunks.read(first + len(batches), 1)
+        if length == 1 and self.steps > 1:
+            return Singles(batches)
         stacks = [
             {
-                key: np.stack([batch[key] for batch in batches[i * steps : (i + 1) * steps]])
+                key: np.stack([batch[key] for batch in batches[i * length : (i + 1) * length]])
                 for key in batches[0]
             }
             for i in range(whole)

@@ -253,3 +253,14 @@ def _exchange(step: int, report: dict, timeout: float, *, forget: int | None) ->
     if forget is not None:
         client.key_value_delete(f"jdp/ledger/{forget}/{me}")
     return reports
+
+
+def take_marks(item):
+    """The ledger's marks (`jdp.data.splits.ledger`) taken out of a host item, as Python ints
+    (cheaper to add on the loop's path than NumPy's): a list of its step's (or stacked
+    steps') marks; for a chunk, a list of them; None without."""
+    if isinstance(item, list):
+        marks = [take_marks(batch) for batch in item]
+        return None if marks[0] is None else marks
+    marks = item.pop(LEDGER_KEY, None)
+    return None if marks is None else marks.reshape(-1, MARKS).tolist()
