@@ -123,7 +123,7 @@ def replay(
                 seen = diagnose(run, before, _one_step(batch, inside - 1, ran))
                 after = None if inside == ran else _first_steps(run, state, batch, inside)
                 before = jax.tree.map(jnp.copy, before.params)
-            if ran not in steps:  # a gap up to a period, closed by single steps
+            if ran not in steps:  # a shorter call, closing a gap up to a period
                 steps[ran] = run.step_for(ran)
             state, metrics = steps[ran](state, batch)
             losses = np.atleast_1d(jax.device_get(metrics["loss"]))

@@ -671,7 +671,7 @@ _PAYING = (
 def test_auto_steps_per_call_on_two_processes_is_their_run_at_one(tmp_path):
     """Process 0's timings choose for both (each process checks the call, all agreeing);
     the two processes' run is bitwise their run at one step a call, as is their run at a
-    forced 8 steps a call, whose calls single steps close up to every 20th step."""
+    forced 8 steps a call, whose calls a shorter one closes up to every 20th step."""
     runs, said = {}, {}
     for calls in ("auto", "1", "8"):
         log = tmp_path / calls

@@ -204,9 +204,9 @@ def test_a_batchnorm_model_after_a_longer_resume_replays(tmp_path):
 @pytest.mark.timeout(500)
 def test_a_run_of_several_steps_per_call_replays_its_calls(run, tmp_path):
     """A run scanning 4 steps a call, closing its calls' gaps to the periods (log every 6,
-    save every 8) with single steps, replays call by call as it ran: its logged steps
-    bit for bit, a step inside a call from the call's own metrics, the state before it
-    from the call's first steps, and a single step of a gap."""
+    save every 8) with shorter calls, replays call by call as it ran: its logged steps
+    bit for bit, a step inside a call from the call's own metrics and the state before
+    it from the call's first steps, in a call of 4 and in a shorter one."""
     root, _ = run
     flags = [
         "--dataset",
@@ -228,9 +228,10 @@ def test_a_run_of_several_steps_per_call_replays_its_calls(run, tmp_path):
         )
         assert result.returncode == 0, result.stderr[-3000:]
     single, scanned = _logged(tmp_path / "1" / "log"), _logged(tmp_path / "4" / "log")
-    assert sorted(scanned) == [6, 12]  # calls 1-4, 5, 6, 7, 8, 9-12, 13-16
-    # The MLP's scanned steps are bitwise its single steps: a step inside a call, or
-    # one of a gap, is the single-step run's logged loss, as are the logged steps.
+    assert sorted(scanned) == [6, 12]  # calls 1-4, 5-6, 7-8, 9-12, 13-16
+    # The MLP's scanned steps are bitwise its single steps: a step inside a call of 4, or
+    # the first of a shorter call, is the single-step run's logged loss, as are the logged
+    # steps.
     assert all(scanned[step]["loss"] == single[step]["loss"] for step in scanned)
     for step, start, checked in ((14, 8, [12]), (7, 0, [6])):
         out = tmp_path / f"out-{step}"

@@ -89,10 +89,10 @@ def test_loader_stacks_consecutive_steps(mesh8):
 
 
 @pytest.mark.parametrize("on_device", [False, True])
-def test_loader_closes_a_gap_before_a_period_with_single_steps(mesh8, on_device):
+def test_loader_closes_a_gap_before_a_period_with_a_shorter_call(mesh8, on_device):
     # 4 steps a call, periods 5 and 6, from step 2: calls of 4 where no multiple of a
-    # period comes sooner, single steps up to it; read in chunks of several calls
-    # (steps=None), on the host or gathered on the devices.
+    # period comes sooner, a shorter call up to it (of one step: its batch unstacked);
+    # read in chunks of several calls (steps=None), on the host or gathered on the devices.
     from jdp.data.loader import call_steps, on_host
     from jdp.data.loader.on_device import on_devices
 
@@ -105,7 +105,7 @@ def test_loader_closes_a_gap_before_a_period_with_single_steps(mesh8, on_device)
     while step < 20:
         plan.append(call_steps(step, 4, (5, 6)))
         step += plan[-1]
-    assert plan == [1] * 4 + [4] + [1] * 10  # steps 3..6 | 7..10 | 11..20
+    assert plan == [3, 1, 4, 2, 3, 3, 2]  # steps 3-5, 6, 7-10, 11-12, 13-15, 16-18, 19-20
     with jdp.train_batches(
         split, mesh8, batch_size=64, seed=3, start_step=2, steps_per_call=4, periods=(5, 6)
     ) as planned:
@@ -125,9 +125,9 @@ def test_loader_closes_a_gap_before_a_period_with_single_steps(mesh8, on_device)
 
 def test_a_forced_call_stops_at_every_period_bitwise_the_run_at_one(devices, tmp_path):
     """4 steps a call with periods it does not divide (log every 5, evaluate every 6, save
-    every 10, 26 steps): single steps close each call's gap to a period, so every logged
-    step, evaluation and save is the run at 1's, bitwise, and so is a run resumed from
-    the save at step 10."""
+    every 10, 26 steps): a shorter call closes each call's gap to a period, so every
+    logged step, evaluation and save is the run at 1's, bitwise, and so is a run resumed
+    from the save at step 10."""
     import shutil
 
     def run(steps_per_call, name):
@@ -172,7 +172,7 @@ def test_cli_steps_per_call_prints_the_same_run():
     import re
 
     summary = re.compile(r"train_loss=(\S+) test_loss=(\S+) test_accuracy=(\S+)")
-    # Evaluations every 30 steps, which 8 does not divide: single steps close the gaps.
+    # Evaluations every 30 steps, which 8 does not divide: shorter calls close the gaps.
     single = _cli("--eval-every", "30")
     several = _cli("--eval-every", "30", "--steps-per-call", "8")
     assert single.returncode == 0 and several.returncode == 0, several.stderr
@@ -180,6 +180,8 @@ def test_cli_steps_per_call_prints_the_same_run():
     evaluations = re.compile(r"^step \d+: test_loss=.*$", re.M)
     assert evaluations.findall(several.stdout) == evaluations.findall(single.stdout)
     assert "step 30: test_loss=" in several.stdout
+    said = "jdp: --steps-per-call 8: 8 does not divide --log-every 20, --eval-every 30; a shorter"
+    assert said in several.stdout
 
 
 def test_flops_per_step_do_not_grow_with_steps_per_call(mesh8):

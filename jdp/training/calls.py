@@ -11,7 +11,7 @@ first K batches): otherwise one step a call, so that ``auto`` never changes a nu
 K divides every period at which an action runs (``--log-every``, ``--eval-every``,
 ``--ckpt-every``, ``--check-replicas-every``, the profile's window), the steps and the
 step the run starts from, so no call crosses one. Process 0's timings decide for all.
-A K forced by ``--steps-per-call K`` need not divide them: single steps close a call's
+A K forced by ``--steps-per-call K`` need not divide them: a shorter call closes a call's
 gap up to a period (`call_periods`, `jdp.data.loader.call_steps`).
 """
 
@@ -56,6 +56,30 @@ def call_periods(config: TrainConfig) -> list[int]:
         first, last = config.profile_window
         periods += [first - 1, last]
     return [period for period in periods if period > 0]
+
+
+def say_gaps(config: TrainConfig, console: Console) -> None:
+    """For a forced K > 1 (``--steps-per-call K``), a line naming the periods K does not
+    divide, up to each multiple of which a shorter call closes a call's gap."""
+    calls = config.steps_per_call
+    if calls == "auto" or calls == 1:
+        return
+    flags = {
+        "--steps": config.steps,
+        "--log-every": config.log_every,
+        "--eval-every": config.eval_every,
+        "--ckpt-every": config.ckpt_every,
+        "--check-replicas-every": config.check_replicas_every,
+    }
+    gaps = [f"{flag} {value}" for flag, value in flags.items() if value > 0 and value % calls]
+    first, last = config.profile_window or (1, 0)  # a call ends before the first, at the last
+    if (first - 1) % calls or last % calls:
+        gaps.append(f"--profile-steps {config.profile_steps}")
+    if gaps:
+        console.line(
+            f"jdp: --steps-per-call {calls}: {calls} does not divide {', '.join(gaps)}; "
+            "a shorter call closes each call's gap up to where they act"
+        )
 
 
 def longest_call(config: TrainConfig, start: int, periods: Sequence[int] = ()) -> int:

@@ -147,7 +147,7 @@ def _check_numbers(config) -> None:
 
 
 def _check_steps_per_call(config) -> None:
-    """A number of steps a call need not divide the periods: single steps close a call's
+    """A number of steps a call need not divide the periods: a shorter call closes a call's
     gap up to one (`jdp.data.loader.call_steps`)."""
     if config.steps_per_call != "auto" and config.steps_per_call < 1:
         raise UsageError("--steps-per-call must be at least 1")

@@ -29,7 +29,7 @@ from jdp.report.console import Console
 from jdp.report.goodput import Clock, Goodput
 from jdp.report.run_info import record_goodput
 from jdp.state import TrainState
-from jdp.training.calls import call_periods, choose_steps_per_call
+from jdp.training.calls import call_periods, choose_steps_per_call, say_gaps
 from jdp.training.compile_cache import compile_cache
 from jdp.training.config import TrainConfig
 from jdp.training.messages import describe_run
@@ -133,6 +133,7 @@ def _fit(
             run = choose_steps_per_call(run, state, start, console, callbacks)
             config = run.config
             clock.switch(before)
+        say_gaps(config, console)
         goodput.start(start)
         progress, timer, history = _train(
             run, state, start, ledger, stack, console, checkpoints, callbacks, goodput
@@ -171,7 +172,7 @@ def _train(
     checkpoint kept it; ``goodput`` is given each moment's part. Returns the progress,
     the steady loop's timer and the records logged."""
     config, calls = run.config, run.config.steps_per_call  # steps per call of the step
-    periods = call_periods(config)  # single steps close a call's gap up to one (forced K)
+    periods = call_periods(config)  # a shorter call closes a gap up to one (forced K)
     steps: dict = {}  # the step's call by the steps it runs (K, and 1 closing a gap), as met
     batches = stack.enter_context(_train_loader(config, run, start, periods))
     logger = stack.enter_context(metric_logger(config, tokens_per_example(run)))
@@ -196,7 +197,7 @@ def _train(
     timer = SteadyTimer(batches, console)
     for step, ran in calls_from(start, config.steps, calls, periods):
         step, first, fresh = step + ran, step == start, ran not in steps
-        if fresh:  # a call that compiles: the first, and a forced K's first gap
+        if fresh:  # a call that compiles: the first, and each new length a gap asks
             steps[ran] = run.train_step if ran == calls else run.step_for(ran)
             timer.compiling()
         clock.switch("input")

@@ -151,7 +151,7 @@ class SteadyTimer:
         self._last = None  # the last call's metrics
 
     def compiling(self) -> None:
-        """Before a call that compiles a program (a gap's single step): untimed."""
+        """Before a call that compiles a program (a shorter call, closing a gap): untimed."""
         if self.calls:
             jax.block_until_ready(self._last)
             self._compiling = time.perf_counter()

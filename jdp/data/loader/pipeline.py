@@ -31,6 +31,7 @@ from jdp.data.loader.readers import (
     Singles,
     StackedReader,
     TrainReader,
+    item_steps,
 )
 from jdp.data.loader.streams import BatchStream, stream_rows
 from jdp.data.loader.workers import host_batches, worker_died
@@ -56,18 +57,17 @@ MARKS_HELD = 1024
 class Loader(Iterator[dict]):
     """Global batches on the mesh, made by Grain and placed ``prefetch`` batches ahead.
 
-    Iterate it like any iterator; close it (or use it as a context manager) to
-    stop its thread and workers. ``position`` is the index of the next batch, the
-    whole state a resumed run needs; ``wait_seconds`` is the time callers spent
-    blocked waiting for a batch. ``steps_per_item`` stacks that many steps'
-    batches into one item, except where a multiple of one of ``periods`` falls
-    inside one: the steps up to it are an item each (`jdp.data.loader.readers.call_steps`,
-    as the run's calls are); ``chunk`` has a `TrainReader` read, preprocess and
-    place that many steps' batches at once, yielded one by one. ``prefetch``
-    counts items (or chunks) placed ahead. ``place=False`` yields the host's
-    NumPy batches, for a step that places them itself (`places_ahead`). ``stream``,
-    host batches already made (`jdp.data.loader.streams.stream_rows`), replaces the reader.
-    ``device``: the reader gives index batches, gathered from that split on the devices.
+    Iterate it like any iterator; close it (or use it as a context manager) to stop its
+    thread and workers. ``position`` is the index of the next batch, the whole state a
+    resumed run needs; ``wait_seconds`` is the time callers spent blocked waiting for a
+    batch. ``steps_per_item`` stacks that many steps' batches into one item, fewer where a
+    multiple of one of ``periods`` comes sooner (`jdp.data.loader.readers.call_steps`, as
+    the run's calls are); ``chunk`` has a `TrainReader` read, preprocess and place that many
+    steps' batches at once, yielded one by one. ``prefetch`` counts items (or chunks) placed
+    ahead. ``place=False`` yields the host's NumPy batches, for a step that places them
+    itself (`places_ahead`). ``stream``, host batches already made
+    (`jdp.data.loader.streams.stream_rows`), replaces the reader. ``device``: the reader
+    gives index batches, gathered from that split on the devices.
     """
 
     def __init__(
@@ -143,7 +143,7 @@ class Loader(Iterator[dict]):
             for item in iterator:
                 marks = take_marks(item)
                 stacked = self._steps_per_item > 1 and not isinstance(item, Singles)
-                steps = self._steps_per_item if stacked else 1
+                steps = item_steps(item) if stacked else 1  # a shorter call's, closing a gap
                 if isinstance(item, Singles):  # a plain list, which JAX's trees walk
                     item = list(item)
                 if self._device:  # the indices placed (a chunk's stacked); the rows gathered there
@@ -295,8 +295,8 @@ def train_batches(
         steps_per_call: yield this many consecutive steps' batches stacked on a
             leading axis, for a step built with the same ``steps_per_call``.
         periods: the steps at whose multiples a run acts between calls: where one
-            falls inside a stack, the steps up to it come one batch each
-            (`jdp.data.loader.readers.call_steps`).
+            comes sooner than ``steps_per_call`` steps on, a shorter stack closes the
+            gap up to it (`jdp.data.loader.readers.call_steps`).
         place: False yields the host's NumPy batches, which a train step's call
             places itself (where `places_ahead` says that costs the host less).
         steps: the batches a run will take (None: not known); chunks of steps made at

@@ -205,9 +205,9 @@ class EvalReader:
 def call_steps(step: int, steps: int, periods: Sequence[int] = ()) -> int:
     """The steps of the call after ``step`` in a run of ``steps`` steps a call: all of them,
     unless a multiple of one of ``periods`` (where the run acts between calls) comes
-    sooner; then one, and single steps close the gap up to it."""
+    sooner; then a shorter call closes the gap up to it."""
     ahead = min(((step // period + 1) * period - step for period in periods), default=steps)
-    return steps if ahead >= steps else 1
+    return min(steps, ahead)
 
 
 def calls_from(
@@ -222,17 +222,23 @@ def calls_from(
 
 
 class Singles(list):
-    """A chunk's batches of one step a call each (`StackedReader`), not stacks of several."""
+    """A chunk's batches of one step a call each (`StackedReader`), not stacks of one."""
+
+
+def item_steps(item) -> int:
+    """The steps of a `StackedReader`'s item of stacks (of a chunk's first: its calls are alike)."""
+    first = item[0] if isinstance(item, list) else item
+    return len(next(iter(first.values())))
 
 
 class StackedReader:
     """Chunk ``i`` -> its calls' batches, ``steps`` steps a call stacked on axis 0, from step
     ``start``: with ``calls`` > 1, the list of up to that many calls' stacks, read at once.
 
-    Where a multiple of one of ``periods`` falls inside a call, the steps up to it are
-    calls of one step (`call_steps`): a chunk of them is `Singles`, the batches
-    unstacked (a chunk holds calls of one length). Bad data gives the whole calls
-    before it, then raises at the next read."""
+    Where a multiple of one of ``periods`` falls inside a call, a shorter call closes the
+    gap up to it (`call_steps`): a chunk holds calls of one length, and a chunk of
+    one-step calls is `Singles`, its batches unstacked. Bad data gives the whole
+    calls before it, then raises at the next read."""
 
     def __init__(
         self,
