@@ -46,7 +46,7 @@ from jdp.replay_step import diagnose, norm, write
 from jdp.report.console import Console
 from jdp.report.writers import check_writable
 from jdp.tool import command
-from jdp.training.calls import call_periods
+from jdp.training.calls import call_bounds
 from jdp.training.config import TrainConfig
 from jdp.training.run import Run, build
 from jdp.training.wiring import data_ledger
@@ -97,8 +97,8 @@ def replay(
     state, start, base = _restore(run, step)
     if start >= step:  # a checkpoint's loader position past its step: not one to replay from
         raise UsageError(f"the checkpoint before step {step} resumes at step {start}")
-    calls, periods = config.steps_per_call, call_periods(config)
-    plan = list(calls_from(start, step, calls, periods))  # the run's, through `step`'s
+    calls, bounds = config.steps_per_call, call_bounds(config)
+    plan = list(calls_from(start, step, calls, bounds))  # the run's, through `step`'s
     end = sum(plan[-1])
     checked, place, steps = [], places_ahead(run.mesh), {calls: run.train_step}
     loader = train_batches(
@@ -111,7 +111,7 @@ def replay(
         ledger=config.data_ledger,
         steps=end - start,
         steps_per_call=calls,
-        periods=periods,
+        bounds=bounds,
     )
     with loader as batches:
         ledger = data_ledger(config, run, batches, start, base)

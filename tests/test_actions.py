@@ -142,8 +142,9 @@ def test_fit_calls_a_user_action_with_the_state_and_metrics(tmp_path):
 
     config = jdp.TrainConfig(mesh="data=2", steps=24, warmup_steps=4, steps_per_call=4)
     result = jdp.fit(config, callbacks=[jdp.Callback(look, every=10, at_end=True)])
-    # 10 and 20 fall inside the calls ending at 12 and 20; 24 is the end.
-    assert seen == [(12, 12, True), (20, 20, True), (24, 24, True)]
+    # At 4 steps a call, no call crosses the callback's 10 (calls of 4, 4, 2, 4, 4, 2, 4):
+    # it sees steps 10 and 20, then 24, the end.
+    assert seen == [(10, 10, True), (20, 20, True), (24, 24, True)]
     assert result.steps == 24 and result.stopped is None
 
 

@@ -93,7 +93,7 @@ def test_loader_closes_a_gap_before_a_period_with_a_shorter_call(mesh8, on_devic
     # 4 steps a call, periods 5 and 6, from step 2: calls of 4 where no multiple of a
     # period comes sooner, a shorter call up to it (of one step: its batch unstacked);
     # read in chunks of several calls (steps=None), on the host or gathered on the devices.
-    from jdp.data.loader import call_steps, on_host
+    from jdp.data.loader import CallBounds, call_steps, on_host
     from jdp.data.loader.on_device import on_devices
 
     split = jdp.load_split("digits", "train")
@@ -103,11 +103,17 @@ def test_loader_closes_a_gap_before_a_period_with_a_shorter_call(mesh8, on_devic
         singles = [jax.device_get(next(single)) for _ in range(20)]
     plan, step = [], 2
     while step < 20:
-        plan.append(call_steps(step, 4, (5, 6)))
+        plan.append(call_steps(step, 4, CallBounds((5, 6))))
         step += plan[-1]
     assert plan == [3, 1, 4, 2, 3, 3, 2]  # steps 3-5, 6, 7-10, 11-12, 13-15, 16-18, 19-20
     with jdp.train_batches(
-        split, mesh8, batch_size=64, seed=3, start_step=2, steps_per_call=4, periods=(5, 6)
+        split,
+        mesh8,
+        batch_size=64,
+        seed=3,
+        start_step=2,
+        steps_per_call=4,
+        bounds=CallBounds((5, 6)),
     ) as planned:
         first = 0
         for ran in plan:
@@ -121,6 +127,25 @@ def test_loader_closes_a_gap_before_a_period_with_a_shorter_call(mesh8, on_devic
                 np.testing.assert_array_equal(call[key], want)
             first += ran
         assert planned.position == 20
+
+
+def test_no_call_crosses_the_profile_window_your_callbacks_or_diloco_s_synchronisation(
+    tmp_path,
+):
+    # The profile's window bounds calls at its two ends only; your periodic callbacks and
+    # DiLoCo's synchronisation at each multiple of their periods, as the run's own.
+    from jdp.data.loader import calls_from
+    from jdp.training.calls import call_bounds
+
+    def lengths(config, callbacks=()):
+        return [ran for _, ran in calls_from(0, 200, 64, call_bounds(config, callbacks))]
+
+    config = jdp.TrainConfig(steps=200, log_every=100, eval_every=0)
+    profiled = dataclasses.replace(config, profile_steps="10:15", log_dir=str(tmp_path))
+    assert lengths(profiled) == [9, 6, 64, 21, 64, 36]
+    assert lengths(config, [jdp.actions.Callback(print, every=50)]) == [50] * 4
+    groups = dataclasses.replace(config, mesh="group=2,data=4", log_every=200, sync_every=40)
+    assert lengths(groups) == [40] * 5
 
 
 def test_a_forced_call_stops_at_every_period_bitwise_the_run_at_one(devices, tmp_path):

@@ -12,7 +12,7 @@ K divides every period at which an action runs (``--log-every``, ``--eval-every`
 ``--ckpt-every``, ``--check-replicas-every``, the profile's window), the steps and the
 step the run starts from, so no call crosses one. Process 0's timings decide for all.
 A K forced by ``--steps-per-call K`` need not divide them: a shorter call closes a call's
-gap up to a period (`call_periods`, `jdp.data.loader.call_steps`).
+gap up to a period (`call_bounds`, `jdp.data.loader.call_steps`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdp.actions import PeriodicAction
-from jdp.data.loader import BatchStream, places_ahead, state_bytes, train_batches
+from jdp.data.loader import (
+    BatchStream,
+    CallBounds,
+    places_ahead,
+    state_bytes,
+    train_batches,
+)
 from jdp.distributed.agree import all_ok, from_process_0
 from jdp.mesh import GROUP_AXIS
 from jdp.report.console import Console
@@ -46,16 +52,19 @@ TIMED_CALLS = 8
 MOST_STATE_BYTES = 1 << 30
 
 
-def call_periods(config: TrainConfig) -> list[int]:
-    """The periods at whose multiples the run acts between calls (``--steps``,
-    ``--log-every``, ``--eval-every``, ``--ckpt-every``, ``--check-replicas-every``, the
-    profile's window): no call crosses one (`jdp.data.loader.call_steps`)."""
+def call_bounds(config: TrainConfig, callbacks: Sequence = ()) -> CallBounds:
+    """Where the run acts between calls, which no call crosses (`jdp.data.loader.call_steps`):
+    every multiple of ``--steps``, ``--log-every``, ``--eval-every``, ``--ckpt-every``,
+    ``--check-replicas-every``, DiLoCo's ``--sync-every`` and your ``callbacks``'
+    ``every`` (`PeriodicAction`'s), and the profile's window (the step before its
+    first, and its last)."""
     periods = [config.steps, config.log_every, config.eval_every, config.ckpt_every]
     periods.append(config.check_replicas_every)
-    if config.profile_window:
-        first, last = config.profile_window
-        periods += [first - 1, last]
-    return [period for period in periods if period > 0]
+    if config.mesh_spec.has(GROUP_AXIS):
+        periods.append(config.resolved_sync_every)
+    periods += [each.every for each in callbacks if isinstance(each, PeriodicAction)]
+    first, last = config.profile_window or (0, 0)
+    return CallBounds(tuple(periods), points=(first - 1, last) if config.profile_window else ())
 
 
 def say_gaps(config: TrainConfig, console: Console) -> None:
@@ -84,9 +93,10 @@ def say_gaps(config: TrainConfig, console: Console) -> None:
 
 def longest_call(config: TrainConfig, start: int, periods: Sequence[int] = ()) -> int:
     """The most steps a call may hold where every call holds as many: the greatest common
-    divisor of the run's `call_periods`, ``periods`` (your callbacks') and ``start``, at
+    divisor of the run's `call_bounds`, ``periods`` (your callbacks') and ``start``, at
     most `MOST_STEPS`."""
-    periods = [*periods, *call_periods(config), start]
+    bounds = call_bounds(config)
+    periods = [*periods, *bounds.periods, *bounds.points, start]
     return max(k for k in range(1, MOST_STEPS + 1) if math.gcd(*periods) % k == 0)
 
 

@@ -12,7 +12,7 @@ import optax
 
 from jdp.actions import NEVER, Action, Progress
 from jdp.checkpoint import Checkpointer
-from jdp.data.loader import calls_from, places_ahead, train_batches
+from jdp.data.loader import CallBounds, calls_from, places_ahead, train_batches
 from jdp.data.splits import Split
 from jdp.distributed.marks import (
     ACTIONS,
@@ -29,7 +29,7 @@ from jdp.report.console import Console
 from jdp.report.goodput import Clock, Goodput
 from jdp.report.run_info import record_goodput
 from jdp.state import TrainState
-from jdp.training.calls import call_periods, choose_steps_per_call, say_gaps
+from jdp.training.calls import call_bounds, choose_steps_per_call, say_gaps
 from jdp.training.compile_cache import compile_cache
 from jdp.training.config import TrainConfig
 from jdp.training.messages import describe_run
@@ -172,9 +172,9 @@ def _train(
     checkpoint kept it; ``goodput`` is given each moment's part. Returns the progress,
     the steady loop's timer and the records logged."""
     config, calls = run.config, run.config.steps_per_call  # steps per call of the step
-    periods = call_periods(config)  # a shorter call closes a gap up to one (forced K)
+    bounds = call_bounds(config, callbacks)  # a shorter call closes a gap to one (forced K)
     steps: dict = {}  # the step's call by the steps it runs (K, and 1 closing a gap), as met
-    batches = stack.enter_context(_train_loader(config, run, start, periods))
+    batches = stack.enter_context(_train_loader(config, run, start, bounds))
     logger = stack.enter_context(metric_logger(config, tokens_per_example(run)))
     ledger = data_ledger(config, run, batches, start, ledger)
     actions = actions_for(
@@ -195,15 +195,15 @@ def _train(
     _call_each(actions, progress, clock, watch, phases, starting=True)
     console.start_progress(config.steps, start)
     timer = SteadyTimer(batches, console)
-    for step, ran in calls_from(start, config.steps, calls, periods):
+    for step, ran in calls_from(start, config.steps, calls, bounds):
         step, first, fresh = step + ran, step == start, ran not in steps
-        if fresh:  # a call that compiles: the first, and each new length a gap asks
-            steps[ran] = run.train_step if ran == calls else run.step_for(ran)
-            timer.compiling()
         clock.switch("input")
         watch.at(STARTING if first else READING)
         if (batch := _next_batch(batches, progress, preemption, watch, first=first)) is None:
             break
+        if fresh:  # a call that compiles: the first, and each new length a gap asks
+            steps[ran] = run.train_step if ran == calls else run.step_for(ran)
+            timer.compiling()
         watch.started(step, COMPILING if first or fresh else STEPPING)
         redone = step <= goodput.redo_until
         clock.switch("compile" if first or fresh else "recomputed" if redone else "step")
@@ -296,7 +296,7 @@ def _quiet_through(actions: Sequence[Action], progress: Progress) -> int:
     )
 
 
-def _train_loader(config: TrainConfig, run: Run, start: int, periods: list[int]):
+def _train_loader(config: TrainConfig, run: Run, start: int, bounds: CallBounds):
     return train_batches(
         run.train,
         run.mesh,
@@ -309,5 +309,5 @@ def _train_loader(config: TrainConfig, run: Run, start: int, periods: list[int])
         place=places_ahead(run.mesh),
         ledger=config.data_ledger,
         steps=config.steps - start,
-        periods=periods,
+        bounds=bounds,
     )

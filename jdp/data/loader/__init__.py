@@ -23,6 +23,7 @@ __getattr__, __dir__, __all__ = lazy.attach(
             "train_batches",
         ),
         "jdp.data.loader.readers": (
+            "CallBounds",
             "EvalReader",
             "TrainReader",
             "call_steps",

@@ -19,13 +19,15 @@ import collections
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 from jax.sharding import Mesh
 
 from jdp.data.loader.on_device import EvalIndexReader, IndexReader, OnDevice
 from jdp.data.loader.readers import (
+    NO_BOUNDS,
+    CallBounds,
     ChunkedReader,
     EvalReader,
     Singles,
@@ -60,9 +62,9 @@ class Loader(Iterator[dict]):
     Iterate it like any iterator; close it (or use it as a context manager) to stop its
     thread and workers. ``position`` is the index of the next batch, the whole state a
     resumed run needs; ``wait_seconds`` is the time callers spent blocked waiting for a
-    batch. ``steps_per_item`` stacks that many steps' batches into one item, fewer where a
-    multiple of one of ``periods`` comes sooner (`jdp.data.loader.readers.call_steps`, as
-    the run's calls are); ``chunk`` has a `TrainReader` read, preprocess and place that many
+    batch. ``steps_per_item`` stacks that many steps' batches into one item, fewer where
+    one of ``bounds`` comes sooner (`jdp.data.loader.readers.call_steps`, as the run's
+    calls are); ``chunk`` has a `TrainReader` read, preprocess and place that many
     steps' batches at once, yielded one by one. ``prefetch`` counts items (or chunks) placed
     ahead. ``place=False`` yields the host's NumPy batches, for a step that places them
     itself (`places_ahead`). ``stream``, host batches already made
@@ -84,7 +86,7 @@ class Loader(Iterator[dict]):
         place: bool = True,
         stream: Iterable[dict] | None = None,
         device: OnDevice | None = None,
-        periods: Sequence[int] = (),
+        bounds: CallBounds = NO_BOUNDS,
     ):
         if workers < 0 or prefetch < 1 or steps_per_item < 1:
             raise UsageError(
@@ -106,7 +108,7 @@ class Loader(Iterator[dict]):
                 )
             if steps_per_item > 1:
                 reader = StackedReader(
-                    reader, steps=steps_per_item, start=start, calls=chunk, periods=periods
+                    reader, steps=steps_per_item, start=start, calls=chunk, bounds=bounds
                 )
             else:
                 reader = ChunkedReader(reader, steps=chunk, start=start)
@@ -144,8 +146,6 @@ class Loader(Iterator[dict]):
                 marks = take_marks(item)
                 stacked = self._steps_per_item > 1 and not isinstance(item, Singles)
                 steps = item_steps(item) if stacked else 1  # a shorter call's, closing a gap
-                if isinstance(item, Singles):  # a plain list, which JAX's trees walk
-                    item = list(item)
                 if self._device:  # the indices placed (a chunk's stacked); the rows gathered there
                     item = self._device.gathered(item, stacked=stacked)
                 elif self._place:  # a chunk (a list of batches) is placed in one transfer call
@@ -280,7 +280,7 @@ def train_batches(
     place: bool = True,
     ledger: str = "off",
     steps: int | None = None,
-    periods: Sequence[int] = (),
+    bounds: CallBounds = NO_BOUNDS,
 ) -> Loader:
     """Global training batches (sharded on ``data``) from ``start_step`` on, forever.
 
@@ -294,9 +294,9 @@ def train_batches(
         prefetch: global batches placed on the devices ahead of the step.
         steps_per_call: yield this many consecutive steps' batches stacked on a
             leading axis, for a step built with the same ``steps_per_call``.
-        periods: the steps at whose multiples a run acts between calls: where one
-            comes sooner than ``steps_per_call`` steps on, a shorter stack closes the
-            gap up to it (`jdp.data.loader.readers.call_steps`).
+        bounds: the steps at which a run acts between calls: where one comes before
+            the next multiple of ``steps_per_call``, a shorter stack closes the gap up
+            to it (`jdp.data.loader.readers.call_steps`).
         place: False yields the host's NumPy batches, which a train step's call
             places itself (where `places_ahead` says that costs the host less).
         steps: the batches a run will take (None: not known); chunks of steps made at
@@ -339,7 +339,7 @@ def train_batches(
         # Grain workers pay that cost in other processes.
         chunk=1 if workers else max(1, _chunk_steps(reader, start_step, steps) // steps_per_call),
         device=split if on_device else None,
-        periods=periods,
+        bounds=bounds,
         **shared,
     )
 

@@ -13,9 +13,11 @@ NumPy arrays), so Grain can run them in worker processes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
+import jax
 import numpy as np
 
 from jdp.data.splits.ledger import LEDGER_KEY
@@ -202,27 +204,52 @@ class EvalReader:
         return batch
 
 
-def call_steps(step: int, steps: int, periods: Sequence[int] = ()) -> int:
+@dataclasses.dataclass(frozen=True)
+class CallBounds:
+    """The steps at which a run acts between its calls, which no call crosses: every
+    multiple of each of ``periods`` (0: none) and each of ``points``."""
+
+    periods: tuple[int, ...] = ()
+    points: tuple[int, ...] = ()
+
+    def ahead(self, step: int) -> int | None:
+        """The steps from ``step`` to the next bound after it; None where none comes."""
+        gaps = [(step // period + 1) * period - step for period in self.periods if period > 0]
+        return min(gaps + [point - step for point in self.points if point > step], default=None)
+
+
+NO_BOUNDS = CallBounds()
+
+
+def call_steps(step: int, steps: int, bounds: CallBounds = NO_BOUNDS) -> int:
     """The steps of the call after ``step`` in a run of ``steps`` steps a call: all of them,
-    unless a multiple of one of ``periods`` (where the run acts between calls) comes
-    sooner; then a shorter call closes the gap up to it."""
-    ahead = min(((step // period + 1) * period - step for period in periods), default=steps)
-    return min(steps, ahead)
+    unless one of ``bounds`` comes sooner; then a shorter call closes the gap up to it."""
+    ahead = bounds.ahead(step)
+    return steps if ahead is None else min(steps, ahead)
 
 
 def calls_from(
-    start: int, stop: int, steps: int, periods: Sequence[int] = ()
+    start: int, stop: int, steps: int, bounds: CallBounds = NO_BOUNDS
 ) -> Iterator[tuple[int, int]]:
     """``(first step, steps)`` of each call from step ``start`` until one reaches ``stop``,
     as `call_steps` makes them (the step after ``first`` is the call's first)."""
     while start < stop:
-        ran = call_steps(start, steps, periods)
+        ran = call_steps(start, steps, bounds)
         yield start, ran
         start += ran
 
 
+@jax.tree_util.register_pytree_node_class
 class Singles(list):
-    """A chunk's batches of one step a call each (`StackedReader`), not stacks of one."""
+    """A chunk's batches of one step a call each (`StackedReader`), not stacks of one; a
+    tree of them to JAX (and to Grain's copy into shared memory)."""
+
+    def tree_flatten(self) -> tuple[list, None]:
+        return list(self), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children) -> Singles:
+        return cls(children)
 
 
 def item_steps(item) -> int:
@@ -235,9 +262,9 @@ class StackedReader:
     """Chunk ``i`` -> its calls' batches, ``steps`` steps a call stacked on axis 0, from step
     ``start``: with ``calls`` > 1, the list of up to that many calls' stacks, read at once.
 
-    Where a multiple of one of ``periods`` falls inside a call, a shorter call closes the
-    gap up to it (`call_steps`): a chunk holds calls of one length, and a chunk of
-    one-step calls is `Singles`, its batches unstacked. Bad data gives the whole
+    Where one of ``bounds`` falls inside a call, a shorter call closes the gap up to it
+    (`call_steps`): a chunk holds calls of one length, and a chunk of one-step calls is
+    `Singles`, its batches unstacked. Bad data gives the whole
     calls before it, then raises at the next read."""
 
     def __init__(
@@ -247,19 +274,19 @@ class StackedReader:
         steps: int,
         start: int,
         calls: int = 1,
-        periods: Sequence[int] = (),
+        bounds: CallBounds = NO_BOUNDS,
     ):
         self.chunks = ChunkedReader(reader, steps=steps * calls, start=start)
         self.steps, self.calls = steps, calls
-        self.periods = tuple(period for period in periods if period > 0)
+        self.bounds = bounds
         self._firsts = [start]  # the first step of each chunk planned so far
 
     def _plan(self, first: int) -> tuple[int, int]:
         """``(calls, steps a call)`` of the chunk from step ``first``."""
-        length = call_steps(first, self.steps, self.periods)
+        length = call_steps(first, self.steps, self.bounds)
         calls = 1
         while calls < self.calls:
-            if call_steps(first + calls * length, self.steps, self.periods) != length:
+            if call_steps(first + calls * length, self.steps, self.bounds) != length:
                 break
             calls += 1
         return calls, length
