@@ -132,7 +132,7 @@ def test_early_stopping_counts_evaluations_without_improvement():
 
 
 @pytest.mark.slow
-def test_fit_calls_a_user_action_with_the_state_and_metrics(tmp_path):
+def test_fit_calls_a_user_action_with_the_state_and_metrics(tmp_path, capsys):
     seen = []
 
     def look(progress):
@@ -143,8 +143,9 @@ def test_fit_calls_a_user_action_with_the_state_and_metrics(tmp_path):
     config = jdp.TrainConfig(mesh="data=2", steps=24, warmup_steps=4, steps_per_call=4)
     result = jdp.fit(config, callbacks=[jdp.Callback(look, every=10, at_end=True)])
     # At 4 steps a call, no call crosses the callback's 10 (calls of 4, 4, 2, 4, 4, 2, 4):
-    # it sees steps 10 and 20, then 24, the end.
+    # it sees steps 10 and 20, then 24, the end; the first lines say so.
     assert seen == [(10, 10, True), (20, 20, True), (24, 24, True)]
+    assert "4 does not divide a callback's every 10; a shorter call" in capsys.readouterr().out
     assert result.steps == 24 and result.stopped is None
 
 

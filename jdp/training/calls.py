@@ -67,9 +67,10 @@ def call_bounds(config: TrainConfig, callbacks: Sequence = ()) -> CallBounds:
     return CallBounds(tuple(periods), points=(first - 1, last) if config.profile_window else ())
 
 
-def say_gaps(config: TrainConfig, console: Console) -> None:
+def say_gaps(config: TrainConfig, console: Console, callbacks: Sequence = ()) -> None:
     """For a forced K > 1 (``--steps-per-call K``), a line naming the periods K does not
-    divide, up to each multiple of which a shorter call closes a call's gap."""
+    divide (the config's, your ``callbacks``'), up to each multiple of which a shorter
+    call closes a call's gap."""
     calls = config.steps_per_call
     if calls == "auto" or calls == 1:
         return
@@ -81,6 +82,8 @@ def say_gaps(config: TrainConfig, console: Console) -> None:
         "--check-replicas-every": config.check_replicas_every,
     }
     gaps = [f"{flag} {value}" for flag, value in flags.items() if value > 0 and value % calls]
+    everys = {each.every for each in callbacks if isinstance(each, PeriodicAction)}
+    gaps += [f"a callback's every {every}" for every in sorted(everys) if every % calls]
     first, last = config.profile_window or (1, 0)  # a call ends before the first, at the last
     if (first - 1) % calls or last % calls:
         gaps.append(f"--profile-steps {config.profile_steps}")

@@ -133,7 +133,7 @@ def _fit(
             run = choose_steps_per_call(run, state, start, console, callbacks)
             config = run.config
             clock.switch(before)
-        say_gaps(config, console)
+        say_gaps(config, console, callbacks)
         goodput.start(start)
         progress, timer, history = _train(
             run, state, start, ledger, stack, console, checkpoints, callbacks, goodput
