@@ -24,7 +24,7 @@ from jdp.step.contract import (
     needs_bound,
     refusing_donated,
 )
-from jdp.step.lean import Lean, jitted_by_impl, lean_call, lean_lower, lean_program
+from jdp.step.lean import Lean, Programs, lean_call, lean_lower, lean_program
 from jdp.step.pmap import _pmapped
 from jdp.step.sharded import _compile_sharded
 
@@ -143,7 +143,7 @@ def _lean(
             donate_argnums=(0,),
         )
 
-    programs = jitted_by_impl(make)
+    programs = Programs(make)
     call = lean_call(
         programs, whole, lean=lean, replicas=replicas, batch_axis=batch_axis, steps=steps
     )
