@@ -79,6 +79,8 @@ def test_smoke_runs_every_part_and_lands_each_in_the_json(smoke):
     assert "    levers: command buffers of any size " in result.stdout
     correctness = data["parts"]["correctness"]
     assert correctness["within"], correctness
+    machine = data["parts"]["machine"]  # and where it ran, whatever --parts asks
+    assert data["where"] == {"kind": machine["kind"], "versions": machine["versions"]}
     # The tolerance is derived from a run nudged by a rounding, which must differ.
     assert correctness["cpu_nudged"] != correctness["cpu"], correctness
     table = result.stdout.split("--- jdp.bench gpu,", 1)[1]
@@ -178,25 +180,30 @@ def test_json_that_is_not_a_run_is_one_line(tmp_path, text):
 
 def test_runs_are_merged_by_kind_of_device_the_newest_first(tmp_path):
     """An H100's rows never stand in an H200's table: each kind of device is merged
-    apart, and a run that skipped the machine part is of the kind of the run before."""
+    apart; a run that skipped the machine part is of its ``where``'s kind, or of the
+    kind of the run before (a run from before ``where`` was recorded)."""
     paths = []
-    for index, parts in enumerate(
+    where = {"kind": "B", "versions": {"jax": "0.11"}}
+    for index, (parts, extra) in enumerate(
         [
-            {"machine": {"kind": "A"}},
-            {"machine": {"kind": "B"}},
-            {"resnet50": {"jdp": 1.0}},
-            {"machine": {"kind": "A"}},
+            ({"machine": {"kind": "A"}}, {}),
+            ({"machine": {"kind": "B"}}, {}),
+            ({"resnet50": {"jdp": 1.0}}, {}),
+            ({"machine": {"kind": "A"}}, {}),
+            ({"sweep": {"cases": []}}, {"where": where}),
         ]
     ):
         path = tmp_path / f"{index}.json"
-        path.write_text(json.dumps({"date": "d", "command": f"c{index}", "parts": parts}))
+        run = {"date": "d", "command": f"c{index}", "parts": parts, **extra}
+        path.write_text(json.dumps(run))
         paths.append(str(path))
     groups = gpu_docs.by_device(paths)
     assert [[run["command"] for run in group["runs"]] for group in groups] == [
+        ["c1", "c2", "c4"],
         ["c0", "c3"],
-        ["c1", "c2"],
     ]
-    assert groups[1]["parts"]["resnet50"]["run"]["kind"] == "B"
+    assert groups[0]["parts"]["resnet50"]["run"]["kind"] == "B"
+    assert groups[0]["parts"]["sweep"]["run"]["versions"] == {"jax": "0.11"}
 
 
 def test_a_later_runs_cells_and_skips_merge_with_an_earlier_runs(tmp_path):
@@ -211,6 +218,27 @@ def test_a_later_runs_cells_and_skips_merge_with_an_earlier_runs(tmp_path):
     merged = gpu_docs.merge(paths)["parts"]["gpt2"]
     assert [cell["setting"] for cell in merged["cells"]] == [tuned, xla]
     assert merged["skipped_for_budget"] == [dots, unrolled]
+
+
+def test_the_peer_target_reads_the_cell_the_peers_ran_beside(tmp_path):
+    """``--peers`` races one GPT-2 cell; the fastest cell may be another, without peers:
+    the target and the README's line read the raced cell's ratio, and name its layers."""
+    scanned, unrolled = (dict(GPT2_CELLS[0], unroll=flag) for flag in (False, True))
+    peer = {"transformers": {"rate": 150.0, "jdp_over_peer": 1.25}}
+
+    def cell(setting, rate, peers):
+        rates = {"jdp": [rate], "hand-written": [rate]}
+        return {"setting": setting, "rates": rates, "peak": None, "peers": peers}
+
+    cells = [cell(scanned, 187.5, peer), cell(unrolled, 250.0, {})]
+    parts = {"gpt2": {"cells": cells}, "resnet50": {"jdp": 10.0}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"date": "d", "command": "c", "parts": parts}))
+    merged = gpu_docs.merge([str(path)])
+    row = next(row for row in gpu_docs.targets(merged) if gpu_docs.TARGETS["gpt2_peer"][1] in row)
+    assert "| 1.250x (transformers, beside jdp's scanned layers) | met |" in row, row
+    line = gpu_docs.readme_line(merged)
+    assert "at 250 tokens/s" in line and "1.250x the best PyTorch arm (transformers, 150;" in line
 
 
 def test_the_bundle_carries_what_a_fake_pip_list_lacks(tmp_path):

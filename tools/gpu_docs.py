@@ -59,7 +59,7 @@ def merge(paths: list[str], kind: str = "?") -> dict[str, Any]:
         data = read_json(path, *_WHAT)
         for key in ("parts", "date", "command"):
             key_of(data, path, [key], *_WHAT)
-        machine = data["parts"].get("machine", {})
+        machine = data["parts"].get("machine") or data.get("where", {})
         run = {
             "file": path,
             "date": data["date"],
@@ -90,15 +90,17 @@ def merge(paths: list[str], kind: str = "?") -> dict[str, Any]:
 
 
 def by_device(paths: list[str]) -> list[dict[str, Any]]:
-    """One merge of the runs per kind of device, newest first; a run that skipped the
-    machine part is of the kind of the run before it."""
+    """One merge of the runs per kind of device, newest first: a run's kind is its
+    machine part's, or its ``where``'s (every run's since it was recorded), or else the
+    run's before it."""
     kinds: dict[str, list[str]] = {}
     kind = "?"
     for path in paths:
-        parts = key_of(read_json(path, *_WHAT), path, ["parts"], *_WHAT)
+        data = read_json(path, *_WHAT)
+        parts = key_of(data, path, ["parts"], *_WHAT)
         if not isinstance(parts, dict):
             raise UsageError(f"{path} is not {_WHAT[0]}: its 'parts' is not an object; {_WHAT[1]}")
-        machine = parts.get("machine")
+        machine = parts.get("machine") or data.get("where")
         kind = machine.get("kind", kind) if isinstance(machine, dict) else kind
         kinds.setdefault(kind, []).append(path)
         kinds[kind] = kinds.pop(kind)  # the newest kind last
@@ -132,9 +134,23 @@ def _cell(cell: dict[str, Any]) -> str:
     return f"cell ({setting_text(cell['setting'])})"
 
 
-def best_gpt(merged: dict[str, Any]) -> dict[str, Any] | None:
+def best_gpt(merged: dict[str, Any], *, raced: bool = False) -> dict[str, Any] | None:
+    """The GPT-2 cell whose jdp step ran fastest; ``raced``: of those a PyTorch arm ran
+    beside (``--peers``, which races one cell)."""
     cells = [c for c in merged["parts"].get("gpt2", {}).get("cells", []) if "error" not in c]
+    if raced:
+        cells = [cell for cell in cells if best_peer(cell.get("peers", {}))]
     return max(cells, key=lambda cell: gpt_numbers(cell)["jdp"], default=None)
+
+
+def gpt_peer(merged: dict[str, Any]) -> tuple[str, dict[str, Any], str] | None:
+    """``(arm, figures, layers)``: the best PyTorch arm raced beside a GPT-2 cell, and
+    that cell's layers ("scanned" or "unrolled"), or None where none ran."""
+    raced = best_gpt(merged, raced=True)
+    if raced is None:
+        return None
+    arm, figures = best_peer(raced["peers"])
+    return arm, figures, "unrolled" if raced["setting"]["unroll"] else "scanned"
 
 
 def targets(merged: dict[str, Any]) -> list[str]:
@@ -160,9 +176,10 @@ def targets(merged: dict[str, Any]) -> list[str]:
     cases = parts.get("sweep", {}).get("cases", [])
     worst = min((case["ratios"]["jdp"] for case in cases), default=None)
     line("sweep_ratio", worst, f"{worst or 0:.3f}x (the worst case)")
-    peer = best_peer(best.get("peers", {})) if best else None
+    peer = gpt_peer(merged)
     ratio = peer[1]["jdp_over_peer"] if peer else None
-    line("gpt2_peer", ratio, f"{ratio or 0:.3f}x ({peer[0] if peer else '-'})")
+    arm, layers = (peer[0], peer[2]) if peer else ("-", "-")
+    line("gpt2_peer", ratio, f"{ratio or 0:.3f}x ({arm}, beside jdp's {layers} layers)")
     torchvision = resnet.get("peers", {}).get("torchvision", {})
     ratio = torchvision.get("jdp_over_peer")
     line("resnet_peer", ratio, f"{ratio or 0:.3f}x")
@@ -265,12 +282,12 @@ def readme_line(merged: dict[str, Any]) -> str:
     n, run = gpt_numbers(best), best.get("run") or merged["parts"]["gpt2"]["run"]
     mfu = f", {n['mfu']:.1%} MFU" if "mfu" in n else ""
     against = vision = ""
-    peer = best_peer(best.get("peers", {}))
+    peer = gpt_peer(merged)
     if peer:
-        name, figures = peer
+        name, figures, layers = peer
         against = (
             f", {figures['jdp_over_peer']:.3f}x the best PyTorch arm "
-            f"({name}, {figures['rate']:,.0f})"
+            f"({name}, {figures['rate']:,.0f}; {layers} layers)"
         )
     torchvision = resnet.get("peers", {}).get("torchvision", {})
     if "jdp_over_peer" in torchvision:

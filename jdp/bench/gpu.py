@@ -54,7 +54,14 @@ from jdp.bench.gpu_host import (
     part_sweep,
     start_cpu_reference,
 )
-from jdp.bench.gpu_models import GPT2_CELLS, RESNET_ROWS, part_gpt2, part_machine, part_resnet50
+from jdp.bench.gpu_models import (
+    GPT2_CELLS,
+    RESNET_ROWS,
+    part_gpt2,
+    part_machine,
+    part_resnet50,
+    where_run,
+)
 from jdp.bench.gpu_table import table
 from jdp.errors import UsageError
 from jdp.report.writers import output_file
@@ -249,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     report = Report(args.out, args.budget, args.smoke)
     report.data["peers"] = {"racing": racing, "left_out": left_out}
+    report.data["where"] = where_run()
 
     def say(line: str) -> None:
         print(line, flush=True)

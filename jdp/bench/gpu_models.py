@@ -106,6 +106,12 @@ def matmul_rate(n: int, repeats: int = 10) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - started)
 
 
+def where_run() -> dict[str, Any]:
+    """The device's kind and the versions: every run's JSON holds them (``where``), the
+    machine part left out or not."""
+    return {"kind": jax.devices()[0].device_kind, "versions": _versions()}
+
+
 def part_machine(sizes: Sizes) -> dict[str, Any]:
     device = jax.devices()[0]
     rate = matmul_rate(sizes.matmul)
