@@ -68,7 +68,7 @@ RESNET_ROWS = 256  # NVIDIA's ResNet-50 mixed-precision batch per A100/H100
 # --- the machine ------------------------------------------------------------------
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
     import jaxlib
 
     found = {
@@ -106,12 +106,6 @@ def matmul_rate(n: int, repeats: int = 10) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - started)
 
 
-def where_run() -> dict[str, Any]:
-    """The device's kind and the versions: every run's JSON holds them (``where``), the
-    machine part left out or not."""
-    return {"kind": jax.devices()[0].device_kind, "versions": _versions()}
-
-
 def part_machine(sizes: Sizes) -> dict[str, Any]:
     device = jax.devices()[0]
     rate = matmul_rate(sizes.matmul)
@@ -120,7 +114,7 @@ def part_machine(sizes: Sizes) -> dict[str, Any]:
         "kind": device.device_kind,
         "devices": jax.device_count(),
         "cores": os.cpu_count(),
-        "versions": _versions(),
+        "versions": versions(),
         "matmul_n": sizes.matmul,
         "matmul_flops": rate,
         "peak_flops": peak_flops(device.device_kind, "bf16"),
