@@ -6,6 +6,9 @@ two-process tests, and a kill -9 and resume in test_checkpoint's: with the equiv
 to the host path here, those hold for data on the devices too.
 """
 
+import threading
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -70,11 +73,64 @@ def test_batches_on_the_devices_are_the_host_loaders_bitwise(mesh8, mesh1):
             _same(host, device)
 
 
+def test_while_a_gather_compiles_the_rows_come_from_the_host_copy_bitwise(mesh8, monkeypatch):
+    """A chunk's gather compiles in a thread of its own (0.7 s for 64 digits steps, more
+    than the step's compile), from its `COMPILE_AFTER`-th chunk on; until it is compiled
+    the host's copy of the split serves the rows, cropped and flipped there: the same
+    bits and placement as the program's."""
+    from jdp.data.loader import gathers
+
+    monkeypatch.setattr(gathers, "COMPILE_AFTER", 2)  # the second chunk's ask compiles
+    release, compile_, on_host = threading.Event(), gathers.Gathers._compile, []
+    monkeypatch.setattr(
+        gathers.Gathers, "_compile", lambda *args: (release.wait(60), compile_(*args))
+    )
+    read = gathers.Gathers._on_host
+    monkeypatch.setattr(
+        gathers.Gathers, "_on_host", lambda self, item: (on_host.append(1), read(self, item))[1]
+    )
+    split = _images()
+    for calls in (1, 4):
+        placed, on_host[:] = OnDevice(split, mesh8), []
+        kwargs = dict(batch_size=64, seed=3, steps_per_call=calls, steps=8)  # chunks of 8 steps
+        with (
+            jdp.train_batches(split, mesh8, **kwargs) as host,
+            jdp.train_batches(placed, mesh8, **kwargs) as device,
+        ):
+            batches = [next(device) for _ in range(2)]  # the first chunk's, from the host
+            for _ in range(1000):  # until the loader's thread asks for the second chunk
+                if placed.gathers.programs:
+                    break
+                time.sleep(0.01)
+            (compiling,) = placed.gathers.programs.values()
+            assert isinstance(compiling, threading.Thread) and compiling.is_alive()
+            release.set()
+            compiling.join()
+            batches += [next(device) for _ in range(46)]  # the program's, after 4 chunks
+            (compiled,) = placed.gathers.programs.values()
+            assert isinstance(compiled, jax.stages.Compiled)
+            for batch in batches:
+                expected = next(host)
+                _same(expected, batch)
+                placement = jdp.shard_batch(expected, mesh8, stacked=calls > 1)
+                assert batch["image"].sharding == placement["image"].sharding
+        assert 0 < len(on_host) < 48, len(on_host)  # items read from the host's copy
+        release.clear()
+    # A split too large to keep twice on the host: its first chunk waits for the program.
+    monkeypatch.setattr(on_device, "HOST_COPY_BYTES", 0)
+    release.set()
+    placed, on_host[:] = OnDevice(split, mesh8), []
+    with jdp.train_batches(placed, mesh8, batch_size=64, seed=3) as device:
+        next(device)
+    (compiled,) = placed.gathers.programs.values()
+    assert isinstance(compiled, jax.stages.Compiled) and on_host == []
+
+
 def test_each_device_gathers_its_rows_from_its_own_copy(mesh8):
     placed = OnDevice(_images(), mesh8)
     with jdp.train_batches(placed, mesh8, batch_size=64, seed=0) as batches:
         next(batches)
-    (gather,) = placed._gathers.values()  # the chunk's program, as the loader ran it
+    gather = placed.gathers.jitted(chunk=True)  # the chunk's program, as the loader runs it
     index = {
         "rows": np.zeros((2, 64), np.int32),
         "offsets": np.zeros((2, 64, 2), np.int32),

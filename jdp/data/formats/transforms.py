@@ -52,10 +52,10 @@ class Transform:
             x *= np.asarray(1.0 / np.asarray(self.std), np.float32)
         if augmentation is None or not self.augments or not len(x):
             return x
-        return _crop_and_flip(x, augmentation, self.crop_padding)
+        return crop_and_flip(x, augmentation, self.crop_padding)
 
 
-def _crop_and_flip(x: np.ndarray, augmentation: Augmentation, padding: int) -> np.ndarray:
+def crop_and_flip(x: np.ndarray, augmentation: Augmentation, padding: int) -> np.ndarray:
     """One gather: each example's crop window, its columns reversed where it flips."""
     n, height, width, _ = x.shape
     padded = np.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))

@@ -7,9 +7,10 @@ runs per batch, and placed on every device (`OnDevice`). A training step's
 batch is then gathered on the devices from its indices, the same ``(seed,
 step)`` order as the host loader's (`jdp.data.loader.readers`), and augmented there
 (crop and flip are data movement: the same values as the host's); the host
-computes only the indices, a chunk of steps at a time, and places them. So the
-batch of every step is bitwise the host loader's, and the data ledger's digests
-are the same.
+computes only the indices, a chunk of steps at a time, and places them (a run's
+first chunks come from the host's copy of the split instead, while their gather is
+not yet compiled: `jdp.data.loader.gathers`). So the batch of every step is bitwise
+the host loader's, and the data ledger's digests are the same.
 
 Every device holds the whole split: any example can fall in any device's rows
 of a global batch, and each device reads its rows from its own copy, with no
@@ -18,28 +19,26 @@ communication. With several processes each places the split on its own devices.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from jdp.data.formats.transforms import Transform
+from jdp.data.loader.gathers import FLIPS, HOST_COPY_BYTES, OFFSETS, ROWS, Gathers
 from jdp.data.loader.readers import EvalReader, TrainReader, _stream
 from jdp.data.loader.streams import BatchStream
 from jdp.data.splits.ledger import LEDGER_KEY
 from jdp.data.splits.ledger import marks as ledger_marks
 from jdp.errors import UsageError
-from jdp.mesh import MASK_KEY, batch_sharded, device_bytes, replicated, shard_batch
+from jdp.mesh import MASK_KEY, device_bytes, replicated
 
 MODES = ("auto", "on", "off")
 # `auto` gives the splits at most this share of the memory a device has left once the
 # training state is counted twice (the state, and as much again for the step's gradients
 # and temporaries): the model's activations need the rest.
 SHARE = 0.25
-ROWS, OFFSETS, FLIPS = "rows", "offsets", "flips"  # an index batch's keys
 
 
 class OnDevice:
@@ -75,7 +74,17 @@ class OnDevice:
         augments = isinstance(transform, Transform) and transform.augments
         self.padding = transform.crop_padding if augments else 0
         self.flip = bool(augments and transform.flip)
-        self._gathers: dict[bool, object] = {}
+        kept = None  # the host's copy, for the first chunks (`jdp.data.loader.gathers`)
+        if self.nbytes <= HOST_COPY_BYTES:
+            kept = {name: np.asarray(v, self.arrays[name].dtype) for name, v in host.items()}
+        self.gathers = Gathers(
+            self.arrays,
+            kept,
+            mesh,
+            input_key=split.input_key,
+            padding=self.padding,
+            flip=self.flip,
+        )
 
     def __len__(self) -> int:
         return len(self.split)
@@ -90,33 +99,12 @@ class OnDevice:
         devices. ``stacked``: several steps' on axis 0, kept so; ``chunk``: several steps'
         on axis 0, given back as a list of batches (one transfer and one call a chunk), or
         of stacks of ``group`` steps each (calls of several steps)."""
-        key = (stacked, chunk, group)
-        if key not in self._gathers:
-            self._gathers[key] = jax.jit(
-                functools.partial(
-                    _gather,
-                    key=self.split.input_key,
-                    padding=self.padding,
-                    unstack=chunk,
-                    group=group,
-                ),
-                out_shardings=batch_sharded(self.mesh, stacked=stacked),
-            )
-        return self._gathers[key](self.arrays, item)
+        return self.gathers.jitted(stacked, chunk, group)(self.arrays, item)
 
     def gathered(self, item, *, stacked: bool = False):
-        """A host index batch (or a chunk's list of them) -> its batch (list) gathered on
-        the devices: a chunk's indices stack into one transfer (`jax.device_put`'s Python
-        cost is per leaf)."""
-        if not isinstance(item, list):
-            return self.gather(shard_batch(item, self.mesh, stacked=stacked), stacked=stacked)
-        if stacked:  # calls of several steps: their steps in a row, gathered a call apiece
-            steps = len(next(iter(item[0].values())))
-            item = {key: np.concatenate([batch[key] for batch in item]) for key in item[0]}
-            placed = shard_batch(item, self.mesh, stacked=True)
-            return self.gather(placed, stacked=True, chunk=True, group=steps)
-        item = {key: np.stack([batch[key] for batch in item]) for key in item[0]}
-        return self.gather(shard_batch(item, self.mesh, stacked=True), chunk=True)
+        """A host index batch (or a chunk's list of them) -> its batch (list) on the
+        devices, bitwise the host loader's (`jdp.data.loader.gathers`)."""
+        return self.gathers.gathered(item, stacked=stacked)
 
 
 def on_host(split):
@@ -132,43 +120,6 @@ def on_devices(split, mesh: Mesh) -> OnDevice:
             at a time, a ``map=`` function or another transform that runs on the host.
     """
     return OnDevice(split, mesh)
-
-
-def _gather(arrays: dict, item: dict, *, key: str, padding: int, unstack: bool, group: int = 1):
-    """The index batch's rows of ``arrays``, ``key`` cropped and flipped as its draws say
-    (the host's `jdp.data.formats.transforms._crop_and_flip`, over any leading axes); ``unstack``:
-    the list of the batches stacked on axis 0 (of stacks of ``group`` of them, when more
-    than one)."""
-    rows = item[ROWS]
-    # In bounds by construction (an epoch's permutation, row 0 for padding): no clamping.
-    batch = {name: value.at[rows].get(mode="promise_in_bounds") for name, value in arrays.items()}
-    if OFFSETS in item:
-        batch[key] = _crop_and_flip(batch[key], item[OFFSETS], item[FLIPS], padding)
-    batch.update(
-        {name: value for name, value in item.items() if name not in (ROWS, OFFSETS, FLIPS)}
-    )
-    if not unstack:
-        return batch
-    if group > 1:
-        return [
-            {name: value[i : i + group] for name, value in batch.items()}
-            for i in range(0, len(rows), group)
-        ]
-    return [{name: value[i] for name, value in batch.items()} for i in range(len(rows))]
-
-
-def _crop_and_flip(x, offsets, flips, padding: int):
-    """Over any leading axes, each kept (merging the step and row axes would move the rows
-    between devices): two gathers along the rows, then the columns, of the padded image."""
-    height, width = x.shape[-3:-1]
-    lead = [(0, 0)] * (x.ndim - 3)
-    padded = jnp.pad(x, (*lead, (padding, padding), (padding, padding), (0, 0)))
-    ahead = (None,) * (offsets.ndim - 1)  # broadcast over the leading axes, explicitly
-    rows = offsets[..., :1] + jnp.arange(height)[ahead]  # (..., height)
-    cols = offsets[..., 1:] + jnp.arange(width)[ahead]
-    cols = jnp.where(flips[..., None], cols[..., ::-1], cols)
-    x = jnp.take_along_axis(padded, rows[..., :, None, None], axis=-3, mode="promise_in_bounds")
-    return jnp.take_along_axis(x, cols[..., None, :, None], axis=-2, mode="promise_in_bounds")
 
 
 def cannot_place(split, *, corpus: bool) -> str | None:
