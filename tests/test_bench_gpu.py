@@ -191,6 +191,7 @@ def test_runs_are_merged_by_kind_of_device_the_newest_first(tmp_path):
             ({"resnet50": {"jdp": 1.0}}, {}),
             ({"machine": {"kind": "A"}}, {}),
             ({"sweep": {"cases": []}}, {"where": where}),
+            ({"machine": {"error": "failed"}}, {"where": where}),  # its where, not A's
         ]
     ):
         path = tmp_path / f"{index}.json"
@@ -199,7 +200,7 @@ def test_runs_are_merged_by_kind_of_device_the_newest_first(tmp_path):
         paths.append(str(path))
     groups = gpu_docs.by_device(paths)
     assert [[run["command"] for run in group["runs"]] for group in groups] == [
-        ["c1", "c2", "c4"],
+        ["c1", "c2", "c4", "c5"],
         ["c0", "c3"],
     ]
     assert groups[0]["parts"]["resnet50"]["run"]["kind"] == "B"

@@ -46,7 +46,12 @@ def _same(host, device) -> None:
         assert got.dtype == expected.dtype and np.array_equal(got, expected), key
 
 
-def test_batches_on_the_devices_are_the_host_loaders_bitwise(mesh8, mesh1):
+@pytest.mark.parametrize("kept", [True, False])
+def test_batches_on_the_devices_are_the_host_loaders_bitwise(mesh8, mesh1, kept, monkeypatch):
+    # kept: the first chunks from the host's copy (`jdp.data.loader.gathers`); else, no
+    # copy kept, every chunk from its compiled gather.
+    if not kept:
+        monkeypatch.setattr(on_device, "HOST_COPY_BYTES", 0)
     split = _images()
     for mesh in (mesh8, mesh1):
         placed = OnDevice(split, mesh)
@@ -83,8 +88,17 @@ def test_while_a_gather_compiles_the_rows_come_from_the_host_copy_bitwise(mesh8,
     monkeypatch.setattr(gathers, "COMPILE_AFTER", 2)  # the second chunk's ask compiles
     release, compile_, on_host = threading.Event(), gathers.Gathers._compile, []
     monkeypatch.setattr(
-        gathers.Gathers, "_compile", lambda *args: (release.wait(60), compile_(*args))
+        gathers.Gathers, "_compile", lambda *args: (release.wait(30), compile_(*args))
     )
+    try:
+        _host_copy_then_program(mesh8, monkeypatch, release, on_host)
+    finally:
+        release.set()  # a failed check leaves no compile waiting
+
+
+def _host_copy_then_program(mesh8, monkeypatch, release, on_host):
+    from jdp.data.loader import gathers
+
     read = gathers.Gathers._on_host
     monkeypatch.setattr(
         gathers.Gathers, "_on_host", lambda self, item: (on_host.append(1), read(self, item))[1]
@@ -105,7 +119,7 @@ def test_while_a_gather_compiles_the_rows_come_from_the_host_copy_bitwise(mesh8,
             (compiling,) = placed.gathers.programs.values()
             assert isinstance(compiling, threading.Thread) and compiling.is_alive()
             release.set()
-            compiling.join()
+            placed.settle()  # as a run's end does
             batches += [next(device) for _ in range(46)]  # the program's, after 4 chunks
             (compiled,) = placed.gathers.programs.values()
             assert isinstance(compiled, jax.stages.Compiled)

@@ -59,7 +59,7 @@ def merge(paths: list[str], kind: str = "?") -> dict[str, Any]:
         data = read_json(path, *_WHAT)
         for key in ("parts", "date", "command"):
             key_of(data, path, [key], *_WHAT)
-        machine = data["parts"].get("machine") or data.get("where", {})
+        machine = _where(data)
         run = {
             "file": path,
             "date": data["date"],
@@ -100,11 +100,19 @@ def by_device(paths: list[str]) -> list[dict[str, Any]]:
         parts = key_of(data, path, ["parts"], *_WHAT)
         if not isinstance(parts, dict):
             raise UsageError(f"{path} is not {_WHAT[0]}: its 'parts' is not an object; {_WHAT[1]}")
-        machine = parts.get("machine") or data.get("where")
-        kind = machine.get("kind", kind) if isinstance(machine, dict) else kind
+        kind = _where(data).get("kind", kind)
         kinds.setdefault(kind, []).append(path)
         kinds[kind] = kinds.pop(kind)  # the newest kind last
     return [merge(group, kind) for kind, group in reversed(kinds.items())]
+
+
+def _where(data: dict[str, Any]) -> dict[str, Any]:
+    """The run's device and versions: its machine part's, or its ``where``'s (a run that
+    left the machine part out, or whose machine part failed), or none."""
+    for said in (data["parts"].get("machine"), data.get("where")):
+        if isinstance(said, dict) and "kind" in said:
+            return said
+    return {}
 
 
 # The parts merged row by row: what names a row, the rows' list, the rows' order.

@@ -4,7 +4,6 @@ and a state's mesh."""
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -15,7 +14,7 @@ from jdp.errors import UsageError
 from jdp.mesh import (
     data_size,
 )
-from jdp.state import carry_placement
+from jdp.state import TrainState, carry_placement
 
 Backend = Literal["jit", "pmap"]
 BACKENDS = ("jit", "pmap")
@@ -69,10 +68,8 @@ class CompiledStep(NamedTuple):
     state_sharding: NamedSharding | None
     batch_sharding: NamedSharding
 
-    # ``step(state, batch)`` is ``step.call(state, batch)``: Python calls what the
-    # property gives, so the call has no Python frame of its own (a small model's
-    # step pays the host for each).
-    __call__ = property(operator.itemgetter(0))
+    def __call__(self, state: TrainState, batch: Any) -> Any:
+        return self.call(state, batch)
 
 
 def needs_bound(mesh: Mesh) -> bool:

@@ -11,10 +11,12 @@ each chunk's rows are taken from the split's preprocessed copy on the host (the
 arrays that were placed) and placed as the host loader places a batch. A gather, a
 crop and a flip move values and compute none: the batch is the same bits either way.
 Reading from the host costs the loader's thread more a chunk (2.6 against 0.5 ms on
-``data=1``, 8 against 2.2 on ``data=8``), so a program is compiled once the host's copy
-has served `COMPILE_AFTER` of its chunks: a run as short as the README's (400 steps)
-compiles none, and a long one compiles each while it trains. A split over
-`HOST_COPY_BYTES` keeps no host copy and compiles each program when first asked.
+``data=1``, 8 against 2.2 on ``data=8``), so a chunk's program is compiled once the
+host's copy has served `COMPILE_AFTER` of its chunks: a run as short as the README's
+(400 steps) compiles none, and a long one compiles it while it trains (`OnDevice.settle`
+waits for it at the run's end). The gather of one batch (an evaluation's; two outputs)
+compiles when first asked, as does every gather of a split over `HOST_COPY_BYTES`,
+which keeps no host copy.
 """
 
 from __future__ import annotations
@@ -112,13 +114,14 @@ class Gathers:
         return shard_batch(rows, self.mesh, stacked=stacked)
 
     def _program(self, how: tuple, indices: dict, placed: bool):
-        """The compiled gather for ``indices``' shapes, or None until it is compiled (its
-        compile started on the `COMPILE_AFTER`-th ask); without a host copy, compiled here."""
+        """The compiled gather for ``indices``' shapes, or None until it is compiled (a
+        chunk's compile starts on the `COMPILE_AFTER`-th ask); compiled now (in a thread,
+        waited for) for one batch, or without a host copy."""
         shapes = tuple(sorted((name, v.shape, v.dtype.str) for name, v in indices.items()))
         key = (how, shapes)
         with self._lock:
             program = self.programs.get(key)
-            if program is None and self._host is not None:
+            if program is None and self._host is not None and how[1]:  # a chunk's
                 self._asks[key] += 1
                 if self._asks[key] < COMPILE_AFTER:
                     return None
@@ -131,12 +134,19 @@ class Gathers:
                 )
                 program.start()  # its end waits for the lock: the program replaces it
                 self.programs[key] = program
-        if isinstance(program, threading.Thread) and self._host is None:
+        if isinstance(program, threading.Thread) and (self._host is None or not how[1]):
             program.join()
             program = self.programs[key]
         if isinstance(program, BaseException):
             raise program
         return None if isinstance(program, threading.Thread) else program
+
+    def wait(self) -> None:
+        """Until no gather is compiling (`OnDevice.settle`)."""
+        with self._lock:
+            compiling = [p for p in self.programs.values() if isinstance(p, threading.Thread)]
+        for thread in compiling:
+            thread.join()
 
     def _compile(self, key: tuple, indices: dict, placed: bool) -> None:
         try:

@@ -101,6 +101,11 @@ class OnDevice:
         of stacks of ``group`` steps each (calls of several steps)."""
         return self.gathers.jitted(stacked, chunk, group)(self.arrays, item)
 
+    def settle(self) -> None:
+        """Waits for the gathers compiling beside the run (`jdp.data.loader.gathers`): a
+        run's end, so that none is still inside XLA's compiler as the process exits."""
+        self.gathers.wait()
+
     def gathered(self, item, *, stacked: bool = False):
         """A host index batch (or a chunk's list of them) -> its batch (list) on the
         devices, bitwise the host loader's (`jdp.data.loader.gathers`)."""
