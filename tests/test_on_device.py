@@ -6,9 +6,6 @@ two-process tests, and a kill -9 and resume in test_checkpoint's: with the equiv
 to the host path here, those hold for data on the devices too.
 """
 
-import threading
-import time
-
 import jax
 import numpy as np
 import pytest
@@ -46,12 +43,7 @@ def _same(host, device) -> None:
         assert got.dtype == expected.dtype and np.array_equal(got, expected), key
 
 
-@pytest.mark.parametrize("kept", [True, False])
-def test_batches_on_the_devices_are_the_host_loaders_bitwise(mesh8, mesh1, kept, monkeypatch):
-    # kept: the first chunks from the host's copy (`jdp.data.loader.gathers`); else, no
-    # copy kept, every chunk from its compiled gather.
-    if not kept:
-        monkeypatch.setattr(on_device, "HOST_COPY_BYTES", 0)
+def test_batches_on_the_devices_are_the_host_loaders_bitwise(mesh8, mesh1):
     split = _images()
     for mesh in (mesh8, mesh1):
         placed = OnDevice(split, mesh)
@@ -78,66 +70,29 @@ def test_batches_on_the_devices_are_the_host_loaders_bitwise(mesh8, mesh1, kept,
             _same(host, device)
 
 
-def test_while_a_gather_compiles_the_rows_come_from_the_host_copy_bitwise(mesh8, monkeypatch):
-    """A chunk's gather compiles in a thread of its own (0.7 s for 64 digits steps, more
-    than the step's compile), from its `COMPILE_AFTER`-th chunk on; until it is compiled
-    the host's copy of the split serves the rows, cropped and flipped there: the same
-    bits and placement as the program's."""
+@pytest.mark.parametrize("steps", [None, 64])
+def test_a_short_runs_chunks_come_from_the_host_copy_bitwise(mesh8, mesh1, steps):
+    """A training loader of fewer than `COMPILE_STEPS` steps reads its chunks from the
+    host's copy of the split (cropped and flipped there) and compiles no chunk's gather
+    (0.7 s for 64 digits steps, more than the step's compile); a longer one, or one of
+    steps not given, gathers them on the devices: the same bits and placement."""
     from jdp.data.loader import gathers
 
-    monkeypatch.setattr(gathers, "COMPILE_AFTER", 2)  # the second chunk's ask compiles
-    release, compile_, on_host = threading.Event(), gathers.Gathers._compile, []
-    monkeypatch.setattr(
-        gathers.Gathers, "_compile", lambda *args: (release.wait(30), compile_(*args))
-    )
-    try:
-        _host_copy_then_program(mesh8, monkeypatch, release, on_host)
-    finally:
-        release.set()  # a failed check leaves no compile waiting
-
-
-def _host_copy_then_program(mesh8, monkeypatch, release, on_host):
-    from jdp.data.loader import gathers
-
-    read = gathers.Gathers._on_host
-    monkeypatch.setattr(
-        gathers.Gathers, "_on_host", lambda self, item: (on_host.append(1), read(self, item))[1]
-    )
     split = _images()
-    for calls in (1, 4):
-        placed, on_host[:] = OnDevice(split, mesh8), []
-        kwargs = dict(batch_size=64, seed=3, steps_per_call=calls, steps=8)  # chunks of 8 steps
+    for mesh, calls in ((mesh8, 1), (mesh8, 4), (mesh1, 1)):
+        placed = OnDevice(split, mesh)
+        kwargs = dict(batch_size=64, seed=3, steps_per_call=calls, steps=steps)
         with (
-            jdp.train_batches(split, mesh8, **kwargs) as host,
-            jdp.train_batches(placed, mesh8, **kwargs) as device,
+            jdp.train_batches(split, mesh, **kwargs) as host,
+            jdp.train_batches(placed, mesh, **kwargs) as device,
         ):
-            batches = [next(device) for _ in range(2)]  # the first chunk's, from the host
-            for _ in range(1000):  # until the loader's thread asks for the second chunk
-                if placed.gathers.programs:
-                    break
-                time.sleep(0.01)
-            (compiling,) = placed.gathers.programs.values()
-            assert isinstance(compiling, threading.Thread) and compiling.is_alive()
-            release.set()
-            placed.settle()  # as a run's end does
-            batches += [next(device) for _ in range(46)]  # the program's, after 4 chunks
-            (compiled,) = placed.gathers.programs.values()
-            assert isinstance(compiled, jax.stages.Compiled)
-            for batch in batches:
-                expected = next(host)
+            for _ in range(20):  # past the first chunk of 64 steps, and its epochs of 300
+                batch, expected = next(device), next(host)
                 _same(expected, batch)
-                placement = jdp.shard_batch(expected, mesh8, stacked=calls > 1)
+                placement = jdp.shard_batch(expected, mesh, stacked=calls > 1)
                 assert batch["image"].sharding == placement["image"].sharding
-        assert 0 < len(on_host) < 48, len(on_host)  # items read from the host's copy
-        release.clear()
-    # A split too large to keep twice on the host: its first chunk waits for the program.
-    monkeypatch.setattr(on_device, "HOST_COPY_BYTES", 0)
-    release.set()
-    placed, on_host[:] = OnDevice(split, mesh8), []
-    with jdp.train_batches(placed, mesh8, batch_size=64, seed=3) as device:
-        next(device)
-    (compiled,) = placed.gathers.programs.values()
-    assert isinstance(compiled, jax.stages.Compiled) and on_host == []
+        chunks = [key for key in placed.gathers._jitted if key[1]]  # chunk programs made
+        assert (chunks == []) == (steps is not None and steps < gathers.COMPILE_STEPS)
 
 
 def test_each_device_gathers_its_rows_from_its_own_copy(mesh8):

@@ -169,6 +169,7 @@ def _timed_choice(run: Run, state: TrainState, start: int, longest: int) -> tupl
         seed=config.seed,
         start_step=start,
         place=places_ahead(run.mesh),
+        steps=config.steps - start,  # as the run's loader: a short run's chunks from the host
     )
     with loader as batches:
         first_s, host_us, call_us = _one_step_call(run.train_step, state, next(batches))

@@ -12,7 +12,7 @@ import optax
 
 from jdp.actions import NEVER, Action, Progress
 from jdp.checkpoint import Checkpointer
-from jdp.data.loader import CallBounds, OnDevice, calls_from, places_ahead, train_batches
+from jdp.data.loader import CallBounds, calls_from, places_ahead, train_batches
 from jdp.data.splits import Split
 from jdp.distributed.marks import (
     ACTIONS,
@@ -174,8 +174,6 @@ def _train(
     config, calls = run.config, run.config.steps_per_call  # steps per call of the step
     bounds = call_bounds(config, callbacks)  # a shorter call closes a gap to one (forced K)
     steps: dict = {}  # the step's call by the steps it runs (K, and 1 closing a gap), as met
-    if isinstance(run.train, OnDevice):  # once the loader closed: no gather left compiling
-        stack.callback(run.train.settle)
     batches = stack.enter_context(_train_loader(config, run, start, bounds))
     logger = stack.enter_context(metric_logger(config, tokens_per_example(run)))
     ledger = data_ledger(config, run, batches, start, ledger)

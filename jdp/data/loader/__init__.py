@@ -11,7 +11,6 @@ __getattr__, __dir__, __all__ = lazy.attach(
     __name__,
     {
         "jdp.data.loader.on_device": (
-            "OnDevice",
             "on_host",
             "place",
             "state_bytes",

@@ -1,29 +1,23 @@
-"""The gather of a step's rows on the devices (`jdp.data.loader.OnDevice`'s): its
-programs, each compiled in a thread of its own, and the host's copy of the rows while
-it compiles.
+"""The gather of a step's rows on the devices (`jdp.data.loader.OnDevice`'s), and the
+host's copy of the rows for a run too short to repay compiling a chunk's gather.
 
 The loader gathers a chunk of 64 one-step batches with one program, which gives
-each step's batch back as outputs of their own: no call a step. XLA:CPU takes about
-5 ms a output to compile it, 0.7 s for the chunk on the digits, more than the train
-step's own compile (0.4 s), and the run's first step waited for it before the step
-could compile. So a gather program compiles beside the run, and until it is ready
-each chunk's rows are taken from the split's preprocessed copy on the host (the
-arrays that were placed) and placed as the host loader places a batch. A gather, a
-crop and a flip move values and compute none: the batch is the same bits either way.
-Reading from the host costs the loader's thread more a chunk (2.6 against 0.5 ms on
-``data=1``, 8 against 2.2 on ``data=8``), so a chunk's program is compiled once the
-host's copy has served `COMPILE_AFTER` of its chunks: a run as short as the README's
-(400 steps) compiles none, and a long one compiles it while it trains (`OnDevice.settle`
-waits for it at the run's end). The gather of one batch (an evaluation's; two outputs)
-compiles when first asked, as does every gather of a split over `HOST_COPY_BYTES`,
-which keeps no host copy.
+each step's batch back as an output of its own: no call a step. XLA:CPU takes about
+5 ms an output to compile it, 0.7 s for the digits' chunk, more than the train step's
+own compile (0.4 s), and the run's first step waited for it. Reading the chunk's rows
+from the split's preprocessed copy on the host (the arrays that were placed) and
+placing them as the host loader places its batches costs the loader's thread more a
+chunk instead: 2.6 against 0.5 ms on ``data=1``, 8 against 2.2 ms on ``data=8``. So a
+training loader of fewer than `COMPILE_STEPS` steps (the README's first command takes
+400) reads its chunks from the host's copy and compiles no chunk's gather; a longer one
+(or one whose length is not given) compiles it on its first chunk, as before. A gather, a crop and a flip move values and compute
+none: the batch is the same bits either way. The gather of one batch (an evaluation's,
+two outputs) is compiled as ever, and a split over `HOST_COPY_BYTES` keeps no host copy.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-import threading
 from typing import Any
 
 import jax
@@ -35,14 +29,15 @@ from jdp.data.formats.transforms import Augmentation, crop_and_flip
 from jdp.mesh import batch_sharded, shard_batch
 
 ROWS, OFFSETS, FLIPS = "rows", "offsets", "flips"  # an index batch's keys
-# The largest split (bytes) whose preprocessed host copy is kept, to serve the chunks
-# read while their gather compiles: twice the host memory the split takes at most.
+# The largest split (bytes) whose preprocessed host copy is kept, to serve a short run's
+# chunks: twice the host memory the split takes at most.
 HOST_COPY_BYTES = 1 << 28
-# The chunks of one program's shapes that the host's copy serves before it compiles: 16
-# chunks of 64 one-step batches are 1,024 steps, and save 35-95 ms against compiling it
-# for 0.7 s (the digits on the development machine); from the 16th on it compiles beside
-# the run (non-stop, in a thread that the process waits for at its end).
-COMPILE_AFTER = 16
+# The fewest steps a training loader gives for which a chunk's gather is compiled.
+# Compiling it took 0.73 s; reading from the host's copy instead cost the digits run on
+# data=1 76 us a step (4,000 steps: 300-313k examples/s against 355-377k), so it is
+# repaid after about 10,000 steps. Below 2,000 steps it costs less than 0.15 s; above,
+# runs keep the compiled gather's steady rate (the one the benchmarks time, from 4,000).
+COMPILE_STEPS = 2_000
 
 
 class Gathers:
@@ -67,99 +62,47 @@ class Gathers:
         self._host = host
         self._input_key, self._padding, self._flip = input_key, padding, flip
         self._jitted: dict[tuple, Any] = {}  # by (stacked, chunk, group)
-        # By (stacked, chunk, group) and the index batch's shapes: the compiled program,
-        # the thread compiling it, or what compiling it raised.
-        self.programs: dict[tuple, Any] = {}
-        self._asks: collections.Counter = collections.Counter()  # by the same, not compiled
-        self._lock = threading.Lock()
 
     def jitted(self, stacked: bool = False, chunk: bool = False, group: int = 1):
         """The jitted gather of a placed index batch (`OnDevice.gather`)."""
         key = (stacked, chunk, group)
-        with self._lock:
-            if key not in self._jitted:
-                self._jitted[key] = jax.jit(
-                    functools.partial(
-                        _gather,
-                        key=self._input_key,
-                        padding=self._padding,
-                        unstack=chunk,
-                        group=group,
-                    ),
-                    out_shardings=batch_sharded(self.mesh, stacked=stacked),
-                )
-            return self._jitted[key]
+        if key not in self._jitted:
+            self._jitted[key] = jax.jit(
+                functools.partial(
+                    _gather,
+                    key=self._input_key,
+                    padding=self._padding,
+                    unstack=chunk,
+                    group=group,
+                ),
+                out_shardings=batch_sharded(self.mesh, stacked=stacked),
+            )
+        return self._jitted[key]
 
-    def gathered(self, item, *, stacked: bool = False):
+    def gathered(self, item, *, stacked: bool = False, compiles: bool = True):
         """A host index batch (or a chunk's list of them) -> its batch (list) on the
         devices: a chunk's indices stack into one transfer (`jax.device_put`'s Python
-        cost is per leaf) and one gather; read from the host's copy while that gather
-        compiles."""
+        cost is per leaf) and one gather; a chunk read from the host's copy instead
+        where ``compiles`` is False (and a copy is kept)."""
+        if isinstance(item, list) and not compiles and self._host is not None:
+            return shard_batch([self._on_host(one) for one in item], self.mesh, stacked=stacked)
         if not isinstance(item, list):
-            indices, how = item, (stacked, False, 1)
-        elif stacked:  # calls of several steps: their steps in a row, gathered a call apiece
+            return self.gather(shard_batch(item, self.mesh, stacked=stacked), stacked=stacked)
+        if stacked:  # calls of several steps: their steps in a row, gathered a call apiece
             steps = len(next(iter(item[0].values())))
-            indices = {key: np.concatenate([batch[key] for batch in item]) for key in item[0]}
-            how = (True, True, steps)
-        else:
-            indices = {key: np.stack([batch[key] for batch in item]) for key in item[0]}
-            how = (False, True, 1)
-        placed = stacked or isinstance(item, list)  # the indices' steps on axis 0
-        program = self._program(how, indices, placed)
-        if program is not None:
-            return program(self.arrays, shard_batch(indices, self.mesh, stacked=placed))
-        rows = (
-            [self._on_host(one) for one in item] if isinstance(item, list) else self._on_host(item)
-        )
-        return shard_batch(rows, self.mesh, stacked=stacked)
+            item = {key: np.concatenate([batch[key] for batch in item]) for key in item[0]}
+            placed = shard_batch(item, self.mesh, stacked=True)
+            return self.gather(placed, stacked=True, chunk=True, group=steps)
+        item = {key: np.stack([batch[key] for batch in item]) for key in item[0]}
+        return self.gather(shard_batch(item, self.mesh, stacked=True), chunk=True)
 
-    def _program(self, how: tuple, indices: dict, placed: bool):
-        """The compiled gather for ``indices``' shapes, or None until it is compiled (a
-        chunk's compile starts on the `COMPILE_AFTER`-th ask); compiled now (in a thread,
-        waited for) for one batch, or without a host copy."""
-        shapes = tuple(sorted((name, v.shape, v.dtype.str) for name, v in indices.items()))
-        key = (how, shapes)
-        with self._lock:
-            program = self.programs.get(key)
-            if program is None and self._host is not None and how[1]:  # a chunk's
-                self._asks[key] += 1
-                if self._asks[key] < COMPILE_AFTER:
-                    return None
-            if program is None:  # not a daemon: the process ends after it, not inside XLA
-                program = threading.Thread(
-                    target=self._compile,
-                    args=(key, indices, placed),
-                    name="jdp-gather-compile",
-                    daemon=False,
-                )
-                program.start()  # its end waits for the lock: the program replaces it
-                self.programs[key] = program
-        if isinstance(program, threading.Thread) and (self._host is None or not how[1]):
-            program.join()
-            program = self.programs[key]
-        if isinstance(program, BaseException):
-            raise program
-        return None if isinstance(program, threading.Thread) else program
-
-    def wait(self) -> None:
-        """Until no gather is compiling (`OnDevice.settle`)."""
-        with self._lock:
-            compiling = [p for p in self.programs.values() if isinstance(p, threading.Thread)]
-        for thread in compiling:
-            thread.join()
-
-    def _compile(self, key: tuple, indices: dict, placed: bool) -> None:
-        try:
-            placed_indices = shard_batch(indices, self.mesh, stacked=placed)
-            compiled = self.jitted(*key[0]).lower(self.arrays, placed_indices).compile()
-        except BaseException as error:  # raised where the loader asks for the program
-            compiled = error
-        with self._lock:
-            self.programs[key] = compiled
+    def gather(self, item: dict, *, stacked: bool = False, chunk: bool = False, group: int = 1):
+        """`OnDevice.gather`."""
+        return self.jitted(stacked, chunk, group)(self.arrays, item)
 
     def _on_host(self, item: dict) -> dict:
         """The rows ``item`` names from the host's copy, cropped and flipped as it draws
-        (over any leading axes), with its other keys (an evaluation's mask)."""
+        (over any leading axes), with its other keys."""
         rows = item[ROWS]
         batch = {name: value[rows] for name, value in self._host.items()}
         if OFFSETS in item:

@@ -7,10 +7,10 @@ runs per batch, and placed on every device (`OnDevice`). A training step's
 batch is then gathered on the devices from its indices, the same ``(seed,
 step)`` order as the host loader's (`jdp.data.loader.readers`), and augmented there
 (crop and flip are data movement: the same values as the host's); the host
-computes only the indices, a chunk of steps at a time, and places them (a run's
-first chunks come from the host's copy of the split instead, while their gather is
-not yet compiled: `jdp.data.loader.gathers`). So the batch of every step is bitwise
-the host loader's, and the data ledger's digests are the same.
+computes only the indices, a chunk of steps at a time, and places them (a short
+run reads its chunks from the host's copy of the split instead, compiling no chunk's
+gather: `jdp.data.loader.gathers`). So the batch of every step is bitwise the host
+loader's, and the data ledger's digests are the same.
 
 Every device holds the whole split: any example can fall in any device's rows
 of a global batch, and each device reads its rows from its own copy, with no
@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jdp.data.formats.transforms import Transform
-from jdp.data.loader.gathers import FLIPS, HOST_COPY_BYTES, OFFSETS, ROWS, Gathers
+from jdp.data.loader.gathers import COMPILE_STEPS, FLIPS, HOST_COPY_BYTES, OFFSETS, ROWS, Gathers
 from jdp.data.loader.readers import EvalReader, TrainReader, _stream
 from jdp.data.loader.streams import BatchStream
 from jdp.data.splits.ledger import LEDGER_KEY
@@ -74,7 +74,7 @@ class OnDevice:
         augments = isinstance(transform, Transform) and transform.augments
         self.padding = transform.crop_padding if augments else 0
         self.flip = bool(augments and transform.flip)
-        kept = None  # the host's copy, for the first chunks (`jdp.data.loader.gathers`)
+        kept = None  # the host's copy, for a short run's chunks (`jdp.data.loader.gathers`)
         if self.nbytes <= HOST_COPY_BYTES:
             kept = {name: np.asarray(v, self.arrays[name].dtype) for name, v in host.items()}
         self.gathers = Gathers(
@@ -99,17 +99,28 @@ class OnDevice:
         devices. ``stacked``: several steps' on axis 0, kept so; ``chunk``: several steps'
         on axis 0, given back as a list of batches (one transfer and one call a chunk), or
         of stacks of ``group`` steps each (calls of several steps)."""
-        return self.gathers.jitted(stacked, chunk, group)(self.arrays, item)
-
-    def settle(self) -> None:
-        """Waits for the gathers compiling beside the run (`jdp.data.loader.gathers`): a
-        run's end, so that none is still inside XLA's compiler as the process exits."""
-        self.gathers.wait()
+        return self.gathers.gather(item, stacked=stacked, chunk=chunk, group=group)
 
     def gathered(self, item, *, stacked: bool = False):
         """A host index batch (or a chunk's list of them) -> its batch (list) on the
-        devices, bitwise the host loader's (`jdp.data.loader.gathers`)."""
+        devices, bitwise the host loader's."""
         return self.gathers.gathered(item, stacked=stacked)
+
+    def for_steps(self, steps: int | None) -> OnDevice | _HostChunks:
+        """What a training loader of ``steps`` steps (None: not known) gathers with:
+        this split, or for fewer than `COMPILE_STEPS` its chunks read from the host's
+        copy (`jdp.data.loader.gathers`)."""
+        return self if steps is None or steps >= COMPILE_STEPS else _HostChunks(self)
+
+
+class _HostChunks:
+    """An `OnDevice` whose chunks are read from its host copy: no chunk's gather compiled."""
+
+    def __init__(self, placed: OnDevice):
+        self.placed = placed
+
+    def gathered(self, item, *, stacked: bool = False):
+        return self.placed.gathers.gathered(item, stacked=stacked, compiles=False)
 
 
 def on_host(split):

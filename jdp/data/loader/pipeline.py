@@ -338,7 +338,7 @@ def train_batches(
         # Chunks are for the loader's own thread, whose per-batch cost they save;
         # Grain workers pay that cost in other processes.
         chunk=1 if workers else max(1, _chunk_steps(reader, start_step, steps) // steps_per_call),
-        device=split if on_device else None,
+        device=split.for_steps(steps) if on_device else None,
         bounds=bounds,
         **shared,
     )
