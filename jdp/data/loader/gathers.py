@@ -8,11 +8,13 @@ own compile (0.4 s), and the run's first step waited for it. Reading the chunk's
 from the split's preprocessed copy on the host (the arrays that were placed) and
 placing them as the host loader places its batches costs the loader's thread more a
 chunk instead: 2.6 against 0.5 ms on ``data=1``, 8 against 2.2 ms on ``data=8``. So a
-training loader of fewer than `COMPILE_STEPS` steps (the README's first command takes
-400) reads its chunks from the host's copy and compiles no chunk's gather; a longer one
-(or one whose length is not given) compiles it on its first chunk, as before. A gather, a crop and a flip move values and compute
-none: the batch is the same bits either way. The gather of one batch (an evaluation's,
-two outputs) is compiled as ever, and a split over `HOST_COPY_BYTES` keeps no host copy.
+training loader with fewer than `COMPILE_STEPS` steps to give (the README's first
+command takes 400; a resume counts the steps left) reads its chunks from the host's
+copy and compiles no chunk's gather; a longer one (or one whose length is not given)
+compiles it on its first chunk, as before. A gather, a crop and a flip move values and
+compute none: the batch is the same bits either way. The gather of one batch (an
+evaluation's, two outputs) is compiled as ever, and a split over `HOST_COPY_BYTES`
+keeps no host copy.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Gathers:
     ):
         self.arrays, self.mesh = arrays, mesh
         self._host = host
-        self._input_key, self._padding, self._flip = input_key, padding, flip
+        self._input_key, self._padding = input_key, padding
         self._jitted: dict[tuple, Any] = {}  # by (stacked, chunk, group)
 
     def jitted(self, stacked: bool = False, chunk: bool = False, group: int = 1):
