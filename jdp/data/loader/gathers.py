@@ -47,18 +47,11 @@ class Gathers:
 
     Args:
         host: the same arrays on the host (as preprocessed), or None to keep none.
-        input_key: the input that a crop and flip move (``padding``, ``flip``).
+        input_key: the input that a crop moves, as its index batch draws, in ``padding``.
     """
 
     def __init__(
-        self,
-        arrays: dict,
-        host: dict | None,
-        mesh: Mesh,
-        *,
-        input_key: str,
-        padding: int,
-        flip: bool,
+        self, arrays: dict, host: dict | None, mesh: Mesh, *, input_key: str, padding: int
     ):
         self.arrays, self.mesh = arrays, mesh
         self._host = host

@@ -78,12 +78,7 @@ class OnDevice:
         if self.nbytes <= HOST_COPY_BYTES:
             kept = {name: np.asarray(v, self.arrays[name].dtype) for name, v in host.items()}
         self.gathers = Gathers(
-            self.arrays,
-            kept,
-            mesh,
-            input_key=split.input_key,
-            padding=self.padding,
-            flip=self.flip,
+            self.arrays, kept, mesh, input_key=split.input_key, padding=self.padding
         )
 
     def __len__(self) -> int:
