@@ -23,10 +23,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
 from jdp.distributed import cluster
+from jdp.distributed.output import relay
 from jdp.launch import (
     STOPPED_CODES,
     add_process_flags,
@@ -76,8 +78,7 @@ class Process:
             errors="backslashreplace",
             start_new_session=True,
         )
-        for line in iter(self.child.stdout.readline, ""):
-            print(f"[{rank}] {line}", end="" if line.endswith("\n") else "\n", flush=True)
+        relay(self.child.stdout, rank, sys.stdout, threading.Lock())
         return self.child.wait()
 
     def stop(self, number: int) -> None:

@@ -87,6 +87,7 @@ def test_two_processes_on_ray_end_where_jdp_launch_does(cluster, tmp_path):
     )
     assert on_ray.returncode == 0, on_ray.stderr[-3000:]
     assert "2 processes on 2 Ray nodes" in on_ray.stderr
+    assert "[Gloo]" not in on_ray.stdout + on_ray.stderr  # the peers' connection lines
     launched = _run(
         *"jdp.launch --nproc 2 --devices-per-process 4 --".split(),
         *TRAIN,

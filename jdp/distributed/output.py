@@ -8,27 +8,31 @@ import threading
 from typing import TextIO
 
 # The collectives library's word that each process reached its peers: one line per
-# process, every run, saying nothing a user acts on (a failure to connect still shows).
-# Written by several threads at once it can come interleaved ("[Gloo] Rank [Gloo] Rank 0
-# is connected ..." and "0 is connected ..."): each piece ends as the message does, or
-# without its count, which then comes alone on the next line ("... is : " and "7").
-CONNECTED = re.compile(r"Expected number of connected peer ranks is :( ?\d+)?$")
+# thread, every run, saying nothing a user acts on (a failure to connect still shows). Each
+# line is written as pieces ("[Gloo] Rank ", the rank, " is connected to ", the count, " peer
+# ranks. ", "Expected number of connected peer ranks is : ", the count, the line's end), and
+# threads writing at once interleave them anywhere: "[Gloo] Rank 4 is connected to 7 peer
+# ranks. [Gloo] Rank 7Expected number of ... is :  is connected to 77", or a line cut before
+# its counts, which then come alone (or as an empty line) next.
+PIECES = re.compile(
+    r"\[Gloo\] Rank|is connected to|Expected number of connected peer ranks is :|peer ranks\."
+)
+COUNTS = re.compile(r"[\d\s]*")
 
 
 class ConnectionLines:
-    """Which lines of one process's output are the connection messages, pieces and all."""
+    """Which lines of one process's output are the connection messages, pieces and all: a
+    line of nothing but their pieces and numbers, and the numbers or empty lines after it."""
 
     def __init__(self) -> None:
-        self.cut = False  # the last line dropped ended before its count
+        self.after = False  # the line before was dropped: its counts may come next
 
     def drops(self, line: str) -> bool:
-        text, cut = line.rstrip(), self.cut
-        self.cut = False
-        if cut and text.isdigit():  # the count the line before was cut from
-            return True
-        match = CONNECTED.search(text)
-        self.cut = bool(match) and match.group(1) is None
-        return bool(match)
+        text, after = line.rstrip("\n"), self.after
+        rest, pieces = PIECES.subn("", text)
+        self.after = pieces > 0 and COUNTS.fullmatch(rest) is not None
+        self.after |= after and COUNTS.fullmatch(text) is not None
+        return self.after
 
 
 def relay(stream, rank: int, out: TextIO, lock: threading.Lock) -> None:
