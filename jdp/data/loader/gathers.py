@@ -74,13 +74,15 @@ class Gathers:
             )
         return self._jitted[key]
 
-    def gathered(self, item, *, stacked: bool = False, compiles: bool = True):
+    def gathered(self, item, *, stacked: bool = False, compiles: bool = True, place: bool = True):
         """A host index batch (or a chunk's list of them) -> its batch (list) on the
         devices: a chunk's indices stack into one transfer (`jax.device_put`'s Python
         cost is per leaf) and one gather; a chunk read from the host's copy instead
-        where ``compiles`` is False (and a copy is kept)."""
+        where ``compiles`` is False (and a copy is kept), left on the host where
+        ``place`` is False (the step's call places it, `jdp.data.loader.places_ahead`)."""
         if isinstance(item, list) and not compiles and self._host is not None:
-            return shard_batch([self._on_host(one) for one in item], self.mesh, stacked=stacked)
+            chunk = [self._on_host(one) for one in item]
+            return shard_batch(chunk, self.mesh, stacked=stacked) if place else chunk
         if not isinstance(item, list):
             return self.gather(shard_batch(item, self.mesh, stacked=stacked), stacked=stacked)
         if stacked:  # calls of several steps: their steps in a row, gathered a call apiece

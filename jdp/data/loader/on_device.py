@@ -96,9 +96,10 @@ class OnDevice:
         of stacks of ``group`` steps each (calls of several steps)."""
         return self.gathers.gather(item, stacked=stacked, chunk=chunk, group=group)
 
-    def gathered(self, item, *, stacked: bool = False):
+    def gathered(self, item, *, stacked: bool = False, place: bool = True):
         """A host index batch (or a chunk's list of them) -> its batch (list) on the
-        devices, bitwise the host loader's."""
+        devices, bitwise the host loader's (``place`` is for a short run's chunks,
+        `_HostChunks`: a gather's are on the devices)."""
         return self.gathers.gathered(item, stacked=stacked)
 
     def for_steps(self, steps: int | None) -> OnDevice | _HostChunks:
@@ -114,8 +115,8 @@ class _HostChunks:
     def __init__(self, placed: OnDevice):
         self.placed = placed
 
-    def gathered(self, item, *, stacked: bool = False):
-        return self.placed.gathers.gathered(item, stacked=stacked, compiles=False)
+    def gathered(self, item, *, stacked: bool = False, place: bool = True):
+        return self.placed.gathers.gathered(item, stacked=stacked, compiles=False, place=place)
 
 
 def on_host(split):

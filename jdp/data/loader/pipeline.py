@@ -147,7 +147,7 @@ class Loader(Iterator[dict]):
                 stacked = self._steps_per_item > 1 and not isinstance(item, Singles)
                 steps = item_steps(item) if stacked else 1  # a shorter call's, closing a gap
                 if self._device:  # the indices placed (a chunk's stacked); the rows gathered there
-                    item = self._device.gathered(item, stacked=stacked)
+                    item = self._device.gathered(item, stacked=stacked, place=self._place)
                 elif self._place:  # a chunk (a list of batches) is placed in one transfer call
                     item = shard_batch(item, self._mesh, stacked=stacked)
                 if not self._put((item, marks, steps)):
