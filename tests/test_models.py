@@ -1,6 +1,8 @@
 """Built-in models, and users' Linen and NNX modules through `from_linen` / `from_nnx`."""
 
 import shutil
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -225,6 +227,53 @@ def test_every_builtin_model_takes_a_step(name, mesh8):
     step = jdp.make_train_step(model.loss_fn, optimizer, mesh8, has_model_state=True)
     state, metrics = step(state, jdp.shard_batch(batch, mesh8))
     assert np.isfinite(float(metrics["loss"])) and "accuracy" in metrics
+
+
+# In a process at XLA's defaults (the suite compiles at LLVM's level 0, conftest.py): each
+# model's parameters made on the mesh by their program at `INIT_OPTIONS` against a plain
+# `jax.jit(model.init)`, replicated and sharded.
+_INIT_AT_DEFAULTS = """
+import sys
+import jax, numpy as np
+import jdp
+from jdp.models import get_model
+from jdp.models.model import INIT_OPTIONS, init_options
+from jdp.data.formats import numbers2words
+
+for name in sys.argv[1:]:
+    if name == "gpt":
+        numbers = numbers2words.encode(np.arange(100, 116), 7)
+        split = numbers2words.SequenceSplit(*numbers, vocab=numbers2words.VOCAB)
+    else:
+        images = np.random.default_rng(0).integers(0, 255, (16, 8, 8, 1), np.uint8)
+        split = jdp.Split(images, np.arange(16, dtype=np.int32) % 10, num_classes=10)
+    model = get_model(name, split)
+    batch = jax.tree.map(np.asarray, split.read(np.arange(16)))
+    if "image" in batch:
+        batch["image"] = split.transform(batch["image"])
+    plain = jax.tree.leaves(jax.jit(model.init)(jax.random.key(0), batch))
+    for mesh in (jdp.make_mesh("data=8"), jdp.make_mesh("data=2,fsdp=4")):
+        assert init_options(mesh) == INIT_OPTIONS
+        made = jax.tree.leaves(model.init_on_mesh(jax.random.key(0), batch, mesh)[:2])
+        for got, want in zip(made, plain, strict=True):
+            assert got.dtype == want.dtype and np.array_equal(got, want), name
+    print(name, "the same bits")
+"""
+
+
+@pytest.mark.slow
+def test_parameters_made_by_a_quicker_compile_are_the_same_bits():
+    from tools.readme import row_env
+
+    result = subprocess.run(
+        [sys.executable, "-c", _INIT_AT_DEFAULTS, "mlp", "cnn", "gpt"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=row_env("--xla_force_host_platform_device_count=8"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("the same bits") == 3
 
 
 def _count(module, *inputs):
