@@ -8,6 +8,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import cli, subprocess_env
@@ -236,6 +237,28 @@ def test_logger_rates_and_errors(capfd):
     failing.record(98, {"loss": jax.device_put(np.float32(0))})
     with pytest.raises(RuntimeError, match="writing metrics failed: not a number"):
         failing.close()
+
+
+def test_scalars_read_in_place_are_the_values_a_stacked_copy_gives(monkeypatch):
+    """On the CPU the logger reads each scalar where it lies; an accelerator's are
+    stacked on the device and copied at once (`_stack`, run here on the CPU): the
+    same floats, over more than one copy's chunk (128) and several dtypes."""
+    from jdp.report import logger
+
+    records = [
+        {
+            "loss": jax.device_put(np.float32(step / 3 if step != 7 else np.nan)),
+            "count": jax.device_put(np.int32(step)),
+            "half": jax.device_put(jnp.bfloat16(step / 10)),
+            "lr": 0.5,
+            "note": "host values pass as they are",
+        }
+        for step in range(150)
+    ]
+    in_place = logger._fetch(records)
+    monkeypatch.setattr(logger, "_READ_IN_PLACE", frozenset())
+    assert repr(in_place) == repr(logger._fetch(records))  # nan prints alike
+    assert in_place[3]["loss"] == float(np.float32(1.0)) and in_place[149]["count"] == 149.0
 
 
 @pytest.mark.parametrize(
