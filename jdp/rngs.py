@@ -57,3 +57,14 @@ def micro_rng(rng: Any, index: jax.Array, rows: int) -> Any:
     if isinstance(rng, RowKey):
         return RowKey(rng.key, rng.first_row + index * rows)
     return jax.random.fold_in(rng, index)
+
+
+def run_keys(seed: int) -> tuple[jax.Array, jax.Array]:
+    """A run's two keys from its ``seed``, the parameters' and the training's:
+    ``jax.random.split(jax.random.key(seed))``, the same bits, as one program (its three
+    operations, each compiled apiece, took 35 ms more of a run's start on the CPU)."""
+    return _run_keys(seed)
+
+
+# ``seed`` static: a Python int of any size makes its key as ``jax.random.key`` does.
+_run_keys = jax.jit(lambda seed: tuple(jax.random.split(jax.random.key(seed))), static_argnums=0)

@@ -52,6 +52,7 @@ from jdp.replica import check_accumulate
 from jdp.report.console import Console
 from jdp.report.trackers import check_trackers
 from jdp.report.writers import check_writable
+from jdp.rngs import run_keys
 from jdp.state import create_train_state
 from jdp.step import make_eval_step, make_sync_step
 from jdp.training.config import OPTIMIZER, TrainConfig, fields_of
@@ -275,7 +276,7 @@ def build(
     if model is None:
         model = model_of_run(dataclasses.asdict(config) | {ARCHITECTURE: architecture}, train)
 
-    init_rng, train_rng = jax.random.split(jax.random.key(config.seed))
+    init_rng, train_rng = run_keys(config.seed)
     sample = EvalReader(train, batch_size=1, rows=slice(None))(0)
     rules = parse_rules(config.axis_rules)
     params, model_state, specs = model.init_on_mesh(init_rng, sample, mesh, rules=rules)
