@@ -176,6 +176,8 @@ def test_auto_leaves_what_does_not_fit_on_the_host_and_on_refuses_it(mesh8, monk
     splits = {"train": train, "validation": None, "test": test}
     placed = place("auto", splits, mesh8, state_bytes=0, say=said.append)
     assert isinstance(placed["train"], OnDevice) and isinstance(placed["test"], OnDevice)
+    # the host's copy, for a short run's chunks: the training split's alone
+    assert placed["train"].gathers._host is not None and placed["test"].gathers._host is None
     assert said[-1] == (
         "jdp: data on each device: train 300 examples (226.2 KiB), test 100 "
         "examples (75.4 KiB), each step's rows gathered there "

@@ -47,6 +47,8 @@ class OnDevice:
     Pass it wherever a split goes (`jdp.train_batches`, `jdp.eval_batches`,
     ``jdp.fit(train=...)``): its batches are gathered on the devices, bitwise the
     ones the host loader makes of ``split``. Every other attribute is the split's.
+    ``host_copy``: keep the preprocessed arrays on the host too, for a short run's
+    chunks (`jdp.data.loader.gathers`); an evaluation's split needs none.
 
     Examples:
         >>> mesh = jdp.make_mesh("data=8")
@@ -57,7 +59,7 @@ class OnDevice:
         ((128, 8, 8, 1), 1438, 373880)
     """
 
-    def __init__(self, split, mesh: Mesh):
+    def __init__(self, split, mesh: Mesh, *, host_copy: bool = True):
         if (reason := cannot_place(split, corpus=True)) is not None:
             raise UsageError(f"this split cannot go on the devices: {reason}")
         self.split, self.mesh = split, mesh
@@ -75,7 +77,7 @@ class OnDevice:
         self.padding = transform.crop_padding if augments else 0
         self.flip = bool(augments and transform.flip)
         kept = None  # the host's copy, for a short run's chunks (`jdp.data.loader.gathers`)
-        if self.nbytes <= HOST_COPY_BYTES:
+        if host_copy and self.nbytes <= HOST_COPY_BYTES:
             kept = {name: np.asarray(v, self.arrays[name].dtype) for name, v in host.items()}
         self.gathers = Gathers(
             self.arrays, kept, mesh, input_key=split.input_key, padding=self.padding
@@ -99,17 +101,17 @@ class OnDevice:
     def gathered(self, item, *, stacked: bool = False, place: bool = True):
         """A host index batch (or a chunk's list of them) -> its batch (list) on the
         devices, bitwise the host loader's (``place`` is for a short run's chunks,
-        `_HostChunks`: a gather's are on the devices)."""
+        `HostChunks`: a gather's are on the devices)."""
         return self.gathers.gathered(item, stacked=stacked)
 
-    def for_steps(self, steps: int | None) -> OnDevice | _HostChunks:
+    def for_steps(self, steps: int | None) -> OnDevice | HostChunks:
         """What a training loader of ``steps`` steps (None: not known) gathers with:
         this split, or for fewer than `COMPILE_STEPS` its chunks read from the host's
         copy (`jdp.data.loader.gathers`)."""
-        return self if steps is None or steps >= COMPILE_STEPS else _HostChunks(self)
+        return self if steps is None or steps >= COMPILE_STEPS else HostChunks(self)
 
 
-class _HostChunks:
+class HostChunks:
     """An `OnDevice` whose chunks are read from its host copy: no chunk's gather compiled."""
 
     def __init__(self, placed: OnDevice):
@@ -252,8 +254,10 @@ def place(
                 return splits
             break
         chosen[name], total = size, total + size
+    training = next(iter(splits))  # an evaluation's split keeps no host copy: never read
     placed = {
-        name: OnDevice(split, mesh) if name in chosen else split for name, split in splits.items()
+        name: OnDevice(split, mesh, host_copy=name == training) if name in chosen else split
+        for name, split in splits.items()
     }
     said = ", ".join(
         f"{name} {len(given[name]):,} examples ({_mb(size)})" for name, size in chosen.items()

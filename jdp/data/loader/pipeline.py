@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 import jax
 from jax.sharding import Mesh
 
-from jdp.data.loader.on_device import EvalIndexReader, IndexReader, OnDevice
+from jdp.data.loader.on_device import EvalIndexReader, HostChunks, IndexReader, OnDevice
 from jdp.data.loader.readers import (
     NO_BOUNDS,
     CallBounds,
@@ -85,7 +85,7 @@ class Loader(Iterator[dict]):
         chunk: int = 1,
         place: bool = True,
         stream: Iterable[dict] | None = None,
-        device: OnDevice | None = None,
+        device: OnDevice | HostChunks | None = None,
         bounds: CallBounds = NO_BOUNDS,
     ):
         if workers < 0 or prefetch < 1 or steps_per_item < 1:
