@@ -649,17 +649,33 @@ def test_the_launcher_drops_the_collectives_connection_lines_even_interleaved():
         "is : 7[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer "
         "ranks is : ",
         "7",  # the count cut from the line before
-        # pieces of two lines interleaved inside the line (a CI run's process 1), then the
-        # second count and the second line's end
+        # pieces of two messages interleaved inside the line (a CI run's process 1), then
+        # the rest of the second
         "[Gloo] Rank 4 is connected to 7 peer ranks. [Gloo] Rank 7Expected number of "
         "connected peer ranks is :  is connected to 77",
-        "7",
+        " peer ranks. Expected number of connected peer ranks is : 7",
+        # both counts, then both line ends
+        "[Gloo] Rank 5 is connected to 7 peer ranks. [Gloo] Rank 6 is connected to 7 peer "
+        "ranks. Expected number of connected peer ranks is : Expected number of connected "
+        "peer ranks is : 77",
         "",
     ]
-    kept = ["[Gloo] Rank 0 failed to connect to 127.0.0.1:1234", "7", "", "step 20: loss=0.1"]
+    kept = [
+        "[Gloo] Rank 0 failed to connect to 127.0.0.1:1234",
+        "7",
+        "",
+        "[Gloo] Rank 1 is connected to 0 peer ranks. Expected number of connected peer ranks "
+        "is : 1",  # a peer missing
+        "",
+        "42",
+        "step 20: loss=0.1",
+    ]
     connection = ConnectionLines()
     drops = [connection.drops(line + "\n") for line in dropped + kept]
     assert drops == [True] * len(dropped) + [False] * len(kept)
+    # a whole message owes nothing: the empty line and the number after it are the run's
+    whole = dropped[0]
+    assert [connection.drops(line + "\n") for line in (whole, "", "42")] == [True, False, False]
 
 
 # jdp.train where the longest call the periods allow always pays back its compile, as in a
