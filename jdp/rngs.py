@@ -9,6 +9,7 @@ nothing. Any other loss gets a key that differs per replica.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -63,7 +64,7 @@ def run_keys(seed: int) -> tuple[jax.Array, jax.Array]:
     """A run's two keys from its ``seed``, the parameters' and the training's:
     ``jax.random.split(jax.random.key(seed))``, the same bits, as one program (its three
     operations, each compiled apiece, took 35 ms more of a run's start on the CPU)."""
-    return _run_keys(seed)
+    return _run_keys(operator.index(seed))  # a NumPy integer too, as a Python int
 
 
 # ``seed`` static: a Python int of any size makes its key as ``jax.random.key`` does.

@@ -230,14 +230,14 @@ def test_every_builtin_model_takes_a_step(name, mesh8):
 
 
 # In a process at XLA's defaults (the suite compiles at LLVM's level 0, conftest.py): each
-# model's parameters made on the mesh by their program at `INIT_OPTIONS` against a plain
-# `jax.jit(model.init)`, replicated and sharded.
+# model a run builds, its parameters made on the mesh by their program at `INIT_OPTIONS`,
+# against a plain `jax.jit(model.init)`, replicated and sharded.
 _INIT_AT_DEFAULTS = """
 import sys
 import jax, numpy as np
 import jdp
-from jdp.models import get_model
 from jdp.models.model import INIT_OPTIONS, init_options
+from jdp.models.registry import model_of_run
 from jdp.data.formats import numbers2words
 
 for name in sys.argv[1:]:
@@ -247,13 +247,13 @@ for name in sys.argv[1:]:
     else:
         images = np.random.default_rng(0).integers(0, 255, (16, 8, 8, 1), np.uint8)
         split = jdp.Split(images, np.arange(16, dtype=np.int32) % 10, num_classes=10)
-    model = get_model(name, split)
+    model = model_of_run({"model": name}, split)
     batch = jax.tree.map(np.asarray, split.read(np.arange(16)))
     if "image" in batch:
         batch["image"] = split.transform(batch["image"])
     plain = jax.tree.leaves(jax.jit(model.init)(jax.random.key(0), batch))
     for mesh in (jdp.make_mesh("data=8"), jdp.make_mesh("data=2,fsdp=4")):
-        assert init_options(mesh) == INIT_OPTIONS
+        assert init_options(model.init_options, mesh) == INIT_OPTIONS
         made = jax.tree.leaves(model.init_on_mesh(jax.random.key(0), batch, mesh)[:2])
         for got, want in zip(made, plain, strict=True):
             assert got.dtype == want.dtype and np.array_equal(got, want), name
@@ -265,15 +265,23 @@ for name in sys.argv[1:]:
 def test_parameters_made_by_a_quicker_compile_are_the_same_bits():
     from tools.readme import row_env
 
+    models = ["mlp", "cnn", "resnet20", "gpt"]
     result = subprocess.run(
-        [sys.executable, "-c", _INIT_AT_DEFAULTS, "mlp", "cnn", "gpt"],
+        [sys.executable, "-c", _INIT_AT_DEFAULTS, *models],
         capture_output=True,
         text=True,
         timeout=240,
         env=row_env("--xla_force_host_platform_device_count=8"),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("the same bits") == 3
+    assert result.stdout.count("the same bits") == len(models)
+
+
+def test_a_model_of_yours_makes_its_parameters_at_xlas_defaults():
+    from jdp.models.model import init_options
+
+    model = from_linen(nn.Dense(3), classification(), inputs="x", train_arg=None)
+    assert model.init_options is None and init_options(model.init_options, None) is None
 
 
 def _count(module, *inputs):

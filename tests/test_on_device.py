@@ -86,6 +86,7 @@ def test_a_short_runs_chunks_come_from_the_host_copy_bitwise(mesh8, mesh1, steps
         (mesh8, 4, True),
         (mesh1, 1, True),
         (mesh1, 1, False),
+        (mesh1, 4, False),
     ):
         placed = OnDevice(split, mesh)
         kwargs = dict(batch_size=64, seed=3, steps_per_call=calls, steps=steps, ledger="bytes")

@@ -25,20 +25,21 @@ from jdp.models.objectives import Batch, Objective
 # The parameters are made once: on the CPU, LLVM's first optimisation level compiles
 # their program 1.2-3.6x as fast as XLA's default (the digits MLP's 0.46 -> 0.16 s,
 # resnet20's 3.3 -> 0.9 s, resnet50's 4.3 -> 2.5 s, GPT-2 124M's 0.70 -> 0.55 s, which
-# then runs as fast), and every built-in model's parameters come out the same bits
-# (`tests/test_models.py`); level 0 would change them. The steps, run thousands of
-# times, keep the default.
+# then runs as fast). Each built-in model's parameters came out the same bits (all seven
+# measured; mlp, cnn, resnet20 and gpt in `tests/test_models.py`), so a run's built-in
+# model is made so (`jdp.models.registry.model_of_run`). Level 1 changes the last bits of
+# some arithmetic (docs/figures.md) and level 0 of the initialisers too: a model of yours,
+# and every step, keep XLA's default.
 INIT_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
-def init_options(mesh: Mesh) -> dict | None:
-    """`INIT_OPTIONS` for the parameters' program on ``mesh``'s devices where they are
-    CPUs and ``XLA_FLAGS`` sets no level for every program (a program's own options
-    would override it); else None."""
-    if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
+def init_options(options: dict | None, mesh: Mesh) -> dict | None:
+    """``options`` for the parameters' program on ``mesh``'s devices where they are CPUs
+    and ``XLA_FLAGS`` sets no level for every program (a program's own options would
+    override it); else None."""
+    if options is None or "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
         return None
-    cpu = all(device.platform == "cpu" for device in mesh.devices.flat)
-    return INIT_OPTIONS if cpu else None
+    return options if all(device.platform == "cpu" for device in mesh.devices.flat) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,9 @@ class Model:
     # Whether ``apply`` takes a `jdp.rngs.RowKey` for its rng in training: its dropout
     # drawn per example of the global batch (`jdp.models.dropout`), the same on any mesh.
     row_keys: bool = False
+    # The compiler options of the parameters' program on CPU devices (`init_options`):
+    # a run's built-in model's are `INIT_OPTIONS`; None, XLA's defaults.
+    init_options: dict | None = dataclasses.field(default=None, compare=False)
 
     def init_on_mesh(
         self, rng: jax.Array, batch: Batch, mesh: Mesh, *, rules: Rules | None = None
@@ -113,7 +117,7 @@ class Model:
         params, model_state = jax.jit(
             self.init,
             out_shardings=(layout_shardings(specs, mesh), replicated),
-            compiler_options=init_options(mesh),
+            compiler_options=init_options(self.init_options, mesh),
         )(rng, batch)
         return params, model_state, specs
 

@@ -216,7 +216,7 @@ def _stack(*scalars: jax.Array) -> jax.Array:
 
 
 def _fetch(records: list[Mapping[str, Any]]) -> list[dict[str, float]]:
-    """Records' values as floats: device scalars stacked on a device, then copied at once.
+    """Records' values as floats: an accelerator's scalars stacked on it and copied at once.
 
     Copying scalars one by one costs some 7 us each in Python, which next to a
     1.5 ms step on a 2-core machine is most of what logging every step costs.

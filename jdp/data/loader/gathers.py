@@ -13,8 +13,8 @@ command takes 400; a resume counts the steps left) reads its chunks from the hos
 copy and compiles no chunk's gather; a longer one (or one whose length is not given)
 compiles it on its first chunk, as before. A gather, a crop and a flip move values and
 compute none: the batch is the same bits either way. The gather of one batch (an
-evaluation's, two outputs) is compiled as ever, and a split over `HOST_COPY_BYTES`
-keeps no host copy.
+evaluation's, two outputs) is compiled as ever; an evaluation's split, and a split over
+`HOST_COPY_BYTES`, keeps no host copy.
 """
 
 from __future__ import annotations

@@ -100,8 +100,8 @@ class OnDevice:
 
     def gathered(self, item, *, stacked: bool = False, place: bool = True):
         """A host index batch (or a chunk's list of them) -> its batch (list) on the
-        devices, bitwise the host loader's (``place`` is for a short run's chunks,
-        `HostChunks`: a gather's are on the devices)."""
+        devices, bitwise the host loader's. ``place`` is ignored: a gather's batches are
+        on the devices (`HostChunks` reads a short run's on the host)."""
         return self.gathers.gathered(item, stacked=stacked)
 
     def for_steps(self, steps: int | None) -> OnDevice | HostChunks:
