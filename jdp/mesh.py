@@ -185,6 +185,11 @@ def _cpu_hint(devices: Sequence[jax.Device], needed: int) -> str:
     return ""
 
 
+def on_cpus(mesh: Mesh) -> bool:
+    """Whether every device of ``mesh`` is a CPU (simulated devices included)."""
+    return all(device.platform == "cpu" for device in mesh.devices.flat)
+
+
 def data_size(mesh: Mesh) -> int:
     """Size of the mesh's ``data`` axis (the number of data-parallel replicas)."""
     if DATA_AXIS not in mesh.shape:

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.layout import Rules, param_specs
 from jdp.layout import shardings as layout_shardings
+from jdp.mesh import on_cpus
 from jdp.models.memory import check_fits
 from jdp.models.objectives import Batch, Objective
 
@@ -39,7 +40,7 @@ def init_options(options: dict | None, mesh: Mesh) -> dict | None:
     override it); else None."""
     if options is None or "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
         return None
-    return options if all(device.platform == "cpu" for device in mesh.devices.flat) else None
+    return options if on_cpus(mesh) else None
 
 
 @dataclasses.dataclass(frozen=True)

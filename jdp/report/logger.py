@@ -218,7 +218,7 @@ def _stack(*scalars: jax.Array) -> jax.Array:
 def _fetch(records: list[Mapping[str, Any]]) -> list[dict[str, float]]:
     """Records' values as floats: an accelerator's scalars stacked on it and copied at once.
 
-    Copying scalars one by one costs some 7 us each in Python, which next to a
+    Copying an accelerator's scalars one by one costs some 7 us each in Python, which next to a
     1.5 ms step on a 2-core machine is most of what logging every step costs.
     Scalars are stacked per dtype, in chunks padded with zeros, so ``_stack``
     compiles once per dtype. Only this process's first copy of each is read:

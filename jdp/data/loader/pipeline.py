@@ -40,7 +40,7 @@ from jdp.data.loader.workers import host_batches, worker_died
 from jdp.data.splits.ledger import take_marks
 from jdp.data.splits.sources import Split
 from jdp.errors import UsageError
-from jdp.mesh import process_rows, shard_batch
+from jdp.mesh import on_cpus, process_rows, shard_batch
 
 _END = object()
 
@@ -355,12 +355,7 @@ def places_ahead(mesh: Mesh) -> bool:
     On an accelerator the transfer overlaps the step; with several devices XLA:CPU's
     programs all-reduce, and a NumPy argument would be split on the loop's path.
     """
-    devices = mesh.devices.flat
-    return not (
-        jax.process_count() == 1
-        and mesh.devices.size == 1
-        and all(device.platform == "cpu" for device in devices)
-    )
+    return not (jax.process_count() == 1 and mesh.devices.size == 1 and on_cpus(mesh))
 
 
 def _chunk_steps(reader: TrainReader, step: int, steps: int | None) -> int:
