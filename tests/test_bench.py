@@ -168,7 +168,8 @@ def test_step_benchmark_sweeps_sizes_against_the_best_hand_written_step():
     assert result.returncode == 0, result.stderr
     rows = re.findall(
         r"^  (\S+) +(\S+)  (data=\d) +([\d,]+)  (per-leaf|raveled|one-device)"
-        r" +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +(\d+)/(\d+)$",
+        r" +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +([\d.]+)x +(\d+)/(\d+)"
+        r" +([\d.]+)x +([\d.]+)x$",
         result.stdout,
         re.M,
     )
@@ -176,10 +177,11 @@ def test_step_benchmark_sweeps_sizes_against_the_best_hand_written_step():
         ("mlp-38k", "38k", "data=2"),
         ("mlp-0.7m", "648k", "data=2"),
     ], result.stdout
-    for *_, rate, _, itself, jit, pmap, host, device, ahead, jdp_us, hand_us in rows:
+    for _, _, _, rate, _, itself, jit, pmap, host, device, ahead, jdp_us, hand_us, *hosts in rows:
         assert int(rate.replace(",", "")) > 0  # the digits are on the devices: both fed arms
         assert min(float(x) for x in (itself, jit, pmap, host, device, ahead)) > 0
         assert int(jdp_us) > 0 and int(hand_us) > 0  # the host's microseconds a call
+        assert min(float(ratio) for ratio in hosts) > 0  # jdp's and the copy's, to the hand's
 
 
 def test_step_benchmark_refuses_an_unknown_case():

@@ -169,7 +169,7 @@ def bench_step(
             emit(
                 f"  {'model':<10}{'params':>8}  {'mesh':<8}{'hand-written ex/s':>19}  "
                 f"{'best of':<11}{'itself':>10}{'jdp jit':>9}{'jdp pmap':>10}"
-                f"{'fed host':>10}{'on device':>10}{'ahead':>8}  host us jdp/hand"
+                f"{'fed host':>10}{'on device':>10}{'ahead':>8}  host us jdp/hand  ratio  itself"
             )
         emit(row)
     return lines
@@ -292,35 +292,56 @@ def measure_cell(
         f"{ratios['jit']:>8.3f}x{ratios['pmap']:>9.3f}x{ratios['host']:>9.3f}x"
         + (f"{ratios['device']:>9.3f}x" if on == "device" else f"{on:>10}")
         + f"{ratios['ahead']:>7.3f}x"
-        + f"{hosts['jdp']:>8.0f}/{hosts['hand']:.0f}"
+        + f"{hosts['jdp']:>9.0f}/{hosts['hand']:<6.0f}{hosts['jdp/hand']:>5.3f}x"
+        + f"{hosts['again/hand']:>7.3f}x"
     )
     return jax.devices()[0].device_kind, row
 
 
-# Rounds of `host_us`: the two steps' calls alternate, a round of each at a time, so a
-# change in the machine's load reaches both.
-HOST_ROUNDS, HOST_CALLS = 15, 40
+# Rounds of `host_us`: the arms' calls alternate, a round of each at a time, each round
+# in another order (an arm's calls run slower just after another arm's, whose step left
+# the host's caches cold), so a change in the machine's load reaches every arm alike; a
+# round is at most `HOST_CALLS` calls, and fewer where the step is long (about
+# `HOST_ROUND_SECONDS` of calls, at least `HOST_LEAST`), the first two of each not counted.
+HOST_ROUNDS, HOST_CALLS, HOST_LEAST, HOST_ROUND_SECONDS = 15, 40, 6, 0.1
 
 
 def host_us(run, kind: str, batch, *, rounds: int = HOST_ROUNDS) -> dict[str, float]:
     """The host's microseconds a call, dispatch alone (each call waits for the one before):
-    jdp's step as a run calls it, and the hand-written ``kind``; the median of the
-    medians of ``rounds`` interleaved rounds (at most `HOST_ROUNDS`, as ``--rounds`` asks)."""
-    hand = hand_written_step(run.model, run.optimizer, run.mesh, kind=kind)
+    jdp's step as a run calls it (``jdp``), the hand-written ``kind`` (``hand``) and a
+    second, separately compiled copy of it (``again``); the median of the medians of
+    ``rounds`` interleaved rounds (at most `HOST_ROUNDS`, as ``--rounds`` asks), and the
+    medians of the rounds' ratios to ``hand``: ``jdp/hand`` and ``again/hand``, which
+    is what two identical calls read apart, the measurement's own error."""
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
-    states = {"jdp": copy(run.state), "hand": copy((run.state.params, run.state.opt_state))}
-    calls = {"jdp": run.train_step, "hand": lambda state, batch: _split(hand(*state, batch))}
-    medians: dict[str, list[float]] = {"jdp": [], "hand": []}
-    for _ in range(rounds):
+    hand_state = (run.state.params, run.state.opt_state)
+    states = {"jdp": copy(run.state), "hand": copy(hand_state), "again": copy(hand_state)}
+    calls = {"jdp": run.train_step}
+    for arm in ("hand", "again"):
+        step = hand_written_step(run.model, run.optimizer, run.mesh, kind=kind)
+        calls[arm] = lambda state, batch, step=step: _split(step(*state, batch))
+    for _ in range(2):  # a call of each compiles, then one is timed
+        started = time.perf_counter()
         for arm, call in calls.items():
+            states[arm] = jax.block_until_ready(call(states[arm], batch))[0]
+    each = (time.perf_counter() - started) / len(calls)
+    count = max(HOST_LEAST, min(HOST_CALLS, round(HOST_ROUND_SECONDS / each)))
+    medians: dict[str, list[float]] = {arm: [] for arm in calls}
+    arms = list(calls)
+    for number in range(rounds):
+        for arm in arms[number % 3 :] + arms[: number % 3]:
             times = []
-            for _ in range(HOST_CALLS):
-                started = time.perf_counter()
-                out = call(states[arm], batch)
-                times.append(time.perf_counter() - started)
+            for _ in range(count):
+                begun = time.perf_counter()
+                out = calls[arm](states[arm], batch)
+                times.append(time.perf_counter() - begun)
                 states[arm] = jax.block_until_ready(out)[0]
             medians[arm].append(statistics.median(times[2:]))
-    return {arm: 1e6 * statistics.median(values) for arm, values in medians.items()}
+    us = {arm: 1e6 * statistics.median(values) for arm, values in medians.items()}
+    for arm in ("jdp", "again"):
+        per_round = [a / b for a, b in zip(medians[arm], medians["hand"], strict=True)]
+        us[f"{arm}/hand"] = statistics.median(per_round)
+    return us
 
 
 def _split(out: tuple) -> tuple:
