@@ -329,7 +329,7 @@ def host_us(run, kind: str, batch, *, rounds: int = HOST_ROUNDS) -> dict[str, fl
     medians: dict[str, list[float]] = {arm: [] for arm in calls}
     arms = list(calls)
     for number in range(rounds):
-        for arm in arms[number % 3 :] + arms[: number % 3]:
+        for arm in arms[number % len(arms) :] + arms[: number % len(arms)]:
             times = []
             for _ in range(count):
                 begun = time.perf_counter()
