@@ -16,7 +16,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh
 
-from jdp.mesh import DATA_AXIS, data_size
+from jdp.mesh import DATA_AXIS, data_size, on_cpus
 
 
 def pmean_floats(tree: Any) -> Any:
@@ -128,5 +128,4 @@ def global_norm(grads: Any, *, replicas: int) -> jax.Array:
 
 def pack_leaf_bytes(mesh: Mesh) -> int:
     """The largest leaf the step's all-reduce packs on ``mesh`` (see PACK_LEAF_BYTES)."""
-    cpu = mesh.devices.flat[0].platform == "cpu"
-    return PACK_LEAF_BYTES if cpu and data_size(mesh) > 1 else 0
+    return PACK_LEAF_BYTES if on_cpus(mesh) and data_size(mesh) > 1 else 0

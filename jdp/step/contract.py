@@ -11,9 +11,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jdp.errors import UsageError
-from jdp.mesh import (
-    data_size,
-)
+from jdp.mesh import data_size, on_cpus
 from jdp.state import TrainState, carry_placement
 
 Backend = Literal["jit", "pmap"]
@@ -76,7 +74,7 @@ def needs_bound(mesh: Mesh) -> bool:
     """Whether calls in flight must be bounded (`bounded`): several CPU devices, whose
     replicas' threads meet in the collectives (on one device, or on a GPU or TPU, whose
     queue runs the calls in order, the bound only costs the host)."""
-    return mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"
+    return mesh.devices.size > 1 and on_cpus(mesh)
 
 
 def refuse_donated(state: Any) -> None:
