@@ -115,3 +115,6 @@ def test_eval_only_reads_the_latest_again_when_a_live_run_rotates_it(tmp_path, m
         dataclasses.replace(config, eval_only=True), train=_data(), test=_data(), console=QUIET
     )
     assert removed == [str(tmp_path / "4")] and evaluated.steps == 2
+    # A flag its run set otherwise is refused, never dropped in silence.
+    with pytest.raises(jdp.UsageError, match=r"as its run made it, which --seed 5 \(it ran 0\)"):
+        jdp.fit(dataclasses.replace(config, eval_only=True, seed=5), console=QUIET)

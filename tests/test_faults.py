@@ -235,8 +235,8 @@ def test_a_second_run_on_a_live_directory_is_refused(tmp_path):
 @pytest.mark.parametrize(
     ("field", "value", "needle"),
     [
-        ("lr", float("inf"), "--lr must be in (0, inf), got inf"),
-        ("lr", float("nan"), "--lr must be in (0, inf), got nan"),
+        ("lr", float("inf"), "--lr must be in (0, 3.40282e+38], got inf"),
+        ("lr", float("nan"), "--lr must be in (0, 3.40282e+38], got nan"),
         ("momentum", -5.0, "--momentum must be in [0, 1), got -5.0"),
         ("weight_decay", float("nan"), "--weight-decay must be in [0, inf), got nan"),
         ("clip_norm", float("inf"), "--clip-norm must be in [0, inf)"),
@@ -246,6 +246,8 @@ def test_a_second_run_on_a_live_directory_is_refused(tmp_path):
         ("seed", 10**23, "--seed must be in [0, 2**32)"),
         ("steps", 10**30, f"--steps {10**30} is past 2**31 - 1, the most the run's int32"),
         ("vocab_size", 10**10, "--vocab-size 10000000000 is past 2**31 - 1"),
+        ("lr", 1e308, "--lr must be in (0, 3.40282e+38], got 1e+308"),  # inf in float32
+        ("ckpt_dir", " ", "--ckpt-dir is empty; give a path, or leave --ckpt-dir out"),
     ],
 )
 def test_non_finite_and_out_of_range_numbers_are_refused(field, value, needle):
@@ -283,6 +285,22 @@ def test_non_finite_and_out_of_range_numbers_are_refused(field, value, needle):
             "--seq-len 64 is a language model's window (--model gpt, a token "
             "corpus); drop it for --model mlp on digits",
         ),
+        (
+            {"vocab_size": 100},
+            "--vocab-size 100 reads a token corpus (--dataset tokens:PATH); drop it for "
+            "--dataset digits",
+        ),
+        ({"token_dtype": "uint16"}, "--token-dtype uint16 reads a token corpus"),
+        ({"attention": "blocked"}, "--attention blocked is for --model gpt and seq2seq; drop"),
+        (
+            {"max_skipped_fraction": 0.5},
+            "--max-skipped-fraction 0.5 bounds the updates that --precision fp16 or "
+            "--nan-policy skip skip",
+        ),
+        (
+            {"early_stop_metric": "accuracy"},
+            "--early-stop-metric accuracy is what --early-stop-patience watches; add",
+        ),
     ],
 )
 def test_a_flag_nothing_in_the_run_reads_is_refused(fields, needle):
@@ -290,6 +308,17 @@ def test_a_flag_nothing_in_the_run_reads_is_refused(fields, needle):
         jdp.TrainConfig(**fields)
     assert needle in str(error.value)
     jdp.TrainConfig(model="gpt", seq_len=64, optimizer="nesterov", momentum=0.8)  # read: fine
+    jdp.TrainConfig(dataset="tokens:corpus", vocab_size=100, token_dtype="uint16")
+    jdp.TrainConfig(model="seq2seq", dataset="numbers2words", attention="blocked")
+    jdp.TrainConfig(nan_policy="skip", max_skipped_fraction=0.5)
+    jdp.TrainConfig(early_stop_metric="accuracy", early_stop_patience=2, eval_every=5)
+
+
+def test_the_learning_rates_bound_is_float32s_largest():
+    from jdp.training.config_checks import FLOAT32_MAX
+
+    assert float(np.finfo(np.float32).max) == FLOAT32_MAX
+    jdp.TrainConfig(lr=FLOAT32_MAX)  # a float32 still (a user's to regret)
 
 
 def test_an_end_lr_above_the_peak_is_refused_before_training():

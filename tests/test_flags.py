@@ -32,6 +32,15 @@ def test_flags_refuse_bad_values_in_one_line(capsys):
     assert err.count("\n") == 1 and "--batch-size: invalid" in err
     with pytest.raises(jdp.UsageError, match="unknown model 'vit'; choose one of: cnn, gpt"):
         parse_flags(["--model", "vit"])
+    # An unset variable in a script (--ckpt-dir "$DIR") never turns the checkpoints off.
+    for argv, needle in [
+        (["--ckpt-dir", ""], "argument --ckpt-dir: empty; give a path, or leave the flag out"),
+        (["--steps-per-call", "abc"], "argument --steps-per-call: give a whole number or auto"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            parse_flags(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and needle in err
 
 
 def test_help_shows_the_choices(capsys):

@@ -25,12 +25,19 @@ def test_raising_steps_keeps_the_warmup_jdp_cut_for_a_short_run(tmp_path, capsys
         "steps (a tenth) instead" in _lines(capsys)
     )
     # The user never set the warmup: raising --steps continues the run, as the README says.
-    result = jdp.fit(
-        jdp.TrainConfig(mesh="data=2", steps=40, ckpt_dir=str(tmp_path)), console=console
+    # The same command restarts a preempted run: --init-from's weights give way, and it
+    # says so.
+    again = jdp.TrainConfig(
+        mesh="data=2", steps=40, ckpt_dir=str(tmp_path), init_from=str(tmp_path)
     )
+    result = jdp.fit(again, console=console)
     lines = _lines(capsys)
     assert f"jdp: --warmup-steps 2, as the run in {tmp_path} started with" in lines
     assert any(line.startswith("jdp: resuming from step 20") for line in lines), lines
+    assert (
+        f"jdp: --init-from {tmp_path} starts a new run only; this one goes on from its "
+        "checkpoint's parameters, not those" in lines
+    )
     assert result.steps == 40
     assert read_record(step_directory(str(tmp_path))).config["warmup_steps"] == 2
     # A warmup the user chose is theirs: another one is refused, as any other setting.

@@ -18,6 +18,7 @@ DatasetName = Literal[
     "cifar10", "digits", "fashion_mnist", "mnist", "numbers2words", "python_stdlib"
 ]
 DATASET_PREFIXES = ("tfds:", "folder:", "npz:", "images:", "tokens:")
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max, which a test checks
 HF_PREFIX = "hf:"  # --init-from hf:DIR, a Hugging Face GPT-2 (jdp.models.hf.PREFIX)
 
 
@@ -30,6 +31,10 @@ def check(config) -> None:
             "jdp.fit(config, optimizer=tx, lr_schedule=...)"
         )
     _check_dataset(config)
+    for name in ("ckpt_dir", "log_dir", "init_from"):
+        if getattr(config, name) is not None and not getattr(config, name).strip():
+            flag = f"--{name.replace('_', '-')}"  # a script's unset variable, never "none"
+            raise UsageError(f"{flag} is empty; give a path, or leave {flag} out")
     for name, choices in _choices(type(config)).items():
         if getattr(config, name) not in choices:
             raise UsageError(
@@ -108,15 +113,16 @@ def _check_dataset(config) -> None:
 
 
 def _check_numbers(config) -> None:
-    """Real-valued flags: finite (NaN and inf pass ``x > 0``) and in their range."""
+    """Real-valued flags: finite (NaN and inf pass ``x > 0``) and in their range. The
+    learning rates are float32 in the step: past its largest, one is inf there."""
     ranges = {  # flag: (lowest, lowest allowed?, highest, highest allowed?)
-        "lr": (0.0, False, math.inf, False),
-        "outer_lr": (0.0, False, math.inf, False),
+        "lr": (0.0, False, FLOAT32_MAX, True),
+        "outer_lr": (0.0, False, FLOAT32_MAX, True),
         "outer_momentum": (0.0, True, 1.0, False),
         "momentum": (0.0, True, 1.0, False),
         "beta1": (0.0, True, 1.0, False),
         "beta2": (0.0, True, 1.0, False),
-        "end_lr": (0.0, True, math.inf, False),
+        "end_lr": (0.0, True, FLOAT32_MAX, True),
         "weight_decay": (0.0, True, math.inf, False),
         "clip_norm": (0.0, True, math.inf, False),
         "lr_decay_factor": (0.0, False, math.inf, False),
@@ -257,6 +263,37 @@ def _check_flags_apply(config) -> None:
         raise UsageError(
             f"--seq-len {config.seq_len} is a language model's window (--model gpt, a token "
             f"corpus); drop it for --model {config.model} on {config.dataset}"
+        )
+    _check_readers(config, defaults)
+
+
+def _check_readers(config, defaults: dict) -> None:
+    """The flags read only by a token corpus, a model with attention, a run that skips
+    updates, or early stopping: given without it, one line."""
+    given = lambda name: getattr(config, name) != defaults[name]  # noqa: E731
+    corpus = config.dataset.startswith("tokens:") or config.dataset == "python_stdlib"
+    for name in ("vocab_size", "token_dtype"):
+        if given(name) and not corpus:
+            raise UsageError(
+                f"--{name.replace('_', '-')} {getattr(config, name)} reads a token corpus "
+                f"(--dataset tokens:PATH); drop it for --dataset {config.dataset}"
+            )
+    if given("attention") and config.model not in ("gpt", "seq2seq"):
+        raise UsageError(
+            f"--attention {config.attention} is for --model gpt and seq2seq; drop it for "
+            f"--model {config.model}"
+        )
+    if given("max_skipped_fraction") and not (
+        config.nan_policy == "skip" or config.precision == "fp16"
+    ):
+        raise UsageError(
+            f"--max-skipped-fraction {config.max_skipped_fraction:g} bounds the updates that "
+            "--precision fp16 or --nan-policy skip skip; add one, or drop it"
+        )
+    if given("early_stop_metric") and not config.early_stop_patience:
+        raise UsageError(
+            f"--early-stop-metric {config.early_stop_metric} is what --early-stop-patience "
+            "watches; add --early-stop-patience N, or drop it"
         )
 
 

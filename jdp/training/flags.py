@@ -2,10 +2,10 @@
 
 Every field is a flag (``batch_size`` -> ``--batch-size``), parsed by its type:
 ``int``, ``float``, ``str``, a ``Literal`` of choices, ``bool`` (a switch, and its
-``--no-`` form), or
-one of those or ``None`` (an empty value). ``--preset NAME`` starts from a named
-configuration (`jdp.training.presets`), ``--recipe NAME`` from a recipe, a run with
-its expected result (`jdp.training.recipes`); flags given with either override it.
+``--no-`` form), or one of those or ``None`` (an empty value; refused for the paths in
+`NEVER_EMPTY`). ``--preset NAME`` starts from a named configuration
+(`jdp.training.presets`), ``--recipe NAME`` from a recipe, a run with its expected
+result (`jdp.training.recipes`); flags given with either override it.
 """
 
 from __future__ import annotations
@@ -43,10 +43,30 @@ def _parser_of(hint: Any) -> tuple[Callable[[str], Any], str | None]:
         return str, "{" + ",".join(args) + "}"
     if int in args:  # a number, or one of a Literal's words (``int | Literal["auto"]``)
         (words,) = [typing.get_args(arg) for arg in args if arg is not int]
-        return (lambda text: text if text in words else int(text)), "{N," + ",".join(words) + "}"
+
+        def number_or_word(text: str) -> int | str:
+            if text in words or text.lstrip("-").isdigit():
+                return text if text in words else int(text)
+            raise argparse.ArgumentTypeError(f"give a whole number or {' or '.join(words)}")
+
+        return number_or_word, "{N," + ",".join(words) + "}"
     if hint in (int, float, str):
         return hint, None
     raise TypeError(f"TrainConfig field of type {hint!r} has no flag parser")
+
+
+# The paths whose empty value (an unset variable in a script) would turn off what they
+# name in silence: the checkpoints, the logs, the initialisation.
+NEVER_EMPTY = ("ckpt_dir", "log_dir", "init_from")
+
+
+def _not_empty(read: Callable[[str], Any]) -> Callable[[str], Any]:
+    def path(text: str) -> Any:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("empty; give a path, or leave the flag out")
+        return read(text)
+
+    return path
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -77,6 +97,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
             group.add_argument(flag, action=action, default=None, help=field.metadata["help"])
             continue
         read, metavar = _parser_of(hint)
+        if field.name in NEVER_EMPTY:
+            read = _not_empty(read)
         help_text = field.metadata["help"]
         if field.default is not None and "default" not in help_text:
             help_text += f" (default: {field.default})"

@@ -11,6 +11,7 @@ import jax
 from jdp.actions import Progress
 from jdp.checkpoint import latest_record, read_checkpoint
 from jdp.checkpoint.record import RunSettings
+from jdp.errors import UsageError
 from jdp.mesh import GROUP_AXIS
 from jdp.report.console import Console
 from jdp.state import TrainState
@@ -254,6 +255,17 @@ def evaluate_only(config: TrainConfig, console: Console, yours: Yours, started: 
         and not str(value).startswith("yours")
         and name != "init_from"
     }
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    differ = [  # a flag given that the checkpoint's run set otherwise: never dropped in silence
+        f"--{name.replace('_', '-')} {getattr(config, name)} (it ran {value})"
+        for name, value in made_with.items()
+        if name != "eval_only" and getattr(config, name) not in (defaults[name], value)
+    ]
+    if differ:
+        raise UsageError(
+            f"--eval-only evaluates {config.ckpt_dir} as its run made it, which "
+            f"{', '.join(differ)} contradict{'s' * (len(differ) == 1)}; leave them out"
+        )
     config = dataclasses.replace(config, **made_with, ckpt_dir=config.ckpt_dir)
     run = build(config, console, yours, architecture=RunSettings(saved).architecture or None)
     like = (run.state.params, run.state.model_state)

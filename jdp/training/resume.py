@@ -53,6 +53,11 @@ def resume(
     start = record.loader_step
     _say_how_steps_changed(config, record.config, start, checkpoints.directory, console)
     console.line(f"jdp: resuming from step {record.step} in {checkpoints.directory}")
+    if config.init_from:  # the same command restarts a preempted run: it resumes
+        console.line(
+            f"jdp: --init-from {config.init_from} starts a new run only; this one goes on "
+            f"from its checkpoint's parameters, not those"
+        )
     return state, start, record.ledger
 
 
