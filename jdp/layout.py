@@ -232,11 +232,36 @@ def param_specs(
     leaves, treedef = jax.tree.flatten(params)
     named = [None] * len(leaves) if names is None else treedef.flatten_up_to(names)
     table = _Table(rules_table(rules))  # validated once, not per leaf
+    if rules:
+        _check_rules_apply(
+            dict(rules.items() if isinstance(rules, Mapping) else rules), named, mesh
+        )
     specs = [
         leaf_spec(leaf.shape, leaf_names, mesh, table, nbytes=_nbytes(leaf))
         for leaf, leaf_names in zip(leaves, named, strict=True)
     ]
     return jax.tree.unflatten(treedef, specs)
+
+
+def _check_rules_apply(
+    rules: dict[str, str | None], named: list, mesh: Mesh | Mapping[str, int]
+) -> None:
+    """A rule for a name no parameter has, or to an axis the mesh lacks, would change
+    nothing in silence (a misspelt name, a forgotten axis): refused in one line."""
+    have = {name for leaf_names in named if leaf_names for name in leaf_names if name}
+    unknown = [name for name in rules if name not in have | {FSDP_AXIS, MODEL_AXIS}]
+    if unknown:
+        raise UsageError(
+            f"axis rules for {', '.join(unknown)}: no parameter has that axis name (the "
+            f"model's: {', '.join(sorted(have)) or 'none'}); check the spelling"
+        )
+    axes = _axis_sizes(mesh)
+    for name, axis in rules.items():
+        if axis is not None and axis not in axes:
+            raise UsageError(
+                f"axis rule {name}={axis}: the mesh has no {axis} axis ({', '.join(axes)}); "
+                f"add {axis}=N to the mesh, or drop the rule"
+            )
 
 
 def logical_names(boxed: Any) -> Any:

@@ -179,6 +179,12 @@ def test_rules_can_be_overridden(devices):
         jax.random.key(0), batches[0], mesh, rules={"mlp": None, "heads": None, "vocab": None}
     )
     assert jdp.layout.split_counts(specs) == {}
+    # A rule that would change nothing (a misspelt name, an axis the mesh lacks) is refused.
+    params, names = {"w": jnp.zeros((8, 8))}, {"w": ("embed", "mlp")}
+    with pytest.raises(jdp.UsageError, match=r"rules for mlpp: no parameter has that axis "):
+        jdp.param_specs(params, mesh, names=names, rules={"mlpp": None})
+    with pytest.raises(jdp.UsageError, match=r"rule mlp=fsdp: the mesh has no fsdp axis"):
+        jdp.param_specs(params, mesh, names=names, rules={"mlp": "fsdp"})
 
 
 def test_the_default_rule_for_a_model_without_names():
