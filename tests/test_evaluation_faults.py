@@ -118,3 +118,11 @@ def test_eval_only_reads_the_latest_again_when_a_live_run_rotates_it(tmp_path, m
     # A flag its run set otherwise is refused, never dropped in silence.
     with pytest.raises(jdp.UsageError, match=r"as its run made it, which --seed 5 \(it ran 0\)"):
         jdp.fit(dataclasses.replace(config, eval_only=True, seed=5), console=QUIET)
+
+
+def test_data_without_a_held_out_split_evaluates_nothing_and_says_so():
+    config = jdp.TrainConfig(mesh="data=2", steps=2, batch_size=16, warmup_steps=0)
+    with pytest.raises(jdp.UsageError, match=r"--eval-every 1: your data has no validation or"):
+        jdp.fit(dataclasses.replace(config, eval_every=1), train=_data(), console=QUIET)
+    result = jdp.fit(config, train=_data(), console=QUIET)  # no figure stands in for one
+    assert "test_" not in result.summary_line() and "val_" not in result.summary_line()

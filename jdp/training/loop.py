@@ -48,6 +48,7 @@ from jdp.training.stops import Interrupted, StopOnPreemption
 from jdp.training.wiring import (
     action_phases,
     actions_for,
+    check_evaluates,
     checkpointer,
     data_ledger,
     log_dir_lock,
@@ -112,6 +113,7 @@ def _fit(
     if config.eval_only:
         return evaluate_only(config, console, yours, started)
     run = build(config, console, yours)
+    check_evaluates(run, yours=yours.data is not None)
     config = run.config  # resolved: --epochs as steps, a clamped warmup
     goodput = Goodput(
         clock, config.log_dir, every=config.log_every, enabled=jax.process_index() == 0

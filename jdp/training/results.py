@@ -117,13 +117,14 @@ class FitResult:
 
     def _figures(self) -> str:
         """The evaluations' headline figures: a classifier's accuracy, a language model's
-        loss and bits per byte (or perplexity); the test split's when there is one."""
+        loss and bits per byte (or perplexity); the test split's when there is one. None
+        where nothing was evaluated (no held-out split, a stop before the end)."""
         parts = []
         if self.validation:
             headline = _headline(self.validation)
             names = ["accuracy"] if headline == "accuracy" else ["loss", headline]
             parts += [f"val_{name}={self.validation[name]:.4f}" for name in names if name]
-        if self.test is not None or not self.validation:
+        if self.test is not None:
             headline = _headline(self.test or {}) or "accuracy"
             parts += [f"test_loss={self.test_loss:.4f}"]
             parts += [f"test_{headline}={(self.test or {}).get(headline, float('nan')):.4f}"]

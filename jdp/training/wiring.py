@@ -223,6 +223,18 @@ def actions_for(
     return actions
 
 
+def check_evaluates(run: Run, *, yours: bool) -> None:
+    """``--eval-every`` where the data (``yours``: `jdp.fit`'s splits) holds no validation
+    or test split would evaluate nothing in silence: refused in one line, before any work."""
+    config = run.config
+    if config.eval_every and run.validation is None and run.test is None:
+        data = "your data" if yours else f"--dataset {config.dataset}"
+        raise UsageError(
+            f"--eval-every {config.eval_every}: {data} has no validation or test split to "
+            "evaluate; hold one out with --validation-fraction F, or drop --eval-every"
+        )
+
+
 def evaluations(run: Run, console: Console, logger: MetricLogger, *, every: int, keep=None) -> list:
     """With a validation split, it every ``every`` steps and the test split at the end only;
     without one, the test split every ``every`` steps. Both at the end. ``keep`` saves the
