@@ -39,6 +39,9 @@ END_PROMPT_TOKENS = 16
 END_TEMPERATURE, END_TOP_K, END_SEED = 0.8, 40, 0
 
 
+REPLACEMENT = "\ufffd".encode()  # what a byte codec decodes an id past 255 as
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """Text to token ids and back: UTF-8 bytes, or a ``tokenizers.Tokenizer``.
@@ -58,11 +61,12 @@ class Codec:
         return self.tokenizer.encode(text).ids
 
     def decode(self, tokens: Sequence[int]) -> str:
-        """The text of ``tokens``: a broken UTF-8 character becomes U+FFFD; a tokenizer's
-        special tokens (``<|endoftext|>``) are kept."""
+        """The text of ``tokens``: a broken UTF-8 character, or an id past a byte's, becomes
+        U+FFFD; a tokenizer's special tokens (``<|endoftext|>``) are kept."""
         ids = [int(token) for token in tokens]
         if self.tokenizer is None:
-            return bytes(ids).decode("utf-8", errors="replace")
+            parts = (bytes([i]) if 0 <= i < 256 else REPLACEMENT for i in ids)
+            return b"".join(parts).decode("utf-8", errors="replace")
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
@@ -216,7 +220,26 @@ def load_sampler(
     places = [corpus_directory(settings.dataset), os.fspath(path)]
     codec = find_codec(data.get("tokenizer"), [p for p in places if p], tokenizer)
     module = gpt_for(loaded.params, epsilon=epsilon_of(settings))
-    return Sampler(module, loaded.params, codec, int(data.get("vocab_size") or module.vocab_size))
+    vocab = int(data.get("vocab_size") or module.vocab_size)
+    check_codec(codec, data.get("tokenizer"), vocab)
+    return Sampler(module, loaded.params, codec, vocab)
+
+
+def check_codec(codec: Codec, recorded: str | None, vocab: int) -> None:
+    """Refuses bytes given for a corpus of more ids than bytes that did not record them
+    (most of its ids would decode as U+FFFD).
+
+    Examples:
+        >>> check_codec(Codec(BYTES), "tokenizer.json", 50257)
+        Traceback (most recent call last):
+        ...
+        jdp.errors.UsageError: --tokenizer bytes reads ids 0-255, and this model's corpus ...
+    """
+    if codec.name == BYTES and recorded != BYTES and vocab > 256:
+        raise UsageError(
+            f"--tokenizer bytes reads ids 0-255, and this model's corpus has {vocab:,}; "
+            "pass its tokenizer.json, or leave --tokenizer out to find the one it recorded"
+        )
 
 
 def epsilon_of(settings: RunSettings) -> float:

@@ -19,7 +19,14 @@ from jdp.data.formats.tokens import corpus
 from jdp.models.generate import _decode
 from jdp.models.transformer import GPT, stack_layers
 from jdp.sample import main, training_sample
-from jdp.sampling import BYTES, check_language_model, find_codec, load_sampler, sample_line
+from jdp.sampling import (
+    BYTES,
+    check_codec,
+    check_language_model,
+    find_codec,
+    load_sampler,
+    sample_line,
+)
 
 # A model padded beyond the data's vocabulary, as the published sizes are: rows 50..63
 # of the embedding are never a token of the data.
@@ -318,6 +325,8 @@ def test_the_closing_sample_stops_at_the_end_of_a_document(tmp_path):
 
 def test_the_tokenizer_is_found_or_named(tmp_path):
     assert find_codec(BYTES, []).decode(find_codec(BYTES, []).encode("wörd")) == "wörd"
+    assert find_codec(BYTES, []).decode([104, 300, -1, 105]) == "h\ufffd\ufffdi"  # no byte
+    check_codec(find_codec(BYTES, []), BYTES, 512)  # a byte corpus's padded vocabulary
     with pytest.raises(jdp.UsageError, match="records no tokenizer; pass --tokenizer"):
         find_codec(None, [str(tmp_path)])
     looked = (
