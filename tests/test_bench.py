@@ -110,6 +110,13 @@ def test_bench_bad_input_is_one_line_and_exit_2():
     ]
 
 
+def test_corpus_benchmark_fails_where_a_run_failed():
+    """A mesh's run that fails is its row's reason and the benchmark's exit code 1."""
+    result = _here("corpus", "--gigabytes 0.0001 --steps 1 --meshes data=3")
+    assert result.returncode == 1, result.stderr
+    assert "mesh data=3: failed (exit 2): jdp.bench: error: global batch 16" in result.stdout
+
+
 @pytest.mark.slow
 def test_checkpoint_benchmark_reports_blocked_and_restore_times():
     result = _bench("checkpoint", "--mesh data=2 --size-mb 4 --repeats 1")

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from jdp.errors import UsageError
 from jdp.training.config import TrainConfig
 
 
@@ -78,6 +79,19 @@ def names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def counts(text: str, flag: str) -> list[int]:
+    """A comma-separated list of whole numbers, each at least 1 (``--sync-every 1,10``).
+
+    Raises:
+        UsageError: an item that is not one, naming ``flag``.
+    """
+    items = names(text)
+    bad = [item for item in items if not (item.isdigit() and int(item) >= 1)]
+    if bad or not items:
+        raise UsageError(f"{flag} {text!r}: give whole numbers of 1 or more, e.g. 1,4,8")
+    return [int(item) for item in items]
+
+
 def batches_per_sec(batches: Iterable, count: int, *, warm: int = 1) -> float:
     """Batches per second over ``count`` batches, after the first ``warm`` (start-up)."""
     iterator = iter(batches)
@@ -114,10 +128,11 @@ def steps_per_sec(run, batch, count: int) -> float:
     return count / (time.perf_counter() - started)
 
 
-# Counts a benchmark cannot run without one of (a median of no rounds, no steps).
-_AT_LEAST_ONE = {"rounds", "steps", "repeats"}  # (a batch size of 0: some choose it)
-# Amounts a benchmark cannot run within at 0: the seconds it is given.
-_POSITIVE = {"budget"}
+# Counts a benchmark cannot run without one of (a median of no rounds, no steps, a loss
+# in no chunks); a batch size of 0 some choose for themselves.
+_AT_LEAST_ONE = {"rounds", "steps", "repeats", "loss_chunks"}
+# Amounts a benchmark cannot run within at 0: the seconds it is given, a corpus's size.
+_POSITIVE = {"budget", "gigabytes"}
 
 
 def out_of_range(args: argparse.Namespace) -> str | None:

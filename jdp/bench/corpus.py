@@ -108,9 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int:
+    """0, or 1 where a mesh's run failed (its row says why)."""
     if args.measure:
-        return measure(args)
+        return measure(args) or 0
+    failed = False
     directory = args.dir or tempfile.mkdtemp(prefix="jdp-corpus-")
     try:
         os.makedirs(directory, exist_ok=True)
@@ -121,10 +123,13 @@ def run(args: argparse.Namespace) -> None:
             f"small, --seq-len {args.seq_len}, global batch {args.batch_size}, {args.steps} steps"
         )
         for mesh in args.meshes.replace(";", ",").split(","):
-            print(_one_run(args, directory, mesh.strip()))
+            row = _one_run(args, directory, mesh.strip())
+            failed |= ": failed (exit " in row
+            print(row)
     finally:
         if args.dir is None:
             shutil.rmtree(directory, ignore_errors=True)
+    return int(failed)
 
 
 def _one_run(args: argparse.Namespace, directory: str, mesh: str) -> str:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from jdp.bench.common import names, report_lines
+from jdp.bench.common import counts, names, report_lines
 from jdp.bench.step import first_batch
 from jdp.collectives import bytes_across
 from jdp.errors import UsageError
@@ -149,5 +149,5 @@ def run(args: argparse.Namespace) -> None:
         raise UsageError(
             f"unknown workload {', '.join(unknown)}; choose from: {', '.join(WORKLOADS)}"
         )
-    intervals = [int(part) for part in names(args.sync_every)]
+    intervals = counts(args.sync_every, "--sync-every")
     bench_diloco(workloads, intervals, steps=args.steps, processes=args.processes)

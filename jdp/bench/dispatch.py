@@ -23,7 +23,7 @@ from jdp.bench.arms import (
     jdp_loop,
     ratios_to_best,
 )
-from jdp.bench.common import add_run_flags, config_from, names
+from jdp.bench.common import add_run_flags, config_from, counts
 from jdp.bench.step import first_batch
 from jdp.errors import UsageError
 from jdp.mesh import batch_sharded
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> None:
     sequences = "sequence" in check_model(args.model).data
     dataset = args.dataset or ("numbers2words" if sequences else "digits")
     config = config_from(args, dataset=dataset)
-    calls = sorted({1, *(int(part) for part in names(args.steps_per_call))})
+    calls = sorted({1, *counts(args.steps_per_call, "--steps-per-call")})
     lines = bench_dispatch(
         config, round_seconds=args.round_seconds, rounds=args.rounds, calls=calls
     )
