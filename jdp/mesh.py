@@ -39,7 +39,7 @@ def check_spec_fits_batch(spec: MeshSpec, global_batch: int) -> None:
     axes = spec.sizes
     split = math.prod(axes.get(name, 1) for name in (GROUP_AXIS, DATA_AXIS, FSDP_AXIS))
     if split > 0:
-        _check_batch_split(global_batch, split, axes.get(GROUP_AXIS, 1))
+        _check_batch_split(global_batch, split, axes.get(GROUP_AXIS, 1), axes.get(FSDP_AXIS, 1))
 
 
 def device_bytes(mesh: Mesh) -> int | None:
@@ -258,17 +258,22 @@ def check_batch_size(global_batch: int, mesh: Mesh) -> None:
     Raises:
         UsageError: naming the nearest sizes that would work.
     """
-    _check_batch_split(global_batch, batch_split(mesh), group_size(mesh))
+    shards = mesh.shape.get(FSDP_AXIS, 1)
+    _check_batch_split(global_batch, batch_split(mesh), group_size(mesh), shards)
 
 
-def _check_batch_split(global_batch: int, replicas: int, groups: int = 1) -> None:
-    if global_batch < 1 or global_batch % replicas:
-        lower = max(replicas, global_batch // replicas * replicas)
+def _check_batch_split(global_batch: int, split: int, groups: int = 1, shards: int = 1) -> None:
+    """``split``: the slices a batch splits into, ``shards`` of them fsdp's (1: none)."""
+    if global_batch < 1 or global_batch % split:
+        lower = max(split, global_batch // split * split)
         over = f" over {groups} groups" if groups > 1 else ""
+        replicas = f"{split // shards} replica{'s' * (split // shards != 1)}{over}"
+        axis = f"data axis ({replicas})"
+        if shards > 1:
+            axis = f"data and fsdp axes ({replicas} x {shards} shards)"
         raise UsageError(
-            f"global batch {global_batch} is not divisible by the data axis ({replicas} "
-            f"replicas{over}); use a multiple of {replicas}, e.g. --batch-size "
-            f"{lower} or {lower + replicas}"
+            f"global batch {global_batch} is not divisible by the {axis}; use a multiple of "
+            f"{split}, e.g. --batch-size {lower} or {lower + split}"
         )
 
 

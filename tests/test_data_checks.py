@@ -29,6 +29,9 @@ def test_a_negative_label_is_refused_not_trained_as_the_last_class():
         jdp.UsageError, match=r"^label -1 of example 17 of the train split is not a class"
     ):
         _fit(jdp.data.from_arrays(x, y, num_classes=10))
+    # Labels all below 0: no count of classes is read from them (it would be 0 or less).
+    with pytest.raises(jdp.UsageError, match=r"\(labels are class indices from 0\); 64 label"):
+        _fit(jdp.data.from_arrays(x, -3 - y % 2))
 
 
 def test_a_test_label_outside_the_training_classes_is_refused():

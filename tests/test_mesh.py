@@ -88,6 +88,9 @@ def test_batch_must_divide_the_data_axis(mesh8):
         jdp.UsageError, match=r"not divisible by the data axis \(8 .*--batch-size 96"
     ):
         check_batch_size(100, mesh8)
+    # With fsdp the rows split over both axes, and the line names both.
+    with pytest.raises(jdp.UsageError, match=r"data and fsdp axes \(1 replica x 8 shards\)"):
+        check_batch_size(4, jdp.make_mesh("fsdp=8"))
 
 
 def test_shard_batch_places_rows_on_the_data_axis(mesh8):

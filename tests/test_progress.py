@@ -184,3 +184,12 @@ def test_the_last_lines_say_what_limited_the_run_and_the_flag_that_helps(parts, 
     assert said in line, line
     preempted = dataclasses.replace(_finished(parts, rate), preempted="jdp.train: SIGTERM ...")
     assert what_limited(jdp.TrainConfig(), preempted) is None
+
+
+def test_a_run_with_no_timed_step_reports_no_rate():
+    """One step is one call, which compiles: no step is timed, so no rate is made up."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    train = jdp.data.from_arrays(x, (x[:, 0] > 0).astype(np.int32))
+    config = jdp.TrainConfig(mesh="data=2", steps=1, batch_size=16, warmup_steps=0)
+    result = jdp.fit(config, train=train, console=jdp.Console(enabled=False))
+    assert np.isnan(result.examples_per_sec) and " examples/s=nan " in result.summary_line()

@@ -84,7 +84,7 @@ class FitResult:
     train_loss: float
     test_loss: float
     test_accuracy: float
-    examples_per_sec: float
+    examples_per_sec: float  # the steps of calls that compiled nothing; NaN if none was
     input_wait: float  # fraction of the steady training loop spent waiting for a batch
     wall_seconds: float
     preempted: str | None = None  # the line saying where a preempted run saved
@@ -202,7 +202,8 @@ def finished(
     validated = progress.evaluated if progress.evaluated is not progress.tested else None
     timed = progress.step - start - timer.untimed_steps  # the steps after the first call
     nan = float("nan")
-    rate = timed * config.batch_size / timer.seconds if timer.seconds else 0.0
+    # NaN where no step was timed (every call compiled: one step, or one call): no figure.
+    rate = timed * config.batch_size / timer.seconds if timed > 0 and timer.seconds else nan
     window = tokens_per_example(run)
     return FitResult(
         state=progress.state,

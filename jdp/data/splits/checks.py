@@ -93,8 +93,10 @@ def _check_labels(name: str, labels: np.ndarray | None, classes: int | None) -> 
         bad = np.flatnonzero((labels < 0) | (labels >= classes))
         known = (
             f"its labels are 0 to {classes - 1}, num_classes {classes}"
-            if classes
+            if classes > 0
             else "it has no classes"
+            if classes == 0
+            else "labels are class indices from 0"  # counted from labels all below 0
         )
     if len(bad):
         index = int(bad[0])
