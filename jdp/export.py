@@ -44,11 +44,11 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, step: str | int =
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"{out} exists and is not an empty directory; choose a new OUT")
     loaded = load_model(path, step)
-    check_writable(out, "OUT")
     settings = RunSettings(loaded.config)
     if settings.model != "gpt":
-        check_language_model(loaded.config)  # one line for what it is instead
+        check_language_model(loaded.config, to="export")  # one line for what it is instead
         raise UsageError(f"the checkpoint holds --model {settings.model}; export a gpt")
+    check_writable(out, "OUT")
     epsilon = epsilon_of(settings)
     params = jax.tree.map(np.asarray, loaded.params)
     module = gpt_for(params, epsilon=epsilon)

@@ -247,9 +247,10 @@ def epsilon_of(settings: RunSettings) -> float:
     return settings.architecture.get("epsilon", EPSILON)
 
 
-def check_language_model(config: dict) -> None:
+def check_language_model(config: dict, *, to: str = "sample from") -> None:
     """Refuses a recorded config that is not a language model trained on a token corpus
-    (your own model on one passes: its parameters must then be a `GPT`'s).
+    (your own model on one passes: its parameters must then be a `GPT`'s); the line says
+    what to ``to`` instead.
 
     Examples:
         >>> check_language_model({"model": "mlp", "data": {"kind": "image"}})
@@ -261,18 +262,16 @@ def check_language_model(config: dict) -> None:
     model, kind = settings.model, settings.data.get("kind")
     if kind == "text" and (model == "gpt" or model.startswith("yours")):
         return
-    where = "a gpt trained on a token corpus (--dataset tokens:DIR or python_stdlib)"
+    where = f"{to} a gpt trained on a token corpus (--dataset tokens:DIR or python_stdlib)"
     if kind is None:
-        raise UsageError(
-            f"the checkpoint records no data facts (an older jdp wrote it); sample from {where}"
-        )
+        raise UsageError(f"the checkpoint records no data facts (an older jdp wrote it); {where}")
     if kind == "sequence":
         raise UsageError(
             f"the checkpoint's {model} was trained on sequence pairs (numbers2words), which "
-            f"have no text tokenizer; decode them with jdp.models.translate, or sample from {where}"
+            f"have no text tokenizer; decode them with jdp.models.translate, or {where}"
         )
     what = "your own model" if model.startswith("yours") else f"--model {model}"
-    raise UsageError(f"the checkpoint holds {what}, not a language model; sample from {where}")
+    raise UsageError(f"the checkpoint holds {what}, not a language model; {where}")
 
 
 def corpus_directory(dataset: str) -> str | None:

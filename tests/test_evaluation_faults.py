@@ -126,3 +126,10 @@ def test_data_without_a_held_out_split_evaluates_nothing_and_says_so():
         jdp.fit(dataclasses.replace(config, eval_every=1), train=_data(), console=QUIET)
     result = jdp.fit(config, train=_data(), console=QUIET)  # no figure stands in for one
     assert "test_" not in result.summary_line() and "val_" not in result.summary_line()
+
+
+def test_eval_only_of_a_missing_directory_makes_none(tmp_path):
+    missing = tmp_path / "none"
+    with pytest.raises(jdp.UsageError, match=r"^no checkpoint in .*none; pass a --ckpt-dir"):
+        jdp.fit(jdp.TrainConfig(eval_only=True, ckpt_dir=str(missing)), console=QUIET)
+    assert not missing.exists()

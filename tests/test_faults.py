@@ -298,6 +298,10 @@ def test_non_finite_and_out_of_range_numbers_are_refused(field, value, needle):
             "--nan-policy skip skip",
         ),
         (
+            {"data_on_device": "on", "loader_workers": 2},
+            "--loader-workers 2 read batches on the host, and --data-on-device on gathers",
+        ),
+        (
             {"early_stop_metric": "accuracy"},
             "--early-stop-metric accuracy is what --early-stop-patience watches; add",
         ),

@@ -355,6 +355,8 @@ def test_the_tokenizer_is_found_or_named(tmp_path):
 def test_only_a_language_model_samples(config, message):
     with pytest.raises(jdp.UsageError, match=message):
         check_language_model(config)
+    with pytest.raises(jdp.UsageError, match=r"export a gpt trained on a token corpus"):
+        check_language_model(config, to="export")  # jdp.export's line
 
 
 def test_the_command_line_refuses_in_one_line(tmp_path, capsys):

@@ -269,7 +269,7 @@ def _check_flags_apply(config) -> None:
 
 def _check_readers(config, defaults: dict) -> None:
     """The flags read only by a token corpus, a model with attention, a run that skips
-    updates, or early stopping: given without it, one line."""
+    updates, a loader on the host, or early stopping: given without it, one line."""
     given = lambda name: getattr(config, name) != defaults[name]  # noqa: E731
     corpus = config.dataset.startswith("tokens:") or config.dataset == "python_stdlib"
     for name in ("vocab_size", "token_dtype"):
@@ -289,6 +289,11 @@ def _check_readers(config, defaults: dict) -> None:
         raise UsageError(
             f"--max-skipped-fraction {config.max_skipped_fraction:g} bounds the updates that "
             "--precision fp16 or --nan-policy skip skip; add one, or drop it"
+        )
+    if config.data_on_device == "on" and config.loader_workers:
+        raise UsageError(
+            f"--loader-workers {config.loader_workers} read batches on the host, and "
+            "--data-on-device on gathers them on the devices; drop one (auto chooses)"
         )
     if given("early_stop_metric") and not config.early_stop_patience:
         raise UsageError(

@@ -98,7 +98,9 @@ def fit(
     """
     started, clock, console = time.perf_counter(), Clock(), console or Console()
     yours = Yours(model, _your_data(train, validation, test), optimizer, lr_schedule)
-    with compile_cache(config.compile_cache, config.ckpt_dir):
+    # --eval-only reads a checkpoint directory: it never makes one (for the cache).
+    missing = config.eval_only and not os.path.isdir(config.ckpt_dir or "")
+    with compile_cache(config.compile_cache, None if missing else config.ckpt_dir):
         return _fit(config, console, yours, callbacks, started, clock)
 
 
