@@ -68,7 +68,7 @@ def test_train_config_rejects_bad_values():
         ({"backend": "tpu"}, "unknown backend 'tpu'"),
         ({"mesh": "data=0"}, "sizes are positive"),
         ({"steps": 0}, "--steps must be at least 1"),
-        ({"lr": -1.0}, r"--lr must be in \(0, inf\), got -1.0"),
+        ({"lr": -1.0}, r"--lr must be in \(0, 3.40282e\+38\], got -1.0"),
         ({"optimizer": "adagrad"}, "unknown optimizer 'adagrad'"),
         ({"schedule": "step"}, "unknown schedule 'step'"),
         ({"precision": "fp8"}, "unknown precision 'fp8'"),

@@ -1,3 +1,4 @@
+import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec
@@ -112,3 +113,12 @@ def test_shard_batch_rejects_uneven_rows(mesh8):
 
 def test_process_rows_single_process(mesh8):
     assert process_rows(mesh8, 64) == slice(0, 64)
+
+
+def test_a_mesh_too_large_for_launched_processes_names_their_devices(monkeypatch):
+    from jdp.mesh import _cpu_hint
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert _cpu_hint(jax.devices()[:4], 8) == (
+        ", or give each of the 2 processes 4 CPU devices (jdp.launch --devices-per-process 4)"
+    )

@@ -367,7 +367,10 @@ def test_auto_on_the_command_line_and_a_bad_value_in_one_line():
     assert parse_flags(["--steps-per-call", "4"]).steps_per_call == 4
     refused = run_cli("--steps-per-call", "many")
     assert refused.returncode == 2
-    assert "--steps-per-call: invalid" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    assert (
+        "--steps-per-call: give a whole number or auto" in refused.stderr
+        and len(refused.stderr.splitlines()) == 1
+    )
 
 
 class _DenseNet(nn.Module):

@@ -252,8 +252,19 @@ def _manager(
 
 
 def _first_line(error: Exception) -> str:
+    """The error's first line; a long one (tensorstore's chain of causes) keeps its start
+    and its end, where the last cause is, around an ellipsis.
+
+    Examples:
+        >>> line = _first_line(ValueError("opening: " + "x" * 300 + " bad header\\nmore"))
+        >>> len(line), line[:9], " ... " in line, line.endswith("x bad header")
+        (235, 'opening: ', True, True)
+    """
     text = str(error).strip()
-    return text.splitlines()[0][:160] if text else repr(error)
+    if not text:
+        return repr(error)
+    line = text.splitlines()[0]
+    return line if len(line) <= 240 else f"{line[:150]} ... {line[-80:]}"
 
 
 def _digest_mismatch(restored: Any, arrays: Mapping[str, Mapping] | None) -> str | None:

@@ -32,7 +32,7 @@ def check(config) -> None:
         )
     _check_dataset(config)
     for name in ("ckpt_dir", "log_dir", "init_from"):
-        if getattr(config, name) is not None and not getattr(config, name).strip():
+        if getattr(config, name) is not None and not os.fspath(getattr(config, name)).strip():
             flag = f"--{name.replace('_', '-')}"  # a script's unset variable, never "none"
             raise UsageError(f"{flag} is empty; give a path, or leave {flag} out")
     for name, choices in _choices(type(config)).items():
