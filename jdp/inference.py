@@ -178,9 +178,16 @@ def predict(
     """
     if isinstance(data, Mapping):
         data = from_arrays(dict(data), label_key=None)
+    if not hasattr(data, "__len__") or isinstance(data, np.ndarray):
+        raise UsageError(
+            f"predict's data is a split or a dict of arrays ({{'image': x}}), got "
+            f"{type(data).__name__}"
+        )
+    if not len(data):
+        raise UsageError("predict's data has no examples")
     mesh = mesh or make_mesh("data=-1")
     split = batch_split(mesh)  # data replicas, times DiLoCo groups
-    if batch_size % split:
+    if batch_size < 1 or batch_size % split:
         raise UsageError(
             f"predict's batch_size {batch_size} does not split over {split} devices; "
             f"use a multiple of {split}"

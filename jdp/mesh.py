@@ -197,8 +197,18 @@ def on_cpus(mesh: Mesh) -> bool:
     return all(device.platform == "cpu" for device in mesh.devices.flat)
 
 
+def check_mesh(mesh: Any) -> None:
+    """Refuses, in one line, a ``mesh`` argument that is not a `jax.sharding.Mesh`."""
+    if not isinstance(mesh, Mesh):
+        raise UsageError(
+            f"mesh must be a jax.sharding.Mesh, e.g. jdp.make_mesh('data=8'), got "
+            f"{type(mesh).__name__} {str(mesh)[:40]!r}"
+        )
+
+
 def data_size(mesh: Mesh) -> int:
     """Size of the mesh's ``data`` axis (the number of data-parallel replicas)."""
+    check_mesh(mesh)
     if DATA_AXIS not in mesh.shape:
         example = (
             f"{GROUP_AXIS}={mesh.shape[GROUP_AXIS]},data=1"
@@ -319,6 +329,8 @@ def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh, *, stacked: bool = F
             f"batch leaves must share one leading (batch) dimension, got {sorted(map(str, rows))}"
         )
     (local_rows,) = rows
+    if local_rows < 1:  # a mean over no rows is NaN, never an error
+        raise UsageError("the batch has no rows; give each data replica at least one")
     if local_rows % local_replicas:
         raise UsageError(
             f"this process's batch has {local_rows} rows, not divisible by its "

@@ -191,6 +191,12 @@ def _apply(
 ):
     """The optimizer update; skipped when a gradient is not finite under fp16 loss scaling
     or ``skip_nonfinite``."""
+    made = jax.tree.structure(jax.eval_shape(optimizer.init, state.params))  # as it traces
+    if made != jax.tree.structure(state.opt_state):
+        raise UsageError(
+            "the state's optimizer state is another optimizer's than this step's: make the "
+            "state (jdp.create_train_state) and the step with the same optimizer"
+        )
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     loss_scale = state.loss_scale

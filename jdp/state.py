@@ -9,6 +9,7 @@ from typing import Any, Literal
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
@@ -21,7 +22,8 @@ from jdp.diloco.state import (
     has_groups,
     start_groups,
 )
-from jdp.mesh import group_size, replicated
+from jdp.errors import UsageError
+from jdp.mesh import check_mesh, group_size, replicated
 from jdp.precision import LossScale, Precision
 
 
@@ -176,7 +178,7 @@ def create_train_state(
         >>> int(state.step), state.params["w"].sharding.is_fully_replicated
         (0, True)
     """
-    rng_impl, rng = _raw_key(jax.random.key(0) if rng is None else rng)
+    rng_impl, rng = _checked_key(rng, optimizer, mesh)
     model_state = {} if model_state is None else model_state
 
     def build(params, model_state, rng):
@@ -220,11 +222,24 @@ def create_train_state(
     return jax.jit(build_groups, out_shardings=shardings)(params, model_state, rng)
 
 
-def _raw_key(rng: jax.Array) -> tuple[str, jax.Array]:
-    """A key's implementation name and raw data, from a typed key (``jax.random.key``)
-    or a raw one (``jax.random.PRNGKey``, of the default implementation)."""
-    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+def _checked_key(rng: Any, optimizer: Any, mesh: Any) -> tuple[str, jax.Array]:
+    """`create_train_state`'s arguments checked (each refused in one line), and its key's
+    implementation name and raw data: from a typed key (``jax.random.key``), a raw one
+    (``jax.random.PRNGKey``, of the default implementation) or None (key 0)."""
+    from jdp.step.contract import check_optimizer
+
+    check_mesh(mesh)
+    check_optimizer(optimizer)
+    rng = jax.random.key(0) if rng is None else rng
+    dtype = getattr(rng, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return jax.random.key_impl(rng), jax.random.key_data(rng)
+    raw = jax.random.key_data(jax.random.key(0))
+    if dtype != raw.dtype or np.shape(rng) != raw.shape:
+        raise UsageError(
+            f"rng must be a key, e.g. jax.random.key(0), got {type(rng).__name__} of "
+            f"{dtype or 'no dtype'} {list(np.shape(rng))}"
+        )
     return jax.config.jax_default_prng_impl, rng
 
 

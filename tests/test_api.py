@@ -79,9 +79,60 @@ def test_train_config_rejects_bad_values():
         ({"early_stop_patience": -1}, "--early-stop-patience must be >= 0"),
         ({"early_stop_metric": "f1"}, "unknown early stop metric 'f1'; choose one of: loss, accu"),
         ({"warmup_steps": -1}, "--warmup-steps must be >= 0"),
+        # A config made in code: each value of its field's type, else one line.
+        ({"steps": "10"}, r"--steps '10' is a str; give a whole number"),
+        ({"steps": float("nan")}, r"--steps nan is a float; give a whole number"),
+        ({"batch_size": 1.5}, r"--batch-size 1.5 is a float; give a whole number"),
+        ({"mesh": 8}, r"--mesh 8 is an int; give text"),
+        ({"grad_norm": 1}, r"--grad-norm 1 is an int; give True or False"),
+        ({"steps_per_call": "x"}, r"--steps-per-call 'x' is a str; give a whole number or auto"),
     ]:
         with pytest.raises(jdp.UsageError, match=needle):
             jdp.TrainConfig(**kwargs)
+
+
+def test_the_library_refuses_arguments_of_the_wrong_kind_in_one_line():
+    """What a user of the library can pass by mistake: each refused with a line that names
+    it, never a deep error or a silent wrong step."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import pytest
+
+    mesh, params, adam = jdp.make_mesh("data=2"), {"w": jnp.zeros((4, 1))}, optax.adam(1e-3)
+
+    def loss_fn(params, batch, rng):
+        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+    rows = {"x": np.ones((4, 4), np.float32), "y": np.ones((4, 1), np.float32)}
+    batch = jdp.shard_batch(rows, mesh)
+    for make, needle in [
+        (lambda: jdp.create_train_state(params, optax.adam, mesh), "an optax.GradientTrans"),
+        (lambda: jdp.create_train_state(params, adam, "data=2"), "mesh must be a jax.sharding"),
+        (lambda: jdp.create_train_state(params, adam, mesh, rng=jnp.zeros(3)), "rng must be a"),
+        (lambda: jdp.make_train_step("loss", adam, mesh), "loss_fn must be a function"),
+        (lambda: jdp.make_train_step(loss_fn, adam, mesh, accumulate=1.5), "whole numbers"),
+        (lambda: jdp.shard_batch({"x": np.ones((0, 4))}, mesh), "the batch has no rows"),
+        (lambda: jdp.fit({"steps": 2}), "fit takes a jdp.TrainConfig, got dict"),
+        (lambda: jdp.fit(jdp.TrainConfig(), callbacks=[3]), "3 is not callable"),
+        (lambda: jdp.predict(loss_fn, params, rows["x"], mesh=mesh), "a split or a dict of"),
+        (lambda: jdp.predict(loss_fn, params, rows, mesh=mesh, batch_size=0), "batch_size 0"),
+    ]:
+        with pytest.raises(jdp.UsageError, match=needle):
+            make()
+    step, state = (
+        jdp.make_train_step(loss_fn, adam, mesh),
+        jdp.create_train_state(params, adam, mesh),
+    )
+    with pytest.raises(jdp.UsageError, match=r"called as step\(state, batch\), a jdp.TrainState"):
+        step(batch, state)
+    # A state made with another optimizer than the step's would step with the step's and
+    # carry the other's state unchanged.
+    sgd = jdp.make_train_step(loss_fn, optax.sgd(0.1), mesh)
+    with pytest.raises(jdp.UsageError, match="another optimizer's than this step's"):
+        sgd(state, batch)
+    assert jax.tree.leaves(step(state, batch)[0].params)[0].shape == (4, 1)  # still whole
 
 
 def test_the_config_choices_are_the_registries():
@@ -126,23 +177,24 @@ def test_the_config_imports_nothing_above_it():
     import ast
     import pathlib
 
-    from jdp.training import config, config_checks, sections
+    from jdp.training import config, config_checks, config_types, sections
 
     imported = set()
-    for module in (config, config_checks, sections):
+    for module in (config, config_checks, config_types, sections):
         tree = ast.parse(pathlib.Path(module.__file__).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jdp"):
                 imported |= {f"{node.module}.{alias.name}" for alias in node.names}
     # The config, its checks and sections, and below them only errors and the mesh spec.
-    assert {name.rsplit(".", 1)[0] for name in imported} - {"jdp.training.sections"} == {
+    checks = {"jdp.training.sections", "jdp.training.config_types"}
+    assert {name.rsplit(".", 1)[0] for name in imported} - checks == {
         "jdp.training",
         "jdp.errors",
         "jdp.mesh_spec",
     }
     assert {name.rsplit(".", 1)[0] for name in imported if name.startswith("jdp.training")} == {
         "jdp.training",
-        "jdp.training.sections",
+        *checks,
     }
 
 

@@ -29,7 +29,7 @@ from jdp.rngs import wants_row_keys
 from jdp.state import TrainState
 from jdp.step import group_maths
 from jdp.step.axes import bound_axes
-from jdp.step.contract import Backend, CompiledStep, _check_backend
+from jdp.step.contract import Backend, CompiledStep, _check_backend, check_optimizer
 from jdp.step.data_parallel import _compile
 from jdp.step.groups import compile_groups, synchronised_eval
 from jdp.step.lean import Lean
@@ -104,7 +104,7 @@ def make_train_step(
         (['loss'], 1.0)
     """
     _check_backend(backend, mesh)
-    _check_counts(accumulate, steps_per_call)
+    _check_args(loss_fn, optimizer, accumulate, steps_per_call)
     way, steps = _way(mesh), steps_per_call
     options = dict(
         precision=precision or Precision(),
@@ -158,11 +158,16 @@ def _rename(axis: str) -> str:
     )
 
 
-def _check_counts(accumulate: int, steps_per_call: int) -> None:
-    if accumulate < 1 or steps_per_call < 1:
+def _check_args(loss_fn: Any, optimizer: Any, accumulate: int, steps_per_call: int) -> None:
+    """A train step's arguments, each of its type and range, or one line naming it."""
+    check_optimizer(optimizer)
+    if not callable(loss_fn):
+        raise UsageError(f"loss_fn must be a function, got {type(loss_fn).__name__}")
+    counts = (accumulate, steps_per_call)
+    if any(not isinstance(n, int) or isinstance(n, bool) for n in counts) or min(counts) < 1:
         raise UsageError(
-            f"accumulate and steps_per_call must be at least 1, got {accumulate} and "
-            f"{steps_per_call}"
+            "accumulate and steps_per_call must be whole numbers of 1 or more, got "
+            f"{accumulate} and {steps_per_call}"
         )
 
 

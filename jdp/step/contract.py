@@ -70,6 +70,18 @@ class CompiledStep(NamedTuple):
         return self.call(state, batch)
 
 
+def check_optimizer(optimizer: Any) -> None:
+    """Refuses, in one line, an ``optimizer`` that is not an Optax transformation (an
+    uncalled ``optax.adam``, None)."""
+    if not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
+        raise UsageError(
+            f"optimizer must be an optax.GradientTransformation, e.g. optax.adam(1e-3), got "
+            f"{type(optimizer).__name__} {getattr(optimizer, '__name__', '')}".rstrip()
+        )
+
+
 def needs_bound(mesh: Mesh) -> bool:
     """Whether calls in flight must be bounded (`bounded`): several CPU devices, whose
     replicas' threads meet in the collectives (on one device, or on a GPU or TPU, whose
@@ -78,6 +90,11 @@ def needs_bound(mesh: Mesh) -> bool:
 
 
 def refuse_donated(state: Any) -> None:
+    if not isinstance(state, TrainState):  # (params, batch) or (batch, state), say
+        raise UsageError(
+            f"a train step is called as step(state, batch), a jdp.TrainState first "
+            f"(jdp.create_train_state), got {type(state).__name__}"
+        )
     # Donated arrays passed again make XLA:CPU crash the process when several
     # devices run the step (one replica fails while the others wait in a
     # collective), and elsewhere fail in JAX's words. The step count is donated

@@ -83,10 +83,13 @@ def _runner(
     microsecond, more where the step's last call left the host's caches cold."""
 
     def run(state, batch):
-        fields = state.__dict__
+        try:
+            fields, loss_scale = state.__dict__, state.__dict__["loss_scale"]
+        except (AttributeError, KeyError):  # not a TrainState: `check` says so
+            check(state, batch)
+            raise
         if whole is not None and state.placement.kind != "replicated":
             return whole(state, batch)
-        loss_scale = fields["loss_scale"]
         changed = (fields["step"], fields["params"], fields["opt_state"], fields["model_state"])
         if carries_scale:
             changed = (*changed, loss_scale)

@@ -11,6 +11,7 @@ from typing import Literal
 
 from jdp.errors import UsageError
 from jdp.mesh_spec import GROUP_AXIS, SHARDING_AXES, parse_axis_rules
+from jdp.training.config_types import check_types
 
 # The datasets known by name; --dataset also takes your own data by these prefixes
 # (jdp.data.splits.custom reads them).
@@ -24,6 +25,7 @@ HF_PREFIX = "hf:"  # --init-from hf:DIR, a Hugging Face GPT-2 (jdp.models.hf.PRE
 
 def check(config) -> None:
     """Raises `UsageError` naming the flag and the fix for the first invalid value."""
+    check_types(config)
     _ = config.mesh_spec  # --mesh read and checked first (`TrainConfig.mesh_spec`)
     if not isinstance(config.optimizer, str):
         raise UsageError(

@@ -96,6 +96,10 @@ def fit(
         >>> result.steps, result.test_accuracy > 0.5
         (40, True)
     """
+    if not isinstance(config, TrainConfig):
+        raise UsageError(f"fit takes a jdp.TrainConfig, got {type(config).__name__}")
+    if uncallable := [each for each in callbacks if not callable(each)]:
+        raise UsageError(f"callbacks are called after each step: {uncallable[0]!r} is not callable")
     started, clock, console = time.perf_counter(), Clock(), console or Console()
     yours = Yours(model, _your_data(train, validation, test), optimizer, lr_schedule)
     # --eval-only reads a checkpoint directory: it never makes one (for the cache).
