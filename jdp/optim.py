@@ -251,3 +251,15 @@ def make_optimizer(
             parts.append(optax.add_decayed_weights(weight_decay, mask=decay_mask))
         parts.append(coupled[name]())
     return parts[0] if len(parts) == 1 else optax.chain(*parts)
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Refuses, in one line, an ``optimizer`` that is not an Optax transformation (an
+    uncalled ``optax.adam``, None)."""
+    if not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
+        raise UsageError(
+            f"optimizer must be an optax.GradientTransformation, e.g. optax.adam(1e-3), got "
+            f"{type(optimizer).__name__} {getattr(optimizer, '__name__', '')}".rstrip()
+        )

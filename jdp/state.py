@@ -24,6 +24,7 @@ from jdp.diloco.state import (
 )
 from jdp.errors import UsageError
 from jdp.mesh import check_mesh, group_size, replicated
+from jdp.optim import check_optimizer
 from jdp.precision import LossScale, Precision
 
 
@@ -226,8 +227,6 @@ def _checked_key(rng: Any, optimizer: Any, mesh: Any) -> tuple[str, jax.Array]:
     """`create_train_state`'s arguments checked (each refused in one line), and its key's
     implementation name and raw data: from a typed key (``jax.random.key``), a raw one
     (``jax.random.PRNGKey``, of the default implementation) or None (key 0)."""
-    from jdp.step.contract import check_optimizer
-
     check_mesh(mesh)
     check_optimizer(optimizer)
     rng = jax.random.key(0) if rng is None else rng

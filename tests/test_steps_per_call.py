@@ -67,7 +67,7 @@ def test_k_steps_per_call_equal_k_single_steps(devices, backend, spec):
 
 
 def test_steps_per_call_must_be_positive(mesh8):
-    with pytest.raises(jdp.UsageError, match="steps_per_call must be at least 1"):
+    with pytest.raises(jdp.UsageError, match="steps_per_call must be whole numbers of 1 or more"):
         jdp.make_train_step(regression_loss, optax.sgd(0.1), mesh8, steps_per_call=0)
 
 

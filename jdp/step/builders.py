@@ -22,6 +22,7 @@ from jdp.mesh import (
     is_sharded,
     manual_axes,
 )
+from jdp.optim import check_optimizer
 from jdp.precision import Precision
 from jdp.reduce import pack_leaf_bytes
 from jdp.replica import LossFn, Metrics
@@ -29,7 +30,7 @@ from jdp.rngs import wants_row_keys
 from jdp.state import TrainState
 from jdp.step import group_maths
 from jdp.step.axes import bound_axes
-from jdp.step.contract import Backend, CompiledStep, _check_backend, check_optimizer
+from jdp.step.contract import Backend, CompiledStep, _check_backend
 from jdp.step.data_parallel import _compile
 from jdp.step.groups import compile_groups, synchronised_eval
 from jdp.step.lean import Lean

@@ -70,18 +70,6 @@ class CompiledStep(NamedTuple):
         return self.call(state, batch)
 
 
-def check_optimizer(optimizer: Any) -> None:
-    """Refuses, in one line, an ``optimizer`` that is not an Optax transformation (an
-    uncalled ``optax.adam``, None)."""
-    if not (
-        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
-    ):
-        raise UsageError(
-            f"optimizer must be an optax.GradientTransformation, e.g. optax.adam(1e-3), got "
-            f"{type(optimizer).__name__} {getattr(optimizer, '__name__', '')}".rstrip()
-        )
-
-
 def needs_bound(mesh: Mesh) -> bool:
     """Whether calls in flight must be bounded (`bounded`): several CPU devices, whose
     replicas' threads meet in the collectives (on one device, or on a GPU or TPU, whose

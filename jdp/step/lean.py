@@ -84,7 +84,8 @@ def _runner(
 
     def run(state, batch):
         try:
-            fields, loss_scale = state.__dict__, state.__dict__["loss_scale"]
+            fields = state.__dict__
+            loss_scale = fields["loss_scale"]
         except (AttributeError, KeyError):  # not a TrainState: `check` says so
             check(state, batch)
             raise
