@@ -177,19 +177,18 @@ def make_mesh(spec: str | MeshSpec, *, devices: Sequence[jax.Device] | None = No
 
 
 def _cpu_hint(devices: Sequence[jax.Device], needed: int) -> str:
-    processes = jax.process_count()
-    if devices and devices[0].platform == "cpu" and processes > 1:  # a launcher's devices
+    if not devices or devices[0].platform != "cpu":
+        return ""
+    if (processes := jax.process_count()) > 1:  # a launcher's processes, devices each
         each = -(-needed // processes)
         return (
             f", or give each of the {processes} processes {each} CPU devices (jdp.launch "
             f"--devices-per-process {each})"
         )
-    if devices and devices[0].platform == "cpu":
-        return (
-            f", or simulate {needed} CPU devices: jdp.simulate_cpu_devices({needed}) before "
-            f"the first JAX computation (or XLA_FLAGS={CPU_COUNT_FLAG}={needed})"
-        )
-    return ""
+    return (
+        f", or simulate {needed} CPU devices: jdp.simulate_cpu_devices({needed}) before "
+        f"the first JAX computation (or XLA_FLAGS={CPU_COUNT_FLAG}={needed})"
+    )
 
 
 def on_cpus(mesh: Mesh) -> bool:

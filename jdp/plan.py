@@ -85,18 +85,6 @@ def mesh_sizes(spec: str) -> dict[str, int]:
     return {axis: axes[axis] for axis in KNOWN_AXES if axis in axes}
 
 
-def check_batch_splits(batch_size: int, spec: str) -> None:
-    """Refuses a global batch that the replicas and fsdp shards of mesh ``spec`` cannot
-    split evenly (0 included)."""
-    sizes = mesh_sizes(spec)
-    split = math.prod(sizes.get(axis, 1) for axis in ("data", "fsdp"))
-    if batch_size < 1 or batch_size % split:
-        raise UsageError(
-            f"global batch {batch_size} does not split over {split} replicas and fsdp "
-            f"shards of --mesh {spec}; use a multiple of {split}"
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class Roofline:
     compute: float  # seconds
@@ -225,10 +213,12 @@ def plan_for(spec: str, args: argparse.Namespace, *, compile_step: bool) -> Plan
         fp8=args.fp8,
     )
     sizes = mesh_sizes(spec)
+    from jdp.mesh import check_spec_fits_batch
     from jdp.mesh import parse_axis_rules as parse_rules
+    from jdp.mesh_spec import MeshSpec
 
     rules = parse_rules(args.axis_rules)
-    check_batch_splits(args.batch_size, spec)
+    check_spec_fits_batch(MeshSpec.parse(spec), args.batch_size)
     plan = state_bytes(model, batch, sizes, shard_optimizer=args.shard_optimizer, rules=rules)
     if compile_step:
         compiled_figures(

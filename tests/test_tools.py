@@ -187,7 +187,7 @@ def test_hugging_face_files_no_gpt2_has_are_one_line(gpt2_files, tmp_path):
         ("jdp.bench", ["dispatch", "--steps-per-call", "4,x"], "--steps-per-call '4,x': give"),
         ("jdp.bench", ["diloco", "--sync-every", "0"], "--sync-every '0': give whole numbers"),
         ("jdp.bench", ["memory", "--loss-chunks", "0"], "--loss-chunks 0: give 1 or more"),
-        ("jdp.bench", ["memory", "--meshes", "data=3"], "global batch 8 does not split over 3"),
+        ("jdp.bench", ["memory", "--meshes", "data=3"], "batch 8 is not divisible by the data"),
         ("jdp.bench", ["corpus", "--gigabytes", "0"], "--gigabytes 0.0: give more than 0"),
         ("tools.faults", ["--kills", "-1"], "--kills -1: give 0 or more"),
     ],

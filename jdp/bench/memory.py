@@ -15,7 +15,9 @@ import time
 from typing import get_args
 
 from jdp.bench.common import names
-from jdp.plan import check_batch_splits, mesh_sizes
+from jdp.mesh import check_spec_fits_batch
+from jdp.mesh_spec import MeshSpec
+from jdp.plan import mesh_sizes
 from jdp.plan_costs import build_model, compiled_figures, state_bytes
 from jdp.training.choices import Remat
 from jdp.training.run import setup_devices
@@ -46,7 +48,7 @@ def _mib(nbytes: float) -> str:
 def run(args: argparse.Namespace) -> None:
     meshes = [item.replace(";", ",").partition("+") for item in names(args.meshes)]
     for spec, _, _ in meshes:
-        check_batch_splits(args.batch_size, spec)
+        check_spec_fits_batch(MeshSpec.parse(spec), args.batch_size)
     setup_devices(f"data={max(math.prod(mesh_sizes(spec).values()) for spec, _, _ in meshes)}")
     model, batch = build_model(
         args.model,
