@@ -1,9 +1,11 @@
 import collections
+import textwrap
 import time
 
 import jax
 import numpy as np
 import pytest
+from helpers import run_python
 
 import jdp
 from jdp.data.formats.digits import TEST_SIZE
@@ -177,6 +179,54 @@ def test_grain_workers_give_the_same_batches(mesh8):
     for step, batch in enumerate(batches):
         np.testing.assert_array_equal(batch["label"], in_thread[step])
         np.testing.assert_array_equal(batch["image"], plain(step)["image"])
+
+
+# A script that starts loader workers at its top level, then under its main guard. Its
+# batches (64 x 16 x 16 x 3 float32, 196 KiB) travel from the workers in shared memory.
+_WORKERS_SCRIPT = """
+    import numpy as np
+    import jdp
+    from jdp.data.loader.pipeline import train_batches
+    from jdp.data.splits.sources import Split
+
+    images = np.zeros((256, 16, 16, 3), np.uint8)
+    split = Split(images, np.zeros(256, np.int32), num_classes=2)
+    mesh = jdp.make_mesh("data=2")
+    try:
+        train_batches(split, mesh, batch_size=64, seed=0, workers=2)
+        refused = None
+    except jdp.UsageError as error:
+        refused = error
+    if __name__ == "__main__":
+        print("refused:", refused)
+        with train_batches(split, mesh, batch_size=64, seed=0, workers=2) as loader:
+            rows = sum(len(next(loader)["label"]) for _ in range(12))
+        print("rows:", rows)
+"""
+
+
+def test_loader_workers_refuse_an_unguarded_script_and_leave_no_shared_memory(tmp_path):
+    # Workers import the script again: where it starts them outside its main guard each
+    # worker would too, and fail, and the parent wait forever on it. And a closed
+    # loader unlinks the shared memory of batches it placed ahead, which Python's
+    # resource tracker would otherwise remove at exit, with a warning.
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_WORKERS_SCRIPT))
+    done = run_python(script, timeout=120, devices=2)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    line = (
+        script.read_text()
+        .splitlines()
+        .index("    train_batches(split, mesh, batch_size=64, seed=0, workers=2)")
+    )
+    assert out[0] == (
+        f"refused: loader workers are processes that import train.py again, and its line "
+        f'{line + 1} would start them again in each; put that under if __name__ == "__main__":, '
+        "or use loader_workers=0 (--loader-workers 0)"
+    )
+    assert out[1] == "rows: 768"
+    assert "leaked shared_memory" not in done.stderr
 
 
 def test_batches_arrive_sharded_on_data(mesh8):

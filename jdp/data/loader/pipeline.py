@@ -36,7 +36,7 @@ from jdp.data.loader.readers import (
     item_steps,
 )
 from jdp.data.loader.streams import BatchStream, stream_rows
-from jdp.data.loader.workers import host_batches, worker_died
+from jdp.data.loader.workers import host_batches, release_shared_memory, worker_died
 from jdp.data.splits.ledger import take_marks
 from jdp.data.splits.sources import Split
 from jdp.errors import UsageError
@@ -123,6 +123,7 @@ class Loader(Iterator[dict]):
         self._marks_given: list = []  # the marks of the batches given since `marks` was asked
         self._given, self._order = 0, 0
         self._mesh, self._place, self._device = mesh, place, device
+        self._workers = workers
         # A deque and two semaphores rather than a queue.Queue: the consumer's
         # side is on the training loop's path every step, and Queue.get's
         # condition variable cost more than a fast step can spare.
@@ -234,6 +235,10 @@ class Loader(Iterator[dict]):
                 if child.pid not in self._others:  # its own workers
                     child.kill()
             self._thread.join(timeout=_CLOSE_SECONDS)
+        if self._workers:  # batches placed ahead, not taken: their shared memory goes now
+            self._ready.clear()
+            self._chunk.clear()
+            release_shared_memory()
 
     def __enter__(self) -> Loader:
         return self

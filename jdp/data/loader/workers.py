@@ -3,16 +3,20 @@ their deaths told in one line."""
 
 from __future__ import annotations
 
+import ast
+import gc
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 import grain
+from grain.multiprocessing import SharedMemoryArray
 
-from jdp.errors import LoaderError
+from jdp.errors import LoaderError, UsageError
 
 
 def host_batches(
@@ -27,19 +31,91 @@ def host_batches(
     # The Loader's thread already overlaps host work with the step: no Grain threads.
     host = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     if workers:
+        check_main_guard()
         _allow_grain_workers()
         # Arrays over 32 KiB travel from workers in shared memory, the rest pickled.
         # A worker whose pickled batch is larger than the pipe's buffer cannot exit
         # until the batch is read, so closing the loader waited out Grain's 25 s
-        # per worker. The cost: the shared memory of batches still in flight when
-        # the loader closes is removed at exit by Python's resource tracker, which
-        # reports it ("leaked shared_memory objects").
+        # per worker. A closing loader unlinks what it was sent (`release_shared_memory`).
         options = grain.experimental.DatasetOptions(min_shm_size=32 * 1024)
         host = grain.experimental.WithOptionsIterDataset(host, options)
         host = host.mp_prefetch(
             grain.MultiprocessingOptions(num_workers=workers), worker_init_fn=die_with_parent
         )
     return host
+
+
+def check_main_guard() -> None:
+    """Raises UsageError where worker processes would run the training again.
+
+    A worker is a spawned process: it imports the script that started it, as
+    ``__mp_main__``. A script that trains at its top level, outside ``if __name__ ==
+    "__main__":``, would start workers in each worker, which fails there; the parent
+    then waits forever on a worker that never reads its task. So where the calling
+    code runs at the top level of the script (``__main__`` with a file), outside
+    such a block, the loader refuses to start its workers. Any case it cannot read
+    (no file, a frame it cannot place) it lets through.
+    """
+    # A worker runs the script as __mp_main__ (``__main__`` is then its own).
+    mains = {
+        id(vars(module)): module
+        for name in ("__main__", "__mp_main__")
+        if (module := sys.modules.get(name)) is not None
+    }
+    frame = sys._getframe(1)
+    while frame is not None and not (
+        id(frame.f_globals) in mains and frame.f_code.co_name == "<module>"
+    ):
+        frame = frame.f_back
+    path = frame and getattr(mains[id(frame.f_globals)], "__file__", None)
+    if path is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as file:
+            tree = ast.parse(file.read())
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    line = frame.f_lineno
+    if not any(node.lineno <= line <= node.end_lineno for node in _main_guards(tree)):
+        raise UsageError(
+            f"loader workers are processes that import {os.path.basename(path)} again, and "
+            f"its line {line} would start them again in each; put that under "
+            f'if __name__ == "__main__":, or use loader_workers=0 (--loader-workers 0)'
+        )
+
+
+def _main_guards(tree: ast.Module) -> list[ast.If]:
+    """The ``if __name__ == "__main__":`` blocks of a module."""
+
+    def names_main(test: ast.expr) -> bool:
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+            return False
+        sides = {ast.dump(side) for side in (test.left, *test.comparators)}
+        return isinstance(test.ops[0], ast.Eq) and sides == {
+            ast.dump(ast.Name("__name__", ast.Load())),
+            ast.dump(ast.Constant("__main__")),
+        }
+
+    return [node for node in ast.walk(tree) if isinstance(node, ast.If) and names_main(node.test)]
+
+
+def release_shared_memory() -> None:
+    """Unlinks now the shared memory of the workers' batches that nothing holds any more.
+
+    Each batch a worker sends in shared memory is unlinked when its last array is
+    collected, by a thread of Grain's. A batch held in a reference cycle, or queued
+    for that thread, would still exist at exit, where Python's resource tracker
+    removes it and warns of "leaked shared_memory objects". So a closing loader
+    collects the cycles and waits (at most `_RELEASE_SECONDS`) for the queued
+    unlinks; that thread takes them in order.
+    """
+    gc.collect()
+    pool = getattr(SharedMemoryArray, "_del_thread_pool", None)
+    if pool is not None:
+        pool.apply_async(int).wait(_RELEASE_SECONDS)
+
+
+_RELEASE_SECONDS = 5.0
 
 
 def die_with_parent(worker_index: int = 0, worker_count: int = 0) -> None:
