@@ -116,7 +116,16 @@ class _Table(dict):
 
 
 def _axis_sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
-    return dict(mesh.shape if isinstance(mesh, Mesh) else mesh)
+    if isinstance(mesh, Mesh):
+        return dict(mesh.shape)
+    sizes = dict(mesh)
+    for name, size in sizes.items():
+        if name not in KNOWN_AXES or not isinstance(size, int) or size < 1:
+            raise UsageError(
+                f"mesh axis sizes {sizes}: each is one of {', '.join(KNOWN_AXES)} with a "
+                f"whole number of devices (1 or more)"
+            )
+    return sizes
 
 
 def _nbytes(leaf: Any) -> int:
@@ -230,7 +239,15 @@ def param_specs(
         {'bias': P(), 'kernel': P('fsdp',)}
     """
     leaves, treedef = jax.tree.flatten(params)
-    named = [None] * len(leaves) if names is None else treedef.flatten_up_to(names)
+    _check_leaves(params)
+    try:
+        named = [None] * len(leaves) if names is None else treedef.flatten_up_to(names)
+    except (ValueError, TypeError) as error:
+        raise UsageError(
+            f"names must have the parameters' structure, a tuple of names or None at each "
+            f"parameter (jdp.layout.logical_names reads them from a Linen model): "
+            f"{str(error).splitlines()[0]}"
+        ) from None
     table = _Table(rules_table(rules))  # validated once, not per leaf
     if rules:
         _check_rules_apply(
@@ -241,6 +258,16 @@ def param_specs(
         for leaf, leaf_names in zip(leaves, named, strict=True)
     ]
     return jax.tree.unflatten(treedef, specs)
+
+
+def _check_leaves(params: Any) -> None:
+    """A parameter that is not an array (a name, a config value) has no layout."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise UsageError(
+                f"parameter {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an "
+                f"array; parameters are arrays (keep other values out of params)"
+            )
 
 
 def _check_rules_apply(

@@ -148,6 +148,11 @@ def make_mesh(spec: str | MeshSpec, *, devices: Sequence[jax.Device] | None = No
         at = int(GROUP_AXIS in names)
         axes = (*axes[:at], (DATA_AXIS, 1), *axes[at:])
     devices = list(jax.devices() if devices is None else devices)
+    if not devices or not all(isinstance(device, jax.Device) for device in devices):
+        raise UsageError(
+            f"devices must be JAX devices (from jax.devices()), one or more; got "
+            f"{[type(device).__name__ for device in devices[:3]]}"
+        )
     fixed = math.prod(size for _, size in axes if size != -1)
     if any(size == -1 for _, size in axes):
         if len(devices) % fixed:
@@ -328,6 +333,12 @@ def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh, *, stacked: bool = F
             f"batch leaves must share one leading (batch) dimension, got {sorted(map(str, rows))}"
         )
     (local_rows,) = rows
+    kinds = {getattr(getattr(leaf, "dtype", None), "kind", None) for leaf in leaves}
+    if kinds & {"O", "S", "U"}:  # strings, Python objects, rows of unequal length
+        raise UsageError(
+            "a batch holds numeric arrays, and one of these is of strings or Python objects "
+            "(or of rows of unequal length); encode them as numbers first"
+        )
     if local_rows < 1:  # a mean over no rows is NaN, never an error
         raise UsageError("the batch has no rows; give each data replica at least one")
     if local_rows % local_replicas:

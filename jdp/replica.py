@@ -54,7 +54,14 @@ def loss_with_state(loss_fn: LossFn, *, has_aux: bool, has_model_state: bool) ->
         return with_aux
 
     def plain(params, model_state, batch, rng):
-        return loss_fn(params, batch, rng), {}, model_state
+        loss = loss_fn(params, batch, rng)
+        if isinstance(loss, tuple | list):  # (loss, aux), say: a flag tells the step so
+            raise UsageError(
+                f"loss_fn returned a {len(loss)}-tuple; without has_aux it returns the loss "
+                "alone: pass has_aux=True for (loss, aux), or has_model_state=True for "
+                "(loss, aux, model_state)"
+            )
+        return loss, {}, model_state
 
     return plain
 

@@ -41,6 +41,11 @@ def eval_step(
             mask = batch[MASK_KEY].astype(jnp.float32)
         else:
             mask = jnp.ones((rows,), jnp.float32)
+        if not isinstance(per_example, Mapping):
+            raise UsageError(
+                f"metrics_fn returns a dict of named per-example values, e.g. {{'loss': "
+                f"losses}}, got {type(per_example).__name__}"
+            )
         sums = {}
         for name, values in per_example.items():
             if _weighted_mean(values):

@@ -107,6 +107,7 @@ def test_the_library_refuses_arguments_of_the_wrong_kind_in_one_line():
 
     rows = {"x": np.ones((4, 4), np.float32), "y": np.ones((4, 1), np.float32)}
     batch = jdp.shard_batch(rows, mesh)
+    state0 = jdp.create_train_state(params, adam, mesh)
     for make, needle in [
         (lambda: jdp.create_train_state(params, optax.adam, mesh), "an optax.GradientTrans"),
         (lambda: jdp.create_train_state(params, adam, "data=2"), "mesh must be a jax.sharding"),
@@ -118,6 +119,16 @@ def test_the_library_refuses_arguments_of_the_wrong_kind_in_one_line():
         (lambda: jdp.fit(jdp.TrainConfig(), callbacks=[3]), "3 is not callable"),
         (lambda: jdp.predict(loss_fn, params, rows["x"], mesh=mesh), "a split or a dict of"),
         (lambda: jdp.predict(loss_fn, params, rows, mesh=mesh, batch_size=0), "batch_size 0"),
+        (lambda: jdp.create_train_state({**params, "n": "x"}, adam, mesh), r"\['n'\] is a str"),
+        (lambda: jdp.param_specs(params, mesh, names={"v": None}), "names must have the"),
+        (lambda: jdp.param_specs(params, {"fsdp": 2, "fdsp": 1}), "each is one of group"),
+        (lambda: jdp.make_sync_step(None, mesh), "takes DiLoCo's outer loop"),
+        (lambda: jdp.make_mesh("data=2", devices=["cpu:0"] * 2), "devices must be JAX"),
+        (lambda: jdp.make_mesh("data=2", devices=[]), "devices must be JAX"),
+        (lambda: jdp.shard_batch({"x": np.array(["a", 1] * 2)}, mesh), "of strings or Python"),
+        (lambda: jdp.fit(jdp.TrainConfig(), train=rows["x"]), "train= takes a split"),
+        (lambda: jdp.data.from_arrays(rows["x"], np.zeros(4, int), num_classes=0), "1 or more"),
+        (lambda: jdp.make_eval_step(lambda p, b: b["x"], mesh)(state0, batch), "a dict of named"),
     ]:
         with pytest.raises(jdp.UsageError, match=needle):
             make()

@@ -577,6 +577,7 @@ def _aux_missing(params, batch, rng):
         (_loss_int, False, None, "loss_fn returned a int32 loss, which has no gradient"),
         (_aux_vector, True, None, "aux metric 'per_example' has shape (1,); aux holds scalars"),
         (_aux_missing, True, None, "with has_aux=True, loss_fn must return (loss, aux); it "),
+        (_aux_vector, False, None, "loss_fn returned a 2-tuple; without has_aux it returns"),
         (
             _aux_named_loss,
             True,

@@ -16,6 +16,7 @@ from jdp.mesh import (
     GROUP_AXIS,
     batch_sharded,
     batch_split,
+    check_mesh,
     data_size,
     replicated,
 )
@@ -172,6 +173,12 @@ def make_sync_step(outer: Outer, mesh: Mesh) -> SyncStep:
         >>> int(state.step), w.shape, bool(jnp.all(w == state.params["w"][None]))
         (8, (2, 4, 1), True)
     """
+    if not isinstance(outer, Outer):
+        raise UsageError(
+            f"make_sync_step takes DiLoCo's outer loop, e.g. jdp.diloco(sync_every=50), got "
+            f"{type(outer).__name__}"
+        )
+    check_mesh(mesh)
     if GROUP_AXIS not in mesh.shape:
         raise UsageError(
             f"mesh {dict(mesh.shape)} has no {GROUP_AXIS!r} axis to synchronise over; "

@@ -156,6 +156,13 @@ def _fit(
 
 
 def _your_data(train: Split | None, validation: Split | None, test: Split | None) -> Data | None:
+    given = {"train": train, "validation": validation, "test": test}
+    for name, split in given.items():
+        if split is not None and not hasattr(split, "kind"):  # every jdp.data split says its kind
+            raise UsageError(
+                f"fit: {name}= takes a split of jdp.data (from_arrays(x, y), from_batches, "
+                f"from_tfds, ...), got {type(split).__name__}"
+            )
     if train is not None:
         return Data(train, validation, test)
     if validation is not None or test is not None:

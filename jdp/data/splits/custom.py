@@ -71,6 +71,10 @@ def from_arrays(
         >>> len(split), split.num_classes, sorted(split.read(np.arange(2)))
         (100, 2, ['x', 'y'])
     """
+    if num_classes is not None and (not isinstance(num_classes, int) or num_classes < 1):
+        raise UsageError(
+            f"from_arrays: num_classes is a whole number, 1 or more, got {num_classes!r}"
+        )
     if labels is not None:
         if isinstance(features, Mapping):
             raise UsageError("from_arrays: give a dict of features, or inputs and labels")
