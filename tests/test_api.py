@@ -75,6 +75,7 @@ def test_train_config_rejects_bad_values():
         ({"reduce_dtype": "int8"}, "unknown reduce dtype 'int8'"),
         ({"accumulate": 0}, "--accumulate must be at least 1"),
         ({"lr_boundaries": "a,b", "schedule": "piecewise"}, "write steps"),
+        ({"lr_boundaries": "5,,10", "schedule": "piecewise"}, "write steps"),
         ({"early_stop_patience": 2}, "counts evaluations; add --eval-every N"),
         ({"early_stop_patience": -1}, "--early-stop-patience must be >= 0"),
         ({"early_stop_metric": "f1"}, "unknown early stop metric 'f1'; choose one of: loss, accu"),

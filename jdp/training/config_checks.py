@@ -87,7 +87,8 @@ def check(config) -> None:
         )
     if config.lr_reference_batch < 1:
         raise UsageError("--lr-reference-batch must be at least 1")
-    if any(not part.strip().isdigit() for part in config.lr_boundaries.split(",") if part):
+    parts = config.lr_boundaries.split(",") if config.lr_boundaries else []
+    if any(not part.strip().isdigit() for part in parts):  # "5,,10" is a typo, not 5,10
         raise UsageError(f"--lr-boundaries {config.lr_boundaries!r}: write steps, e.g. 200,300")
     if config.warmup_steps < 0:
         raise UsageError("--warmup-steps must be >= 0")
