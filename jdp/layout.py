@@ -31,6 +31,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.errors import UsageError
+from jdp.layout_checks import check_leaves, check_rules_apply, checked_sizes, names_by_leaf
 from jdp.mesh import DATA_AXIS, FSDP_AXIS, KNOWN_AXES, MODEL_AXIS, check_axis_rule
 
 # Logical axis name -> mesh axis (None: never split). The names the built-in models
@@ -116,16 +117,7 @@ class _Table(dict):
 
 
 def _axis_sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
-    if isinstance(mesh, Mesh):
-        return dict(mesh.shape)
-    sizes = dict(mesh)
-    for name, size in sizes.items():
-        if name not in KNOWN_AXES or not isinstance(size, int) or size < 1:
-            raise UsageError(
-                f"mesh axis sizes {sizes}: each is one of {', '.join(KNOWN_AXES)} with a "
-                f"whole number of devices (1 or more)"
-            )
-    return sizes
+    return dict(mesh.shape) if isinstance(mesh, Mesh) else checked_sizes(mesh)
 
 
 def _nbytes(leaf: Any) -> int:
@@ -238,57 +230,18 @@ def param_specs(
         >>> jdp.param_specs(params, {"fsdp": 8})  # no names: the default rule
         {'bias': P(), 'kernel': P('fsdp',)}
     """
+    check_leaves(params)
     leaves, treedef = jax.tree.flatten(params)
-    _check_leaves(params)
-    try:
-        named = [None] * len(leaves) if names is None else treedef.flatten_up_to(names)
-    except (ValueError, TypeError) as error:
-        raise UsageError(
-            f"names must have the parameters' structure, a tuple of names or None at each "
-            f"parameter (jdp.layout.logical_names reads them from a Linen model): "
-            f"{str(error).splitlines()[0]}"
-        ) from None
+    named = [None] * len(leaves) if names is None else names_by_leaf(treedef, names)
     table = _Table(rules_table(rules))  # validated once, not per leaf
     if rules:
-        _check_rules_apply(
-            dict(rules.items() if isinstance(rules, Mapping) else rules), named, mesh
-        )
+        rules = dict(rules.items() if isinstance(rules, Mapping) else rules)
+        check_rules_apply(rules, named, _axis_sizes(mesh))
     specs = [
         leaf_spec(leaf.shape, leaf_names, mesh, table, nbytes=_nbytes(leaf))
         for leaf, leaf_names in zip(leaves, named, strict=True)
     ]
     return jax.tree.unflatten(treedef, specs)
-
-
-def _check_leaves(params: Any) -> None:
-    """A parameter that is not an array (a name, a config value) has no layout."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-            raise UsageError(
-                f"parameter {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an "
-                f"array; parameters are arrays (keep other values out of params)"
-            )
-
-
-def _check_rules_apply(
-    rules: dict[str, str | None], named: list, mesh: Mesh | Mapping[str, int]
-) -> None:
-    """A rule for a name no parameter has, or to an axis the mesh lacks, would change
-    nothing in silence (a misspelt name, a forgotten axis): refused in one line."""
-    have = {name for leaf_names in named if leaf_names for name in leaf_names if name}
-    unknown = [name for name in rules if name not in have | {FSDP_AXIS, MODEL_AXIS}]
-    if unknown:
-        raise UsageError(
-            f"axis rules for {', '.join(unknown)}: no parameter has that axis name (the "
-            f"model's: {', '.join(sorted(have)) or 'none'}); check the spelling"
-        )
-    axes = _axis_sizes(mesh)
-    for name, axis in rules.items():
-        if axis is not None and axis not in axes:
-            raise UsageError(
-                f"axis rule {name}={axis}: the mesh has no {axis} axis ({', '.join(axes)}); "
-                f"add {axis}=N to the mesh, or drop the rule"
-            )
 
 
 def logical_names(boxed: Any) -> Any:

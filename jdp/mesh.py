@@ -147,7 +147,7 @@ def make_mesh(spec: str | MeshSpec, *, devices: Sequence[jax.Device] | None = No
         # One replica: the step's all-reduce over ``data`` is then over one device.
         at = int(GROUP_AXIS in names)
         axes = (*axes[:at], (DATA_AXIS, 1), *axes[at:])
-    devices = list(jax.devices() if devices is None else devices)
+    devices = list(jax.devices() if devices is None else np.ravel(devices))  # 2-D arrays too
     if not devices or not all(isinstance(device, jax.Device) for device in devices):
         raise UsageError(
             f"devices must be JAX devices (from jax.devices()), one or more; got "

@@ -122,7 +122,7 @@ def test_the_library_refuses_arguments_of_the_wrong_kind_in_one_line():
         (lambda: jdp.predict(loss_fn, params, rows, mesh=mesh, batch_size=0), "batch_size 0"),
         (lambda: jdp.create_train_state({**params, "n": "x"}, adam, mesh), r"\['n'\] is a str"),
         (lambda: jdp.param_specs(params, mesh, names={"v": None}), "names must have the"),
-        (lambda: jdp.param_specs(params, {"fsdp": 2, "fdsp": 1}), "each is one of group"),
+        (lambda: jdp.param_specs(params, {"fsdp": 2, "fdsp": 1}), "axes are group, data"),
         (lambda: jdp.make_sync_step(None, mesh), "takes DiLoCo's outer loop"),
         (lambda: jdp.make_mesh("data=2", devices=["cpu:0"] * 2), "devices must be JAX"),
         (lambda: jdp.make_mesh("data=2", devices=[]), "devices must be JAX"),

@@ -1,6 +1,9 @@
 import collections
+import sys
 import textwrap
 import time
+import types
+from importlib.machinery import ModuleSpec
 
 import jax
 import numpy as np
@@ -19,6 +22,7 @@ from jdp.data.loader.pipeline import (
     train_batches,
 )
 from jdp.data.loader.readers import _AUGMENT_STREAM, global_batch_indices
+from jdp.data.loader.workers import check_main_guard
 from jdp.data.splits.sources import Split, load_split
 from jdp.mesh import rows_by_process
 
@@ -223,10 +227,37 @@ def test_loader_workers_refuse_an_unguarded_script_and_leave_no_shared_memory(tm
     assert out[0] == (
         f"refused: loader workers are processes that import train.py again, and its line "
         f'{line + 1} would start them again in each; put that under if __name__ == "__main__":, '
-        "or use loader_workers=0 (--loader-workers 0)"
+        "or start no workers (loader_workers=0 in the config, --loader-workers 0, workers=0 in "
+        "train_batches)"
     )
     assert out[1] == "rows: 768"
     assert "leaked shared_memory" not in done.stderr
+
+
+def test_the_main_guard_check_reads_the_script_a_worker_would_run(tmp_path, monkeypatch):
+    # In process: a fake main module runs each source at its top level, as a script does
+    # (as __mp_main__ where a worker runs it again).
+    def run(source, spec=None, name="__main__"):
+        path = tmp_path / "script.py"
+        path.write_text(source)
+        main = types.ModuleType(name)
+        main.__file__, main.__spec__ = str(path), spec and ModuleSpec(spec, None)
+        main.check = check_main_guard
+        monkeypatch.setitem(sys.modules, name, main)
+        exec(compile(source, str(path), "exec"), vars(main))
+
+    guarded = "if __name__ == '__main__':\n    check()\n"
+    for source in (guarded, guarded.replace("__name__ == '__main__'", "'__main__' == __name__")):
+        run(source)
+    run("import sys\nif __name__ == '__main__' and len(sys.argv) > 0:\n    check()\n")
+    run("check()\n", spec="trainer.__main__")  # python -m trainer: never imported again
+    for source, line, name in [
+        ("check()\n", 1, "__main__"),
+        ("check()\n", 1, "__mp_main__"),  # in a worker
+        ("if __name__ == '__main__':\n    pass\nelse:\n    check()\n", 4, "__mp_main__"),
+    ]:
+        with pytest.raises(jdp.UsageError, match=f"import script.py again, and its line {line} "):
+            run(source, name=name)
 
 
 def test_batches_arrive_sharded_on_data(mesh8):

@@ -31,7 +31,8 @@ ORDER = ("ground", "library", "services", "training", "tools")
 # A module's layer, by its name below jdp (the longest listed prefix decides).
 LAYERS = {
     "errors": "ground", "version": "ground", "lazy": "ground", "tool": "ground",
-    "mesh": "library", "mesh_spec": "library", "layout": "library", "precision": "library",
+    "mesh": "library", "mesh_spec": "library", "layout": "library", "layout_checks": "library",
+    "precision": "library",
     "optim": "library", "rngs": "library",
     "state": "library", "actions": "library", "step": "library", "replica": "library",
     "replica_eval": "library",

@@ -160,8 +160,9 @@ def _your_data(train: Split | None, validation: Split | None, test: Split | None
     for name, split in given.items():
         if split is not None and not hasattr(split, "kind"):  # every jdp.data split says its kind
             raise UsageError(
-                f"fit: {name}= takes a split of jdp.data (from_arrays(x, y), from_batches, "
-                f"from_tfds, ...), got {type(split).__name__}"
+                f"fit: {name}= takes a split of jdp.data (from_arrays(x, y); from_indexable "
+                f"for a Hugging Face or Grain dataset; from_batches, ...), got "
+                f"{type(split).__name__}"
             )
     if train is not None:
         return Data(train, validation, test)

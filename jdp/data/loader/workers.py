@@ -48,55 +48,77 @@ def host_batches(
 def check_main_guard() -> None:
     """Raises UsageError where worker processes would run the training again.
 
-    A worker is a spawned process: it imports the script that started it, as
+    A worker is a spawned process: it imports the script that started it again, as
     ``__mp_main__``. A script that trains at its top level, outside ``if __name__ ==
     "__main__":``, would start workers in each worker, which fails there; the parent
     then waits forever on a worker that never reads its task. So where the calling
-    code runs at the top level of the script (``__main__`` with a file), outside
-    such a block, the loader refuses to start its workers. Any case it cannot read
-    (no file, a frame it cannot place) it lets through.
+    code runs at the top level of such a script, outside that block, the loader
+    refuses to start its workers. Any case it cannot read it lets through.
     """
-    # A worker runs the script as __mp_main__ (``__main__`` is then its own).
+    found = _script_line()
+    if found is None:
+        return
+    path, line = found
+    try:
+        with open(path, encoding="utf-8") as file:
+            guarded = is_guarded(file.read(), line)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    if not guarded:
+        raise UsageError(
+            f"loader workers are processes that import {os.path.basename(path)} again, and "
+            f"its line {line} would start them again in each; put that under "
+            f'if __name__ == "__main__":, or start no workers (loader_workers=0 in the '
+            f"config, --loader-workers 0, workers=0 in train_batches)"
+        )
+
+
+def _script_line() -> tuple[str, int] | None:
+    """``(path, line)``: the top-level line of the script, run again by each spawned
+    process, that led to this call; None where there is none (no file, a call not
+    from the script's top level) or where a spawned process runs nothing again (a
+    package's ``__main__``, ``python -m pkg``). A worker runs the script as
+    ``__mp_main__``, its own ``__main__`` being another."""
     mains = {
         id(vars(module)): module
         for name in ("__main__", "__mp_main__")
         if (module := sys.modules.get(name)) is not None
     }
-    frame = sys._getframe(1)
+    frame = sys._getframe(2)
     while frame is not None and not (
         id(frame.f_globals) in mains and frame.f_code.co_name == "<module>"
     ):
         frame = frame.f_back
-    path = frame and getattr(mains[id(frame.f_globals)], "__file__", None)
-    if path is None:
-        return
-    try:
-        with open(path, encoding="utf-8") as file:
-            tree = ast.parse(file.read())
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-        return
-    line = frame.f_lineno
-    if not any(node.lineno <= line <= node.end_lineno for node in _main_guards(tree)):
-        raise UsageError(
-            f"loader workers are processes that import {os.path.basename(path)} again, and "
-            f"its line {line} would start them again in each; put that under "
-            f'if __name__ == "__main__":, or use loader_workers=0 (--loader-workers 0)'
-        )
+    if frame is None:
+        return None
+    module = mains[id(frame.f_globals)]
+    name = getattr(getattr(module, "__spec__", None), "name", None) or ""
+    path = getattr(module, "__file__", None)
+    if path is None or name == "__main__" or name.endswith(".__main__"):
+        return None
+    return path, frame.f_lineno
 
 
-def _main_guards(tree: ast.Module) -> list[ast.If]:
-    """The ``if __name__ == "__main__":`` blocks of a module."""
+def is_guarded(source: str, line: int) -> bool:
+    """Whether ``line`` of a module's ``source`` runs only under ``if __name__ ==
+    "__main__":`` (in its body: its ``else`` runs in a worker too)."""
+    return any(
+        isinstance(node, ast.If)
+        and _names_main(node.test)
+        and node.body[0].lineno <= line <= node.body[-1].end_lineno
+        for node in ast.walk(ast.parse(source))
+    )
 
-    def names_main(test: ast.expr) -> bool:
-        if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
-            return False
-        sides = {ast.dump(side) for side in (test.left, *test.comparators)}
-        return isinstance(test.ops[0], ast.Eq) and sides == {
-            ast.dump(ast.Name("__name__", ast.Load())),
-            ast.dump(ast.Constant("__main__")),
-        }
 
-    return [node for node in ast.walk(tree) if isinstance(node, ast.If) and names_main(node.test)]
+def _names_main(test: ast.expr) -> bool:
+    """Whether ``test`` holds only where ``__name__ == "__main__"`` (either way round, or
+    as one term of an ``and``)."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_names_main(value) for value in test.values)
+    if not (isinstance(test, ast.Compare) and [type(op) for op in test.ops] == [ast.Eq]):
+        return False
+    sides = {ast.dump(side) for side in (test.left, *test.comparators)}
+    return sides == {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}
 
 
 def release_shared_memory() -> None:
@@ -111,8 +133,11 @@ def release_shared_memory() -> None:
     """
     gc.collect()
     pool = getattr(SharedMemoryArray, "_del_thread_pool", None)
-    if pool is not None:
-        pool.apply_async(int).wait(_RELEASE_SECONDS)
+    try:
+        if pool is not None:
+            pool.apply_async(int).wait(_RELEASE_SECONDS)
+    except ValueError:  # the pool already stopped, at the interpreter's exit
+        pass
 
 
 _RELEASE_SECONDS = 5.0

@@ -17,8 +17,10 @@ seeded fraction of a split apart, as a validation split.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -71,10 +73,8 @@ def from_arrays(
         >>> len(split), split.num_classes, sorted(split.read(np.arange(2)))
         (100, 2, ['x', 'y'])
     """
-    if num_classes is not None and (not isinstance(num_classes, int) or num_classes < 1):
-        raise UsageError(
-            f"from_arrays: num_classes is a whole number, 1 or more, got {num_classes!r}"
-        )
+    if num_classes is not None:
+        num_classes = _class_count(num_classes)
     if labels is not None:
         if isinstance(features, Mapping):
             raise UsageError("from_arrays: give a dict of features, or inputs and labels")
@@ -100,6 +100,19 @@ def from_arrays(
             if num_classes is None:
                 num_classes = _inferred_classes(labels, label_key)
     return ArraySplit(arrays, input_key, label_key, num_classes, transform, map)
+
+
+def _class_count(num_classes: Any) -> int:
+    """``num_classes`` as an int (a NumPy integer too), refused below 1."""
+    try:
+        count = operator.index(num_classes)
+    except TypeError:
+        count = 0
+    if count < 1:
+        raise UsageError(
+            f"from_arrays: num_classes is a whole number, 1 or more, got {num_classes!r}"
+        )
+    return count
 
 
 def _inferred_classes(labels: np.ndarray, name: str) -> int:
