@@ -10,6 +10,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from jdp.distributed.leaving import Listening, tell_the_others
 from jdp.errors import (
     DataLedgerError,
     LoaderError,
@@ -46,11 +47,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         console = Console()
         for line in first_lines:  # where the settings came from: a recipe's, overridden
             console.first(line)
-        result = fit(config, console=console)
+        # Another process that ends outside training steps ends this one too, at once.
+        with Listening(say=lambda line: sys.stderr.write(f"jdp.train: {line}\n")):
+            result = fit(config, console=console)
     except _Interrupted as interrupted:
         sys.stderr.write(f"jdp.train: {interrupted} outside training steps; nothing saved\n")
         sys.stdout.flush()
         sys.stderr.flush()
+        tell_the_others(str(interrupted))  # in a run of several: they end with this one
         # Interrupted anywhere in start-up, threads (compilation, loading) may be
         # mid-work; waiting for them at exit can abort. Nothing is in flight to keep.
         os._exit(128 + signal.Signals[str(interrupted)].value)

@@ -730,6 +730,35 @@ def test_sigint_to_one_process_saves_in_every_process_at_one_step(tmp_path):
     assert len(steps) == 1 and f"at step {steps.pop()};" in line[0]
 
 
+@pytest.mark.parametrize("leaver", [0, 1])
+@pytest.mark.slow
+def test_sigint_to_one_process_in_start_up_ends_every_process_at_once(leaver):
+    processes = _start_two(["--mesh", "data=2", "--steps", "100000"])
+    try:
+        # Process 0 says where the run is once every process joined: the signal then finds
+        # the other still in start-up too, seconds before a first step (timed by the
+        # steps per call's choice before the loop).
+        processes[0].stdout.readline()
+        started = time.monotonic()
+        processes[leaver].send_signal(signal.SIGINT)
+        outputs = [process.communicate(timeout=120) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    # Not at JAX's heartbeat timeout (60 s), nor aborted by its runtime (process 0 holds it).
+    assert time.monotonic() - started < 30
+    other = 1 - leaver
+    stderrs = [stderr for _, stderr in outputs]
+    assert [process.returncode for process in processes] == [130, 130], stderrs
+    assert stderrs[leaver].strip().splitlines()[-1] == (
+        "jdp.train: SIGINT outside training steps; nothing saved"
+    ), stderrs[leaver]
+    assert stderrs[other].strip().splitlines() == [
+        f"jdp.train: process {leaver} of 2 ended on SIGINT outside training steps; this "
+        "process ends too"
+    ], stderrs[other]
+
+
 def _text(path) -> str:
     """What ``path`` holds so far; empty while it does not exist."""
     try:

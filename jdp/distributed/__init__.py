@@ -14,6 +14,7 @@ import time
 from jdp import lazy
 from jdp.distributed.cluster import Cluster, resolve
 from jdp.distributed.handshake import handshake
+from jdp.distributed.leaving import joined
 from jdp.errors import ReplicaMismatchError as ReplicaMismatchError
 
 # The replica check needs JAX; the launcher, which reads only where processes sit, does not.
@@ -68,6 +69,7 @@ def initialize(
     from jax._src import distributed as jax_distributed
 
     if jax_distributed.global_state.client is not None:
+        joined()
         state = jax_distributed.global_state
         return Cluster(
             state.num_processes,
@@ -95,4 +97,5 @@ def initialize(
         shutdown_timeout_seconds=max(1, round(heartbeat_timeout)),
         coordinator_bind_address=cluster.bind,
     )
+    joined()
     return cluster
