@@ -116,6 +116,10 @@ def test_every_block_runs_or_says_why_not():
 # its code path: a benchmark's docs form whose benchmark tests/test_bench.py runs, or a
 # block another block runs whole.
 SCHEDULED = {
+    ("docs/data.md", 0): (
+        "tests/test_images.py's pack, packed form and --loader-workers 1 on images; "
+        "tests/test_recipes.py's ResNet-50 on image files"
+    ),
     ("docs/data.md", 1): "tests/test_tokenize.py, tests/test_tokens.py's stdlib run",
     ("docs/data.md", 2): "tests/test_tokenize.py, tests/test_tokens.py, tests/test_generate.py",
     ("docs/performance.md", 0): "tests/test_bench.py's step sweep",

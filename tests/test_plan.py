@@ -235,6 +235,7 @@ def test_the_plan_of_each_measured_gpt2_cell_is_within_a_quarter_of_its_peak():
     import json
 
     from jdp.bench.gpu_plan import KINDS
+    from jdp.plan_stand_ins import GPUS
 
     plans, checked = {}, []
     for name, cell in _own_peaks():
@@ -263,10 +264,13 @@ def test_the_plan_of_each_measured_gpt2_cell_is_within_a_quarter_of_its_peak():
             str(setting.get("loss_chunks", 1)),
             *(["--unroll-layers"] if setting["unroll"] else []),
         )
-        if argv not in plans:
+        # The GPUs of GPUS compile the same stand-ins, so their plans need the same bytes:
+        # one plan each (an H100's cell and an H200's of the same settings share one).
+        key = tuple("gpu" if arg in GPUS else arg for arg in argv)
+        if key not in plans:
             result = run_python("-m", "jdp.plan", "--json", *argv, timeout=600)
             assert result.returncode == 0, result.stderr
-            plans[argv] = json.loads(result.stdout.strip().splitlines()[-1])["need"]
-        checked.append((name, argv, plans[argv] / cell["peak_bytes"]))
+            plans[key] = json.loads(result.stdout.strip().splitlines()[-1])["need"]
+        checked.append((name, argv, plans[key] / cell["peak_bytes"]))
     assert len(plans) >= 3, checked  # scanned and unrolled with cuDNN's attention, XLA's
     assert all(0.75 <= ratio <= 1.25 for _, _, ratio in checked), checked
