@@ -759,6 +759,29 @@ def test_sigint_to_one_process_in_start_up_ends_every_process_at_once(leaver):
     ], stderrs[other]
 
 
+def test_a_signal_while_jax_connects_arrives_once_the_block_ends():
+    """`jdp.distributed.initialize` holds a SIGINT back while JAX connects: a Ctrl-C then
+    ends the process once it has joined, and is told to the others."""
+    from jdp.distributed.leaving import interrupt_held
+
+    class Arrived(Exception):
+        pass
+
+    def arrive(number, frame):
+        raise Arrived(signal.Signals(number).name)
+
+    previous = signal.signal(signal.SIGINT, arrive)
+    reached = []
+    try:
+        with pytest.raises(Arrived, match="SIGINT"), interrupt_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # bytecodes run here: a signal not held would arrive
+            reached.append("the block's end")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert reached == ["the block's end"]
+
+
 def _text(path) -> str:
     """What ``path`` holds so far; empty while it does not exist."""
     try:

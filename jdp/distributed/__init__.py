@@ -14,7 +14,7 @@ import time
 from jdp import lazy
 from jdp.distributed.cluster import Cluster, resolve
 from jdp.distributed.handshake import handshake
-from jdp.distributed.leaving import joined
+from jdp.distributed.leaving import interrupt_held, joined
 from jdp.errors import ReplicaMismatchError as ReplicaMismatchError
 
 # The replica check needs JAX; the launcher, which reads only where processes sit, does not.
@@ -83,13 +83,22 @@ def initialize(
     started = time.monotonic()
     handshake(cluster, startup_timeout, settings, error)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    with interrupt_held():  # a Ctrl-C while JAX connects arrives once it has joined
+        _connect(cluster, startup_timeout - (time.monotonic() - started), heartbeat_timeout)
+        joined()
+    return cluster
+
+
+def _connect(cluster: Cluster, timeout: float, heartbeat_timeout: float) -> None:
+    import jax
+
     jax.distributed.initialize(
         cluster.coordinator,
         cluster.num_processes,
         cluster.process_id,
         local_device_ids=cluster.local_device_ids,
         cluster_detection_method="deactivate",
-        initialization_timeout=max(30, int(startup_timeout - (time.monotonic() - started))),
+        initialization_timeout=max(30, int(timeout)),
         heartbeat_timeout_seconds=max(1, round(heartbeat_timeout)),
         # How long a finished process waits for the others at exit: they may be
         # seconds behind (a last eval, a save), never longer than a lost one is
@@ -97,5 +106,3 @@ def initialize(
         shutdown_timeout_seconds=max(1, round(heartbeat_timeout)),
         coordinator_bind_address=cluster.bind,
     )
-    joined()
-    return cluster

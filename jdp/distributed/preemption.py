@@ -9,6 +9,8 @@ from typing import Any
 
 import jax
 
+from jdp.distributed.leaving import loop_ended
+
 
 def _forward_as_sigterm(number, frame) -> None:
     """SIGINT in a multi-process run: to JAX's runtime as SIGTERM, which every process
@@ -61,5 +63,6 @@ class Preemption:
         return signal.Signals(self._signal).name if self._signal else "preemption notice (SIGTERM)"
 
     def __exit__(self, *exc_info) -> None:
+        loop_ended()  # a signal from now on is not told to the others (`jdp.distributed.leaving`)
         for number, handler in self._previous.items():
             signal.signal(number, handler)
