@@ -21,13 +21,14 @@ then costs no other process its work.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+
+from jdp.distributed.watchdog import _end_process, _quietly
 
 _LEFT = "jdp/left/"  # + the process: the name of the signal that ended it
 _HEARD = "jdp/heard/"  # + the process: it heard, and ends
@@ -170,9 +171,7 @@ class Listening:
         _quietly(lambda: client.key_value_set(f"{_HEARD}{process}", "1"))
         if process == 0:  # the store ends with this process: the others hear first
             _quietly(lambda: _wait_until_heard(client, process, processes))
-        for child in multiprocessing.active_children():  # loader workers
-            _quietly(child.kill)
-        os._exit(128 + _signal_number(name))
+        _end_process(128 + _signal_number(name))  # its loader workers killed first
 
 
 def _poll(asked_since: float | None) -> float:
@@ -191,8 +190,3 @@ def _silence_output() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     for descriptor in (1, 2):
         os.dup2(devnull, descriptor)
-
-
-def _quietly(call: Callable[[], object]) -> None:
-    with contextlib.suppress(Exception):  # ending anyway: nothing here may stop that
-        call()
