@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from jdp.launch import (
     command_ending_with_parent,
     describe_exit,
     device_flags,
+    free_port,
     shell_code,
 )
 from jdp.tool import command
@@ -43,12 +43,6 @@ from jdp.tool import command
 # Ray collapses lines repeated across workers into one by default; each process's
 # lines are its own here (the same summary from two processes is two lines).
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
 
 
 class Process:
@@ -63,7 +57,7 @@ class Process:
 
         node = ray.get_runtime_context().get_node_id()
         (address,) = (n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node)
-        return address, _free_port() if pick_port else None
+        return address, free_port("") if pick_port else None
 
     def run(self, command: list[str], env: dict[str, str], rank: int) -> int:
         """Runs ``command``; its lines go to this actor's output, ``[rank]`` first."""

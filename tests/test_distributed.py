@@ -23,7 +23,7 @@ import pytest
 from closeness import assert_drift_within, assert_sequences_close
 from helpers import assert_trees_close, launched_pids, run_cli, subprocess_env
 
-from jdp import distributed
+from jdp import distributed, launch
 from jdp.checkpoint import load_params
 from jdp.distributed import Cluster, ReplicaMismatchError, check_replicas
 from jdp.distributed.handshake import handshake
@@ -554,6 +554,17 @@ def test_settings_from_the_environment(monkeypatch):
     )
     assert distributed.resolve(process_id=1).process_id == 1  # a flag wins
     assert distributed.resolve(num_processes=1, process_id=0).num_processes == 1
+
+
+def test_a_picked_port_is_free_and_outside_the_outgoing_connections_range():
+    """The launcher's coordinator port is one no outgoing connection can take between the
+    pick and the bind (a port from a bind to 0 could be: a CI run lost one that way)."""
+    ports = {free_port() for _ in range(20)}
+    outgoing = set(launch._outgoing_ports())
+    if set(launch._LISTEN_PORTS) - outgoing:  # a machine whose range covers them all has none
+        assert not ports & outgoing and all(port in launch._LISTEN_PORTS for port in ports)
+    with socket.create_server(("127.0.0.1", free_port())):  # it can be listened on
+        pass
 
 
 @pytest.mark.parametrize("says", [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n"])

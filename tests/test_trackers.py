@@ -16,6 +16,7 @@ import pytest
 from helpers import interop, subprocess_env
 
 import jdp
+from jdp.launch import free_port
 from jdp.report import trackers
 from jdp.report.trackers import Guarded, check_trackers
 
@@ -26,17 +27,11 @@ FLAGS = "--mesh data=1 --warmup-steps 4 --log-every 10 --tracker tensorboard,mlf
 SERVER_START = 120  # seconds: MLflow's server took 16 s to answer on the busy 2-core machine
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def server(tmp_path):
     """``(uri, stop)``: an MLflow tracking server on 127.0.0.1, as a user starts one."""
     interop("mlflow", load=False)
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable,
         *"-m mlflow server --host 127.0.0.1 --port".split(),
@@ -199,7 +194,7 @@ def test_the_server_killed_mid_run_is_one_warning_and_the_run_finishes(server, t
 @pytest.mark.slow
 def test_no_server_at_the_start_is_one_warning_and_the_run_trains(tmp_path):
     interop("mlflow", load=False)  # the run is a fresh process
-    result = _run(f"http://127.0.0.1:{_free_port()}", tmp_path / "log", "--steps", "20")
+    result = _run(f"http://127.0.0.1:{free_port()}", tmp_path / "log", "--steps", "20")
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "tracker failed" in line]
     assert len(warnings) == 1 and warnings[0].startswith("jdp: warning: the mlflow tracker")
