@@ -13,8 +13,10 @@ M remain: the run finishes on fewer, its global batch and data order unchanged.
 SIGTERM, SIGINT or SIGHUP sends SIGTERM to every process (a jdp run saves and
 stops, exit code 143; through a wrapper script, the trainer it runs gets it), and
 the launcher then exits as a shell does, 128 + its signal (130 for SIGINT), unless
-every process finished; a second signal kills them. On Linux the processes get SIGTERM when the
-launcher dies, however it dies: none is left training without it.
+every process finished; a second signal kills them. A signal to one of the processes
+stops the run the same way: not restarted, its exit code the launcher's. On Linux the
+processes get SIGTERM when the launcher dies, however it dies: none is left training
+without it.
 """
 
 from __future__ import annotations
@@ -22,10 +24,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +33,9 @@ import time
 from collections.abc import Sequence
 
 from jdp.distributed import cluster
+from jdp.distributed.exits import describe_exit, first_end, is_stop, shell_code
 from jdp.distributed.output import relay
+from jdp.distributed.ports import free_port
 from jdp.distributed.process_groups import (
     PROCESS_MIB,
     alive,
@@ -42,38 +44,8 @@ from jdp.distributed.process_groups import (
     most_processes,
     terminate,
 )
-from jdp.distributed.watchdog import EXIT_STALLED
 from jdp.mesh_spec import child_environment
 from jdp.tool import command
-
-# Ports tried for a coordinator: below every common system's range for outgoing
-# connections (Linux 32768-60999, macOS and Windows 49152-65535), so that a connection
-# made between the pick and the coordinator's bind cannot take the port.
-_LISTEN_PORTS = range(20000, 32768)
-
-
-def _outgoing_ports() -> range:
-    """The ports this machine gives outgoing connections, where the system says (Linux)."""
-    path = "/proc/sys/net/ipv4/ip_local_port_range"
-    with contextlib.suppress(OSError, ValueError), open(path) as ports:
-        low, high = map(int, ports.read().split())
-        return range(low, high + 1)
-    return range(0)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing holds right now and no outgoing connection will
-    be given: one of ``_LISTEN_PORTS`` outside this machine's outgoing range, tried by a
-    bind (a bind to port 0 would pick one inside that range)."""
-    outgoing = _outgoing_ports()
-    ports = [port for port in _LISTEN_PORTS if port not in outgoing]
-    for port in random.sample(ports, min(len(ports), 64)):
-        with socket.socket() as probe, contextlib.suppress(OSError):
-            probe.bind((host, port))
-            return port
-    with socket.socket() as probe:  # every port was held, or the range covers them all
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def process_env(
@@ -103,22 +75,6 @@ def device_flags(devices_per_process: int | None) -> dict[str, str]:
     return {"XLA_FLAGS": child_environment(devices_per_process)["XLA_FLAGS"]}
 
 
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    if code == EXIT_STALLED:
-        return f"exit code {code}: the run stalled"
-    return f"exit code {code}"
-
-
-def shell_code(code: int) -> int:
-    """A process's exit code as a shell gives it: 128 + N for a death by signal N."""
-    return 128 - code if code < 0 else code
-
-
 def launch(
     command: Sequence[str],
     nproc: int,
@@ -135,7 +91,8 @@ def launch(
     ``max_restarts`` times (a jdp run resumes from its last complete checkpoint);
     a process that fails twice in a row is left out while more than ``min_nproc``
     remain (the run goes on with fewer, its global batch and order unchanged). An
-    exit code of 2 (bad input) and a stop asked by a signal are never restarted.
+    exit code of 2 (bad input) and a stop asked by a signal, to the launcher or to one
+    of the processes (exit code 130 or 143: it saved), are never restarted.
     """
     lock = threading.Lock()
     children: list[subprocess.Popen] = []
@@ -170,17 +127,8 @@ def launch(
                 interrupted = signals and any(child.returncode for child in children)
                 return 128 + signals[0] if interrupted else 0
             rank, code = failed
-            line = f"process {rank} of {nproc} failed first ({describe_exit(code)})"
-            if signals or code == 2 or restarts == max_restarts:
-                _say(lock, f"{line}; exit code {shell_code(code)}")
-                if max_restarts and restarts == max_restarts and not signals and code != 2:
-                    _say(
-                        lock,
-                        f"--max-restarts {max_restarts} spent; the last complete "
-                        "checkpoint is where a rerun resumes",
-                    )
+            if _ends_the_run(lock, rank, code, nproc, bool(signals), restarts, max_restarts):
                 return shell_code(code)
-            _say(lock, line)
             restarts, port = restarts + 1, None  # a fresh port: the old one may linger
             if rank == failed_before and nproc > min_nproc:
                 nproc -= 1
@@ -198,6 +146,28 @@ def launch(
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+def _ends_the_run(lock, rank, code, nproc, signalled, restarts, max_restarts) -> bool:
+    """Whether the first failure of a group, process ``rank``'s exit ``code``, ends the run
+    (said in one line; else it is restarted): a stop asked by a signal to the launcher or
+    to one process (each saved, as for preemption: a restart would undo the stop), bad
+    input (exit code 2), and restarts spent."""
+    stop = is_stop(code)
+    line = first_end(rank, nproc, code)
+    if not (signalled or stop or code == 2 or restarts == max_restarts):
+        _say(lock, line)
+        return False
+    if max_restarts and stop:
+        line += "; a stop is not restarted"
+    _say(lock, f"{line}; exit code {shell_code(code)}")
+    if max_restarts and restarts == max_restarts and not (signalled or stop or code == 2):
+        _say(
+            lock,
+            f"--max-restarts {max_restarts} spent; the last complete checkpoint is where "
+            "a rerun resumes",
+        )
+    return True
 
 
 def _group(
@@ -284,7 +254,7 @@ def _supervise(
             code = child.poll()
             if code is None:
                 running = True
-            elif code != 0 and failed is None and not (signals and _stopped(code)):
+            elif code != 0 and failed is None and not (signals and is_stop(code)):
                 failed = (rank, code)
                 kill_at = time.monotonic() + grace
                 _say(
@@ -304,16 +274,6 @@ def _supervise(
                     _signal_group(child, signal.SIGKILL)
             kill_at = None
         time.sleep(0.05)
-
-
-# The exit codes of a process that stopped as a signal asked (`jdp.train`: saved first).
-STOPPED_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
-
-
-def _stopped(code: int) -> bool:
-    """Whether a process ended as the launcher's signal asked: saved and exited 130 or
-    143, or a wrapper that the signal itself ended (its trainer saves, `left_behind`)."""
-    return code in STOPPED_CODES or -code in (signal.SIGINT, signal.SIGTERM)
 
 
 def _signal_group(child: subprocess.Popen, number: int) -> None:

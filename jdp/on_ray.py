@@ -27,16 +27,14 @@ import time
 from collections.abc import Sequence
 
 from jdp.distributed import cluster
+from jdp.distributed.exits import STOPPED_CODES, describe_exit, first_end, shell_code
 from jdp.distributed.output import relay
+from jdp.distributed.ports import free_port
 from jdp.launch import (
-    STOPPED_CODES,
     add_process_flags,
     checked_command,
     command_ending_with_parent,
-    describe_exit,
     device_flags,
-    free_port,
-    shell_code,
 )
 from jdp.tool import command
 
@@ -156,7 +154,7 @@ def _supervise(runs: dict, actors: list, grace: float, signals: list[int]) -> in
     if failed is None:
         return 128 + signals[0] if interrupted else 0
     rank, code = failed
-    say(f"process {rank} of {len(actors)} failed first ({describe_exit(code)})")
+    say(first_end(rank, len(actors), code))
     return shell_code(code)
 
 

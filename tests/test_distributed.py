@@ -23,13 +23,13 @@ import pytest
 from closeness import assert_drift_within, assert_sequences_close
 from helpers import assert_trees_close, launched_pids, run_cli, subprocess_env
 
-from jdp import distributed, launch
+from jdp import distributed
 from jdp.checkpoint import load_params
-from jdp.distributed import Cluster, ReplicaMismatchError, check_replicas
+from jdp.distributed import Cluster, ReplicaMismatchError, check_replicas, ports
 from jdp.distributed.handshake import handshake
+from jdp.distributed.ports import free_port
 from jdp.distributed.process_groups import in_groups
 from jdp.errors import UsageError
-from jdp.launch import free_port
 from jdp.mesh import replicated
 
 # One run, computed in 1 process or in 2; only topology flags are added to it.
@@ -559,10 +559,10 @@ def test_settings_from_the_environment(monkeypatch):
 def test_a_picked_port_is_free_and_outside_the_outgoing_connections_range():
     """The launcher's coordinator port is one no outgoing connection can take between the
     pick and the bind (a port from a bind to 0 could be: a CI run lost one that way)."""
-    ports = {free_port() for _ in range(20)}
-    outgoing = set(launch._outgoing_ports())
-    if set(launch._LISTEN_PORTS) - outgoing:  # a machine whose range covers them all has none
-        assert not ports & outgoing and all(port in launch._LISTEN_PORTS for port in ports)
+    picked = {free_port() for _ in range(20)}
+    outgoing = set(ports.outgoing_ports())
+    if set(ports.LISTEN_PORTS) - outgoing:  # a machine whose range covers them all has none
+        assert not picked & outgoing and picked <= set(ports.LISTEN_PORTS)
     with socket.create_server(("127.0.0.1", free_port())):  # it can be listened on
         pass
 

@@ -20,6 +20,7 @@ from closeness import assert_drift_within
 from helpers import alive, assert_bitwise_equal, launched_pids, loader_workers, subprocess_env
 
 from jdp.checkpoint import load_params
+from jdp.launch import launch
 
 STEPS = 300
 TRAIN = [
@@ -250,6 +251,33 @@ def test_spent_restarts_end_in_one_line_with_the_last_checkpoint_intact(tmp_path
         "jdp.launch: --max-restarts 1 spent; the last complete checkpoint is where a rerun resumes"
     )
     load_params(str(tmp_path / "ckpt"))  # the latest complete checkpoint, digests checked
+
+
+# Process 0 ends first, as the processes told of a stop do; process 1, the one signalled,
+# after it (`jdp.distributed.leaving`). Both exit 130, as a jdp run stopped by SIGINT does.
+ENDS_ON_A_STOP = (
+    "import os, sys, time\n"
+    "if os.environ['JDP_PROCESS_ID'] == '0':\n"
+    "    open(sys.argv[1], 'w').close()\n"
+    "else:\n"
+    "    while not os.path.exists(sys.argv[1]):\n"
+    "        time.sleep(0.05)\n"
+    "    time.sleep(0.5)\n"
+    "sys.exit(130)\n"
+)
+
+
+def test_a_stop_signalled_to_one_process_is_not_restarted_or_called_a_failure(tmp_path, capfd):
+    """A signal to one of the processes, not to the launcher, stops the run as one to the
+    launcher does: no restart, and no process named as failed."""
+    command = [sys.executable, "-c", ENDS_ON_A_STOP, str(tmp_path / "ended")]
+    assert launch(command, 2, max_restarts=2) == 130
+    err = capfd.readouterr().err
+    assert err.count("jdp.launch: started process 0 of 2") == 1, err  # not started again
+    assert err.strip().splitlines()[-1] == (
+        "jdp.launch: process 0 of 2 ended first (exit code 130: stopped on SIGINT); "
+        "a stop is not restarted; exit code 130"
+    )
 
 
 @pytest.mark.slow

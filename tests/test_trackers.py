@@ -16,7 +16,7 @@ import pytest
 from helpers import interop, subprocess_env
 
 import jdp
-from jdp.launch import free_port
+from jdp.distributed.ports import free_port
 from jdp.report import trackers
 from jdp.report.trackers import Guarded, check_trackers
 
