@@ -32,8 +32,31 @@ def _interrupt(number, frame) -> None:
     raise _Interrupted(signal.Signals(number).name)
 
 
+def _interrupt_again(previous):
+    """An unraisable-exception hook that sends the signal again when `_interrupt` raised
+    where Python swallows exceptions: a gc callback (JAX's frees buffers in one) or a
+    ``__del__``. There the exception is printed as ``Exception ignored`` and the run
+    would go on, as if the Ctrl-C had never come. The signal is sent again, from another
+    thread a moment later: sent from the hook, it would land in the hook and be
+    swallowed there too."""
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, _Interrupted):
+            number = signal.Signals[str(unraisable.exc_value)]
+            again = threading.Timer(0.01, os.kill, (os.getpid(), number))
+            again.daemon = True
+            again.start()
+        else:
+            previous(unraisable)
+
+    hook.jdp_interrupts = True
+    return hook
+
+
 @command("jdp.train")
 def main(argv: Sequence[str] | None = None) -> int:
+    if not getattr(sys.unraisablehook, "jdp_interrupts", False):
+        sys.unraisablehook = _interrupt_again(sys.unraisablehook)
     previous = {number: signal.signal(number, _interrupt) for number in _SIGNALS}
     try:
         config, first_lines = parse_command(argv)

@@ -2,6 +2,7 @@
 non-finite settings and training. Each ends in one line (and a kept good state), never in
 a wrong result."""
 
+import gc
 import json
 import os
 import pathlib
@@ -32,7 +33,7 @@ import jdp
 from jdp.checkpoint import Checkpointer
 from jdp.checkpoint.storage import _on_disk
 from jdp.distributed.lock import LOCK_NAME
-from jdp.launch import free_port
+from jdp.distributed.ports import free_port
 from tools.faults import bit_flips
 
 
@@ -780,6 +781,34 @@ def test_a_signal_while_jax_connects_arrives_once_the_block_ends():
     finally:
         signal.signal(signal.SIGINT, previous)
     assert reached == ["the block's end"]
+
+
+def test_a_start_up_signal_that_lands_in_a_gc_callback_is_sent_again():
+    """`jdp.train`'s start-up SIGINT can land while JAX's gc callback runs; Python prints
+    the exception there as "Exception ignored" and goes on, and the run trained on as if
+    no Ctrl-C had come. The signal is sent again and lands outside the callback."""
+    from jdp import train
+
+    sent = []
+
+    def in_gc(phase, info):
+        if phase == "start" and not sent:
+            sent.append(signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs here, in the callback
+
+    hook = sys.unraisablehook
+    previous = signal.signal(signal.SIGINT, train._interrupt)
+    sys.unraisablehook = train._interrupt_again(hook)
+    gc.callbacks.append(in_gc)
+    try:
+        with pytest.raises(train._Interrupted, match="SIGINT"):
+            gc.collect()
+            time.sleep(5)  # the signal sent again lands here, once the callback has ended
+    finally:
+        gc.callbacks.remove(in_gc)
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = hook
+    assert sent == [signal.SIGINT]
 
 
 def _text(path) -> str:
