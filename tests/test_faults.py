@@ -242,6 +242,7 @@ def test_a_second_run_on_a_live_directory_is_refused(tmp_path):
         ("weight_decay", float("nan"), "--weight-decay must be in [0, inf), got nan"),
         ("clip_norm", float("inf"), "--clip-norm must be in [0, inf)"),
         ("heartbeat_timeout", float("inf"), "--heartbeat-timeout must be in (0, inf)"),
+        ("stall_timeout", 0.001, "--stall-timeout 0.001 is under 1 s, shorter than a healthy"),
         ("max_skipped_fraction", 0.0, "--max-skipped-fraction must be in (0, 1]"),
         ("seed", -1, "--seed must be in [0, 2**32), got -1"),
         ("seed", 10**23, "--seed must be in [0, 2**32)"),

@@ -144,6 +144,13 @@ def _check_numbers(config) -> None:
         if not (above and below):  # also false for NaN
             span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
             raise UsageError(f"--{name.replace('_', '-')} must be in {span}, got {value}")
+    if 0 < config.stall_timeout < 1:
+        # The watchdog looks every 0.1 s at its finest, and a healthy run's slower step, log
+        # line or garbage collection outlasts a shorter limit: every run would end stalled.
+        raise UsageError(
+            f"--stall-timeout {config.stall_timeout:g} is under 1 s, shorter than a healthy "
+            "run's pauses; give seconds (the default is 600), or 0 to turn the watchdog off"
+        )
     if not 0 <= config.seed < 2**32:
         raise UsageError(f"--seed must be in [0, 2**32), got {config.seed}")
     for field in dataclasses.fields(config):
