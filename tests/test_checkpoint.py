@@ -220,6 +220,33 @@ def test_restore_onto_another_mesh_and_backend(tmp_path, mesh8, spec, backend):
     assert_drift_within(jax.device_get(after.params), jax.device_get(reference.params))
 
 
+@pytest.mark.parametrize(("damage", "what"), [(b"garbage{", "not JSON"), (None, "missing")])
+def test_orbaxs_record_of_a_step_damaged_is_one_warning_and_the_step_restores(
+    tmp_path, mesh8, capfd, caplog, damage, what
+):
+    """``_CHECKPOINT_METADATA`` holds Orbax's times of a step, which no restore uses: Orbax
+    logged two ``ERROR:absl`` lines with the file's bytes each time it read it."""
+    state = _mlp_state(mesh8)
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state, loader_step=3)
+    record = tmp_path / "0" / "_CHECKPOINT_METADATA"
+    if damage is None:
+        record.unlink()
+    else:
+        record.write_bytes(damage)
+    capfd.readouterr()
+    with Checkpointer(tmp_path) as checkpoints:
+        restored, meta = checkpoints.restore(_mlp_state(mesh8, seed=9))
+    assert meta["loader_step"] == 3
+    np.testing.assert_array_equal(restored.rng, jax.device_get(state.rng))
+    assert capfd.readouterr().err.splitlines() == [
+        f"jdp: warning: Orbax's record of the checkpoint in {record.parent} "
+        f"(_CHECKPOINT_METADATA, its times) is {what}; a restore checks jdp's own record and "
+        "the arrays' digests instead"
+    ]
+    assert not [line for line in caplog.messages if "Metadata file" in line]
+
+
 def test_a_different_model_is_named_leaf_by_leaf(tmp_path, mesh8):
     with Checkpointer(tmp_path) as checkpoints:
         checkpoints.save(_mlp_state(mesh8), loader_step=0)

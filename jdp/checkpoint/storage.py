@@ -90,6 +90,7 @@ def _quiet_orbax_failures() -> None:
         "ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning
     )
     logging.getLogger("absl").addFilter(_not_a_save_thread_error)
+    logging.getLogger("absl").addFilter(_metadata_file_said_once)
 
 
 def _not_a_save_thread_error(record: logging.LogRecord) -> bool:
@@ -99,6 +100,35 @@ def _not_a_save_thread_error(record: logging.LogRecord) -> bool:
     from_orbax = f"{os.sep}orbax{os.sep}checkpoint{os.sep}" in record.pathname
     with_traceback = record.exc_info is not None or "raised an exception" in str(record.msg)
     return not (from_orbax and record.levelno >= logging.ERROR and with_traceback)
+
+
+# Orbax's lines on a step's own record of itself (``_CHECKPOINT_METADATA``: its times)
+# that is missing or damaged; it logs one each time it reads the step's metadata.
+_METADATA_FILE = {
+    "Metadata file does not exist": "missing",
+    "Failed to read Metadata file": "unreadable",
+    "Failed to json parse Metadata file": "not JSON",
+}
+_METADATA_FILES_SAID: set[str] = set()
+
+
+def _metadata_file_said_once(record: logging.LogRecord) -> bool:
+    """Turns Orbax's lines on a step's missing or damaged ``_CHECKPOINT_METADATA`` (two
+    ``ERROR:absl`` lines with the file's bytes, each time it is read) into one jdp warning:
+    a restore does not use that file, it checks jdp's own record and the arrays' digests."""
+    message = str(record.msg)
+    what = next((what for start, what in _METADATA_FILE.items() if message.startswith(start)), None)
+    if what is None or not record.args:
+        return True
+    path = os.fspath(record.args[0])
+    if path not in _METADATA_FILES_SAID:
+        _METADATA_FILES_SAID.add(path)
+        warn(
+            f"Orbax's record of the checkpoint in {os.path.dirname(path)} "
+            f"({os.path.basename(path)}, its times) is {what}; a restore checks jdp's own "
+            "record and the arrays' digests instead"
+        )
+    return False
 
 
 def _not_an_abandoned_write(record: logging.LogRecord) -> bool:
