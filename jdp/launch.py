@@ -13,10 +13,8 @@ M remain: the run finishes on fewer, its global batch and data order unchanged.
 SIGTERM, SIGINT or SIGHUP sends SIGTERM to every process (a jdp run saves and
 stops, exit code 143; through a wrapper script, the trainer it runs gets it), and
 the launcher then exits as a shell does, 128 + its signal (130 for SIGINT), unless
-every process finished; a second signal kills them. A signal to one of the processes
-stops the run the same way: not restarted, its exit code the launcher's. On Linux the
-processes get SIGTERM when the launcher dies, however it dies: none is left training
-without it.
+every process finished; a second signal kills them. On Linux the processes get SIGTERM
+when the launcher dies, however it dies: none is left training without it.
 """
 
 from __future__ import annotations
@@ -91,8 +89,9 @@ def launch(
     ``max_restarts`` times (a jdp run resumes from its last complete checkpoint);
     a process that fails twice in a row is left out while more than ``min_nproc``
     remain (the run goes on with fewer, its global batch and order unchanged). An
-    exit code of 2 (bad input) and a stop asked by a signal, to the launcher or to one
-    of the processes (exit code 130 or 143: it saved), are never restarted.
+    exit code of 2 (bad input) and a stop asked by a signal to the launcher are never
+    restarted. A process that ends on a signal sent to it alone (exit code 130 or 143)
+    is said to have ended, not failed, and is never the one left out.
     """
     lock = threading.Lock()
     children: list[subprocess.Popen] = []
@@ -137,7 +136,9 @@ def launch(
                     f"process {rank} failed twice in a row; going on with {nproc} "
                     f"processes (--min-nproc {min_nproc})",
                 )
-            failed_before = rank
+            # A stop's first to end need not be the one signalled (the others, told, end
+            # first: `jdp.distributed.leaving`): it is never the one left out.
+            failed_before = None if is_stop(code) else rank
             _say(
                 lock,
                 f"restart {restarts} of {max_restarts}: {nproc} processes, resuming "
@@ -150,18 +151,14 @@ def launch(
 
 def _ends_the_run(lock, rank, code, nproc, signalled, restarts, max_restarts) -> bool:
     """Whether the first failure of a group, process ``rank``'s exit ``code``, ends the run
-    (said in one line; else it is restarted): a stop asked by a signal to the launcher or
-    to one process (each saved, as for preemption: a restart would undo the stop), bad
-    input (exit code 2), and restarts spent."""
-    stop = is_stop(code)
+    (said in one line; else it is restarted): a stop asked by a signal to the launcher,
+    bad input (exit code 2), and restarts spent."""
     line = first_end(rank, nproc, code)
-    if not (signalled or stop or code == 2 or restarts == max_restarts):
+    if not (signalled or code == 2 or restarts == max_restarts):
         _say(lock, line)
         return False
-    if max_restarts and stop:
-        line += "; a stop is not restarted"
     _say(lock, f"{line}; exit code {shell_code(code)}")
-    if max_restarts and restarts == max_restarts and not (signalled or stop or code == 2):
+    if max_restarts and restarts == max_restarts and not (signalled or code == 2):
         _say(
             lock,
             f"--max-restarts {max_restarts} spent; the last complete checkpoint is where "

@@ -3,11 +3,13 @@ language model's run prints a short sample of its text before it)."""
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 from jdp.distributed.leaving import Listening, tell_the_others
@@ -37,20 +39,25 @@ def _interrupt_again(previous):
     where Python swallows exceptions: a gc callback (JAX's frees buffers in one) or a
     ``__del__``. There the exception is printed as ``Exception ignored`` and the run
     would go on, as if the Ctrl-C had never come. The signal is sent again, from another
-    thread a moment later: sent from the hook, it would land in the hook and be
-    swallowed there too."""
+    thread a moment later (sent from the hook, it would land in the hook and be swallowed
+    there too), while `_interrupt` still takes it."""
 
     def hook(unraisable) -> None:
         if isinstance(unraisable.exc_value, _Interrupted):
-            number = signal.Signals[str(unraisable.exc_value)]
-            again = threading.Timer(0.01, os.kill, (os.getpid(), number))
-            again.daemon = True
-            again.start()
+            # A bare thread: `threading`'s would take its module's lock, which the code
+            # the signal interrupted may hold.
+            _thread.start_new_thread(_send_again, (signal.Signals[str(unraisable.exc_value)],))
         else:
             previous(unraisable)
 
     hook.jdp_interrupts = True
     return hook
+
+
+def _send_again(number: signal.Signals) -> None:
+    time.sleep(0.01)
+    if signal.getsignal(number) is _interrupt:  # main's handler, not yet given back
+        os.kill(os.getpid(), number)
 
 
 @command("jdp.train")

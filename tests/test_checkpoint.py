@@ -220,7 +220,14 @@ def test_restore_onto_another_mesh_and_backend(tmp_path, mesh8, spec, backend):
     assert_drift_within(jax.device_get(after.params), jax.device_get(reference.params))
 
 
-@pytest.mark.parametrize(("damage", "what"), [(b"garbage{", "not JSON"), (None, "missing")])
+@pytest.mark.parametrize(
+    ("damage", "what"),
+    [
+        (b"garbage{", "not JSON"),
+        (None, "missing"),
+        ("a folder", "unreadable ([Errno 21] Is a directory: '{record}')"),  # the reason said
+    ],
+)
 def test_orbaxs_record_of_a_step_damaged_is_one_warning_and_the_step_restores(
     tmp_path, mesh8, capfd, caplog, damage, what
 ):
@@ -230,9 +237,10 @@ def test_orbaxs_record_of_a_step_damaged_is_one_warning_and_the_step_restores(
     with Checkpointer(tmp_path) as checkpoints:
         checkpoints.save(state, loader_step=3)
     record = tmp_path / "0" / "_CHECKPOINT_METADATA"
-    if damage is None:
-        record.unlink()
-    else:
+    record.unlink()
+    if damage == "a folder":
+        record.mkdir()
+    elif damage is not None:
         record.write_bytes(damage)
     capfd.readouterr()
     with Checkpointer(tmp_path) as checkpoints:
@@ -241,7 +249,8 @@ def test_orbaxs_record_of_a_step_damaged_is_one_warning_and_the_step_restores(
     np.testing.assert_array_equal(restored.rng, jax.device_get(state.rng))
     assert capfd.readouterr().err.splitlines() == [
         f"jdp: warning: Orbax's record of the checkpoint in {record.parent} "
-        f"(_CHECKPOINT_METADATA, its times) is {what}; a restore checks jdp's own record and "
+        f"(_CHECKPOINT_METADATA, its times) is {what.format(record=record)}; a restore checks "
+        "jdp's own record and "
         "the arrays' digests instead"
     ]
     assert not [line for line in caplog.messages if "Metadata file" in line]

@@ -25,6 +25,7 @@ from helpers import (
     cmdline,
     loader_workers,
     run_cli,
+    run_main,
     saves_after,
     subprocess_env,
 )
@@ -798,8 +799,9 @@ def test_a_start_up_signal_that_lands_in_a_gc_callback_is_sent_again():
             os.kill(os.getpid(), signal.SIGINT)  # the handler runs here, in the callback
 
     hook = sys.unraisablehook
-    previous = signal.signal(signal.SIGINT, train._interrupt)
-    sys.unraisablehook = train._interrupt_again(hook)
+    run_main(train.main, "--help")  # main sets its hook, for the rest of the process
+    assert getattr(sys.unraisablehook, "jdp_interrupts", False)
+    previous = signal.signal(signal.SIGINT, train._interrupt)  # main's, in start-up
     gc.callbacks.append(in_gc)
     try:
         with pytest.raises(train._Interrupted, match="SIGINT"):

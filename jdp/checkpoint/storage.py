@@ -118,9 +118,11 @@ def _metadata_file_said_once(record: logging.LogRecord) -> bool:
     a restore does not use that file, it checks jdp's own record and the arrays' digests."""
     message = str(record.msg)
     what = next((what for start, what in _METADATA_FILE.items() if message.startswith(start)), None)
-    if what is None or not record.args:
+    path = os.fspath(record.args[0]) if what and record.args else ""
+    if os.path.basename(path) != "_CHECKPOINT_METADATA":  # another file Orbax reads: its lines
         return True
-    path = os.fspath(record.args[0])
+    if what == "unreadable" and len(record.args) > 1:
+        what = f"unreadable ({record.args[1]})"  # the system's reason
     if path not in _METADATA_FILES_SAID:
         _METADATA_FILES_SAID.add(path)
         warn(

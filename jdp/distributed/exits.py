@@ -12,9 +12,9 @@ STOPPED_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 def is_stop(code: int) -> bool:
-    """Whether a process ended as a signal asked, to the launcher or to it: saved and
-    exited 130 or 143, or a wrapper that the signal itself ended (its trainer saves,
-    `jdp.distributed.process_groups.left_behind`)."""
+    """Whether a process ended on a stop's signal (SIGINT, SIGTERM): a jdp run, saved and
+    exited 130 or 143, or a wrapper the signal itself ended (after the launcher's own
+    signal its trainer saves: `jdp.distributed.process_groups.left_behind`)."""
     return code in STOPPED_CODES or -code in (signal.SIGINT, signal.SIGTERM)
 
 

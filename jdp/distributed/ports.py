@@ -8,9 +8,10 @@ import random
 import socket
 
 # Ports tried for a coordinator: below every common system's range for outgoing
-# connections (Linux 32768-60999, macOS and Windows 49152-65535), so that a connection
-# made between the pick and the coordinator's bind cannot take the port.
-LISTEN_PORTS = range(20000, 32768)
+# connections (Linux 32768-60999, macOS 49152-65535), so that a connection made between
+# the pick and the coordinator's bind cannot take the port, and below Kubernetes'
+# NodePorts (30000-32767), which a node's proxy may take over.
+LISTEN_PORTS = range(20000, 30000)
 
 
 def outgoing_ports() -> range:

@@ -363,7 +363,7 @@ class TrainConfig:
         HEALTH,
         600.0,
         "seconds without progress (4x evaluating or "
-        "saving; compiling never counts) before a run ends stalled, exit 75 (0: off)",
+        "saving; compiling never counts) before a run ends stalled, exit 75 (0: off, else >= 1)",
     )
     check_replicas_every: int = _flag(
         HEALTH, 0, "compare a checksum of the parameters on every device every N steps (0: off)"
