@@ -2,6 +2,7 @@
 and no alarm for what is slow but moving. The runs that end stalled, with real processes,
 are in test_elastic.py (several processes, a launcher's restart) and test_faults.py."""
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -33,6 +34,7 @@ from jdp.distributed.marks import (
     Watch,
     stalled,
 )
+from jdp.distributed.ports import free_port
 from jdp.distributed.watchdog import Watchdog
 from jdp.errors import LoaderError
 from jdp.report.goodput import Clock, Goodput
@@ -106,6 +108,35 @@ def test_time_a_process_was_stopped_is_excused():
     watch.since = now - 1  # progress after the stop began (only the rest is excused)
     watch.excuse(now - 8, now)
     assert watch.mark(0).idle < 0.5
+
+
+def test_the_others_marks_read_before_the_watchdog_sees_its_own_stop_are_not_judged(tmp_path):
+    """After a stop of the whole group, the thread that reads the others' marks from the
+    store may run before the loop that notices the stop: marks from before the stop look
+    idle for as long as the stop lasted, and are not judged then."""
+    from jax._src.lib import _jax
+
+    address = f"127.0.0.1:{free_port()}"
+    service = _jax.get_distributed_runtime_service(address, 1)
+    client = _jax.get_distributed_runtime_client(address, 0)
+    client.connect()
+    try:
+        watch, stop = Watch(), 4 * STOPPED_TIMEOUT
+        watch.started(40, STEPPING)
+        dog = Watchdog(watch, STOPPED_TIMEOUT, str(tmp_path), processes=2, client=client)
+        other = {**dataclasses.asdict(Mark(1, 40, STEPPING, 0.0)), "at": time.time() - stop}
+        client.key_value_set("jdp/watchdog/mark/1", json.dumps(other))
+        dog._turned -= stop  # its loop last turned before the stop
+        assert dog._shared(watch.mark(0)) is None
+        # Its loop turned without a stop in between: process 1's mark is 8 s old, stalled
+        # (give or take the milliseconds between the write and the read; 1 s on a loaded CPU).
+        dog._turned = time.monotonic()
+        assert dog._shared(watch.mark(0)) == Mark(
+            1, 40, STEPPING, pytest.approx(stop, abs=1.0), silent=True
+        )
+    finally:
+        client.shutdown()
+        service.shutdown()
 
 
 @pytest.mark.slow

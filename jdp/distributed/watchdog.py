@@ -88,6 +88,10 @@ class Watchdog:
         self.on_stall, self.say, self.ckpt_dir = on_stall, say or _stderr, ckpt_dir
         self.end = end or _end_process
         self.poll = min(max(timeout / 10, 0.1), 5.0)
+        # A turn of `_run`'s loop longer than this: the process was stopped (it waits
+        # `poll`, and `poll` at most for the store's answer).
+        self.turn = 2 * self.poll + 1.0
+        self._turned = time.monotonic()  # when `_run`'s loop last turned
         # A mark not published for this long: its process did not run (see `_run`).
         self.silence = 3 * self.poll + 2.0
         self._resumed = 0.0  # when (wall) this process last ran again after a stop
@@ -124,10 +128,10 @@ class Watchdog:
         last = time.monotonic()
         while not self._stop.wait(self.poll):
             now = time.monotonic()
-            late, last = now - last - self.poll, now
-            if late > self.poll + 1.0:  # this thread did not run: the process was stopped
-                self.watch.excuse(now - late, now)
+            if now - last > self.turn:  # this thread did not run: the process was stopped
+                self.watch.excuse(last + self.poll, now)
                 self._resumed, self._answered = time.time(), now
+            last = self._turned = now
             mark = self.watch.mark(self.process)
             single = self.processes == 1
             found = stalled([mark], self.timeout) if single else self._exchange(mark)
@@ -186,9 +190,17 @@ class Watchdog:
             declared = None
         if declared is not None:
             return Mark(**json.loads(declared))
+        try:
+            records = client.key_value_dir_get(f"{_KEY}/mark/")
+        except Exception:
+            return None
+        # This thread may run before `_run` sees that the process was stopped (and sets
+        # `_resumed`): until it has, the others' marks from before the stop are not judged.
+        if time.monotonic() - self._turned > self.turn:
+            return None
         marks, stale = [], False
         try:
-            for _, text in client.key_value_dir_get(f"{_KEY}/mark/"):
+            for _, text in records:
                 record = json.loads(text)
                 at = record.pop("at")
                 record["idle"] += max(0.0, now - at)  # a frozen process's mark ages too
