@@ -228,6 +228,7 @@ def _own_peaks():
 
 
 @pytest.mark.slow
+@pytest.mark.scheduled  # per change: the GPU smoke run's cell planned (test_bench_gpu.py)
 def test_the_plan_of_each_measured_gpt2_cell_is_within_a_quarter_of_its_peak():
     """The planner is how a user sizes a GPU they do not have: for every GPT-2 cell whose
     peak a GPU run measured (the allocator's peak, which also holds the hand-written

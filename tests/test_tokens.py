@@ -328,7 +328,7 @@ def test_the_best_checkpoint_is_the_lowest_loss_and_bad_best_metrics_are_refused
         ], result.stderr
     run = run_cli(
         *flags,
-        *"--steps 40 --eval-every 10 --ckpt-every 10 --keep 1".split(),
+        *"--steps 40 --eval-every 10 --eval-batches 2 --ckpt-every 10 --keep 1".split(),
         *"--lr 0.03 --ckpt-dir".split(),
         tmp_path / "run",
     )

@@ -268,9 +268,11 @@ def test_an_optax_optimizer_of_ones_own_logs_its_lr_and_resumes_bitwise(tmp_path
 
 @pytest.mark.slow
 def test_a_batchnorm_model_comes_back_and_predicts_its_reported_accuracy(tmp_path):
-    ckpt = str(tmp_path / "resnet")
-    config = _config(model="resnet20", steps=30, warmup_steps=6, ckpt_dir=ckpt, lr=3e-3)
+    # The digits CNN: BatchNorm in a model that compiles in a second or two.
+    ckpt = str(tmp_path / "cnn")
+    config = _config(model="cnn", steps=30, warmup_steps=6, ckpt_dir=ckpt, lr=3e-3)
     result = _fit(config)
+    assert result.test_accuracy > 0.4  # well above chance, for the fine-tuning's check below
     loaded = jdp.load_model(ckpt)
     assert "batch_stats" in loaded.model_state and loaded.step == 30
     test = jdp.load_split("digits", "test")
@@ -292,15 +294,18 @@ def test_a_batchnorm_model_comes_back_and_predicts_its_reported_accuracy(tmp_pat
     )
     # --init-from: a new run from these weights (fine-tuning), the optimizer fresh.
     tuned = run_cli(
-        *"--model resnet20 --init-from".split(),
+        *"--model cnn --init-from".split(),
         ckpt,
         *"--steps 2 --warmup-steps 0 --lr 1e-9 --batch-size 64".split(),
         timeout=240,
     )
     assert tuned.returncode == 0, tuned.stderr
     assert f"parameters and model state from {ckpt}" in tuned.stdout
-    assert abs(float(_summary(tuned)["test_accuracy"]) - result.test_accuracy) < 0.02
-    wrong = run_cli("--model", "cnn", "--init-from", ckpt, "--steps", "2", timeout=240)
+    # At lr 1e-9 the parameters stay; BatchNorm's running statistics (momentum 0.9) move
+    # 19% of the way to two batches' own: a few points of accuracy. A model that did not
+    # come back would be at chance (0.1) after two such steps, 0.5 below the loaded one's.
+    assert abs(float(_summary(tuned)["test_accuracy"]) - result.test_accuracy) < 0.1
+    wrong = run_cli("--model", "mlp", "--init-from", ckpt, "--steps", "2", timeout=240)
     assert wrong.returncode == 2 and "holds another model than this run's" in wrong.stderr
 
 
