@@ -264,7 +264,11 @@ def test_launcher_grace_kills_what_does_not_stop(tmp_path):
     assert time.monotonic() - started < 30
 
 
+# Scheduled: per change the launcher's SIGTERM saves on two processes
+# (test_sigterm_stops_two_processes_at_20_steps_a_call, the group stop's test) and one
+# process resumes two's checkpoint (test_checkpoints_move_between_one_and_two_processes).
 @pytest.mark.slow
+@pytest.mark.scheduled
 def test_sigterm_to_the_launcher_saves_and_one_process_resumes(tmp_path):
     # Long enough that the signal lands mid-run.
     steps = ["--steps", "400"]
