@@ -343,7 +343,7 @@ def test_numbers2words_is_generated_by_seed():
 @pytest.mark.slow
 def test_exact_match_is_greedy_decoding(name, steps):
     """The eval's exact-match accuracy counts the sequences a greedy decoder gets right."""
-    # The gpt at batch 64: about a sixth of its sequences right after 16 steps, in half
+    # The gpt at batch 64: about a fifth of its sequences right after 16 steps, in half
     # the time of the default 128. The run's own evaluation is not what is compared.
     config = jdp.TrainConfig(
         mesh="data=1",
