@@ -25,6 +25,7 @@ from helpers import (
 )
 
 import jdp
+from jdp.training import calls
 
 
 def _single_steps(mesh, backend, batches, optimizer):
@@ -267,9 +268,31 @@ def _paying(monkeypatch, steps=None):
         monkeypatch.setattr(calls, "steps_for_share", lambda host, call, longest: steps)
 
 
+def _counting_probe(monkeypatch) -> list[int]:
+    """The one-step calls each probe of ``--steps-per-call auto`` makes, appended once it
+    has made them."""
+    probed, probe = [], calls._one_step_call
+
+    def counted(step, *args, **kwargs):
+        made = [0]
+
+        def counting(*call):
+            made[0] += 1
+            return step(*call)
+
+        try:
+            return probe(counting, *args, **kwargs)
+        finally:
+            probed.append(made[0])
+
+    monkeypatch.setattr(calls, "_one_step_call", counted)
+    return probed
+
+
 @pytest.mark.parametrize("spec", ["data=1", "data=8"])
 def test_auto_is_bitwise_the_run_at_one_step_a_call(devices, spec, monkeypatch, capsys):
     _paying(monkeypatch, steps=10)  # the longest call the periods allow
+    probed = _counting_probe(monkeypatch)
     config = jdp.TrainConfig(
         mesh=spec, steps=40, warmup_steps=4, log_every=10, eval_every=20, steps_per_call=1
     )
@@ -277,6 +300,7 @@ def test_auto_is_bitwise_the_run_at_one_step_a_call(devices, spec, monkeypatch, 
     said = capsys.readouterr().out
     assert "--steps-per-call auto: 10 steps a call (the host took" in said, said
     assert "a call of 10 is bitwise 10 single steps here" in said
+    assert probed == [1 + calls.TIMED_CALLS]  # a run that repays a longer call: all timed
     single = jdp.fit(config, console=jdp.Console(enabled=False))
     jax.tree.map(np.testing.assert_array_equal, auto.state.params, single.state.params)
     assert [r["loss"] for r in auto.history] == [r["loss"] for r in single.history]
@@ -301,13 +325,16 @@ def test_auto_keeps_one_step_a_call_where_the_run_is_too_short_to_pay_for_anothe
     devices, monkeypatch, capsys
 ):
     """The default: a run as short as the README's (400 steps) would save less host time
-    than compiling a call of several steps takes, so it builds and checks none."""
+    than compiling a call of several steps takes, so it builds and checks none, and one
+    timed call settles that: its probe takes no more steps the run does not take."""
     from jdp.training import calls
 
     monkeypatch.setattr(calls, "steps_for_share", lambda host, call, longest: 10)
     built = []
     monkeypatch.setattr(calls, "same_bits", lambda run, state, batches: built.append(batches))
+    probed = _counting_probe(monkeypatch)
     result = jdp.fit(jdp.TrainConfig(mesh="data=8", steps=40, log_every=10), console=jdp.Console())
+    assert probed == [2]  # the call that compiles, and one timed
     said = capsys.readouterr().out
     assert re.search(
         r"--steps-per-call auto: 1 step a call \(the host took \d+% of a one-step call, \d+ of "

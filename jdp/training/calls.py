@@ -2,7 +2,8 @@
 
 A call of one small step leaves the device idle while the host dispatches the next
 one; a call of K steps, scanned on the device, pays that once per K. The run times a
-few one-step calls on a copy of its state, takes the smallest K that brings the
+few one-step calls on a copy of its state (one, where the run is too short for any
+longer call to repay its compile even were the whole call the host's), takes the smallest K that brings the
 host's share of a call under `HOST_SHARE`, and keeps it only where the host's time it
 saves over the run's steps is more than compiling the call takes (a short run keeps
 one step a call, compiling nothing more) and a call of K steps is bitwise K single
@@ -171,16 +172,25 @@ def _timed_choice(run: Run, state: TrainState, start: int, longest: int) -> tupl
         place=places_ahead(run.mesh),
         steps=config.steps - start,  # as the run's loader: a short run's chunks from the host
     )
+    remaining = config.steps - start
+
+    def cannot_repay(first_s: float, call_us: float) -> bool:
+        # Were the whole call the host's, the longest call would still save less than
+        # compiling it takes: more timed calls cannot change the choice.
+        return saving(call_us, longest, remaining) < first_s
+
     with loader as batches:
-        first_s, host_us, call_us = _one_step_call(run.train_step, state, next(batches))
+        first_s, host_us, call_us = _one_step_call(
+            run.train_step, state, next(batches), enough=cannot_repay
+        )
         share = host_us / call_us
         timed = f"the host took {share:.0%} of a one-step call, {host_us:.0f} of {call_us:.0f} us"
         steps = steps_for_share(host_us, call_us, longest)
-        saved_s = saving(host_us, steps, config.steps - start)
+        saved_s = saving(host_us, steps, remaining)
         if steps > 1 and saved_s < first_s:
             timed += (
                 f"; {steps} steps a call would save {saved_s:.2f} s over the run's "
-                f"{config.steps - start} steps, less than compiling it takes (~{first_s:.2f} s)"
+                f"{remaining} steps, less than compiling it takes (~{first_s:.2f} s)"
             )
             steps = 1
         # Process 0 decides (and says why), before any process checks the call (a check
@@ -203,11 +213,15 @@ def saving(host_us: float, steps: int, remaining: int) -> float:
     return remaining * host_us * 1e-6 * (1 - 1 / steps)
 
 
-def _one_step_call(step: Callable, state: TrainState, batch) -> tuple[float, float, float]:
+def _one_step_call(
+    step: Callable, state: TrainState, batch, enough: Callable[[float, float], bool]
+) -> tuple[float, float, float]:
     """``(first s, host us, call us)``: the first one-step call on a copy of ``state``
     (it compiles, as a call of several steps would: the run's own first call finds the
     program compiled), then the median of `TIMED_CALLS` more, each waited for: the
-    host's time until the call returns, and the whole."""
+    host's time until the call returns, and the whole. Only one more where ``enough(first
+    s, that call's us)`` holds in process 0 (a short run of long steps, whose choice one
+    call settles: the timed calls are steps the run does not take)."""
     copy = _copy(state)
     started = time.perf_counter()
     copy, _ = jax.block_until_ready(step(copy, batch))
@@ -219,6 +233,9 @@ def _one_step_call(step: Callable, state: TrainState, batch) -> tuple[float, flo
         host.append(time.perf_counter() - started)
         copy, _ = jax.block_until_ready(out)
         whole.append(time.perf_counter() - started)
+        # Every process calls the step as often (its collectives meet): process 0 decides.
+        if len(whole) == 1 and from_process_0([enough(first, 1e6 * whole[0])])[0]:
+            break
     return first, 1e6 * statistics.median(host), 1e6 * statistics.median(whole)
 
 
