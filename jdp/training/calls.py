@@ -1,14 +1,14 @@
 """``--steps-per-call auto``: the steps a call, chosen by the run before its first step.
 
-A call of one small step leaves the device idle while the host dispatches the next
-one; a call of K steps, scanned on the device, pays that once per K. The run times a
-few one-step calls on a copy of its state (one, where the run is too short for any
-longer call to repay its compile even were the whole call the host's), takes the smallest K that brings the
-host's share of a call under `HOST_SHARE`, and keeps it only where the host's time it
-saves over the run's steps is more than compiling the call takes (a short run keeps
-one step a call, compiling nothing more) and a call of K steps is bitwise K single
-steps (it computes both from a copy of the state over the run's
-first K batches): otherwise one step a call, so that ``auto`` never changes a number.
+A call of one small step leaves the device idle while the host dispatches the next one;
+a call of K steps, scanned on the device, pays that once per K. The run times a few
+one-step calls on a copy of its state (one, where the run is too short for any longer
+call to repay its compile even were the whole call the host's), takes the smallest K
+that brings the host's share of a call under `HOST_SHARE`, and keeps it only where the
+host's time it saves over the run's steps is more than compiling the call takes (a short
+run keeps one step a call, compiling nothing more) and a call of K steps is bitwise K
+single steps (it computes both from a copy of the state over the run's first K batches):
+otherwise one step a call, so that ``auto`` never changes a number.
 K divides every period at which an action runs (``--log-every``, ``--eval-every``,
 ``--ckpt-every``, ``--check-replicas-every``, the profile's window), the steps and the
 step the run starts from, so no call crosses one. Process 0's timings decide for all.
