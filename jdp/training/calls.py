@@ -163,6 +163,7 @@ def _timed_choice(run: Run, state: TrainState, start: int, longest: int) -> tupl
     """``(K, why)`` from one-step calls timed on a copy of ``state``, K kept only where a
     call of K steps is bitwise K single steps."""
     config = run.config
+    remaining = config.steps - start
     loader = train_batches(
         run.train,
         run.mesh,
@@ -170,9 +171,8 @@ def _timed_choice(run: Run, state: TrainState, start: int, longest: int) -> tupl
         seed=config.seed,
         start_step=start,
         place=places_ahead(run.mesh),
-        steps=config.steps - start,  # as the run's loader: a short run's chunks from the host
+        steps=remaining,  # as the run's loader: a short run's chunks from the host
     )
-    remaining = config.steps - start
 
     def cannot_repay(first_s: float, call_us: float) -> bool:
         # Were the whole call the host's, the longest call would still save less than
@@ -219,9 +219,10 @@ def _one_step_call(
     """``(first s, host us, call us)``: the first one-step call on a copy of ``state``
     (it compiles, as a call of several steps would: the run's own first call finds the
     program compiled), then the median of `TIMED_CALLS` more, each waited for: the
-    host's time until the call returns, and the whole. Only one more where ``enough(first
-    s, that call's us)`` holds in process 0 (a short run of long steps, whose choice one
-    call settles: the timed calls are steps the run does not take)."""
+    host's time until the call returns, and the whole. Only one more where
+    ``enough(first_s, call_us)`` holds for it in process 0: one call settles a short run's
+    choice, and the timed calls are steps the run does not take (seconds where a step is
+    long)."""
     copy = _copy(state)
     started = time.perf_counter()
     copy, _ = jax.block_until_ready(step(copy, batch))
