@@ -63,9 +63,9 @@ def test_input_benchmark_reports_loaders_step_and_waiting():
     assert result.returncode == 0, result.stderr
     rates = dict(re.findall(r"^  (.+?)\s{2,}([\d,]+)\s+[\d.]+x$", result.stdout, re.M))
     assert set(rates) == {
-        "loader, 0 Grain workers: host batches",
+        "loader, no workers: host batches",
         "loader, 1 Grain workers: host batches",
-        "loader, 0 Grain workers, batches placed on the mesh",
+        "loader, no workers, batches placed on the mesh",
         "loader, split on the devices, rows gathered there",
         "train step, same batch shape, no input",
     }, result.stdout

@@ -36,8 +36,9 @@ def bench_input(config: TrainConfig, *, workers: int, batches: int, steps: int) 
         warm, timed = worker_window(count, batches)
         stream = host_batches(reader, start=0, stop=None, workers=count)
         rate = batches_per_sec(stream, timed, warm=warm)
-        rows.append((f"loader, {count} Grain workers: host batches", rate * size))
-    arms = [("loader, 0 Grain workers, batches placed on the mesh", host)]
+        by = f"{count} Grain workers" if count else "no workers"
+        rows.append((f"loader, {by}: host batches", rate * size))
+    arms = [("loader, no workers, batches placed on the mesh", host)]
     if run.train is not host:  # --data-on-device placed it
         arms.append(("loader, split on the devices, rows gathered there", run.train))
     for name, split in arms:
