@@ -260,6 +260,27 @@ def test_import_jdp_loads_no_backend():
     assert loaded & set(BACKENDS) == set()
 
 
+def test_a_run_that_saves_nothing_and_starts_no_worker_loads_neither_orbax_nor_grain():
+    """Each is a few tenths of a second of a fresh process's start: Orbax is imported where
+    a checkpoint is written or read, Grain where the loader starts worker processes."""
+    import ast
+
+    from helpers import run_python
+
+    code = (
+        "import sys\n"
+        "from jdp.train import main\n"
+        "code = main(['--mesh', 'data=1', '--steps', '2', '--eval-batches', '1'])\n"
+        "print(code, sorted({name.split('.')[0] for name in sys.modules}))\n"
+    )
+    result = run_python("-c", code, timeout=120, devices=1)
+    assert result.returncode == 0, result.stderr
+    code, loaded = result.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert code == "0"
+    assert {"jax", "flax"} <= set(ast.literal_eval(loaded))  # it trained
+    assert {"orbax", "grain"} & set(ast.literal_eval(loaded)) == set()
+
+
 def test_every_face_gives_each_of_its_names():
     import importlib
 

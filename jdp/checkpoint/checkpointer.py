@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from jdp.checkpoint.record import Record
 from jdp.checkpoint.storage import (
@@ -23,15 +22,12 @@ from jdp.checkpoint.storage import (
     _digest_mismatch,
     _first_line,
     _leaf_names,
-    _manager,
     _meta_digest,
     _not_an_abandoned_write,
     _on_disk,
     _os_reason,
     _PendingRecord,
     _quiet_orbax_failures,
-    _RecordSave,
-    _restore_args,
     warn,
 )
 from jdp.distributed.agree import all_ok, barrier, from_process_0
@@ -93,9 +89,12 @@ class Checkpointer:
         self._async = async_save
         _quiet_orbax_failures()
         self._take_lock()
+        from jdp.checkpoint import handlers  # Orbax, imported by a run that checkpoints
+
         try:
             self._strays_aside()
-            self._manager = _manager(self.directory, keep, (best_metric, best_mode), async_save)
+            best = (best_metric, best_mode)
+            self._manager = handlers.manager(self.directory, keep, best, async_save)
         except BaseException:
             self._lock.release()
             raise
@@ -187,12 +186,12 @@ class Checkpointer:
         record = _PendingRecord(meta)
         if not self._async:  # the commit happens inside the save: the digests go first
             record.start(state)
+        from jdp.checkpoint import handlers  # imported with the manager, in __init__
+
         try:
             return self._manager.save(
                 step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeSave(_on_disk(state)), meta=_RecordSave(record)
-                ),
+                args=handlers.save_args(state, record),
                 metrics=dict(metrics) if metrics else None,
                 force=True,
             )
@@ -267,6 +266,8 @@ class Checkpointer:
         Raises:
             UsageError: the checkpoint holds a different model or optimizer.
         """
+        from jdp.checkpoint import handlers  # imported with the manager, in __init__
+
         target = _on_disk(_abstract(like))
         expected = _leaf_names(target)
         candidates = [s for s in self.steps() if at_most is None or s <= at_most]
@@ -290,9 +291,7 @@ class Checkpointer:
                     f"made it, or another --ckpt-dir"
                 )
             try:
-                restored = self._manager.restore(
-                    step, args=ocp.args.Composite(state=_restore_args(target))
-                ).state
+                restored = self._manager.restore(step, args=handlers.state_restore(target)).state
                 problem = None
             except Exception as error:  # truncated or missing array files
                 problem = _first_line(error)
@@ -308,12 +307,10 @@ class Checkpointer:
 
     def _read_record(self, step: int) -> tuple[dict, dict]:
         """The checkpoint's meta record and its arrays' (shape, dtype), both checked."""
+        from jdp.checkpoint import handlers  # imported with the manager, in __init__
+
         try:
-            meta = dict(
-                self._manager.restore(
-                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-                ).meta
-            )
+            meta = dict(self._manager.restore(step, args=handlers.record_restore()).meta)
         except Exception as error:
             raise _Damaged(f"its record is unreadable: {_first_line(error)}") from None
         if "meta_digest" in meta and meta["meta_digest"] != _meta_digest(meta):

@@ -11,7 +11,6 @@ import os
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from jdp.checkpoint.record import Record
@@ -23,7 +22,6 @@ from jdp.checkpoint.storage import (
     _leaf_names,
     _meta_digest,
     _quiet_orbax_failures,
-    _restore_args,
     warn,
 )
 from jdp.errors import UsageError
@@ -251,8 +249,10 @@ def _read_arrays(
     step_dir: str, record: Record, mesh: Mesh | None, like: tuple[Any, Any] | None
 ) -> tuple[Any, Any]:
     """``(params, model_state)`` of one step directory, checked against ``record``'s digests."""
+    from jdp.checkpoint import handlers  # Orbax, imported by a run that reads a checkpoint
+
     state_dir = os.path.join(step_dir, "state")
-    checkpointer = ocp.PyTreeCheckpointer()
+    checkpointer = handlers.pytree_checkpointer()
     try:
         with quiet_absl():  # a step's item directory has no step-level metadata file; fine here
             metadata = checkpointer.metadata(state_dir).item_metadata
@@ -288,7 +288,7 @@ def _read_arrays(
             lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), saved
         )
     try:
-        restored = checkpointer.restore(state_dir, args=_restore_args(target, partial=True))
+        restored = checkpointer.restore(state_dir, args=handlers.restore_args(target, partial=True))
     except Exception as error:  # truncated or missing array files
         raise _Damaged(_first_line(error)) from None
     arrays = {
@@ -304,9 +304,11 @@ def _read_arrays(
 
 def saved_param_names(path: str | os.PathLike, step: str | int = "latest") -> set[str]:
     """The top-level names of a checkpoint's parameters (its modules), read from metadata."""
+    from jdp.checkpoint import handlers  # Orbax, imported by a run that reads a checkpoint
+
     step_dir = step_directory(os.path.abspath(os.fspath(path)), step)
     with quiet_absl():
-        metadata = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, "state"))
+        metadata = handlers.pytree_checkpointer().metadata(os.path.join(step_dir, "state"))
     return set(metadata.item_metadata["params"])
 
 

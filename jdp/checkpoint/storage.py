@@ -1,6 +1,6 @@
-"""Orbax underneath the checkpointer: the on-disk form of a state, the JSON record's
-handler, restore arguments, the manager, quiet failure logs, and agreement between
-processes."""
+"""Beneath the checkpointer, without Orbax itself (`jdp.checkpoint.handlers`): the on-disk
+form of a state, the record's digests, quiet failure logs, and the messages of a damaged
+checkpoint."""
 
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from jdp.checkpoint.digest import finish_digests, leaf_name, start_digests, tree_digests
-from jdp.errors import UsageError, os_failure
+from jdp.errors import os_failure
 
 
 def _abstract(tree: Any) -> Any:
@@ -173,34 +172,6 @@ class _PendingRecord:
         return self.meta
 
 
-@dataclasses.dataclass
-class _RecordSave(ocp.args.CheckpointArgs):
-    """Save arguments of the record: a `_PendingRecord`."""
-
-    item: _PendingRecord
-
-
-class _RecordHandler(ocp.JsonCheckpointHandler):
-    """The record as Orbax's JSON item, finished (its digests fetched) and written in the
-    save's background commit, as Orbax writes JSON: the loop does not wait for it."""
-
-    _FILENAME = "metadata"
-
-    def __init__(self):
-        super().__init__(filename=self._FILENAME)
-
-    async def async_save(self, directory, item=None, args=None):
-        if not isinstance(args, _RecordSave):
-            return await super().async_save(directory, item, args)
-
-        async def write() -> None:  # once Orbax has made the item's directory
-            record = args.item.finish()
-            if jax.process_index() == 0:
-                (directory / self._FILENAME).write_text(json.dumps(record, default=repr))
-
-        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="jdp_record")]
-
-
 class _Damaged(Exception):
     """A checkpoint whose files are incomplete, unreadable or not what was saved."""
 
@@ -218,69 +189,9 @@ def _describe_mismatch(saved: Mapping, expected: Mapping, limit: int = 4) -> str
     return "; ".join(problems[:limit]) + more
 
 
-def _state_handler() -> ocp.PyTreeCheckpointHandler:
-    """Orbax's pytree handler with one change: no "replica-parallel" saving.
-
-    By default Orbax splits each replicated array into one slice per replica and
-    copies the slices off the devices, dispatching a slice op per piece; on
-    8 replicas that blocked the training loop for 63 ms per 384 MB save, against
-    8 ms for whole arrays (``python -m jdp.bench checkpoint``).
-    """
-    array_handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False)
-    registry = ocp.type_handlers.create_type_handler_registry((jax.Array, array_handler))
-    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
-
-
-def _restore_args(target: Any, *, partial: bool = False) -> ocp.args.PyTreeRestore:
-    """Read every array straight into ``target``'s shardings (only ``target``'s leaves
-    when ``partial``)."""
-    return ocp.args.PyTreeRestore(
-        item=target,
-        partial_restore=partial,
-        restore_args=jax.tree.map(
-            lambda leaf: ocp.ArrayRestoreArgs(
-                sharding=leaf.sharding, global_shape=leaf.shape, dtype=leaf.dtype
-            ),
-            target,
-        ),
-    )
-
-
 def warn(text: str) -> None:
     if jax.process_index() == 0:
         print(f"jdp: warning: {text}", file=sys.stderr, flush=True)
-
-
-def _manager(
-    directory: str, keep: int, best: tuple[str | None, str], async_save: bool
-) -> ocp.CheckpointManager:
-    """Orbax's manager of the directory: retention (the latest ``keep`` and the best by
-    ``best``, a metric and ``max`` or ``min``), async saves, the two items' handlers."""
-    policies = [ocp.checkpoint_managers.LatestN(keep)]
-    best_metric, best_mode = best
-    if best_mode not in ("max", "min"):
-        raise UsageError(f"best_mode {best_mode!r}: choose max or min")
-    if best_metric:
-        policies.append(
-            ocp.checkpoint_managers.BestN(
-                get_metric_fn=lambda metrics: metrics[best_metric],
-                reverse=best_mode == "min",  # BestN keeps the last of an ascending sort
-                n=1,
-                keep_checkpoints_without_metrics=False,
-            )
-        )
-    options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
-        enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True,  # left by a run killed mid-save
-    )
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    state, record = _state_handler(), _RecordHandler()
-    registry.add("state", ocp.args.PyTreeSave, state)
-    registry.add("state", ocp.args.PyTreeRestore, state)
-    registry.add("meta", _RecordSave, record)
-    registry.add("meta", ocp.args.JsonRestore, record)
-    return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
 
 
 def _first_line(error: Exception) -> str:
