@@ -3,7 +3,8 @@
 Each start of a run (an attempt) runs a `Clock` that gives every moment of the
 attempt to one part: ``startup`` (building the run, restoring a checkpoint, and for
 ``python -m jdp.train`` everything from its process's start: Python, the imports),
-``compile`` (the first call of the step), ``step`` (train steps, and what runs
+``compile`` (the first call of the step, and ``--steps-per-call auto``'s choice: its timed
+calls on a copy of the state, `jdp.training.calls`), ``step`` (train steps, and what runs
 between them), ``recomputed`` (train steps that an attempt before this one had
 already computed, lost to its failure), ``input`` (waiting for a batch),
 ``checkpoint`` (blocked on a save), ``evaluate``, ``other`` (closing the loader,
