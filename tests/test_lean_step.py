@@ -1,5 +1,6 @@
 """The train step's call pays only for what the step uses: its program takes what it
-changes, the key read, the loss scale only where fp16 or skipping moves it; the calls
+changes, the key read only where the step draws, the loss scale only where fp16 or
+skipping moves it; the calls
 in flight are bounded only where the CPU's collectives need it; a run's learning rate
 is computed when it is read, equal to the step's own."""
 
@@ -13,6 +14,7 @@ from helpers import init_params, regression_data, regression_loss
 
 import jdp
 from jdp.state import Placement
+from jdp.step import lean
 from jdp.step.contract import needs_bound
 from jdp.training.optimizer import config_optimizer
 
@@ -21,20 +23,30 @@ def _leaves(*trees) -> int:
     return sum(len(jax.tree.leaves(tree)) for tree in trees)
 
 
+def _drawing_loss(params, batch, rng):
+    """`regression_loss` and a metric drawn from the step's key."""
+    return regression_loss(params, batch, rng), {"u": jax.random.uniform(rng, ())}
+
+
 @pytest.mark.parametrize("spec", ["data=1", "data=8"])
-@pytest.mark.parametrize("fp16", [False, True])
-def test_the_program_takes_only_what_the_step_changes(devices, spec, fp16):
+@pytest.mark.parametrize(("fp16", "draws"), [(False, False), (True, False), (False, True)])
+def test_the_program_takes_only_what_the_step_changes(devices, spec, fp16, draws):
     mesh, optimizer = jdp.make_mesh(spec), optax.adam(1e-2)
     precision = jdp.make_precision("fp16" if fp16 else "fp32")
     state = jdp.create_train_state(init_params(), optimizer, mesh, precision=precision)
     batch = jdp.shard_batch(regression_data(), mesh)
     step = jdp.make_train_step(
-        regression_loss, optimizer, mesh, precision=precision, lr_schedule=lambda count: 0.1 * count
+        _drawing_loss if draws else regression_loss,
+        optimizer,
+        mesh,
+        precision=precision,
+        lr_schedule=lambda count: 0.1 * count,
+        has_aux=draws,
     )
     lowered = step.lower(state, batch)
     changed = _leaves(state.step, state.params, state.opt_state, state.model_state)
     scale = _leaves(state.loss_scale)  # its three: carried with fp16, else the skipped one read
-    taken = changed + 1 + (scale if fp16 else 1) + _leaves(batch)  # 1: the key, read
+    taken = changed + draws + (scale if fp16 else 1) + _leaves(batch)  # the key, where drawn
     assert _leaves(lowered.args_info) == taken
     new, metrics = step(state, batch)
     assert _leaves(lowered.out_info) == changed + (scale if fp16 else 0) + len(metrics)
@@ -43,6 +55,47 @@ def test_the_program_takes_only_what_the_step_changes(devices, spec, fp16):
     assert (new.loss_scale is state.loss_scale) is not fp16
     assert int(new.step) == 1 and float(metrics["lr"]) == 0.0
     assert new.placement is state.placement and new.placement == Placement.of(new)
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_a_step_without_the_key_is_bitwise_the_step_given_it(devices, monkeypatch, steps_per_call):
+    """Where the outputs do not depend on the key, the program called without it is the
+    traced program, bitwise; a batch of other rows traces again, as a step does."""
+    mesh, optimizer, stacked = jdp.make_mesh("data=8"), optax.adam(1e-2), steps_per_call > 1
+
+    def batch(rows: int):
+        data = regression_data(seed=rows, rows=rows)
+        if stacked:
+            data = jax.tree.map(lambda x: np.stack([x] * steps_per_call), data)
+        return jdp.shard_batch(data, mesh, stacked=stacked)
+
+    def train():
+        state = jdp.create_train_state(init_params(), optimizer, mesh)
+        step = jdp.make_train_step(regression_loss, optimizer, mesh, steps_per_call=steps_per_call)
+        taken = _leaves(step.lower(state, batch(64)).args_info)
+        for rows in (64, 32, 64):
+            state, metrics = step(state, batch(rows))
+        return taken, jax.device_get((state, metrics))
+
+    taken, without = train()
+    monkeypatch.setattr(lean, "without_key", lambda *_: None)  # the program given the key
+    taken_with_key, given = train()
+    assert taken_with_key == taken + 1
+    jax.tree.map(np.testing.assert_array_equal, without, given)
+
+
+def test_a_step_that_draws_only_at_other_shapes_says_so(devices):
+    # Dropped at the first call's shapes, the key cannot come back at others' unasked.
+    def loss_fn(params, batch, rng):
+        loss = regression_loss(params, batch, rng)
+        return loss + jax.random.uniform(rng, ()) if batch["x"].shape[0] > 4 else loss
+
+    mesh, optimizer = jdp.make_mesh("data=8"), optax.sgd(0.1)
+    state = jdp.create_train_state(init_params(), optimizer, mesh)
+    step = jdp.make_train_step(loss_fn, optimizer, mesh)
+    state, _ = step(state, jdp.shard_batch(regression_data(rows=32), mesh))
+    with pytest.raises(jdp.UsageError, match="make the step again"):
+        step(state, jdp.shard_batch(regression_data(rows=64), mesh))
 
 
 def test_a_state_given_twice_is_refused_on_one_device(devices):

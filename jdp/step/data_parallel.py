@@ -128,6 +128,14 @@ def _lean(
     batch_axis, replicas = int(steps > 1), batch_split(mesh)
     batch_in = batch_sharded(mesh, stacked=steps > 1)
 
+    def jit(fn: Callable[..., Any]) -> Any:
+        return jax.jit(
+            fn,
+            in_shardings=(replicated(mesh), replicated(mesh), batch_in),
+            out_shardings=(replicated(mesh), replicated(mesh)),
+            donate_argnums=(0,),
+        )
+
     def make(rng_impl: str):
         mapped = jax.shard_map(
             lean_program(replica_fn, rng_impl=rng_impl, **lean._asdict()),
@@ -136,14 +144,10 @@ def _lean(
             out_specs=(PartitionSpec(), PartitionSpec()),
             check_vma=checks_replicas(mesh),
         )
-        return jax.jit(
-            _rows_checked(mapped, replicas, batch_axis, steps),
-            in_shardings=(replicated(mesh), replicated(mesh), batch_in),
-            out_shardings=(replicated(mesh), replicated(mesh)),
-            donate_argnums=(0,),
-        )
+        # One call in the traced program, which `jdp.step.keyless` binds again as it is.
+        return jit(_rows_checked(jax.jit(mapped), replicas, batch_axis, steps))
 
-    programs = Programs(make)
+    programs = Programs(make, jit)
     call = lean_call(
         programs, whole, lean=lean, replicas=replicas, batch_axis=batch_axis, steps=steps
     )

@@ -8,7 +8,10 @@ takes the fields the step changes (the step count, parameters, optimizer and
 model state; the loss scale only where fp16 scaling or ``skip_nonfinite`` moves
 it) and reads the key (and the skipped count, for the schedule's count) without
 taking them over; the call puts the `TrainState` back together around its
-outputs. A state whose `Placement` says otherwise (ZeRO-1's) takes the whole
+outputs. The key is read only where the step's outputs depend on it (a model
+that draws: dropout's masks): the first call traces the program, and where JAX's
+dead-code elimination drops the key, the program called is that traced program
+without it. A state whose `Placement` says otherwise (ZeRO-1's) takes the whole
 state's program.
 """
 
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 from jdp.precision import LossScale, Precision
 from jdp.state import TrainState
 from jdp.step.contract import check_rows, refuse_donated
+from jdp.step.keyless import without_key
 
 
 class Lean(NamedTuple):
@@ -94,9 +98,11 @@ def _runner(
         changed = (fields["step"], fields["params"], fields["opt_state"], fields["model_state"])
         if carries_scale:
             changed = (*changed, loss_scale)
-        read = (fields["rng"], loss_scale.skipped) if reads_skipped else (fields["rng"],)
+        keyed = (fields["rng"], loss_scale.skipped) if reads_skipped else (fields["rng"],)
         try:
-            out, metrics = programs[fields["rng_impl"]](changed, read, batch)
+            impl = fields["rng_impl"]
+            program, reads_key = programs.get(impl) or programs.first(impl, changed, keyed, batch)
+            out, metrics = program(changed, keyed if reads_key else keyed[1:], batch)
         except (ValueError, RuntimeError):
             check(state, batch)
             raise
@@ -143,8 +149,11 @@ def lean_lower(
         changed = (state.step, state.params, state.opt_state, state.model_state)
         if lean.carries_scale:
             changed = (*changed, state.loss_scale)
-        read = (state.rng, state.loss_scale.skipped) if lean.reads_skipped else (state.rng,)
-        return _Lowered(programs[state.rng_impl].lower(changed, read, batch), lean)
+        keyed = (state.rng, state.loss_scale.skipped) if lean.reads_skipped else (state.rng,)
+        impl = state.rng_impl
+        program, reads_key = programs.get(impl) or programs.first(impl, changed, keyed, batch)
+        lowered = program.lower(changed, keyed if reads_key else keyed[1:], batch)
+        return _Lowered(lowered, lean, reads_key)
 
     return lower
 
@@ -153,12 +162,13 @@ class _Lowered:
     """A lean program's `jax.stages.Lowered` (every attribute its own), whose ``compile``
     gives a program called as the step is, ``compiled(state, batch)``."""
 
-    def __init__(self, lowered: Any, lean: Lean):
-        self._lowered, self._lean = lowered, lean
+    def __init__(self, lowered: Any, lean: Lean, reads_key: bool):
+        self._lowered, self._lean, self._reads_key = lowered, lean, reads_key
 
     def compile(self, *args: Any, **kwargs: Any) -> _Compiled:
         compiled = self._lowered.compile(*args, **kwargs)
-        run = _runner(Programs(lambda _: compiled), lambda *_: None, **self._lean._asdict())
+        only = _Only((compiled, self._reads_key))
+        run = _runner(only, lambda *_: None, **self._lean._asdict())
         return _Compiled(compiled, run)
 
     def __getattr__(self, name: str) -> Any:
@@ -180,13 +190,32 @@ class _Compiled:
 
 class Programs(dict):
     """``programs[rng_impl]``: a step's program for a key implementation (a static part
-    of the state), made by ``make(rng_impl)`` the first time it is asked for; then a
-    dictionary's lookup, with no Python frame of its own."""
+    of the state) and whether it reads the key, made at the first call (`first`); then
+    a dictionary's lookup, with no Python frame of its own.
 
-    def __init__(self, make: Callable[[str], Any]):
+    ``make(rng_impl)``: the `jax.jit` of the `lean_program`; ``jit(fn)``: ``fn`` compiled
+    as ``make``'s program is (its shardings and donation)."""
+
+    def __init__(self, make: Callable[[str], Any], jit: Callable[[Callable], Any]):
         super().__init__()
-        self._make = make
+        self._make, self._jit = make, jit
 
-    def __missing__(self, rng_impl: str) -> Any:
-        program = self[rng_impl] = self._make(rng_impl)
-        return program
+    def first(self, rng_impl: str, changed: Any, keyed: Any, batch: Any) -> tuple[Any, bool]:
+        """The program for these arguments (``keyed``: the key, then the rest ``read``)
+        and whether it takes the key: where the outputs do not depend on it, the traced
+        program without it (`jdp.step.keyless`)."""
+        program = self._make(rng_impl)
+        keyless = without_key(program, changed, keyed, batch)
+        entry = self[rng_impl] = (program, True) if keyless is None else (self._jit(keyless), False)
+        return entry
+
+
+class _Only(dict):
+    """A compiled program's entry for any key implementation (its state's, lowered)."""
+
+    def __init__(self, entry: tuple[Any, bool]):
+        super().__init__()
+        self._entry = entry
+
+    def get(self, _rng_impl: str, _default: Any = None) -> tuple[Any, bool]:
+        return self._entry
