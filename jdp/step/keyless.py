@@ -31,7 +31,7 @@ def without_key(program: Any, changed: Any, keyed: Any, batch: Any) -> Callable[
     found = _dropped(traced, first, len(jax.tree.leaves(key)))
     if found is None:
         return None
-    jaxprs = {_signature((changed, keyed[1:], batch)): (found, traced.out_tree)}
+    jaxprs = {_signature((changed, keyed[1:], batch)): (found, jax.tree.structure(traced.out_info))}
     key_spec = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), key)
 
     def keyless(changed, read, batch):
@@ -45,7 +45,7 @@ def without_key(program: Any, changed: Any, keyed: Any, batch: Any) -> Callable[
                     "the step's outputs depend on the key at these shapes but not at its "
                     "first call's; make the step again (jdp.make_train_step) for these shapes"
                 )
-            jaxprs[signature] = found, traced.out_tree
+            jaxprs[signature] = found, jax.tree.structure(traced.out_info)
         jaxpr, outputs = jaxprs[signature]
         return jax.tree.unflatten(
             outputs, jaxpr_as_fun(jaxpr)(*jax.tree.leaves((changed, read, batch)))
@@ -64,7 +64,8 @@ def _dropped(traced: Any, first: int, keys: int) -> ClosedJaxpr | None:
     closed = traced.jaxpr
     kept = [True] * len(closed.jaxpr.invars)
     kept[first : first + keys] = [False] * keys
-    jaxpr, used = partial_eval.dce_jaxpr(closed.jaxpr, True, instantiate=kept)
+    outputs = [True] * len(closed.jaxpr.outvars)
+    jaxpr, used = partial_eval.dce_jaxpr(closed.jaxpr, outputs, instantiate=kept)
     if any(used[first : first + keys]):
         return None
     return ClosedJaxpr(jaxpr, closed.consts)
