@@ -84,6 +84,29 @@ def test_a_step_without_the_key_is_bitwise_the_step_given_it(devices, monkeypatc
     jax.tree.map(np.testing.assert_array_equal, without, given)
 
 
+def test_a_step_without_the_key_traces_again_where_jax_would(devices):
+    # Under another matmul precision, and after jax.clear_caches (a loss reading a
+    # global that changed), the step is the one a fresh trace makes, as with the key.
+    scale = [1.0]
+
+    def loss_fn(params, batch, rng):
+        return scale[0] * regression_loss(params, batch, rng)
+
+    mesh, optimizer = jdp.make_mesh("data=1"), optax.sgd(0.1)
+    state = jdp.create_train_state(init_params(), optimizer, mesh)
+    step = jdp.make_train_step(loss_fn, optimizer, mesh)
+    batch = jdp.shard_batch(regression_data(), mesh)
+    state, first = step(state, batch)
+    with jax.default_matmul_precision("highest"):
+        assert "HIGHEST" in step.lower(state, batch).as_text()
+    assert "HIGHEST" not in step.lower(state, batch).as_text()
+    _, once = step(jax.tree.map(np.copy, state), batch)
+    scale[0] = 2.0
+    jax.clear_caches()
+    _, twice = step(state, batch)
+    assert float(twice["loss"]) == 2 * float(once["loss"])  # a power of two: exact
+
+
 def test_a_step_that_draws_only_at_other_shapes_says_so(devices):
     # Dropped at the first call's shapes, the key cannot come back at others' unasked.
     def loss_fn(params, batch, rng):

@@ -20,36 +20,37 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jdp.errors import UsageError
 
 
-def without_key(program: Any, changed: Any, keyed: Any, batch: Any) -> Callable[..., Any] | None:
+def without_key(
+    program: Any, changed: Any, keyed: Any, batch: Any, shardings: tuple[Any, Any]
+) -> Callable[..., Any] | None:
     """``keyless(changed, read, batch)``: the jitted ``program(changed, keyed, batch)``'s
     outputs, ``keyed`` the key and then ``read``, computed without the key; None where
-    the outputs depend on it. Its first trace is ``program``'s trace here (`jax.jit`'s
-    own, which a first call of ``program`` reuses); a call at other shapes traces
-    ``program`` at those."""
+    the outputs depend on it. ``shardings``: ``program``'s, of the state's arrays and of
+    the batch's. Its first trace is ``program``'s trace here (`jax.jit`'s own, which a
+    first call of ``program`` reuses); a trace at other arguments, or in another
+    context (a matmul precision, after `jax.clear_caches`), is ``program``'s there."""
     traced = program.trace(changed, keyed, batch)
     key, first = keyed[0], len(jax.tree.leaves(changed))
     found = _dropped(traced, first, len(jax.tree.leaves(key)))
     if found is None:
         return None
-    jaxprs = {_signature((changed, keyed[1:], batch)): (found, jax.tree.structure(traced.out_info))}
-    key_spec = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), key)
+    state_sharding, batch_sharding = shardings
+    key_spec = jax.tree.map(lambda leaf: _spec(leaf, state_sharding), key)
 
     def keyless(changed, read, batch):
-        signature = _signature((changed, read, batch))
-        if signature not in jaxprs:  # other shapes: their own trace, the key dropped again
-            specs = jax.tree.map(_spec, (changed, read, batch))
-            traced = program.trace(specs[0], (key_spec, *specs[1]), specs[2])
-            found = _dropped(traced, first, len(jax.tree.leaves(key_spec)))
-            if found is None:
-                raise UsageError(
-                    "the step's outputs depend on the key at these shapes but not at its "
-                    "first call's; make the step again (jdp.make_train_step) for these shapes"
-                )
-            jaxprs[signature] = found, jax.tree.structure(traced.out_info)
-        jaxpr, outputs = jaxprs[signature]
-        return jax.tree.unflatten(
-            outputs, jaxpr_as_fun(jaxpr)(*jax.tree.leaves((changed, read, batch)))
-        )
+        # The program's trace at these arguments, from `jax.jit`'s cache where it has
+        # one (the first call's is the trace above), in the context of this trace.
+        state = lambda tree: jax.tree.map(lambda leaf: _spec(leaf, state_sharding), tree)  # noqa: E731
+        rows = jax.tree.map(lambda leaf: _spec(leaf, batch_sharding), batch)
+        traced = program.trace(state(changed), (key_spec, *state(read)), rows)
+        found = _dropped(traced, first, len(jax.tree.leaves(key_spec)))
+        if found is None:
+            raise UsageError(
+                "the step's outputs depend on the key at these shapes but not at its "
+                "first call's; make the step again (jdp.make_train_step) for these shapes"
+            )
+        outputs = jaxpr_as_fun(found)(*jax.tree.leaves((changed, read, batch)))
+        return jax.tree.unflatten(jax.tree.structure(traced.out_info), outputs)
 
     return keyless
 
@@ -71,13 +72,8 @@ def _dropped(traced: Any, first: int, keys: int) -> ClosedJaxpr | None:
     return ClosedJaxpr(jaxpr, closed.consts)
 
 
-def _signature(args: Any) -> tuple:
-    """What a trace of ``args`` depends on: their structure, shapes and types."""
-    leaves, structure = jax.tree.flatten(args)
-    typed = (jax.typeof(leaf) for leaf in leaves)
-    return structure, tuple((aval.shape, aval.dtype, aval.weak_type) for aval in typed)
-
-
-def _spec(leaf: Any) -> jax.ShapeDtypeStruct:
+def _spec(leaf: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+    """``leaf``'s shape and type, placed as the program takes it: so that a trace of the
+    same arguments is `jax.jit`'s cached one."""
     aval = jax.typeof(leaf)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding)
