@@ -84,6 +84,27 @@ def test_a_step_without_the_key_is_bitwise_the_step_given_it(devices, monkeypatc
     jax.tree.map(np.testing.assert_array_equal, without, given)
 
 
+@pytest.mark.parametrize("spec", ["data=1", "data=8"])
+def test_a_step_without_the_key_traces_the_loss_once(devices, spec):
+    # The program without the key is made from the first call's own trace (a NumPy
+    # batch, as a run on one device passes it, or one placed on the devices).
+    traces = []
+
+    def loss_fn(params, batch, rng):
+        traces.append(batch["x"].shape)
+        return regression_loss(params, batch, rng)
+
+    mesh, optimizer = jdp.make_mesh(spec), optax.sgd(0.1)
+    state = jdp.create_train_state(init_params(), optimizer, mesh)
+    step = jdp.make_train_step(loss_fn, optimizer, mesh)
+    batch = regression_data() if spec == "data=1" else jdp.shard_batch(regression_data(), mesh)
+    for _ in range(2):
+        state, _ = step(state, batch)
+    assert len(traces) == 1
+    taken = _leaves(state.step, state.params, state.opt_state, state.model_state, batch)
+    assert _leaves(step.lower(state, batch).args_info) == taken  # no key
+
+
 def test_a_step_without_the_key_traces_again_where_jax_would(devices):
     # Under another matmul precision, and after jax.clear_caches (a loss reading a
     # global that changed), the step is the one a fresh trace makes, as with the key.
@@ -96,7 +117,7 @@ def test_a_step_without_the_key_traces_again_where_jax_would(devices):
     state = jdp.create_train_state(init_params(), optimizer, mesh)
     step = jdp.make_train_step(loss_fn, optimizer, mesh)
     batch = jdp.shard_batch(regression_data(), mesh)
-    state, first = step(state, batch)
+    state, _ = step(state, batch)
     with jax.default_matmul_precision("highest"):
         assert "HIGHEST" in step.lower(state, batch).as_text()
     assert "HIGHEST" not in step.lower(state, batch).as_text()

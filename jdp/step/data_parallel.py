@@ -147,7 +147,7 @@ def _lean(
         # One call in the traced program, which `jdp.step.keyless` binds again as it is.
         return jit(_rows_checked(jax.jit(mapped), replicas, batch_axis, steps))
 
-    programs = Programs(make, jit, (replicated(mesh), batch_in))
+    programs = Programs(make, jit)
     call = lean_call(
         programs, whole, lean=lean, replicas=replicas, batch_axis=batch_axis, steps=steps
     )

@@ -20,36 +20,34 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jdp.errors import UsageError
 
 
-def without_key(
-    program: Any, changed: Any, keyed: Any, batch: Any, shardings: tuple[Any, Any]
-) -> Callable[..., Any] | None:
+def without_key(program: Any, changed: Any, keyed: Any, batch: Any) -> Callable[..., Any] | None:
     """``keyless(changed, read, batch)``: the jitted ``program(changed, keyed, batch)``'s
     outputs, ``keyed`` the key and then ``read``, computed without the key; None where
-    the outputs depend on it. ``shardings``: ``program``'s, of the state's arrays and of
-    the batch's. Its first trace is ``program``'s trace here (`jax.jit`'s own, which a
-    first call of ``program`` reuses); a trace at other arguments, or in another
-    context (a matmul precision, after `jax.clear_caches`), is ``program``'s there."""
+    the outputs depend on it. Every trace of ``keyless`` is ``program``'s at the same
+    arguments, in the same context (a matmul precision, after `jax.clear_caches`): the
+    first is the trace here, `jax.jit`'s own, which a first call of ``program`` reuses."""
     traced = program.trace(changed, keyed, batch)
     key, first = keyed[0], len(jax.tree.leaves(changed))
     found = _dropped(traced, first, len(jax.tree.leaves(key)))
     if found is None:
         return None
-    state_sharding, batch_sharding = shardings
-    key_spec = jax.tree.map(lambda leaf: _spec(leaf, state_sharding), key)
+    key_spec = jax.tree.map(lambda leaf: _spec(leaf, _placed(leaf)), key)
+    # Where the first call's arrays were placed: a trace of specs placed so is the
+    # cached one (a trace elsewhere is a trace more, never another program).
+    placed = [_placed(leaf) for leaf in jax.tree.leaves((changed, keyed[1:], batch))]
 
     def keyless(changed, read, batch):
-        # The program's trace at these arguments, from `jax.jit`'s cache where it has
-        # one (the first call's is the trace above), in the context of this trace.
-        state = lambda tree: jax.tree.map(lambda leaf: _spec(leaf, state_sharding), tree)  # noqa: E731
-        rows = jax.tree.map(lambda leaf: _spec(leaf, batch_sharding), batch)
-        traced = program.trace(state(changed), (key_spec, *state(read)), rows)
+        leaves, structure = jax.tree.flatten((changed, read, batch))
+        where = placed if len(placed) == len(leaves) else [None] * len(leaves)
+        specs = jax.tree.unflatten(structure, map(_spec, leaves, where))
+        traced = program.trace(specs[0], (key_spec, *specs[1]), specs[2])
         found = _dropped(traced, first, len(jax.tree.leaves(key_spec)))
         if found is None:
             raise UsageError(
                 "the step's outputs depend on the key at these shapes but not at its "
                 "first call's; make the step again (jdp.make_train_step) for these shapes"
             )
-        outputs = jaxpr_as_fun(found)(*jax.tree.leaves((changed, read, batch)))
+        outputs = jaxpr_as_fun(found)(*leaves)
         return jax.tree.unflatten(jax.tree.structure(traced.out_info), outputs)
 
     return keyless
@@ -73,7 +71,10 @@ def _dropped(traced: Any, first: int, keys: int) -> ClosedJaxpr | None:
 
 
 def _spec(leaf: Any, sharding: Any) -> jax.ShapeDtypeStruct:
-    """``leaf``'s shape and type, placed as the program takes it: so that a trace of the
-    same arguments is `jax.jit`'s cached one."""
     aval = jax.typeof(leaf)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding)
+
+
+def _placed(leaf: Any) -> Any:
+    """A committed array's sharding, else None (a NumPy array's: `jax.jit` places it)."""
+    return leaf.sharding if getattr(leaf, "committed", False) else None

@@ -194,24 +194,18 @@ class Programs(dict):
     a dictionary's lookup, with no Python frame of its own.
 
     ``make(rng_impl)``: the `jax.jit` of the `lean_program`; ``jit(fn)``: ``fn`` compiled
-    as ``make``'s program is (its ``shardings``, the state's and the batch's, and its
-    donation)."""
+    as ``make``'s program is (its shardings and donation)."""
 
-    def __init__(
-        self,
-        make: Callable[[str], Any],
-        jit: Callable[[Callable], Any],
-        shardings: tuple[Any, Any],
-    ):
+    def __init__(self, make: Callable[[str], Any], jit: Callable[[Callable], Any]):
         super().__init__()
-        self._make, self._jit, self._shardings = make, jit, shardings
+        self._make, self._jit = make, jit
 
     def first(self, rng_impl: str, changed: Any, keyed: Any, batch: Any) -> tuple[Any, bool]:
         """The program for these arguments (``keyed``: the key, then the rest ``read``)
         and whether it takes the key: where the outputs do not depend on it, the traced
         program without it (`jdp.step.keyless`)."""
         program = self._make(rng_impl)
-        keyless = without_key(program, changed, keyed, batch, self._shardings)
+        keyless = without_key(program, changed, keyed, batch)
         entry = self[rng_impl] = (program, True) if keyless is None else (self._jit(keyless), False)
         return entry
 
