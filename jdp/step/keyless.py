@@ -11,6 +11,7 @@ as a function of the other arguments: the same operations, so the same bits.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -55,16 +56,20 @@ def without_key(program: Any, changed: Any, keyed: Any, batch: Any) -> Callable[
 
 def _dropped(traced: Any, first: int, keys: int) -> ClosedJaxpr | None:
     """``traced``'s program without its arguments ``first`` to ``first + keys`` (the key's
-    leaves), dead code removed; None where an output depends on them."""
+    leaves), dead code removed; None where an output depends on them (or JAX's
+    elimination is not where it was)."""
     # JAX's dead-code elimination, which `jax.jit` runs to drop a compiled program's
-    # unused arguments: there is no public handle.
-    from jax._src.interpreters import partial_eval
-
+    # unused arguments: there is no public handle. Where a JAX has moved it, the step
+    # keeps the key (its module is loaded whenever JAX is).
+    partial_eval = sys.modules.get("jax._src.interpreters.partial_eval")
+    dce_jaxpr = getattr(partial_eval, "dce_jaxpr", None)
+    if dce_jaxpr is None:
+        return None
     closed = traced.jaxpr
     kept = [True] * len(closed.jaxpr.invars)
     kept[first : first + keys] = [False] * keys
     outputs = [True] * len(closed.jaxpr.outvars)
-    jaxpr, used = partial_eval.dce_jaxpr(closed.jaxpr, outputs, instantiate=kept)
+    jaxpr, used = dce_jaxpr(closed.jaxpr, outputs, instantiate=kept)
     if any(used[first : first + keys]):
         return None
     return ClosedJaxpr(jaxpr, closed.consts)
