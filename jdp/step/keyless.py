@@ -3,8 +3,9 @@
 Every train step is given the state's key; a model that does not draw (no dropout)
 folds the step count and the replica's index into it and uses nothing of the result.
 Its compiled program drops the key (`jax.jit` removes unused arguments), but each
-call still passes it, about a microsecond of the host's time, a few percent of a
-small model's call. `without_key` traces the program once, as its first call would,
+call still passes it: one argument of the host's dispatch (on the 2-core CPU what it
+costs is within the measurement's noise, about 2% of the 38k MLP's call:
+docs/performance.md). `without_key` traces the program once, as its first call would,
 and where JAX's dead-code elimination drops the key, gives the same traced program
 as a function of the other arguments: the same operations, so the same bits.
 """
