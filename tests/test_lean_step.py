@@ -5,6 +5,8 @@ in flight are bounded only where the CPU's collectives need it; a run's learning
 is computed when it is read, equal to the step's own."""
 
 import dataclasses
+import os
+import sys
 
 import jax
 import numpy as np
@@ -160,6 +162,37 @@ def test_a_state_given_twice_is_refused_on_one_device(devices):
 def test_calls_in_flight_are_bounded_only_on_several_cpu_devices(devices):
     assert needs_bound(jdp.make_mesh("data=8"))
     assert not needs_bound(jdp.make_mesh("data=1"))
+
+
+# jdp's Python functions a step's call runs once it has compiled, on one CPU device and
+# on several (the bound: a check of the state, the call, the array it waits on): each
+# more costs a small model's call about a microsecond of the host's. (The optimizer's
+# state comes back as named tuples, whose constructors are Python's own, as in any step.)
+FRAMES = {"data=1": ["run"], "data=8": ["call", "refuse_donated", "run", "<lambda>"]}
+
+
+@pytest.mark.parametrize("spec", FRAMES)
+def test_a_steps_call_runs_only_its_own_python_frames(devices, spec):
+    mesh, optimizer = jdp.make_mesh(spec), optax.adam(1e-2)
+    state = jdp.create_train_state(init_params(), optimizer, mesh)
+    step = jdp.make_train_step(regression_loss, optimizer, mesh)
+    batch = jdp.shard_batch(regression_data(), mesh)
+    for _ in range(2):  # compiles, then a call waits on the one before last
+        state, metrics = step(state, batch)
+    frames = []
+    ours = os.path.dirname(jdp.__file__)
+
+    def record(frame, event, _):
+        if event == "call" and frame.f_code.co_filename.startswith(ours):
+            frames.append(frame.f_code.co_name)
+
+    sys.setprofile(record)
+    try:
+        state, metrics = step(state, batch)
+    finally:
+        sys.setprofile(None)
+    assert frames == FRAMES[spec]
+    jax.block_until_ready(metrics)
 
 
 def test_a_runs_learning_rate_is_the_steps_own(devices):

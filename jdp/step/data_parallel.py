@@ -93,7 +93,7 @@ def _compile(
         program, lower = _pmapped(
             replica_fn, mesh, batch_axis, steps, outputs, donate, (state_in, batch_in)
         )
-    witness = (lambda out: out[1]) if outputs > 1 else (lambda out: out)
+    witness = (lambda out: out[1]["loss"]) if outputs > 1 else (lambda out: out["count"])
     if needs_bound(mesh):
         call = bounded(program, witness)
     else:  # the lean call refuses a donated state itself

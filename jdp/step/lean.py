@@ -71,6 +71,9 @@ def lean_program(
     return program
 
 
+_set_fields = object.__setattr__
+
+
 def _runner(
     programs: Programs,
     check: Callable[..., None],
@@ -108,11 +111,15 @@ def _runner(
             raise
         # A copy of the state's fields (its placement too), the changed ones replaced:
         # the dataclass's own constructor costs the host a microsecond a call.
-        new = object.__new__(TrainState)
-        new.__dict__.update(fields)
-        new.__dict__.update(step=out[0], params=out[1], opt_state=out[2], model_state=out[3])
+        copied = fields.copy()
         if carries_scale:
-            new.__dict__["loss_scale"] = out[4]
+            step, params, opt_state, model_state, copied["loss_scale"] = out
+        else:
+            step, params, opt_state, model_state = out
+        copied["step"], copied["params"] = step, params
+        copied["opt_state"], copied["model_state"] = opt_state, model_state
+        new = object.__new__(TrainState)
+        _set_fields(new, "__dict__", copied)  # the frozen dataclass's own refuses
         return new, metrics
 
     return run

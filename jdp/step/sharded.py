@@ -77,7 +77,7 @@ def _compile_sharded(
     def lower(state, batch):
         return for_state(state)[1](state, batch)
 
-    witness = (lambda out: out[1]) if outputs > 1 else (lambda out: out)
+    witness = (lambda out: out[1]["loss"]) if outputs > 1 else (lambda out: out["count"])
     return CompiledStep(bounded(program, witness), program, lower, None, batch_in)
 
 
