@@ -585,3 +585,46 @@ def test_lm_benchmark_passes_profile_to_each_cells_process(monkeypatch):
     )
     assert lm._cell_in_own_process(args, "data=1", "none", "xla") == {}
     assert ran[0][ran[0].index("--profile") + 1] == "traces"
+
+
+def test_host_instructions_count_a_call_from_two_dumps(tmp_path, monkeypatch):
+    # Each arm's dumps: `calls` calls, then twice as many, each with the same cost of
+    # starting and stopping the count (here 1,000), which the difference leaves out.
+    from tools import host_instructions
+
+    listed = {1: (5_000 + 1_000, 4_000), 2: (10_000 + 1_000, 8_000)}
+    listed |= {3: (7_000 + 1_000, 5_000), 4: (14_000 + 1_000, 10_000)}
+    for part in listed:
+        (tmp_path / f"callgrind.out.{part}-01").write_text("")
+        (tmp_path / f"callgrind.out.{part}-02").write_text("")  # another thread's: not read
+    monkeypatch.setattr(
+        host_instructions, "_counts", lambda path: listed[int(path.name.split(".")[2][0])]
+    )
+    counted = host_instructions.per_call(str(tmp_path), ["jdp", "one-device"], calls=10)
+    assert counted == {"jdp": (500.0, 400.0), "one-device": (700.0, 500.0)}
+
+
+def test_host_instructions_read_the_listing_less_the_allocator():
+    from tools.host_instructions import split_counts
+
+    listed = """\
+--------------------------------------------------------------------------------
+3,000 (100.0%)  PROGRAM TOTALS
+--------------------------------------------------------------------------------
+Ir              file:function
+--------------------------------------------------------------------------------
+1,500 (50.00%)  ./malloc/./malloc/malloc.c:_int_free [/usr/lib/x86_64-linux-gnu/libc.so.6]
+1,200 (40.00%)  Python/ceval.c:_PyEval_EvalFrameDefault [libpython3.11.so.1.0]
+  300 (10.00%)  ???:jax::PjitFunction::Call(nanobind::handle) [libjax_common.so]
+"""
+    assert split_counts(listed) == (3_000, 1_500)
+
+
+def test_host_instructions_without_valgrind_is_one_line_and_exit_2(monkeypatch, capsys):
+    from tools import host_instructions
+
+    monkeypatch.setattr(host_instructions.shutil, "which", lambda name: None)
+    assert host_instructions.main(["--meshes", "data=1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "tools.host_instructions: needs Valgrind (apt install valgrind)"
+    )

@@ -9,6 +9,9 @@ jdp's tests, docs and release work use. Each runs from a checkout's root:
   ``tools.tool_faults``);
 - ``python -m tools.gpu_docs JSON...``: the docs' GPU section from ``python -m jdp.bench
   gpu``'s JSON files;
+- ``python -m tools.host_instructions``: the host's instructions a call of jdp's step and
+  of the hand-written one, counted under Valgrind (what ``jdp.bench step``'s host column
+  times, without the machine's noise);
 - ``python -m tools.bundle DIR``: the wheels an offline GPU machine needs to run the
   GPU benchmark.
 

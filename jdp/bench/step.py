@@ -313,13 +313,7 @@ def host_us(run, kind: str, batch, *, rounds: int = HOST_ROUNDS) -> dict[str, fl
     ``rounds`` interleaved rounds (at most `HOST_ROUNDS`, as ``--rounds`` asks), and the
     medians of the rounds' ratios to ``hand``: ``jdp/hand`` and ``again/hand``, which
     is what two identical calls read apart, the measurement's own error."""
-    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
-    hand_state = (run.state.params, run.state.opt_state)
-    states = {"jdp": copy(run.state), "hand": copy(hand_state), "again": copy(hand_state)}
-    calls = {"jdp": run.train_step}
-    for arm in ("hand", "again"):
-        step = hand_written_step(run.model, run.optimizer, run.mesh, kind=kind)
-        calls[arm] = lambda state, batch, step=step: _split(step(*state, batch))
+    calls, states = host_calls(run, {"hand": kind, "again": kind})
     for _ in range(2):  # a call of each compiles, then one is timed
         started = time.perf_counter()
         for arm, call in calls.items():
@@ -342,6 +336,21 @@ def host_us(run, kind: str, batch, *, rounds: int = HOST_ROUNDS) -> dict[str, fl
         per_round = [a / b for a, b in zip(medians[arm], medians["hand"], strict=True)]
         us[f"{arm}/hand"] = statistics.median(per_round)
     return us
+
+
+def host_calls(run, hands: dict[str, str]) -> tuple[dict, dict]:
+    """``(calls, states)``: jdp's step as a run calls it (``calls["jdp"]``) and, for each
+    arm of ``hands`` (its name: its kind), a separately compiled hand-written step called
+    the same way, ``call(state, batch) -> (state, metrics)``; each arm's own copy of the
+    run's state."""
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+    hand_state = (run.state.params, run.state.opt_state)
+    calls, states = {"jdp": run.train_step}, {"jdp": copy(run.state)}
+    for arm, kind in hands.items():
+        step = hand_written_step(run.model, run.optimizer, run.mesh, kind=kind)
+        calls[arm] = lambda state, batch, step=step: _split(step(*state, batch))
+        states[arm] = copy(hand_state)
+    return calls, states
 
 
 def _split(out: tuple) -> tuple:

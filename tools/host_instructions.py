@@ -1,0 +1,175 @@
+"""The host's instructions a call of jdp's step and of the hand-written ones, counted.
+
+``python -m tools.host_instructions --cases mlp-38k --meshes data=1,data=8`` counts what
+`jdp.bench.step`'s host column times, without the machine's noise: the instructions the
+main thread runs for one call of jdp's step as a run calls it, and for the hand-written
+step of the fewest instructions (``one-device`` on one device, else ``per-leaf``), called
+as ``host_us`` calls them (`host_calls`). Each cell
+runs in a process of its own under Valgrind's callgrind, counting off while it starts
+and compiles; then, for each arm in turn, it counts ``--calls`` calls and twice as many
+(each call waits for its loss before the next, as ``host_us`` waits outside its timing) and prints
+the difference a call, free of what starting and stopping the count costs. The device's
+work runs on XLA:CPU's other threads and is not counted.
+
+All of a call's instructions repeat to about ±2% from process to process (the C
+library allocator's state differs); those outside the allocator, to about ±0.3%. Timed,
+the same ratio moved ±5% and more on the 2-core development machine. Needs Valgrind
+(``apt install valgrind``); a cell takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+# Calls each arm makes before the count starts: the first compiles; the rest bring the
+# host's caches and the allocator to their steady state.
+WARM_CALLS = 20
+_PART = re.compile(r"\.(\d+)-01$")  # a dump's part, the main thread's file
+# A function's line in `callgrind_annotate`'s listing: its count, its share, its name.
+_FUNCTION = re.compile(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+(\S.*)$", re.M)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cases", default="mlp-38k", help="comma-separated, as jdp.bench step")
+    parser.add_argument("--meshes", default="data=1,data=8", help="comma-separated")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--calls", type=int, default=30, help="the first count's calls")
+    parser.add_argument("--cell", nargs=2, help=argparse.SUPPRESS)  # CASE MESH, under callgrind
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.cell:
+        return _cell(*args.cell, batch_size=args.batch_size, calls=args.calls)
+    from jdp.bench.common import names
+    from jdp.bench.step import check_cases
+
+    check_cases(names(args.cases))
+    if not (shutil.which("valgrind") and shutil.which("callgrind_annotate")):
+        print("tools.host_instructions: needs Valgrind (apt install valgrind)", file=sys.stderr)
+        return 2
+    print(
+        f"tools.host_instructions: the main thread's instructions a call (callgrind), "
+        f"{args.calls} calls and {2 * args.calls} counted, global batch {args.batch_size}"
+    )
+    print(f"  {'case':<10}{'mesh':<8}{'arm':<12}{'instructions':>14}{'/ hand':>9}", end="")
+    print(f"{'without the allocator':>24}{'/ hand':>9}")
+    for case in names(args.cases):
+        for mesh in names(args.meshes):
+            counts = measure(case, mesh, batch_size=args.batch_size, calls=args.calls)
+            hand = next(count for arm, count in counts.items() if arm != "jdp")
+            for arm, count in counts.items():
+                print(f"  {case:<10}{mesh:<8}{arm:<12}{count[0]:>14,.0f}", end="")
+                print(f"{count[0] / hand[0]:>8.3f}x{count[1]:>24,.0f}{count[1] / hand[1]:>8.3f}x")
+    return 0
+
+
+def measure(case: str, mesh: str, *, batch_size: int, calls: int) -> dict[str, tuple]:
+    """``{arm: instructions a call}`` for one cell, ``jdp`` and the hand-written kind:
+    all of them, and those outside the allocator (`per_call`)."""
+    devices = 1
+    for axis in mesh.split(","):
+        devices *= int(axis.split("=")[1])
+    with tempfile.TemporaryDirectory() as directory:
+        out = pathlib.Path(directory, "callgrind.out")
+        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
+        command += ["--separate-threads=yes", f"--callgrind-out-file={out}", sys.executable]
+        command += ["-m", "tools.host_instructions", "--cell", case, mesh]
+        command += ["--calls", str(calls), "--batch-size", str(batch_size)]
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        finished = subprocess.run(command, env=env, capture_output=True, text=True)
+        if finished.returncode:
+            raise SystemExit(f"tools.host_instructions: {case} {mesh}: {finished.stderr[-2000:]}")
+        arms = finished.stdout.split()  # the arms, in the order the cell counted them
+        return per_call(directory, arms, calls)
+
+
+def per_call(directory: str, arms: list[str], calls: int) -> dict[str, tuple[float, float]]:
+    """Each arm's instructions a call, from its two dumps (``calls`` calls, then twice
+    as many): the second's count less the first's, over ``calls``; all of them, and
+    those outside the C library's allocator."""
+    counts = {}
+    for path in pathlib.Path(directory).iterdir():
+        if part := _PART.search(path.name):
+            counts[int(part.group(1))] = _counts(path)
+    parts = [counts[number] for number in sorted(counts)]
+    if len(parts) < 2 * len(arms):
+        raise SystemExit(f"tools.host_instructions: {len(parts)} dumps for {len(arms)} arms")
+    counted = {}
+    for i, arm in enumerate(arms):
+        first, second = parts[2 * i], parts[2 * i + 1]
+        counted[arm] = tuple((b - a) / calls for a, b in zip(first, second, strict=True))
+    return counted
+
+
+def _counts(path: pathlib.Path) -> tuple[int, int]:
+    """A dump's instructions, all and outside ``malloc.c`` (the allocator's count moves
+    with its state from process to process)."""
+    listed = subprocess.run(
+        ["callgrind_annotate", "--inclusive=no", "--threshold=100", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return split_counts(listed)
+
+
+def split_counts(listed: str) -> tuple[int, int]:
+    """``callgrind_annotate``'s listing of functions as ``(all, outside malloc.c)``."""
+    total = allocator = 0
+    for count, where in _FUNCTION.findall(listed):
+        if where.startswith("PROGRAM TOTALS"):
+            continue
+        total += int(count.replace(",", ""))
+        allocator += int(count.replace(",", "")) if "malloc.c:" in where else 0
+    return total, total - allocator
+
+
+def _cell(case: str, mesh: str, *, batch_size: int, calls: int) -> int:
+    """Under callgrind: warms each arm, then counts it (`per_call`'s two dumps)."""
+    from jdp.bench.step import CASES, case_run, first_batch, host_calls
+
+    run = case_run(CASES[case], mesh, batch_size)
+    batch = first_batch(run, batch_size)
+    kind = "one-device" if run.mesh.devices.size == 1 else "per-leaf"
+    arms, states = host_calls(run, {kind: kind})
+
+    def steps(arm: str, count: int) -> None:
+        for _ in range(count):  # waits on one array: the same instructions for every arm
+            states[arm], metrics = arms[arm](states[arm], batch)
+            metrics["loss"].block_until_ready()
+
+    for arm in arms:
+        steps(arm, WARM_CALLS)
+    _control("--instr=on")
+    for arm in arms:
+        for count in (calls, 2 * calls):
+            steps(arm, count)
+            _control("--dump")
+    _control("--instr=off")
+    print(" ".join(arms))
+    return 0
+
+
+def _control(option: str) -> None:
+    """Tells this process's callgrind ``option``: the command waits for its answer, and
+    the pause after it (idle, no instructions) is a margin."""
+    subprocess.run(["callgrind_control", option, str(os.getpid())], capture_output=True)
+    time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tools import command_line
+
+    return command_line("tools.host_instructions", sys.modules[__name__], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
