@@ -99,7 +99,7 @@ def compile_groups(group_fn: Callable[..., Any], mesh: Mesh, *, steps: int) -> C
         _groups_given(state)
         return jitted.lower(_step_count(state), state.groups, batch)
 
-    # The witness of a call: its metrics on every device (the ones it returns are one
+    # The witness of a call: its loss on every device (the metrics it returns are one
     # group's, and the other groups' calls must be bounded too). Not the state: the
     # next call donates it.
     witness = lambda out: every_group["loss"]  # noqa: E731
