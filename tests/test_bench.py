@@ -620,11 +620,18 @@ Ir              file:function
     assert split_counts(listed) == (3_000, 1_500)
 
 
-def test_host_instructions_without_valgrind_is_one_line_and_exit_2(monkeypatch, capsys):
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--meshes", "data=1"], "needs Valgrind (apt install valgrind)"),
+        (["--cases", "mlp-1b"], "unknown case 'mlp-1b'; choose from: mlp-38k,"),
+        (["--calls", "0"], "--calls 0, --batch-size 128: give 1 or more"),
+    ],
+)
+def test_host_instructions_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, argv, line):
     from tools import host_instructions
 
     monkeypatch.setattr(host_instructions.shutil, "which", lambda name: None)
-    assert host_instructions.main(["--meshes", "data=1"]) == 2
-    assert capsys.readouterr().err.strip() == (
-        "tools.host_instructions: needs Valgrind (apt install valgrind)"
-    )
+    assert host_instructions.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tools.host_instructions: {line}") and err.count("\n") == 1

@@ -50,11 +50,16 @@ def run(args: argparse.Namespace) -> int:
         return _cell(*args.cell, batch_size=args.batch_size, calls=args.calls)
     from jdp.bench.common import names
     from jdp.bench.step import check_cases
+    from jdp.errors import UsageError
 
-    check_cases(names(args.cases))
+    try:
+        check_cases(names(args.cases))
+    except UsageError as error:
+        return _refuse(str(error))
+    if args.calls < 1 or args.batch_size < 1:
+        return _refuse(f"--calls {args.calls}, --batch-size {args.batch_size}: give 1 or more")
     if not (shutil.which("valgrind") and shutil.which("callgrind_annotate")):
-        print("tools.host_instructions: needs Valgrind (apt install valgrind)", file=sys.stderr)
-        return 2
+        return _refuse("needs Valgrind (apt install valgrind)")
     print(
         f"tools.host_instructions: the main thread's instructions a call (callgrind), "
         f"{args.calls} calls and {2 * args.calls} counted, global batch {args.batch_size}"
@@ -69,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {case:<10}{mesh:<8}{arm:<12}{count[0]:>14,.0f}", end="")
                 print(f"{count[0] / hand[0]:>8.3f}x{count[1]:>24,.0f}{count[1] / hand[1]:>8.3f}x")
     return 0
+
+
+def _refuse(line: str) -> int:
+    print(f"tools.host_instructions: {line}", file=sys.stderr)
+    return 2
 
 
 def measure(case: str, mesh: str, *, batch_size: int, calls: int) -> dict[str, tuple]:
