@@ -213,7 +213,9 @@ def lever_arms(run, stacked, batch, four) -> dict[str, Callable[[int], None]]:
     arms = {}
     for lever in LEVERS["sweep"]:
         step, fed = (stacked, four) if lever.steps_per_call > 1 else (run, batch)
-        program = bounded(with_options(step.train_step.lower, lever.options), lambda out: out[1])
+        program = bounded(
+            with_options(step.train_step.lower, lever.options), lambda out: out[1]["loss"]
+        )
         arms[f"jdp, {lever.name}"] = jdp_loop(
             program, run, fed, run.optimizer, per_call=lever.steps_per_call
         )

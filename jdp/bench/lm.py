@@ -170,7 +170,7 @@ def _measure_cell(cell: Cell, peers: dict[str, Callable[[int], None]]) -> dict[s
     params = hand.init(init_rng, tokens[:1])
     step = run.train_step
     if cell.xla:  # both arms' step programs under the same options, the rest as they were
-        step = bounded(with_options(run.train_step.lower, cell.xla), lambda out: out[1])
+        step = bounded(with_options(run.train_step.lower, cell.xla), lambda out: out[1]["loss"])
         hand = hand._replace(step=with_options(hand.step.lower, cell.xla))
     pairs = zip(jax.tree.leaves(params), jax.tree.leaves(run.state.params), strict=True)
     same = all(np.array_equal(a, b) for a, b in pairs)
