@@ -168,7 +168,7 @@ def test_calls_in_flight_are_bounded_only_on_several_cpu_devices(devices):
 # on several (the bound: a check of the state, the call, the array it waits on): each
 # more costs a small model's call about a microsecond of the host's. (The optimizer's
 # state comes back as named tuples, whose constructors are Python's own, as in any step.)
-FRAMES = {"data=1": ["run"], "data=8": ["call", "refuse_donated", "run", "<lambda>"]}
+FRAMES = {"data=1": ["run"], "data=8": ["call", "refuse_donated", "run", "train_loss"]}
 
 
 @pytest.mark.parametrize("spec", FRAMES)

@@ -208,14 +208,12 @@ def _overheads(run, hand, batch) -> dict[str, Any]:
 def lever_arms(run, stacked, batch, four) -> dict[str, Callable[[int], None]]:
     """jdp's step compiled under each of the sweep's levers (`jdp.bench.levers`), one step
     a call (``run``'s step, ``batch``) or four (``stacked``'s, ``four``)."""
-    from jdp.step.contract import bounded
+    from jdp.step.contract import bounded, train_loss
 
     arms = {}
     for lever in LEVERS["sweep"]:
         step, fed = (stacked, four) if lever.steps_per_call > 1 else (run, batch)
-        program = bounded(
-            with_options(step.train_step.lower, lever.options), lambda out: out[1]["loss"]
-        )
+        program = bounded(with_options(step.train_step.lower, lever.options), train_loss)
         arms[f"jdp, {lever.name}"] = jdp_loop(
             program, run, fed, run.optimizer, per_call=lever.steps_per_call
         )

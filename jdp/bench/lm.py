@@ -44,7 +44,7 @@ from jdp.models.transformer import GPT, flops_per_token
 from jdp.precision import PRECISIONS
 from jdp.report.console import Console
 from jdp.report.throughput import peak_flops
-from jdp.step.contract import bounded
+from jdp.step.contract import bounded, train_loss
 from jdp.training.config import TrainConfig
 from jdp.training.run import Run, build, setup_devices
 
@@ -170,7 +170,7 @@ def _measure_cell(cell: Cell, peers: dict[str, Callable[[int], None]]) -> dict[s
     params = hand.init(init_rng, tokens[:1])
     step = run.train_step
     if cell.xla:  # both arms' step programs under the same options, the rest as they were
-        step = bounded(with_options(run.train_step.lower, cell.xla), lambda out: out[1]["loss"])
+        step = bounded(with_options(run.train_step.lower, cell.xla), train_loss)
         hand = hand._replace(step=with_options(hand.step.lower, cell.xla))
     pairs = zip(jax.tree.leaves(params), jax.tree.leaves(run.state.params), strict=True)
     same = all(np.array_equal(a, b) for a, b in pairs)

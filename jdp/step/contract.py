@@ -129,6 +129,16 @@ def bounded(fn: Callable[..., Any], witness: Callable[[Any], jax.Array]) -> Call
     return call
 
 
+def train_loss(out: Any) -> jax.Array:
+    """A train step's witness for `bounded`: its call's metrics' loss."""
+    return out[1]["loss"]
+
+
+def eval_count(out: Any) -> jax.Array:
+    """An evaluation step's witness for `bounded`: its call's sums' count."""
+    return out["count"]
+
+
 def check_rows(batch: Any, replicas: int, *, batch_axis: int, steps: int) -> None:
     """UsageError unless every leaf stacks ``steps`` batches (when more than one) and
     its rows split evenly over the replicas."""

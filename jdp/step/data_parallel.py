@@ -21,8 +21,10 @@ from jdp.step.contract import (
     bounded,
     check_rows,
     checks_replicas,
+    eval_count,
     needs_bound,
     refusing_donated,
+    train_loss,
 )
 from jdp.step.lean import Lean, Programs, lean_call, lean_lower, lean_program
 from jdp.step.pmap import _pmapped
@@ -93,7 +95,7 @@ def _compile(
         program, lower = _pmapped(
             replica_fn, mesh, batch_axis, steps, outputs, donate, (state_in, batch_in)
         )
-    witness = (lambda out: out[1]["loss"]) if outputs > 1 else (lambda out: out["count"])
+    witness = train_loss if outputs > 1 else eval_count
     if needs_bound(mesh):
         call = bounded(program, witness)
     else:  # the lean call refuses a donated state itself

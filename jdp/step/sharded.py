@@ -24,7 +24,15 @@ from jdp.mesh import (
 )
 from jdp.replica import LossFn
 from jdp.state import Placement
-from jdp.step.contract import CompiledStep, as_step, bounded, check_mesh, check_rows
+from jdp.step.contract import (
+    CompiledStep,
+    as_step,
+    bounded,
+    check_mesh,
+    check_rows,
+    eval_count,
+    train_loss,
+)
 
 
 def _compile_sharded(
@@ -77,7 +85,7 @@ def _compile_sharded(
     def lower(state, batch):
         return for_state(state)[1](state, batch)
 
-    witness = (lambda out: out[1]["loss"]) if outputs > 1 else (lambda out: out["count"])
+    witness = train_loss if outputs > 1 else eval_count
     return CompiledStep(bounded(program, witness), program, lower, None, batch_in)
 
 
