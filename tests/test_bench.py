@@ -604,20 +604,31 @@ def test_host_instructions_count_a_call_from_two_dumps(tmp_path, monkeypatch):
     assert counted == {"jdp": (500.0, 400.0), "one-device": (700.0, 500.0)}
 
 
-def test_host_instructions_read_the_listing_less_the_allocator():
-    from tools.host_instructions import split_counts
+def test_host_instructions_read_the_listing_less_the_allocator_and_by_part():
+    from tools.host_instructions import PARTS, part_counts, split_counts
 
     listed = """\
 --------------------------------------------------------------------------------
-3,000 (100.0%)  PROGRAM TOTALS
+3,100 (100.0%)  PROGRAM TOTALS
 --------------------------------------------------------------------------------
 Ir              file:function
 --------------------------------------------------------------------------------
-1,500 (50.00%)  ./malloc/./malloc/malloc.c:_int_free [/usr/lib/x86_64-linux-gnu/libc.so.6]
-1,200 (40.00%)  Python/ceval.c:_PyEval_EvalFrameDefault [libpython3.11.so.1.0]
-  300 (10.00%)  ???:jax::PjitFunction::Call(nanobind::handle) [libjax_common.so]
+1,500 (48.39%)  ./malloc/./malloc/malloc.c:_int_free [/usr/lib/x86_64-linux-gnu/libc.so.6]
+1,200 (38.71%)  Python/ceval.c:_PyEval_EvalFrameDefault [/usr/lib/libpython3.11.so.1.0]
+  250 ( 8.06%)  ???:jax::PjitFunction::Call() [/venv/site-packages/jaxlib/libjax_common.so]
+   80 ( 2.58%)  Objects/dictobject.c:insertdict [/usr/bin/python3.11]
+   50 ( 1.61%)  ???:xla::ifrt::PjRtArray::Create() [/opt/libjax_common.so]
+   20 ( 0.65%)  ./string/memcmp-avx2-movbe.S:__memcmp_avx2_movbe [/usr/lib/libc.so.6]
 """
-    assert split_counts(listed) == (3_000, 1_500)
+    assert split_counts(listed) == (3_100, 1_600)
+    # Python's interpreter linked into the executable counts as Python; jaxlib's library
+    # wherever it lies counts as jaxlib; the C library outside its allocator, as the rest.
+    assert dict(zip(PARTS, part_counts(listed), strict=True)) == {
+        "the allocator": 1_500,
+        "Python": 1_280,
+        "jaxlib": 300,
+        "the rest": 20,
+    }
 
 
 @pytest.mark.parametrize(

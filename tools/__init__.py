@@ -11,7 +11,7 @@ jdp's tests, docs and release work use. Each runs from a checkout's root:
   gpu``'s JSON files;
 - ``python -m tools.host_instructions``: the host's instructions a call of jdp's step and
   of the hand-written one, counted under Valgrind (what ``jdp.bench step``'s host column
-  times, without the machine's noise);
+  times, without the machine's noise), and in which part of the process jdp's are more;
 - ``python -m tools.bundle DIR``: the wheels an offline GPU machine needs to run the
   GPU benchmark.
 

@@ -11,6 +11,12 @@ and compiles; then, for each arm in turn, it counts ``--calls`` calls and twice 
 the difference a call, free of what starting and stopping the count costs. The device's
 work runs on XLA:CPU's other threads and is not counted.
 
+It also says where jdp's call runs more instructions than the hand-written one's, by
+the part of the process each function's own instructions belong to (`PARTS`): the C
+library's allocator, Python (its interpreter and objects: jdp's Python and the
+program's arguments taken apart and put together), jaxlib (JAX's C++ and XLA's
+runtime) and the rest.
+
 All of a call's instructions repeat to about ±2% from process to process (the C
 library allocator's state differs); those outside the allocator, to about ±0.3%. Timed,
 the same ratio moved ±5% and more on the 2-core development machine. Needs Valgrind
@@ -35,6 +41,9 @@ WARM_CALLS = 20
 _PART = re.compile(r"\.(\d+)-01$")  # a dump's part, the main thread's file
 # A function's line in `callgrind_annotate`'s listing: its count, its share, its name.
 _FUNCTION = re.compile(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+(\S.*)$", re.M)
+_OBJECT = re.compile(r"\[([^\]]*)\]\s*$")  # the function's object file, ending its name
+# The parts of the process a function's own instructions are counted in (`part_of`).
+PARTS = ("the allocator", "Python", "jaxlib", "the rest")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"  {'case':<10}{'mesh':<8}{'arm':<12}{'instructions':>14}{'/ hand':>9}", end="")
     print(f"{'without the allocator':>24}{'/ hand':>9}")
+    more = {}
     for case in names(args.cases):
         for mesh in names(args.meshes):
             counts = measure(case, mesh, batch_size=args.batch_size, calls=args.calls)
@@ -73,7 +83,19 @@ def run(args: argparse.Namespace) -> int:
             for arm, count in counts.items():
                 print(f"  {case:<10}{mesh:<8}{arm:<12}{count[0]:>14,.0f}", end="")
                 print(f"{count[0] / hand[0]:>8.3f}x{count[1]:>24,.0f}{count[1] / hand[1]:>8.3f}x")
+            more[case, mesh] = [jdp - own for jdp, own in zip(counts["jdp"], hand, strict=True)]
+    _say_parts(more)
     return 0
+
+
+def _say_parts(more: dict[tuple[str, str], list[float]]) -> None:
+    """Each cell's instructions a call jdp's arm ran more than the hand-written one's, in
+    all and in each of `PARTS`."""
+    print("  jdp's call less the hand-written one's, by the part of the process counting them:")
+    print(f"  {'case':<10}{'mesh':<8}{'all':>9}" + "".join(f"{part:>15}" for part in PARTS))
+    for (case, mesh), counts in more.items():
+        print(f"  {case:<10}{mesh:<8}{counts[0]:>+9,.0f}", end="")
+        print("".join(f"{count:>+15,.0f}" for count in counts[2:]))
 
 
 def _refuse(line: str) -> int:
@@ -83,7 +105,7 @@ def _refuse(line: str) -> int:
 
 def measure(case: str, mesh: str, *, batch_size: int, calls: int) -> dict[str, tuple]:
     """``{arm: instructions a call}`` for one cell, ``jdp`` and the hand-written kind:
-    all of them, and those outside the allocator (`per_call`)."""
+    all of them, those outside the allocator and those of each of `PARTS` (`per_call`)."""
     devices = 1
     for axis in mesh.split(","):
         devices *= int(axis.split("=")[1])
@@ -101,10 +123,9 @@ def measure(case: str, mesh: str, *, batch_size: int, calls: int) -> dict[str, t
         return per_call(directory, arms, calls)
 
 
-def per_call(directory: str, arms: list[str], calls: int) -> dict[str, tuple[float, float]]:
+def per_call(directory: str, arms: list[str], calls: int) -> dict[str, tuple[float, ...]]:
     """Each arm's instructions a call, from its two dumps (``calls`` calls, then twice
-    as many): the second's count less the first's, over ``calls``; all of them, and
-    those outside the C library's allocator."""
+    as many): the second's counts (`_counts`) less the first's, over ``calls``."""
     counts = {}
     for path in pathlib.Path(directory).iterdir():
         if part := _PART.search(path.name):
@@ -119,16 +140,16 @@ def per_call(directory: str, arms: list[str], calls: int) -> dict[str, tuple[flo
     return counted
 
 
-def _counts(path: pathlib.Path) -> tuple[int, int]:
-    """A dump's instructions, all and outside ``malloc.c`` (the allocator's count moves
-    with its state from process to process)."""
+def _counts(path: pathlib.Path) -> tuple[int, ...]:
+    """A dump's instructions: all, those outside ``malloc.c`` (the allocator's count
+    moves with its state from process to process), then those of each of `PARTS`."""
     listed = subprocess.run(
         ["callgrind_annotate", "--inclusive=no", "--threshold=100", str(path)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    return split_counts(listed)
+    return (*split_counts(listed), *part_counts(listed))
 
 
 def split_counts(listed: str) -> tuple[int, int]:
@@ -140,6 +161,30 @@ def split_counts(listed: str) -> tuple[int, int]:
         total += int(count.replace(",", ""))
         allocator += int(count.replace(",", "")) if "malloc.c:" in where else 0
     return total, total - allocator
+
+
+def part_counts(listed: str) -> tuple[int, ...]:
+    """``callgrind_annotate``'s listing of functions as the instructions of each of
+    `PARTS`, in order."""
+    counts = dict.fromkeys(PARTS, 0)
+    for count, where in _FUNCTION.findall(listed):
+        if not where.startswith("PROGRAM TOTALS"):
+            counts[part_of(where)] += int(count.replace(",", ""))
+    return tuple(counts.values())
+
+
+def part_of(where: str) -> str:
+    """The part of `PARTS` whose instructions a function of the listing counts in, from
+    its file (the allocator's) and its object file (Python's, jaxlib's)."""
+    if "malloc.c:" in where or "arena.c:" in where:
+        return "the allocator"
+    found = _OBJECT.search(where)
+    obj = found.group(1) if found else ""
+    if "jaxlib" in obj or os.path.basename(obj).startswith(("libjax", "xla_extension")):
+        return "jaxlib"
+    if os.path.basename(obj).startswith(("libpython", "python")):
+        return "Python"
+    return "the rest"
 
 
 def _cell(case: str, mesh: str, *, batch_size: int, calls: int) -> int:
