@@ -159,7 +159,7 @@ def split_counts(listed: str) -> tuple[int, int]:
         if where.startswith("PROGRAM TOTALS"):
             continue
         total += int(count.replace(",", ""))
-        allocator += int(count.replace(",", "")) if "malloc.c:" in where else 0
+        allocator += int(count.replace(",", "")) if part_of(where) == PARTS[0] else 0
     return total, total - allocator
 
 
@@ -175,8 +175,8 @@ def part_counts(listed: str) -> tuple[int, ...]:
 
 def part_of(where: str) -> str:
     """The part of `PARTS` whose instructions a function of the listing counts in, from
-    its file (the allocator's) and its object file (Python's, jaxlib's)."""
-    if "malloc.c:" in where or "arena.c:" in where:
+    its file (the allocator's: ``malloc.c``) and its object file (Python's, jaxlib's)."""
+    if "malloc.c:" in where:
         return "the allocator"
     found = _OBJECT.search(where)
     obj = found.group(1) if found else ""
