@@ -620,7 +620,7 @@ Ir              file:function
    50 ( 1.61%)  ???:xla::ifrt::PjRtArray::Create() [/opt/libjax_common.so]
    20 ( 0.65%)  ./string/memcmp-avx2-movbe.S:__memcmp_avx2_movbe [/usr/lib/libc.so.6]
 """
-    assert split_counts(listed) == (3_100, 1_600)
+    assert split_counts(part_counts(listed)) == (3_100, 1_600)
     # Python's interpreter linked into the executable counts as Python; jaxlib's library
     # wherever it lies counts as jaxlib; the C library outside its allocator, as the rest.
     assert dict(zip(PARTS, part_counts(listed), strict=True)) == {

@@ -13,9 +13,9 @@ work runs on XLA:CPU's other threads and is not counted.
 
 It also says where jdp's call runs more instructions than the hand-written one's, by
 the part of the process each function's own instructions belong to (`PARTS`): the C
-library's allocator, Python (its interpreter and objects: jdp's Python and the
-program's arguments taken apart and put together), jaxlib (JAX's C++ and XLA's
-runtime) and the rest.
+library's allocator, Python (its interpreter and objects: jdp's Python and the tuples
+and dictionaries it builds and frees), jaxlib (JAX's C++, which flattens the arguments
+and calls the program, and XLA's runtime) and the rest.
 
 All of a call's instructions repeat to about ±2% from process to process (the C
 library allocator's state differs); those outside the allocator, to about ±0.3%. Timed,
@@ -149,18 +149,13 @@ def _counts(path: pathlib.Path) -> tuple[int, ...]:
         text=True,
         check=True,
     ).stdout
-    return (*split_counts(listed), *part_counts(listed))
+    parts = part_counts(listed)
+    return (*split_counts(parts), *parts)
 
 
-def split_counts(listed: str) -> tuple[int, int]:
-    """``callgrind_annotate``'s listing of functions as ``(all, outside malloc.c)``."""
-    total = allocator = 0
-    for count, where in _FUNCTION.findall(listed):
-        if where.startswith("PROGRAM TOTALS"):
-            continue
-        total += int(count.replace(",", ""))
-        allocator += int(count.replace(",", "")) if part_of(where) == PARTS[0] else 0
-    return total, total - allocator
+def split_counts(parts: tuple[int, ...]) -> tuple[int, int]:
+    """A listing's `part_counts` as ``(all, outside malloc.c)``."""
+    return sum(parts), sum(parts) - parts[PARTS.index("the allocator")]
 
 
 def part_counts(listed: str) -> tuple[int, ...]:
